@@ -1,0 +1,94 @@
+"""``swapkit`` command line: ``swapkit plan CONFIG`` and ``swapkit train CONFIG``.
+
+Exit status: 0 success, 1 runtime failure, 2 bad config or usage, 130 interrupted (Ctrl-C).
+Logs go to stderr on the ``swapkit`` logger in MindFormers' ``LEVEL - message`` form.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Sequence
+
+from swapkit.errors import ConfigError
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+logger = logging.getLogger("swapkit")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    _configure_logging(args.verbose)
+    try:
+        return args.run(args)
+    except ConfigError as err:
+        print(f"swapkit: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("swapkit: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="swapkit", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    plan = sub.add_parser("plan", help="print the normalized strategy and the per-layer plan")
+    plan.add_argument("config", help="YAML config file")
+    plan.add_argument("--json", action="store_true", help="print the plan as one JSON document on stdout")
+    plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                      help="override a config value, e.g. --set swap_config.swap=true (repeatable)")
+    plan.set_defaults(run=run_plan)
+
+    train = sub.add_parser("train", help="train the built-in model as the config says")
+    train.add_argument("config", help="YAML config file")
+    train.add_argument("--steps", type=int, help="override train.steps")
+    train.add_argument("--device", choices=("cpu", "cuda"), help="override train.device")
+    train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a config value, e.g. --set train.lr=1e-3 (repeatable)")
+    train.add_argument("--metrics-out", metavar="FILE", help="write per-step metrics and a summary as JSON")
+    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.set_defaults(run=run_train)
+    return parser
+
+
+def _configure_logging(verbose: bool) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s - %(message)s"))
+    logger.handlers[:] = [handler]
+    logger.setLevel(logging.DEBUG if verbose else logging.INFO)
+    logger.propagate = False
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from swapkit.binding import module_tree
+    from swapkit.loader import load_config
+    from swapkit.model import build_model
+    from swapkit.plan import build_plan
+    from swapkit.report import plan_report, table
+
+    config = load_config(args.config, args.overrides)
+    plan = build_plan(config)
+    for line in plan.log_lines():
+        logger.info(line)
+    model = build_model(config.model, device="meta")  # op paths of the built-in model, no memory
+    for level, message in plan_report(plan, [module_tree(layer) for layer in model.layers]):
+        logger.log(logging.getLevelName(level), message)
+    if args.json:
+        print(json.dumps(plan.to_json(), indent=2))
+    else:
+        print(table(plan))
+    return EXIT_OK
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from swapkit.train import train_from_args
+
+    return train_from_args(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""Typed configuration: one frozen dataclass per YAML section.
+
+The loader (:mod:`swapkit.loader`) is the only code that reads raw YAML; everything downstream
+takes these dataclasses. Count values of ``recompute_config`` stay in the shape the user wrote
+them (bool, list, grid, dict) because their meaning depends on the layout; they are validated and
+normalized by :mod:`swapkit.normalize`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Union
+
+#: Megatron ``recompute_modules`` mapped to op patterns of the built-in model (DESIGN §6).
+#: Models with other module names override it with ``recompute_config.module_scopes``.
+BUILTIN_MODULE_SCOPES: Mapping[str, tuple[str, ...]] = {
+    "core_attn": (r"attention\.flash_attention",),
+    "layernorm": (r".*_norm",),
+    "mlp": (r"feed_forward",),
+}
+
+#: The module names Megatron-Core accepts in ``recompute_modules``.
+MEGATRON_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """``model.model_config``: layer count and layout (MindFormers names) and built-in model sizes."""
+
+    num_layers: int
+    offset: Any = 0
+    pp_interleave_num: int = 1
+    hidden_size: int = 64
+    num_heads: int = 4
+    intermediate_size: int = 176
+    vocab_size: int = 256
+    seq_length: int = 64
+    rms_norm_eps: float = 1e-5
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    rope_theta: float = 10000.0
+    layers_path: str | None = None
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """``parallel_config``: only the pipeline layout matters in a single process."""
+
+    pipeline_stage: int = 1
+
+
+@dataclass(frozen=True)
+class MindFormersRecompute:
+    """``recompute_config`` in MindFormers keys; values as written, see :mod:`swapkit.normalize`."""
+
+    recompute: Any = False
+    select_recompute: Any = False
+    select_comm_recompute: Any = False
+    select_recompute_exclude: Any = False
+    select_comm_recompute_exclude: Any = False
+    use_reentrant: bool = False
+    dialect: str = field(default="mindformers", init=False)
+
+
+@dataclass(frozen=True)
+class MegatronRecompute:
+    """``recompute_config`` in the Megatron dialect (seeds 000 and 002)."""
+
+    recompute_granularity: str | None = None
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
+    recompute_modules: tuple[str, ...] | None = None
+    distribute_saved_activations: bool = False
+    module_scopes: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: dict(BUILTIN_MODULE_SCOPES))
+    use_reentrant: bool = False
+    dialect: str = field(default="megatron", init=False)
+
+
+RecomputeConfig = Union[MindFormersRecompute, MegatronRecompute]
+
+
+@dataclass(frozen=True)
+class SwapEntry:
+    """One ``layer_swap`` / ``op_swap`` item: ``layers`` is ``True``/``False`` or layer indices."""
+
+    backward_prefetch: int
+    layers: bool | tuple[int, ...]
+    op_names: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class SwapConfig:
+    """``swap_config`` (MindFormers keys). ``None`` lists mean "not given" (default strategy)."""
+
+    swap: bool = False
+    default_prefetch: int = 1
+    layer_swap: tuple[SwapEntry, ...] | None = None
+    op_swap: tuple[SwapEntry, ...] | None = None
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Thread-engine knobs that emulate a slower link: fixed latency and bandwidth per copy."""
+
+    latency_s: float = 0.0
+    bandwidth_gbps: float | None = None
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """``runtime``: swapkit's own knobs for the swap session."""
+
+    engine: str = "auto"
+    engine_options: EngineOptions = field(default_factory=EngineOptions)
+    min_offload_bytes: int = 1024
+    max_host_bytes: int | None = None
+    skip_tail_offload: bool = True
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """``train``: the ``swapkit train`` loop."""
+
+    steps: int = 20
+    batch_size: int = 4
+    gradient_accumulation_steps: int = 1
+    lr: float = 3e-3
+    weight_decay: float = 0.0
+    grad_clip: float | None = 1.0
+    dtype: str = "fp32"
+    device: str = "cpu"
+    seed: int = 0
+    save_dir: str | None = None
+    save_interval: int | None = None
+    resume: bool = False
+
+
+@dataclass(frozen=True)
+class Config:
+    """A validated swapkit config. Build it with :func:`swapkit.load_config`."""
+
+    model: ModelConfig
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    recompute: RecomputeConfig = field(default_factory=MindFormersRecompute)
+    swap: SwapConfig = field(default_factory=SwapConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    #: key paths that were accepted but have no effect in PyTorch eager (MindSpore-only keys)
+    no_effect: tuple[str, ...] = ()
+    source: str | None = None

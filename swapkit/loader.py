@@ -1,0 +1,221 @@
+"""Strict config loading: YAML file or dict -> :class:`swapkit.config.Config`.
+
+Every problem of a file is collected into one :class:`~swapkit.errors.ConfigError`: unknown keys
+(with a "did you mean"), wrong types, and the semantic problems that need the layout (list
+lengths, negative counts, layer indices out of range, ...), which :func:`swapkit.plan.check_plan`
+finds by building the plan once.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import yaml
+
+from swapkit import fields as F
+from swapkit import schema
+from swapkit.config import (
+    Config,
+    EngineOptions,
+    MegatronRecompute,
+    MindFormersRecompute,
+    ModelConfig,
+    ParallelConfig,
+    RuntimeConfig,
+    SwapConfig,
+    TrainConfig,
+)
+from swapkit.errors import ConfigError, Problem, Problems, join
+from swapkit.megatron import read_megatron
+from swapkit.swap_entries import read_swap_entries
+
+logger = logging.getLogger(__name__)
+
+
+def load_config(source: str | Path | Mapping[str, Any], overrides: Sequence[str] = ()) -> Config:
+    """Load and validate a swapkit config.
+
+    Args:
+        source: a YAML file path, or a dict in the YAML layout.
+        overrides: ``"dotted.key=value"`` strings applied before validation (values are YAML).
+
+    Returns:
+        The validated :class:`Config`.
+
+    Raises:
+        ConfigError: listing every problem, each with its key path, the bad value and the fix.
+
+    Example:
+        >>> cfg = load_config({"model": {"model_config": {"num_layers": 4}}})
+        >>> cfg.model.num_layers
+        4
+    """
+    name = str(source) if isinstance(source, (str, Path)) else None
+    raw = read_yaml(Path(source)) if name is not None else _copy(source)
+    problems = Problems()
+    raw = apply_overrides(raw, overrides, problems)
+    config = _read_config(raw, problems, name)
+    problems.raise_if_any(name)
+    for path in config.no_effect:
+        logger.warning("%s has no effect in PyTorch eager (MindSpore-only setting); accepted and ignored", path)
+    return config
+
+
+def read_yaml(path: Path) -> Any:
+    """Read a YAML file, turning every way it can fail into a ConfigError."""
+    if not path.exists():
+        raise ConfigError([Problem("", f"config file not found: {path}")])
+    if path.is_dir():
+        raise ConfigError([Problem("", f"{path} is a directory; expected a YAML file")])
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError([Problem("", f"cannot read {path}: {err}")]) from None
+    try:
+        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as err:
+        raise ConfigError([Problem("", _yaml_message(err))], str(path)) from None
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate keys instead of silently keeping the last one."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first given at line {seen[key]})", key_node.start_mark
+                )
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def _yaml_message(err: yaml.YAMLError) -> str:
+    mark = getattr(err, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+    problem = getattr(err, "problem", None) or str(err)
+    kind = "YAML error" if isinstance(err, yaml.constructor.ConstructorError) else "YAML syntax error"
+    return f"{kind}{where}: {problem}"
+
+
+def _copy(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _copy(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_copy(v) for v in value]
+    return value
+
+
+def apply_overrides(raw: Any, overrides: Sequence[str], problems: Problems) -> Any:
+    """Apply ``--set a.b=value`` strings to the raw dict (the value is parsed as YAML)."""
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        parts = key.strip().split(".")
+        if not sep or not all(parts):
+            problems.bad("--set", item, "dotted.key=value, for example train.steps=5")
+            continue
+        try:
+            value = yaml.safe_load(text) if text.strip() else None
+        except yaml.YAMLError as err:
+            problems.bad(f"--set {key}", text, "a YAML value", _yaml_message(err))
+            continue
+        raw = _set_path(raw if isinstance(raw, dict) else {}, parts, value, problems, item)
+    return raw
+
+
+def _set_path(raw: dict, parts: list[str], value: Any, problems: Problems, item: str) -> dict:
+    node = raw
+    for depth, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            problems.bad(f"--set {item}", child, f"{'.'.join(parts[:depth + 1])} to be a mapping")
+            return raw
+        node = child
+    node[parts[-1]] = value
+    return raw
+
+
+def _read_config(raw: Any, problems: Problems, name: str | None) -> Config:
+    if raw is None:
+        problems.add("", "the config is empty; expected a mapping with at least model.model_config.num_layers")
+        return None  # type: ignore[return-value]
+    notices: list[str] = []
+    top = F.read_section(raw, "", schema.TOP_KEYS, problems, schema.TOP_NO_EFFECT, notices)
+    if F.any_invalid(top) and not isinstance(raw, dict):
+        return None  # type: ignore[return-value]
+    model = _read_model(top["model"], problems, notices)
+    parallel = ParallelConfig(**F.read_section(
+        top["parallel_config"], "parallel_config", schema.PARALLEL_KEYS, problems, schema.PARALLEL_NO_EFFECT, notices))
+    recompute = _read_recompute(top["recompute_config"], problems, notices)
+    swap = _read_swap(top["swap_config"], problems, model)
+    config = Config(
+        model=model,
+        parallel=parallel,
+        recompute=recompute,
+        swap=swap,
+        runtime=_read_runtime(top["runtime"], problems),
+        train=TrainConfig(**F.read_section(top["train"], "train", schema.TRAIN_KEYS, problems)),
+        no_effect=tuple(notices),
+        source=name,
+    )
+    _read_context(top["context"], problems, notices)
+    from swapkit.plan import check_plan  # the plan needs the whole config
+
+    check_plan(config, problems)
+    return config
+
+
+def _read_model(raw: Any, problems: Problems, notices: list[str]) -> ModelConfig:
+    section = F.read_section(raw, "model", schema.MODEL_KEYS, problems, schema.MODEL_NO_EFFECT, notices)
+    if section["model_config"] is F.INVALID:
+        return ModelConfig(num_layers=F.INVALID)
+    values = F.read_section(section["model_config"], "model.model_config", schema.MODEL_CONFIG_KEYS, problems,
+                            schema.MODEL_CONFIG_NO_EFFECT, notices)
+    hidden, heads = values["hidden_size"], values["num_heads"]
+    if F.INVALID not in (hidden, heads) and (hidden % heads or (hidden // heads) % 2):
+        problems.bad("model.model_config.hidden_size", hidden,
+                     f"a multiple of num_heads ({heads}) with an even head size (rotary embeddings)")
+    return ModelConfig(**values)
+
+
+def _read_recompute(raw: Any, problems: Problems, notices: list[str]):
+    values = F.read_section(raw, "recompute_config", schema.RECOMPUTE_KEYS, problems,
+                            schema.RECOMPUTE_NO_EFFECT, notices)
+    given = set(raw) if isinstance(raw, dict) else set()
+    mindformers = sorted(given & schema.MINDFORMERS_RECOMPUTE_KEYS)
+    megatron = sorted(given & schema.MEGATRON_RECOMPUTE_KEYS)
+    if mindformers and megatron:
+        problems.add("recompute_config", f"mixes the MindFormers keys ({', '.join(mindformers)}) with the "
+                     f"Megatron keys ({', '.join(megatron)}); use one dialect per file")
+        return MindFormersRecompute()
+    if megatron:
+        return read_megatron(values, given, "recompute_config", problems, notices)
+    return MindFormersRecompute(**{k: values[k] for k in (*schema.MINDFORMERS_RECOMPUTE_KEYS, "use_reentrant")})
+
+
+def _read_swap(raw: Any, problems: Problems, model: ModelConfig) -> SwapConfig:
+    values = F.read_section(raw, "swap_config", schema.SWAP_KEYS, problems)
+    num_layers = model.num_layers if F.is_int(model.num_layers) else None
+    for key, with_op in (("layer_swap", False), ("op_swap", True)):
+        values[key] = read_swap_entries(values[key], join("swap_config", key), problems, with_op, num_layers)
+    return SwapConfig(**values)
+
+
+def _read_runtime(raw: Any, problems: Problems) -> RuntimeConfig:
+    values = F.read_section(raw, "runtime", schema.RUNTIME_KEYS, problems)
+    options = values["engine_options"]
+    if options is not F.INVALID:
+        values["engine_options"] = EngineOptions(
+            **F.read_section(options, "runtime.engine_options", schema.ENGINE_OPTION_KEYS, problems))
+    return RuntimeConfig(**values)
+
+
+def _read_context(raw: Any, problems: Problems, notices: list[str]) -> None:
+    if raw is not None:
+        F.read_section(raw, "context", {}, problems, schema.CONTEXT_NO_EFFECT, notices)

@@ -1,0 +1,164 @@
+"""The Megatron recompute dialect (seeds 000 and 002): validation and per-layer translation.
+
+Rules follow Megatron-Core's ``TransformerConfig`` checks: ``selective`` takes no
+``recompute_method`` / ``recompute_num_layers`` and a non-empty module list; ``full`` needs both a
+method and a layer count; ``recompute_activations: true`` means selective;
+``distribute_saved_activations`` only goes with full granularity.
+
+Note [Megatron units are per model chunk]
+Megatron checkpoints inside each ``TransformerBlock``, and with virtual pipeline stages every
+interleave chunk of a stage is its own block. So ``block`` N recomputes the first N layers of each
+chunk (each stage when ``pp_interleave_num`` is 1) and ``uniform`` N groups never span two chunks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from swapkit import fields as F
+from swapkit.config import BUILTIN_MODULE_SCOPES, MEGATRON_MODULES, MegatronRecompute
+from swapkit.errors import Problems, join
+from swapkit.layout import Layout
+
+GRANULARITY_FIX = "set recompute_granularity: full (with recompute_method and recompute_num_layers) or selective"
+
+
+def read_megatron(values: dict, given: set[str], path: str, problems: Problems, notices: list[str]) -> MegatronRecompute:
+    """Check the Megatron keys together (their rules depend on each other)."""
+    granularity = values["recompute_granularity"]
+    if values["recompute_activations"] is True:
+        if granularity == "full":
+            problems.add(join(path, "recompute_activations"), "true means selective recompute, which contradicts "
+                         "recompute_granularity: full; remove one of them")
+        granularity = "selective"
+    scopes = _module_scopes(values["module_scopes"], join(path, "module_scopes"), problems)
+    modules = values["recompute_modules"]
+    if granularity is None:
+        for key in ("recompute_method", "recompute_num_layers", "recompute_modules", "distribute_saved_activations"):
+            if key in given:
+                problems.add(join(path, key), f"has no meaning without recompute_granularity; {GRANULARITY_FIX}")
+    elif granularity == "selective":
+        modules = _check_selective(values, given, modules or ("core_attn",), scopes, path, problems)
+    else:
+        _check_full(values, given, path, problems)
+    distribute = values["distribute_saved_activations"]
+    if distribute is True and granularity != "full" and granularity is not None:
+        problems.bad(join(path, "distribute_saved_activations"), True,
+                     "false unless recompute_granularity is full (Megatron rule)")
+    elif distribute is True:
+        notices.append(join(path, "distribute_saved_activations"))  # needs tensor parallelism
+    return MegatronRecompute(
+        recompute_granularity=granularity,
+        recompute_method=values["recompute_method"],
+        recompute_num_layers=values["recompute_num_layers"],
+        recompute_modules=modules if granularity == "selective" else None,
+        distribute_saved_activations=bool(distribute),
+        module_scopes=scopes if scopes is not F.INVALID else dict(BUILTIN_MODULE_SCOPES),
+        use_reentrant=values["use_reentrant"],
+    )
+
+
+def _check_selective(values: dict, given: set[str], modules: Any, scopes: Any, path: str, problems: Problems) -> Any:
+    if "recompute_method" in given and values["recompute_method"] is not None:
+        problems.add(join(path, "recompute_method"), "is not supported with recompute_granularity: selective "
+                     "(Megatron rule); remove it, or use recompute_granularity: full")
+    if values["recompute_num_layers"] is not None:
+        problems.add(join(path, "recompute_num_layers"), "selective recompute takes no recompute_num_layers "
+                     "(Megatron rule); remove it")
+    if modules is F.INVALID:
+        return modules
+    unknown = [m for m in modules if m not in MEGATRON_MODULES]
+    if unknown:
+        problems.bad(join(path, "recompute_modules"), list(modules), "Megatron module names",
+                     f"unknown {unknown}; valid modules: {', '.join(MEGATRON_MODULES)}")
+    elif scopes is not F.INVALID:
+        unmapped = [m for m in modules if m not in scopes]
+        for m in unmapped:
+            problems.add(join(path, "recompute_modules"), f"module {m!r} has no op scope in this model; add "
+                         f"recompute_config.module_scopes.{m}: '<op pattern>' (mapped: {', '.join(scopes)})")
+    return modules
+
+
+def _check_full(values: dict, given: set[str], path: str, problems: Problems) -> None:
+    if values["recompute_method"] is None:
+        problems.add(join(path, "recompute_method"), "is required with recompute_granularity: full; "
+                     "use uniform or block")
+    if values["recompute_num_layers"] is None:
+        problems.add(join(path, "recompute_num_layers"), "is required with recompute_granularity: full; "
+                     "give the layers per checkpoint unit (uniform) or per stage (block)")
+    if "recompute_modules" in given:
+        problems.add(join(path, "recompute_modules"), "applies only to recompute_granularity: selective; remove it")
+
+
+def _module_scopes(value: Any, path: str, problems: Problems) -> Any:
+    scopes = dict(BUILTIN_MODULE_SCOPES)
+    if value is None or value is F.INVALID:
+        return scopes if value is None else value
+    for name, patterns in value.items():
+        key_path = join(path, name)
+        if name not in MEGATRON_MODULES:
+            problems.bad(key_path, name, f"a Megatron module name ({', '.join(MEGATRON_MODULES)})")
+            continue
+        names = F.string_list(patterns, key_path, problems)
+        if names is not F.INVALID and F.INVALID not in [F.pattern(p, key_path, problems) for p in names]:
+            scopes[name] = names
+    return scopes
+
+
+@dataclass(frozen=True)
+class MegatronLayer:
+    """What the Megatron settings decide for one layer."""
+
+    full: bool
+    unit: tuple[int, int] | None
+    select: tuple[str, ...]
+
+
+def megatron_layers(rc: MegatronRecompute, layout: Layout) -> list[MegatronLayer]:
+    """Per-layer decisions; see Note [Megatron units are per model chunk]."""
+    layers = [MegatronLayer(False, None, _select_patterns(rc))] * layout.num_layers
+    if rc.recompute_granularity != "full":
+        return layers
+    n = rc.recompute_num_layers
+    for chunk in range(layout.pp_interleave_num):
+        for stage in range(layout.pipeline_stage):
+            members = layout.chunk_layers(chunk, stage)
+            if rc.recompute_method == "block":
+                for i in members[:n]:
+                    layers[i] = MegatronLayer(True, (i, i), ())
+            else:
+                for start in members[::n]:
+                    last = min(start + n, members.stop) - 1
+                    for i in range(start, last + 1):
+                        layers[i] = MegatronLayer(True, (start, last), ())
+    return layers
+
+
+def _select_patterns(rc: MegatronRecompute) -> tuple[str, ...]:
+    if rc.recompute_granularity != "selective":
+        return ()
+    found: list[str] = []
+    for module in rc.recompute_modules or ():
+        found += [p for p in rc.module_scopes[module] if p not in found]
+    return tuple(found)
+
+
+def megatron_formative(rc: MegatronRecompute, layout: Layout, layers: list[MegatronLayer]) -> dict[str, Any]:
+    """The MindFormers-shaped view of a Megatron strategy (per-chunk counts, select patterns)."""
+    grid = [[0] * layout.pipeline_stage for _ in range(layout.pp_interleave_num)]
+    for i, layer in enumerate(layers):
+        grid[layout.interleave_ids[i]][layout.pp_ids[i]] += int(layer.full)
+    select = {p: layout.layer_list for p in _select_patterns(rc)}
+    return {"layer_recompute": tuple(tuple(row) for row in grid), "select_recompute": select,
+            "select_comm_recompute": {}, "select_recompute_exclude": {}, "select_comm_recompute_exclude": {}}
+
+
+def describe(rc: MegatronRecompute) -> str:
+    parts = [f"granularity={rc.recompute_granularity}"]
+    if rc.recompute_granularity == "full":
+        parts += [f"method={rc.recompute_method}", f"num_layers={rc.recompute_num_layers}"]
+    if rc.recompute_granularity == "selective":
+        parts.append(f"modules={list(rc.recompute_modules or ())}")
+    return "Megatron recompute: " + ", ".join(parts)
+
+

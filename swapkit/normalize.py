@@ -1,0 +1,257 @@
+"""MindFormers normalization: user-written recompute/swap values -> the "formative" strategy.
+
+Count values (DESIGN §3) become ``[V][P]`` grids where a count ``n`` in chunk ``(v, s)`` selects
+the first ``n`` layers of that chunk. With ``swap_config.swap: true`` the recompute keys are
+stage-agnostic instead: ``True`` or lists of global layer indices. Pure: no torch, no model.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from swapkit import fields as F
+from swapkit import patterns
+from swapkit.config import MindFormersRecompute, SwapConfig, SwapEntry
+from swapkit.errors import Problems, join
+from swapkit.layout import Grid, Layout, as_lists
+from swapkit.swap_entries import layer_indices
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SELECT = (r"feed_forward\.mul", r"feed_forward\.w1\.activation\.silu")
+DEFAULT_COMM = (r".*\.norm",)
+DEFAULT_SWAP_OP = r".*\.flash_attention"
+SWAP_MODE_FIX = "with swap_config.swap: true, recompute settings take true/false or global layer indices like [0, 3]"
+
+#: A normalized count value: a [V][P] grid, or (swap mode) True / a tuple of global layer indices.
+Spec = Any
+
+
+@dataclass(frozen=True)
+class SwapRule:
+    """One normalized swap item: prefetch distance and ``True`` (all layers) or layer indices."""
+
+    backward_prefetch: int
+    layers: bool | tuple[int, ...]
+
+    def covers(self, layer: int) -> bool:
+        return self.layers is True or (not isinstance(self.layers, bool) and layer in self.layers)
+
+    def as_dict(self) -> dict:
+        layers = self.layers if self.layers is True else list(self.layers or ())
+        return {"backward_prefetch": self.backward_prefetch, "layers": layers}
+
+
+@dataclass(frozen=True)
+class Formative:
+    """The normalized strategy, as MindFormers logs it ("Formative ...")."""
+
+    layer_recompute: Spec
+    select_recompute: Mapping[str, Spec]
+    select_comm_recompute: Mapping[str, Spec]
+    select_recompute_exclude: Mapping[str, Spec]
+    select_comm_recompute_exclude: Mapping[str, Spec]
+    layer_swap: tuple[SwapRule, ...]
+    op_swap: Mapping[str, tuple[SwapRule, ...]]
+
+    def to_json(self) -> dict:
+        return {
+            "layer_recompute": _plain(self.layer_recompute),
+            "select_recompute": _plain(self.select_recompute),
+            "select_comm_recompute": _plain(self.select_comm_recompute),
+            "select_recompute_exclude": _plain(self.select_recompute_exclude),
+            "select_comm_recompute_exclude": _plain(self.select_comm_recompute_exclude),
+            "layer_swap": [rule.as_dict() for rule in self.layer_swap],
+            "op_swap": {op: [rule.as_dict() for rule in rules] for op, rules in self.op_swap.items()},
+        }
+
+    def log_lines(self, swap_on: bool) -> list[str]:
+        data = self.to_json()
+        lines = [f"Formative layer_recompute: {data['layer_recompute']}"]
+        lines += [f"Formative {key}: {data[key]}" for key in (
+            "select_recompute", "select_comm_recompute", "select_recompute_exclude", "select_comm_recompute_exclude")]
+        if swap_on:
+            lines += [f"Formative layer swap: {data['layer_swap']}", f"Formative op swap: {data['op_swap']}"]
+        return lines
+
+
+def _plain(value: Any) -> Any:
+    """Grids and index tuples as lists, so logs and JSON read like MindFormers' ``tolist()``."""
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+# ---------------------------------------------------------------- count values (stage mode)
+
+def normalize_counts(value: Any, layout: Layout, path: str, problems: Problems) -> Grid | None:
+    """One count value -> ``[V][P]`` grid of "first n layers of the chunk" counts."""
+    if isinstance(value, bool):
+        return layout.layer_list if value else layout.zeros()
+    if isinstance(value, (list, tuple)):
+        if value and all(isinstance(v, str) for v in value):
+            return layout.layer_list  # a list of op names as a count means "all layers"
+        if all(F.is_int(v) or isinstance(v, bool) for v in value):
+            return _deal_per_stage(value, layout, path, problems)
+        if all(isinstance(v, (list, tuple, bool)) for v in value):
+            return _per_chunk(value, layout, path, problems)
+    problems.bad(path, value, f"true/false, a list of per-stage counts (at most {layout.pipeline_stage}) or a "
+                 f"[{layout.pp_interleave_num}][{layout.pipeline_stage}] grid of per-chunk counts")
+    return None
+
+
+def _deal_per_stage(value: Any, layout: Layout, path: str, problems: Problems) -> Grid | None:
+    stages, chunks = layout.pipeline_stage, layout.pp_interleave_num
+    if len(value) > stages:
+        problems.bad(path, value, f"at most pipeline_stage ({stages}) per-stage counts",
+                     f"it has {len(value)}; use one count per stage")
+        return None
+    if _negative(value, path, problems):
+        return None
+    totals = layout.stage_totals()
+    grid = [list(row) for row in layout.zeros()]
+    for stage, count in enumerate(value):
+        remaining = totals[stage] if count is True else 0 if count is False else min(count, totals[stage])
+        while remaining:  # one layer at a time, round-robin over chunks, skipping full ones
+            for chunk in range(chunks):
+                if remaining and grid[chunk][stage] < layout.layer_list[chunk][stage]:
+                    grid[chunk][stage] += 1
+                    remaining -= 1
+    return tuple(tuple(row) for row in grid)
+
+
+def _per_chunk(value: Any, layout: Layout, path: str, problems: Problems) -> Grid | None:
+    stages, chunks = layout.pipeline_stage, layout.pp_interleave_num
+    shape_ok = len(value) == chunks and all(
+        isinstance(row, bool) or (len(row) == stages and all(F.is_int(c) or isinstance(c, bool) for c in row))
+        for row in value
+    )
+    if not shape_ok:
+        problems.bad(path, value, f"a [{chunks}][{stages}] grid (pp_interleave_num rows of pipeline_stage "
+                     "counts, each count an integer or true/false)")
+        return None
+    if any(_negative(row, join(path, v), problems) for v, row in enumerate(value) if not isinstance(row, bool)):
+        return None
+    grid = []
+    for row, sizes in zip(value, layout.layer_list):
+        cells = [row] * stages if isinstance(row, bool) else row
+        grid.append(tuple(size if c is True else 0 if c is False else min(c, size) for c, size in zip(cells, sizes)))
+    return tuple(grid)
+
+
+def _negative(values: Any, path: str, problems: Problems) -> bool:
+    bad = [v for v in values if F.is_int(v) and v < 0]
+    if bad:
+        problems.bad(path, list(values), "counts >= 0", f"negative counts {bad} are not allowed "
+                     "(MindFormers would loop forever on them)")
+    return bool(bad)
+
+
+# ---------------------------------------------------------------- swap mode (global indices)
+
+def normalize_indices(value: Any, num_layers: int, path: str, problems: Problems) -> Spec | None:
+    """Swap mode: ``True`` stays ``True``, ``False`` -> ``()``, a list -> tuple of layer indices."""
+    if value is False:
+        return ()
+    result = layer_indices(value, path, problems, num_layers, SWAP_MODE_FIX)
+    return None if result is F.INVALID else result
+
+
+# ---------------------------------------------------------------- pattern dicts
+
+def normalize_select(
+    value: Any, defaults: tuple[str, ...], to_spec: Callable[[Any, str], Spec | None], path: str, problems: Problems
+) -> dict[str, Spec] | None:
+    """``select_*`` value -> ordered ``{pattern: spec}``.
+
+    A dict maps each key; a list of strings names patterns that apply to all layers; anything
+    else applies the same counts to each default pattern.
+    """
+    if isinstance(value, dict):
+        items = [(key, v, join(path, key)) for key, v in value.items()]
+    elif isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        items = [(key, True, join(path, index)) for index, key in enumerate(value)]
+    else:
+        spec = to_spec(value, path)
+        return None if spec is None else {key: spec for key in defaults}
+    result, ok = {}, True
+    for key, raw, key_path in items:
+        spec = to_spec(raw, key_path)
+        if F.pattern(key, key_path, problems) is F.INVALID or spec is None:
+            ok = False
+        result[key] = spec
+    return result if ok else None
+
+
+def exclude(select: dict[str, Spec], excludes: Mapping[str, Spec], name: str) -> dict[str, Spec]:
+    """Remove select patterns that an exclude pattern names (same scope, either-way fullmatch)."""
+    kept = dict(select)
+    for key in excludes:
+        for pattern in [p for p in kept if patterns.same_scope(key, p)]:
+            del kept[pattern]
+            logger.info("The pattern %s in %s conflicts with %s_exclude and will be removed.", pattern, name, name)
+    return kept
+
+
+def normalize_recompute(
+    recompute: MindFormersRecompute, layout: Layout, swap_mode: bool, problems: Problems
+) -> dict[str, Any] | None:
+    """All five MindFormers recompute keys, normalized; ``None`` if any is invalid."""
+    def counts(value: Any, path: str) -> Spec | None:
+        return normalize_counts(value, layout, path, problems)
+
+    def indices(value: Any, path: str) -> Spec | None:
+        return normalize_indices(value, layout.num_layers, path, problems)
+
+    spec = indices if swap_mode else counts
+    base = "recompute_config"
+    out = {"layer_recompute": spec(recompute.recompute, join(base, "recompute"))}
+    for key, defaults, to_spec in (
+        ("select_recompute", DEFAULT_SELECT, spec), ("select_comm_recompute", DEFAULT_COMM, spec),
+        ("select_recompute_exclude", (), counts), ("select_comm_recompute_exclude", (), counts),
+    ):
+        out[key] = normalize_select(getattr(recompute, key), defaults, to_spec, join(base, key), problems)
+    if any(v is None for v in out.values()):
+        return None
+    out["select_recompute"] = exclude(out["select_recompute"], out["select_recompute_exclude"], "select_recompute")
+    out["select_comm_recompute"] = exclude(
+        out["select_comm_recompute"], out["select_comm_recompute_exclude"], "select_comm_recompute")
+    return out
+
+
+# ---------------------------------------------------------------- swap_config
+
+def normalize_swap(swap: SwapConfig, problems: Problems) -> tuple[tuple[SwapRule, ...], dict] | None:
+    """``swap_config`` -> (layer swap rules, op pattern -> rules). Validated even when swap is off."""
+    if swap.layer_swap is None and swap.op_swap is None:
+        return (), {DEFAULT_SWAP_OP: (SwapRule(swap.default_prefetch, True),)}
+    layer_rules = _collapse(list(enumerate(swap.layer_swap or ())), "swap_config.layer_swap", problems)
+    grouped: dict[str, list[tuple[int, SwapEntry]]] = {}
+    for index, entry in enumerate(swap.op_swap or ()):
+        for name in entry.op_names:
+            grouped.setdefault(name, []).append((index, entry))
+    op_rules = {name: _collapse(items, "swap_config.op_swap", problems) for name, items in grouped.items()}
+    if layer_rules is None or any(rules is None for rules in op_rules.values()):
+        return None
+    return layer_rules, op_rules
+
+
+def _collapse(items: list[tuple[int, SwapEntry]], path: str, problems: Problems) -> tuple[SwapRule, ...] | None:
+    """Entries with ``layers: true`` collapse into one rule; their prefetch values must agree."""
+    rules = tuple(SwapRule(e.backward_prefetch, e.layers if e.layers is True else tuple(e.layers or ()))
+                  for _, e in items)
+    if not any(rule.layers is True for rule in rules):
+        return rules
+    first = rules[0].backward_prefetch
+    for (index, _), rule in zip(items, rules):
+        if rule.backward_prefetch != first:
+            problems.bad(join(join(path, index), "backward_prefetch"), rule.backward_prefetch,
+                         f"{first} like the other entries, because an entry with layers: true collapses them "
+                         "into one", "use one backward_prefetch value, or list layer indices instead of true")
+            return None
+    return (SwapRule(first, True),)
+
+

@@ -1,0 +1,172 @@
+"""The Plan: per-layer decisions (full / select / comm recompute, layer and op swaps).
+
+Precedence: full recompute beats select; excludes were applied during normalization; recompute
+beats swap, and every swap that a recompute decision makes pointless is listed in
+``overridden``. Pure Python: no torch and no model needed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from swapkit import patterns
+from swapkit.config import Config, MegatronRecompute, RuntimeConfig
+from swapkit.errors import Problems
+from swapkit.fields import INVALID
+from swapkit.layout import Layout, build_layout
+from swapkit.megatron import describe, megatron_formative, megatron_layers
+from swapkit.normalize import Formative, normalize_recompute, normalize_swap
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """Everything the config asks for on one layer."""
+
+    layer: int
+    stage: int
+    chunk: int
+    full: bool = False
+    unit: tuple[int, int] | None = None  # layers checkpointed together with this one (first, last)
+    select: tuple[str, ...] = ()
+    comm: tuple[str, ...] = ()
+    layer_swap: int | None = None
+    op_swap: tuple[tuple[str, int], ...] = ()
+    overridden: tuple[str, ...] = ()
+
+    @property
+    def recomputed_patterns(self) -> tuple[str, ...]:
+        return self.select + tuple(p for p in self.comm if p not in self.select)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "layer": self.layer, "stage": self.stage, "chunk": self.chunk, "full": self.full,
+            "unit": list(self.unit) if self.unit else None,
+            "select": list(self.select), "comm": list(self.comm), "layer_swap": self.layer_swap,
+            "op_swap": [[pattern, prefetch] for pattern, prefetch in self.op_swap],
+            "overridden": list(self.overridden),
+        }
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The resolved strategy for every layer, plus what the runtime needs to apply it."""
+
+    layout: Layout
+    formative: Formative
+    layers: tuple[LayerPlan, ...]
+    dialect: str
+    swap: bool
+    use_reentrant: bool
+    runtime: RuntimeConfig
+    layers_path: str | None = None
+    summary: str | None = None  # one line describing a Megatron strategy
+
+    def log_lines(self) -> list[str]:
+        """Layout and "Formative ..." lines exactly as MindFormers logs them."""
+        lines = self.layout.log_lines() + self.formative.log_lines(self.swap)
+        return lines + ([self.summary] if self.summary else [])
+
+    def to_json(self) -> dict[str, Any]:
+        layout = self.layout
+        return {
+            "dialect": self.dialect,
+            "swap": self.swap,
+            "layout": {
+                "num_layers": layout.num_layers, "pipeline_stage": layout.pipeline_stage,
+                "pp_interleave_num": layout.pp_interleave_num,
+                "layer_list": [list(r) for r in layout.layer_list], "layer_accu": [list(r) for r in layout.layer_accu],
+                "pp_ids": list(layout.pp_ids), "interleave_ids": list(layout.interleave_ids),
+            },
+            "formative": self.formative.to_json(),
+            "layers": [layer.to_json() for layer in self.layers],
+        }
+
+
+def build_plan(config: Config) -> Plan:
+    """Resolve a config into per-layer decisions.
+
+    Raises:
+        ConfigError: if the config is inconsistent (a hand-built ``Config`` is checked here too).
+
+    Example:
+        >>> from swapkit import load_config
+        >>> plan = build_plan(load_config({"model": {"model_config": {"num_layers": 2}},
+        ...                                "recompute_config": {"recompute": True}}))
+        >>> [layer.full for layer in plan.layers]
+        [True, True]
+    """
+    problems = Problems()
+    plan = check_plan(config, problems)
+    problems.raise_if_any(config.source)
+    return plan
+
+
+def check_plan(config: Config, problems: Problems) -> Plan | None:
+    """Build the plan, recording every semantic problem in ``problems`` (``None`` if there are any)."""
+    model, rc = config.model, config.recompute
+    layout = build_layout(model.num_layers, config.parallel.pipeline_stage, model.pp_interleave_num,
+                          model.offset, problems) if valid(model, config.parallel) else None
+    swaps = normalize_swap(config.swap, problems) if valid(config.swap) else None
+    if layout is None or not valid(rc) or config.swap.swap is INVALID:
+        return None
+    if isinstance(rc, MegatronRecompute):
+        decisions = megatron_layers(rc, layout)
+        recompute: dict | None = megatron_formative(rc, layout, decisions)
+    else:
+        recompute = normalize_recompute(rc, layout, config.swap.swap, problems)
+    if recompute is None or swaps is None:
+        return None
+    layer_rules, op_rules = swaps if config.swap.swap else ((), {})
+    formative = Formative(**recompute, layer_swap=layer_rules, op_swap=op_rules)
+    layers = tuple(
+        _layer_plan(i, layout, formative, decisions[i] if isinstance(rc, MegatronRecompute) else None,
+                    config.swap.swap)
+        for i in range(layout.num_layers)
+    )
+    return Plan(layout, formative, layers, rc.dialect, config.swap.swap, rc.use_reentrant, config.runtime,
+                model.layers_path, describe(rc) if isinstance(rc, MegatronRecompute) else None)
+
+
+def valid(*sections: Any) -> bool:
+    """No field of these (partly read) config sections failed its check."""
+    return not any(value is INVALID for section in sections for value in vars(section).values())
+
+
+def _layer_plan(i: int, layout: Layout, formative: Formative, megatron: Any, swap_mode: bool) -> LayerPlan:
+    if megatron is not None:
+        full, unit, select, comm = megatron.full, megatron.unit, megatron.select, ()
+    else:
+        def chosen(spec: Any) -> bool:
+            return _selects(spec, i, layout, swap_mode)
+
+        full = chosen(formative.layer_recompute)
+        unit = (i, i) if full else None
+        select = () if full else tuple(p for p, spec in formative.select_recompute.items() if chosen(spec))
+        comm = () if full else tuple(p for p, spec in formative.select_comm_recompute.items() if chosen(spec))
+    layer_swap = next((r.backward_prefetch for r in formative.layer_swap if r.covers(i)), None)
+    op_swap = tuple(
+        (pattern, rule.backward_prefetch)
+        for pattern, rules in formative.op_swap.items()
+        for rule in [next((r for r in rules if r.covers(i)), None)] if rule is not None
+    )
+    overridden = _overridden(full, select + comm, layer_swap, op_swap)
+    return LayerPlan(i, layout.pp_ids[i], layout.interleave_ids[i], full, unit, select, comm, layer_swap, op_swap,
+                     overridden)
+
+
+def _selects(spec: Any, layer: int, layout: Layout, swap_mode: bool) -> bool:
+    """Does a normalized spec pick ``layer``? Grids count from the start of each chunk."""
+    if swap_mode:
+        return spec is True or (not isinstance(spec, bool) and layer in spec)
+    chunk, stage = layout.interleave_ids[layer], layout.pp_ids[layer]
+    return layout.positions[layer] < spec[chunk][stage]
+
+
+def _overridden(full: bool, recomputed: tuple[str, ...], layer_swap: int | None,
+                op_swap: tuple[tuple[str, int], ...]) -> tuple[str, ...]:
+    """Swaps that cannot act because recompute owns the tensors (DESIGN §4 "Recompute wins")."""
+    if full:
+        return (("layer",) if layer_swap is not None else ()) + tuple(p for p, _ in op_swap)
+    return tuple(p for p, _ in op_swap if any(patterns.covers(r, p) for r in recomputed))
+
+

@@ -1,0 +1,118 @@
+"""Per-layer log lines, with the op paths a plan resolves to in a concrete module tree.
+
+Pure: a layer is described by its tree of child names (``{"attention": {"wq": {...}}, ...}``),
+so ``swapkit plan`` (against the built-in model) and ``swapkit.apply`` (against the user's model)
+print the same lines.
+
+Note [MindFormers op_swap log paths]
+MindFormers builds the logged name while walking the pattern: a one-component pattern logs as
+``.attention`` (leading dot), a longer one as ``attention.flash_attention`` (the walk strips the
+dot of nested matches). Seed 001 shows both forms; we print them the same way, with single
+spaces (MindFormers' own line has a doubled space for nested matches).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from swapkit import patterns
+from swapkit.plan import LayerPlan, Plan
+
+
+@dataclass
+class LayerScopes:
+    """The concrete scopes (dotted paths inside the layer) that a layer's plan names."""
+
+    select: list[str] = field(default_factory=list)
+    comm: list[str] = field(default_factory=list)
+    op_swap: list[tuple[str, str, int]] = field(default_factory=list)  # (pattern, path, prefetch)
+    overridden: list[tuple[str, str]] = field(default_factory=list)  # (what, why)
+
+
+def resolve_layer(layer: LayerPlan, tree: dict) -> LayerScopes:
+    """Resolve a layer plan's patterns against the layer's tree of child names."""
+    scopes = LayerScopes()
+    scopes.select = _paths(tree, layer.select)
+    scopes.comm = [p for p in _paths(tree, layer.comm) if p not in scopes.select]
+    scopes.op_swap = [(pattern, path, prefetch) for pattern, prefetch in layer.op_swap
+                      for path in patterns.resolve(tree, pattern)]
+    recomputed = scopes.select + scopes.comm
+    if layer.full and layer.layer_swap is not None:
+        scopes.overridden.append(("layer swap", "the layer is fully recomputed"))
+    for pattern, path, _ in scopes.op_swap:
+        owner = "the layer is fully recomputed" if layer.full else next(
+            (f"{r} is recomputed" for r in recomputed if path == r or path.startswith(r + ".")), None)
+        if owner:
+            scopes.overridden.append((f"op swap {path}", owner))
+    return scopes
+
+
+def _paths(tree: dict, pattern_list: tuple[str, ...]) -> list[str]:
+    found: list[str] = []
+    for pattern in pattern_list:
+        found += [p for p in patterns.resolve(tree, pattern) if p not in found]
+    return found
+
+
+def layer_lines(plan: Plan, layer: LayerPlan, scopes: LayerScopes) -> list[tuple[str, str]]:
+    """``(level, message)`` pairs for one layer, MindFormers wording."""
+    i, lines = layer.layer, []
+    on = "" if plan.swap else " on"
+    if layer.full:
+        unit = layer.unit or (i, i)
+        group = f" (checkpoint unit: layers {unit[0]}-{unit[1]})" if unit[0] != unit[1] else ""
+        lines.append(("INFO", f"Set full recompute at layer {i}{group}"))
+    if scopes.select:
+        lines.append(("INFO", f"Set select recompute{on} at layer {i}: {', '.join(scopes.select)}"))
+    if scopes.comm:
+        lines.append(("INFO", f"Set select comm recompute{on} at layer {i}: {', '.join(scopes.comm)}"))
+    if layer.layer_swap is not None:
+        lines.append(("INFO", f"Set layer swap at layer {i} and value is: {layer.layer_swap}"))
+    if scopes.op_swap:
+        items = [f"{'.' if len(patterns.split(pattern)) == 1 else ''}{path}, value={prefetch}"
+                 for pattern, path, prefetch in scopes.op_swap]  # Note [MindFormers op_swap log paths]
+        lines.append(("INFO", f"Set op_swap at layer {i}: {', '.join(items)}"))
+    for what, why in scopes.overridden:
+        lines.append(("WARNING", f"{what} at layer {i} has no effect: {why} (recompute wins over swap)"))
+    return lines
+
+
+def unmatched(plan: Plan, trees: list[dict]) -> list[str]:
+    """One warning per (setting, pattern) that matches no sub-module in a layer it applies to."""
+    missing: dict[tuple[str, str], list[int]] = {}
+    for layer, tree in zip(plan.layers, trees):
+        for kind, pattern_list in (("select_recompute", layer.select), ("select_comm_recompute", layer.comm),
+                                   ("op_swap", tuple(p for p, _ in layer.op_swap))):
+            for pattern in pattern_list:
+                if not patterns.resolve(tree, pattern):
+                    missing.setdefault((kind, pattern), []).append(layer.layer)
+    return [f"{kind} pattern {pattern!r} matches no sub-module in layer(s) {layers}; it has no effect there"
+            for (kind, pattern), layers in missing.items()]
+
+
+def plan_report(plan: Plan, trees: list[dict]) -> list[tuple[str, str]]:
+    """Every per-layer line, then the unmatched-pattern warnings."""
+    lines: list[tuple[str, str]] = []
+    for layer, tree in zip(plan.layers, trees):
+        lines += layer_lines(plan, layer, resolve_layer(layer, tree))
+    return lines + [("WARNING", message) for message in unmatched(plan, trees)]
+
+
+def table(plan: Plan) -> str:
+    """A readable per-layer table for ``swapkit plan``."""
+    header = ("layer", "stage", "chunk", "full", "select", "comm", "swaps", "overridden")
+    rows = [header]
+    for layer in plan.layers:
+        swaps = ([f"layer:{layer.layer_swap}"] if layer.layer_swap is not None else []) + [
+            f"{patterns.display(p)}:{k}" for p, k in layer.op_swap]
+        full = "yes" if layer.full else "-"
+        if layer.full and layer.unit and layer.unit[0] != layer.unit[1]:
+            full = f"yes [{layer.unit[0]}-{layer.unit[1]}]"
+        rows.append((str(layer.layer), str(layer.stage), str(layer.chunk), full,
+                     _cell(layer.select), _cell(layer.comm), ", ".join(swaps) or "-",
+                     ", ".join(patterns.display(p) if p != "layer" else p for p in layer.overridden) or "-"))
+    widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
+
+
+def _cell(pattern_list: tuple[str, ...]) -> str:
+    return ", ".join(patterns.display(p) for p in pattern_list) or "-"

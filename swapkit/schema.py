@@ -1,0 +1,149 @@
+"""The keys each config section accepts, with their checks and defaults.
+
+``*_NO_EFFECT`` tables list MindSpore / MindFormers keys that a MindFormers file may carry: they
+are type-checked, accepted, and reported once as having no effect in PyTorch eager, so a
+MindFormers YAML loads unchanged.
+"""
+from __future__ import annotations
+
+from swapkit import fields as F
+from swapkit.fields import Key
+
+anything, boolean, mapping, string = F.anything, F.boolean, F.mapping, F.string
+integer, number, choice, optional = F.integer, F.number, F.choice, F.optional
+
+TOP_KEYS = {
+    "model": Key(anything, required=True),
+    "parallel_config": Key(anything),
+    "recompute_config": Key(anything),
+    "swap_config": Key(anything),
+    "runtime": Key(anything),
+    "train": Key(anything),
+    "context": Key(anything),
+}
+
+# Top-level sections of a MindFormers run YAML that belong to its trainer, not to memory.
+TOP_NO_EFFECT = {
+    "seed": integer(0), "output_dir": string, "run_mode": string, "use_parallel": boolean,
+    "load_checkpoint": anything, "src_strategy_path_or_dir": anything, "auto_trans_ckpt": boolean,
+    "only_save_strategy": boolean, "resume_training": anything, "trainer": mapping,
+    "runner_config": mapping, "runner_wrapper": mapping, "optimizer": mapping, "lr_schedule": mapping,
+    "train_dataset": mapping, "train_dataset_task": mapping, "eval_dataset": mapping,
+    "eval_dataset_task": mapping, "callbacks": anything, "processor": mapping, "moe_config": mapping,
+    "parallel": mapping, "profile": boolean, "profile_start_step": integer(0), "profile_stop_step": integer(0),
+    "init_start_profile": boolean, "layer_scale": boolean, "layer_decay": number(0), "lr_scale": boolean,
+    "lr_scale_factor": integer(1), "micro_batch_interleave_num": integer(1), "do_eval": boolean,
+    "eval_step_interval": integer(-1), "eval_epoch_interval": integer(-1), "metric": anything,
+}
+
+MODEL_KEYS = {"model_config": Key(mapping, required=True)}
+MODEL_NO_EFFECT = {"arch": mapping}
+
+MODEL_CONFIG_KEYS = {
+    "num_layers": Key(integer(1), required=True),
+    "offset": Key(anything, 0),
+    "pp_interleave_num": Key(integer(1), 1),
+    "hidden_size": Key(integer(2), 64),
+    "num_heads": Key(integer(1), 4),
+    "intermediate_size": Key(integer(1), 176),
+    "vocab_size": Key(integer(2), 256),
+    "seq_length": Key(integer(2), 64),
+    "rms_norm_eps": Key(number(positive=True), 1e-5),
+    "hidden_dropout": Key(number(0, below=1), 0.0),
+    "attention_dropout": Key(number(0, below=1), 0.0),
+    "rope_theta": Key(number(positive=True), 10000.0),
+    "layers_path": Key(optional(string), None),
+}
+
+# MindFormers LlamaConfig keys that the built-in model does not use.
+MODEL_CONFIG_NO_EFFECT = {
+    "type": string, "batch_size": integer(1), "compute_dtype": string, "layernorm_compute_type": string,
+    "softmax_compute_type": string, "rotary_dtype": string, "param_init_type": string,
+    "embedding_init_type": string, "use_flash_attention": boolean, "use_past": boolean,
+    "use_past_shard": boolean, "n_kv_heads": optional(integer(1)), "multiple_of": integer(1),
+    "ffn_dim_multiplier": optional(number(positive=True)), "theta": number(positive=True),
+    "scaling_factor": number(positive=True), "extend_method": string, "qkv_concat": boolean,
+    "fine_grain_interleave": integer(1), "checkpoint_name_or_path": optional(anything),
+    "bos_token_id": integer(), "eos_token_id": integer(), "pad_token_id": integer(),
+    "ignore_token_id": integer(), "repetition_penalty": number(0), "max_decode_length": integer(1),
+    "top_k": integer(0), "top_p": number(0), "do_sample": boolean, "is_dynamic": boolean,
+    "use_rope_slice": boolean, "fused_rms_norm": boolean, "block_size": integer(1),
+    "num_blocks": integer(1), "qkv_has_bias": boolean, "user_pretrained": anything,
+}
+
+PARALLEL_KEYS = {"pipeline_stage": Key(integer(1), 1)}
+PARALLEL_NO_EFFECT = {
+    "data_parallel": integer(1), "model_parallel": integer(1), "context_parallel": integer(1),
+    "expert_parallel": integer(1), "micro_batch_num": integer(1), "vocab_emb_dp": boolean,
+    "use_seq_parallel": boolean, "gradient_aggregation_group": integer(1), "optimizer_shard": boolean,
+    "micro_batch_interleave_num": integer(1),
+}
+
+MINDFORMERS_RECOMPUTE_KEYS = frozenset({
+    "recompute", "select_recompute", "select_comm_recompute",
+    "select_recompute_exclude", "select_comm_recompute_exclude",
+})
+MEGATRON_RECOMPUTE_KEYS = frozenset({
+    "recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules",
+    "recompute_activations", "distribute_saved_activations", "module_scopes",
+})
+RECOMPUTE_KEYS = {
+    **{key: Key(anything, False) for key in sorted(MINDFORMERS_RECOMPUTE_KEYS)},
+    "recompute_granularity": Key(optional(choice("full", "selective")), None),
+    "recompute_method": Key(optional(choice("uniform", "block")), None),
+    "recompute_num_layers": Key(optional(integer(1)), None),
+    "recompute_modules": Key(optional(F.string_list), None),
+    "recompute_activations": Key(boolean, False),
+    "distribute_saved_activations": Key(boolean, False),
+    "module_scopes": Key(mapping, None),
+    "use_reentrant": Key(boolean, False),
+}
+RECOMPUTE_NO_EFFECT = {
+    "parallel_optimizer_comm_recompute": boolean,
+    "mp_comm_recompute": boolean,
+    "recompute_slice_activation": boolean,
+}
+
+SWAP_KEYS = {
+    "swap": Key(boolean, False),
+    "default_prefetch": Key(integer(1), 1),
+    "layer_swap": Key(anything, None),
+    "op_swap": Key(anything, None),
+}
+
+RUNTIME_KEYS = {
+    "engine": Key(choice("auto", "cuda", "thread"), "auto"),
+    "engine_options": Key(mapping, None),
+    "min_offload_bytes": Key(integer(0), 1024),
+    "max_host_bytes": Key(optional(integer(1)), None),
+    "skip_tail_offload": Key(boolean, True),
+}
+ENGINE_OPTION_KEYS = {
+    "latency_s": Key(number(0), 0.0),
+    "bandwidth_gbps": Key(optional(number(positive=True)), None),
+}
+
+TRAIN_KEYS = {
+    "steps": Key(integer(1), 20),
+    "batch_size": Key(integer(1), 4),
+    "gradient_accumulation_steps": Key(integer(1), 1),
+    "lr": Key(number(positive=True), 3e-3),
+    "weight_decay": Key(number(0), 0.0),
+    "grad_clip": Key(optional(number(positive=True)), 1.0),
+    "dtype": Key(choice("fp32", "bf16", aliases={"float32": "fp32", "bfloat16": "bf16"}), "fp32"),
+    "device": Key(choice("cpu", "cuda"), "cpu"),
+    "seed": Key(integer(0), 0),
+    "save_dir": Key(optional(string), None),
+    "save_interval": Key(optional(integer(1)), None),
+    "resume": Key(boolean, False),
+}
+
+# MindSpore `context` settings: none of them has a PyTorch eager equivalent.
+CONTEXT_NO_EFFECT = {
+    "memory_optimize_level": choice("O0", "O1"), "mode": anything, "device_target": string,
+    "device_id": integer(0), "max_device_memory": string, "save_graphs": anything,
+    "save_graphs_path": string, "max_call_depth": integer(1), "enable_graph_kernel": boolean,
+    "runtime_num_threads": integer(1), "jit_config": mapping, "ascend_config": mapping,
+    "mempool_block_size": string, "affinity_cpu_list": anything, "deterministic": string,
+    "graph_kernel_flags": string, "jit_level": string, "infer_boost": string,
+}
