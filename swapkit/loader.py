@@ -58,7 +58,7 @@ def load_config(source: str | Path | Mapping[str, Any], overrides: Sequence[str]
     config = _read_config(raw, problems, name)
     problems.raise_if_any(name)
     for path in config.no_effect:
-        logger.warning("%s has no effect in PyTorch eager (MindSpore-only setting); accepted and ignored", path)
+        logger.warning("%s has no effect in PyTorch eager; accepted and ignored", path)
     return config
 
 

@@ -24,13 +24,18 @@ GRANULARITY_FIX = "set recompute_granularity: full (with recompute_method and re
 
 
 def read_megatron(values: dict, given: set[str], path: str, problems: Problems, notices: list[str]) -> MegatronRecompute:
-    """Check the Megatron keys together (their rules depend on each other)."""
+    """Check the Megatron keys together (their rules depend on each other).
+
+    Any problem found here marks the result invalid, so the plan is not built from it.
+    """
+    before = len(problems)
     granularity = values["recompute_granularity"]
     if values["recompute_activations"] is True:
-        if granularity == "full":
+        if granularity == "full":  # keep full, so that only the contradiction is reported
             problems.add(join(path, "recompute_activations"), "true means selective recompute, which contradicts "
                          "recompute_granularity: full; remove one of them")
-        granularity = "selective"
+        elif granularity is not F.INVALID:
+            granularity = "selective"
     scopes = _module_scopes(values["module_scopes"], join(path, "module_scopes"), problems)
     modules = values["recompute_modules"]
     if granularity is None:
@@ -39,16 +44,16 @@ def read_megatron(values: dict, given: set[str], path: str, problems: Problems, 
                 problems.add(join(path, key), f"has no meaning without recompute_granularity; {GRANULARITY_FIX}")
     elif granularity == "selective":
         modules = _check_selective(values, given, modules or ("core_attn",), scopes, path, problems)
-    else:
+    elif granularity == "full":
         _check_full(values, given, path, problems)
     distribute = values["distribute_saved_activations"]
-    if distribute is True and granularity != "full" and granularity is not None:
+    if distribute is True and granularity == "selective":
         problems.bad(join(path, "distribute_saved_activations"), True,
                      "false unless recompute_granularity is full (Megatron rule)")
-    elif distribute is True:
+    elif distribute is True and granularity == "full":
         notices.append(join(path, "distribute_saved_activations"))  # needs tensor parallelism
     return MegatronRecompute(
-        recompute_granularity=granularity,
+        recompute_granularity=granularity if len(problems) == before else F.INVALID,
         recompute_method=values["recompute_method"],
         recompute_num_layers=values["recompute_num_layers"],
         recompute_modules=modules if granularity == "selective" else None,

@@ -1,0 +1,71 @@
+"""``swapkit.apply``: bind a plan to a model, install recompute wrappers and the swap session."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Mapping
+
+from torch import nn
+
+from swapkit.binding import bind, module_tree
+from swapkit.config import Config
+from swapkit.loader import load_config
+from swapkit.plan import Plan, build_plan
+from swapkit.recompute import Recompute
+from swapkit.report import layer_lines, unmatched
+from swapkit.scope import ScopeTracker
+from swapkit.session import SwapSession
+
+logger = logging.getLogger(__name__)
+
+
+def apply(model: nn.Module, config: Config | Plan | Mapping[str, Any] | str | Path,
+          layers: str | None = None) -> SwapSession:
+    """Apply the config's recompute and swap strategy to ``model``.
+
+    Args:
+        model: the model; its layer container must hold ``num_layers`` layers.
+        config: a :class:`Config`, a :class:`Plan`, a dict in the YAML layout, or a YAML path.
+        layers: dotted path of the layer container (``"layers"``, ``"model.layers"``,
+            ``"transformer.h"``); ``None`` uses ``model_config.layers_path`` or auto-detects.
+
+    Returns:
+        A :class:`SwapSession`; use ``with session:`` around the forward (backward inside or
+        after the block), read ``session.stats``, and call ``session.remove()`` to undo.
+
+    Raises:
+        ConfigError: the config is invalid.
+        BindError: the model does not fit the plan.
+
+    Example:
+        >>> session = swapkit.apply(model, {"model": {"model_config": {"num_layers": 2}},
+        ...                                 "swap_config": {"swap": True}})  # doctest: +SKIP
+        >>> with session:  # doctest: +SKIP
+        ...     model(tokens).sum().backward()
+    """
+    plan = as_plan(config)
+    binding = bind(model, plan, layers)
+    _log(plan, binding)
+    recompute = Recompute(binding, plan.use_reentrant)
+    recompute.apply()
+    tracker = ScopeTracker()
+    tracker.install(binding)
+    return SwapSession(model, binding, plan, tracker, recompute)
+
+
+def as_plan(config: Config | Plan | Mapping[str, Any] | str | Path) -> Plan:
+    if isinstance(config, Plan):
+        return config
+    if not isinstance(config, Config):
+        config = load_config(config)
+    return build_plan(config)
+
+
+def _log(plan: Plan, binding: Any) -> None:
+    for line in plan.log_lines():
+        logger.info(line)
+    for layer in binding.layers:
+        for level, message in layer_lines(plan, layer.plan, layer.scopes):
+            logger.log(logging.getLevelName(level), message)
+    for message in unmatched(plan, [module_tree(layer.module) for layer in binding.layers]):
+        logger.warning(message)

@@ -1,0 +1,32 @@
+"""Copy engines: CUDA (side stream, events, pinned pool) and a CPU thread engine."""
+from __future__ import annotations
+
+import torch
+
+from swapkit.config import RuntimeConfig
+from swapkit.engine.base import CopyEngine
+from swapkit.engine.pool import HostPool
+from swapkit.engine.thread import ThreadCopyEngine
+
+
+def make_engine(runtime: RuntimeConfig, device: torch.device) -> CopyEngine:
+    """``runtime.engine``: ``auto`` picks cuda for a model on a CUDA device, thread otherwise.
+
+    Raises:
+        ValueError: ``engine: cuda`` for a model that is not on a CUDA device.
+    """
+    kind = runtime.engine
+    if kind == "auto":
+        kind = "cuda" if device.type == "cuda" else "thread"
+    if kind == "cuda":
+        if device.type != "cuda":
+            raise ValueError(f"runtime.engine is 'cuda' but the model is on {device}; move the model to a CUDA "
+                             "device or set runtime.engine: thread (or auto)")
+        from swapkit.engine.cuda import CudaCopyEngine
+
+        return CudaCopyEngine(device)
+    options = runtime.engine_options
+    return ThreadCopyEngine(device, options.latency_s, options.bandwidth_gbps)
+
+
+__all__ = ["CopyEngine", "HostPool", "ThreadCopyEngine", "make_engine"]

@@ -1,0 +1,58 @@
+"""The copy-engine protocol: what the swap session needs from a device<->host copier.
+
+The session owns the schedule; an engine only copies bytes and tells when a copy is done. Two
+implementations: :class:`~swapkit.engine.cuda.CudaCopyEngine` (side stream, events, pinned
+memory) and :class:`~swapkit.engine.thread.ThreadCopyEngine` (a worker thread with injectable
+latency and bandwidth, so every scheduling path runs in CPU-only CI).
+"""
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+
+class Timing(Protocol):
+    """How long compute waited for a copy; may be resolved lazily (CUDA events)."""
+
+    def seconds(self) -> float: ...
+
+
+class Waited:
+    """A timing measured on the host."""
+
+    __slots__ = ("_seconds",)
+
+    def __init__(self, seconds: float) -> None:
+        self._seconds = seconds
+
+    def seconds(self) -> float:
+        return self._seconds
+
+
+class CopyEngine(Protocol):
+    """Asynchronous device<->host copies of flat ``uint8`` buffers."""
+
+    name: str
+    device: torch.device
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        """Allocate a host buffer for the pool (pinned on CUDA)."""
+
+    def offload(self, src: torch.Tensor, dst: torch.Tensor) -> Any:
+        """Start copying device bytes ``src`` into host buffer ``dst``; returns a copy handle."""
+
+    def prefetch(self, src: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """Allocate a device buffer and start copying host bytes ``src`` into it."""
+
+    def ready(self, copy: Any) -> bool:
+        """Has the copy finished? Never blocks."""
+
+    def wait(self, copy: Any) -> Timing:
+        """Make the current compute stream (or thread) wait for the copy before using its data."""
+
+    def synchronize(self) -> None:
+        """Block until every queued copy has finished."""
+
+    def close(self) -> None:
+        """Finish queued copies and release the engine's resources."""

@@ -1,0 +1,115 @@
+"""CUDA copy engine: a side stream, events per copy, pinned host buffers.
+
+Note [D2H waits for the producer]
+A saved activation may still be being written by kernels queued on the compute stream when the
+pack hook runs (the CPU runs ahead of the GPU). The side stream therefore waits on the compute
+stream before the device-to-host copy, so the copy reads finished data.
+
+Note [H2D target reuse]
+The device buffer a prefetch fills is allocated on the compute stream, as DESIGN §5 asks: it then
+behaves like any compute-stream tensor once the compute stream has waited on the copy's event.
+The caching allocator may hand out a block whose previous owner's last kernels are still queued
+on the compute stream; the side stream waits on the compute stream before writing, so it can
+never overwrite memory such a kernel still reads.
+
+Note [Copy sources and targets outlive their copies]
+The engine keeps every copy's source (D2H) or target (H2D) in ``_inflight`` until the copy's
+event has completed. Without it, a storage record that dies early (its graph freed mid-forward,
+or a branch whose backward never runs) could return memory to the allocator while the side
+stream still reads or writes it. This replaces ``record_stream``, which would delay the reuse of
+*every* freed block until all later side-stream work finished.
+
+Note [Compute stream is read at use]
+``torch.cuda.current_stream()`` is read on every call, never cached: backward runs on the
+autograd device thread with the stream of each forward op set as current, and users may run
+forward under their own stream.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+
+class CudaTiming:
+    """Time the compute stream spent waiting, measured by two timing events around the wait."""
+
+    __slots__ = ("_start", "_end")
+
+    def __init__(self, start: torch.cuda.Event, end: torch.cuda.Event) -> None:
+        self._start, self._end = start, end
+
+    def seconds(self) -> float:
+        self._end.synchronize()
+        return self._start.elapsed_time(self._end) / 1000.0
+
+
+class NoTiming:
+    __slots__ = ()
+
+    def seconds(self) -> float:
+        return 0.0
+
+
+class CudaCopyEngine:
+    """Device<->host copies on one side stream of ``device``."""
+
+    name = "cuda"
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.stream = torch.cuda.Stream(device=self.device)
+        self._inflight: deque[tuple[torch.cuda.Event, torch.Tensor]] = deque()
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def offload(self, src: torch.Tensor, dst: torch.Tensor) -> torch.cuda.Event:
+        self._prune()
+        self.stream.wait_stream(self._compute())  # Note [D2H waits for the producer]
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        self._inflight.append((done, src))  # Note [Copy sources and targets outlive their copies]
+        return done
+
+    def prefetch(self, src: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
+        self._prune()
+        compute = self._compute()
+        dst = torch.empty(src.numel(), dtype=torch.uint8, device=self.device)  # on the compute stream
+        self.stream.wait_stream(compute)  # Note [H2D target reuse]
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        self._inflight.append((done, dst))
+        return dst, done
+
+    def ready(self, copy: torch.cuda.Event) -> bool:
+        return copy.query()
+
+    def wait(self, copy: torch.cuda.Event, timed: bool = False) -> CudaTiming | NoTiming:
+        compute = self._compute()
+        if not timed:
+            compute.wait_event(copy)
+            return NoTiming()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(compute)
+        compute.wait_event(copy)
+        end.record(compute)
+        return CudaTiming(start, end)
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+        self._inflight.clear()
+
+    def close(self) -> None:
+        self.synchronize()
+
+    def _compute(self) -> torch.cuda.Stream:
+        return torch.cuda.current_stream(self.device)  # Note [Compute stream is read at use]
+
+    def _prune(self) -> None:
+        while self._inflight and self._inflight[0][0].query():  # one stream: completes in order
+            self._inflight.popleft()

@@ -1,0 +1,99 @@
+"""CPU copy engine: one worker thread copies into pooled host buffers.
+
+It stands in for the CUDA engine in CPU-only runs: futures play the role of CUDA events, and
+``latency_s`` / ``bandwidth_gbps`` make each copy take as long as it would over a slower link,
+which widens race windows in tests and emulates a PCIe-to-compute ratio in benchmarks. On CPU the
+"device" and the host share RAM; the memory the session reports is its own accounting.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from typing import Callable
+
+import torch
+
+from swapkit.engine.base import Waited
+
+
+class ThreadCopyEngine:
+    """Copies run in FIFO order on one daemon thread.
+
+    Args:
+        device: the compute device (``cpu``).
+        latency_s: fixed delay added to every copy.
+        bandwidth_gbps: link bandwidth in gigabytes per second (``None``: as fast as memcpy).
+    """
+
+    name = "thread"
+
+    def __init__(self, device: torch.device | str = "cpu", latency_s: float = 0.0,
+                 bandwidth_gbps: float | None = None) -> None:
+        self.device = torch.device(device)
+        self.latency_s = latency_s
+        self.bandwidth_gbps = bandwidth_gbps
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._worker: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def offload(self, src: torch.Tensor, dst: torch.Tensor) -> Future:
+        return self._submit(lambda: self._copy(dst, src))
+
+    def prefetch(self, src: torch.Tensor) -> tuple[torch.Tensor, Future]:
+        dst = torch.empty(src.numel(), dtype=torch.uint8, device=self.device)
+        return dst, self._submit(lambda: self._copy(dst, src))
+
+    def ready(self, copy: Future) -> bool:
+        return copy.done()
+
+    def wait(self, copy: Future, timed: bool = False) -> Waited:
+        start = time.perf_counter()
+        copy.result()
+        return Waited(time.perf_counter() - start)
+
+    def synchronize(self) -> None:
+        if self._worker is not None:
+            self._submit(lambda: None).result()
+
+    def close(self) -> None:
+        with self._start_lock:
+            worker, self._worker = self._worker, None
+        if worker is not None:
+            self._jobs.put(None)
+            worker.join()
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        delay = self.latency_s + (src.numel() / (self.bandwidth_gbps * 1e9) if self.bandwidth_gbps else 0.0)
+        if delay:
+            time.sleep(delay)  # the bytes arrive only after the link would have delivered them
+        dst.copy_(src)
+
+    def _submit(self, job: Callable[[], None]) -> Future:
+        self._ensure_worker()
+        future: Future = Future()
+        self._jobs.put((job, future))
+        return future
+
+    def _ensure_worker(self) -> None:
+        with self._start_lock:
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._run, name="swapkit-copy", daemon=True)
+                self._worker.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._jobs.get()
+            if item is None:
+                return
+            job, future = item
+            try:
+                job()
+            except BaseException as err:  # noqa: BLE001 - handed to the waiting unpack
+                future.set_exception(err)
+            else:
+                future.set_result(None)

@@ -1,0 +1,139 @@
+"""Activation checkpointing from the plan: full layers, Megatron uniform units, selected ops.
+
+Wrapping replaces the instance's ``forward`` with one that calls ``torch.utils.checkpoint``; no
+module is inserted, so ``state_dict`` keys never change and :meth:`Recompute.remove` restores the
+model exactly. Recompute happens only in training mode with grad enabled.
+
+Note [Outermost scope wins]
+A layer that is fully recomputed gets no op-level wrappers. Among selected op scopes, a scope
+nested inside (or equal to) another selected scope is dropped: its tensors are already recomputed
+by the outer region, and checkpointing twice would only recompute twice. The choice depends only
+on the paths, so it is deterministic.
+
+Note [Uniform units]
+Megatron's ``uniform`` method checkpoints N consecutive layers as one unit: only the unit's input
+is saved. The first layer of the unit runs all N layers' forwards inside one checkpoint and the
+other layers become pass-throughs that check they received the unit's output. This needs the
+usual decoder loop, ``h = layer(h, *args)`` with the same extra arguments and nothing in
+between; anything else raises instead of computing the wrong thing.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from swapkit.binding import Binding, BoundLayer
+
+
+class Recompute:
+    """Applies and removes the recompute wrappers of a binding."""
+
+    def __init__(self, binding: Binding, use_reentrant: bool = False) -> None:
+        self.binding = binding
+        self.use_reentrant = use_reentrant
+        self._restore: list[tuple[nn.Module, Any]] = []
+        self.wrapped: list[str] = []  # "layer 2: feed_forward", "layers 0-1" ... in apply order
+
+    def apply(self) -> None:
+        for layer in self.binding.layers:
+            plan = layer.plan
+            if plan.full:
+                first, last = plan.unit or (layer.index, layer.index)
+                if first == last:
+                    self._wrap(layer.module, f"layer {layer.index}")
+                elif layer.index == first:
+                    self._wrap_unit(self.binding.layers[first:last + 1])
+                continue
+            for path in outermost(layer.scopes.select + layer.scopes.comm):  # Note [Outermost scope wins]
+                self._wrap(layer.submodule(path), f"layer {layer.index}: {path}")
+
+    def remove(self) -> None:
+        for module, previous in reversed(self._restore):
+            if previous is None:
+                del module.forward  # back to the class's forward
+            else:
+                module.forward = previous
+        self._restore.clear()
+        self.wrapped.clear()
+
+    def _replace_forward(self, module: nn.Module, forward: Callable[..., Any], label: str) -> None:
+        self._restore.append((module, module.__dict__.get("forward")))
+        module.forward = forward
+        self.wrapped.append(label)
+
+    def _wrap(self, module: nn.Module, label: str) -> None:
+        original = module.forward
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if not (module.training and torch.is_grad_enabled()):
+                return original(*args, **kwargs)
+            return self._checkpoint(original, args, kwargs, label)
+
+        self._replace_forward(module, forward, label)
+
+    def _wrap_unit(self, layers: list[BoundLayer]) -> None:
+        """Note [Uniform units]"""
+        first, last = layers[0].index, layers[-1].index
+        label = f"layers {first}-{last}"
+        originals = [layer.module.forward for layer in layers]
+        head = layers[0].module
+        state: dict[str, Any] = {"output": None}
+
+        def run_unit(h: Any, *args: Any, **kwargs: Any) -> Any:
+            for forward in originals:
+                h = forward(h, *args, **kwargs)
+            return h
+
+        def head_forward(h: Any, *args: Any, **kwargs: Any) -> Any:
+            state["output"] = None
+            if not (head.training and torch.is_grad_enabled()):
+                return originals[0](h, *args, **kwargs)
+            state["output"] = self._checkpoint(run_unit, (h, *args), kwargs, label)
+            return state["output"]
+
+        self._replace_forward(head, head_forward, label)
+        for position, layer in enumerate(layers[1:], start=1):
+            self._replace_forward(layer.module, self._pass_through(state, originals[position], layer.index, label),
+                                  f"{label} (pass-through {layer.index})")
+
+    @staticmethod
+    def _pass_through(state: dict[str, Any], original: Callable[..., Any], index: int, label: str) -> Callable:
+        def forward(h: Any, *args: Any, **kwargs: Any) -> Any:
+            if state["output"] is None:  # eval / no-grad: the head ran only itself
+                return original(h, *args, **kwargs)
+            if h is not state["output"]:
+                raise RuntimeError(f"swapkit: uniform recompute unit {label}: layer {index} was called with a "
+                                   "tensor other than the previous layer's output; uniform units need the layers "
+                                   "called back to back as h = layer(h, ...) (see Note [Uniform units])")
+            return h
+
+        return forward
+
+    def _checkpoint(self, function: Callable[..., Any], args: tuple, kwargs: dict, label: str) -> Any:
+        if self.use_reentrant:
+            _check_reentrant(args, kwargs, label)
+        return checkpoint(function, *args, use_reentrant=self.use_reentrant, preserve_rng_state=True, **kwargs)
+
+
+def _check_reentrant(args: tuple, kwargs: dict, label: str) -> None:
+    """Reentrant checkpointing's limits (seed 003), checked before they bite."""
+    fix = "or set recompute_config.use_reentrant: false"
+    if kwargs:
+        raise ValueError(f"swapkit: recompute of {label} with use_reentrant=True cannot pass keyword arguments "
+                         f"({', '.join(kwargs)}); call the module with positional arguments {fix}")
+    if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+        raise ValueError(f"swapkit: recompute of {label} with use_reentrant=True needs a tensor input that "
+                         f"requires grad, otherwise the region's parameters get no gradient; {fix}")
+
+
+def outermost(paths: list[str]) -> list[str]:
+    """Drop paths equal to or nested inside another path of the list (Note [Outermost scope wins])."""
+    kept: list[str] = []
+    for path in paths:
+        if path in kept or any(path.startswith(other + ".") for other in paths if other != path):
+            continue
+        kept.append(path)
+    return kept

@@ -1,0 +1,155 @@
+"""What the pack hook hands to autograd: a :class:`Saved` handle per saved tensor, and one
+storage record per distinct storage (:class:`KeptRecord` or :class:`SwapRecord`).
+
+Note [One move per storage]
+Several saved tensors can share a storage (views; Q/K/V reading one input; ``weight.t()``).
+Records are keyed by storage, so the bytes move once whatever the number of saves; every handle
+keeps its own ``(dtype, size, stride, storage_offset)`` and unpack rebuilds exactly that view on
+the restored storage. The whole storage is copied, so a small view of a large storage moves the
+large storage.
+
+Note [Version keepers]
+With saved-tensor hooks installed autograd no longer checks that a saved tensor was not modified
+in place. Each handle keeps the version the tensor had when saved and a *keeper*: the tensor
+itself for kept records, or ``tensor.detach()`` for swapped ones, which shares the version
+counter. When a swapped storage is released, its keepers are emptied with ``set_()`` under
+``_unsafe_preserve_version_counter``: they stop holding device memory but keep counting in-place
+writes, so unpack can still raise instead of returning stale data.
+
+Note [Record lifetime]
+Records live exactly as long as the autograd graph holds their handles (plus, briefly, the
+schedule queues). When the last handle dies the record's ``__del__`` returns its host buffer to
+the pool and takes its bytes off the device accounting: nothing is stashed across steps.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from swapkit.scope import Frame
+    from swapkit.step import Step
+
+
+class Saved:
+    """The object autograd stores instead of a saved tensor."""
+
+    __slots__ = ("keeper", "version", "step", "tick", "record", "meta", "frame")
+
+    def __init__(self, keeper: torch.Tensor, version: int, step: Step | None, tick: int,
+                 record: Any, meta: tuple | None, frame: Frame | None) -> None:
+        self.keeper = keeper  # Note [Version keepers]
+        self.version = version
+        self.step = step
+        self.tick = tick
+        self.record = record
+        self.meta = meta  # (dtype, size, stride, storage_offset) of a swapped view
+        self.frame = frame
+
+
+class KeptRecord:
+    """A storage that stays on the device; exists for storage de-duplication and accounting."""
+
+    __slots__ = ("step", "nbytes", "version", "__weakref__")
+    swapped = False
+
+    def __init__(self, step: Step, nbytes: int, version: int) -> None:
+        self.step, self.nbytes, self.version = step, nbytes, version
+
+    def __del__(self) -> None:  # Note [Record lifetime]
+        self.step.device_bytes_freed(self.nbytes)
+
+
+class SwapRecord:
+    """A storage copied to host memory, released from the device, and prefetched back."""
+
+    __slots__ = ("step", "nbytes", "version", "frame", "horizon", "keepers", "host", "d2h", "released",
+                 "device_buffer", "h2d", "waited", "resident", "__weakref__")
+    swapped = True
+
+    def __init__(self, step: Step, nbytes: int, version: int, frame: Frame, tick: int, host: torch.Tensor,
+                 src: torch.Tensor) -> None:
+        self.step, self.nbytes, self.version, self.frame = step, nbytes, version, frame
+        self.horizon = tick + frame.prefetch
+        self.keepers: list[torch.Tensor] = []
+        self.host: torch.Tensor | None = host
+        self.d2h = step.engine.offload(src, host)
+        self.released = False
+        self.device_buffer: torch.Tensor | None = None
+        self.h2d: Any = None
+        self.waited = False
+        self.resident = True  # counted in the step's device bytes
+
+    def saved_again(self, tick: int) -> None:
+        """A later save of this storage keeps it (or brings it back) until ``tick + k``."""
+        self.horizon = max(self.horizon, tick + self.frame.prefetch)
+
+    def release(self) -> None:
+        """Drop every device reference; the copy has finished (Note [Version keepers])."""
+        for keeper in self.keepers:
+            with torch.autograd._unsafe_preserve_version_counter(keeper):
+                keeper.set_()
+        self.keepers.clear()
+        self.released = True
+        self._set_resident(False)
+
+    def fetch(self) -> None:
+        """Start the host-to-device copy (once); the host buffer can go back to the pool at once
+        (``swapkit.engine.pool.Note [Host buffer reuse is ordered by the copy queue]``)."""
+        if self.device_buffer is not None:
+            return
+        step = self.step
+        self.device_buffer, self.h2d = step.engine.prefetch(self.host)
+        step.pool.release(self.host)
+        self.host = None
+        step.prefetched(self.nbytes)
+        self._set_resident(True)
+
+    def restore(self, meta: tuple) -> torch.Tensor:
+        """The saved view, rebuilt on the prefetched storage; waits (a late fetch) if needed."""
+        late = self.device_buffer is None or (not self.waited and not self.step.engine.ready(self.h2d))
+        self.fetch()
+        timing = self.step.engine.wait(self.h2d, timed=late and not self.waited)
+        if not self.waited:
+            self.waited = True
+            if late:
+                self.step.late_fetch(timing)
+        return rebuild(self.device_buffer, meta)
+
+    def drop_host_copy(self) -> None:
+        """Backward began before this storage was released: it is used from the device as is."""
+        if self.host is not None:
+            self.step.pool.release(self.host)
+            self.host = None
+
+    def _set_resident(self, resident: bool) -> None:
+        if resident != self.resident:
+            self.resident = resident
+            if resident:
+                self.step.device_bytes_added(self.nbytes)
+            else:
+                self.step.device_bytes_freed(self.nbytes)
+
+    def __del__(self) -> None:  # Note [Record lifetime]
+        if self.host is not None:
+            self.step.pool.release(self.host)
+        if self.resident:
+            self.step.device_bytes_freed(self.nbytes)
+
+
+def storage_bytes(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
+    """A flat ``uint8`` view of a whole storage."""
+    flat = torch.empty(0, dtype=torch.uint8, device=device)
+    return flat.set_(storage, 0, (storage.nbytes(),), (1,))
+
+
+def view_meta(tensor: torch.Tensor) -> tuple:
+    return tensor.dtype, tensor.size(), tensor.stride(), tensor.storage_offset()
+
+
+def rebuild(buffer: torch.Tensor, meta: tuple) -> torch.Tensor:
+    """The view ``meta`` describes, on the storage of ``buffer`` (Note [One move per storage])."""
+    dtype, size, stride, offset = meta
+    out = torch.empty(0, dtype=dtype, device=buffer.device)
+    return out.set_(buffer.untyped_storage(), offset, size, stride)

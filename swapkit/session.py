@@ -1,0 +1,168 @@
+"""The swap session: saved-tensor hooks around the forward, a step per forward/backward.
+
+Thin autograd glue: ``pack`` asks the :class:`~swapkit.scope.ScopeTracker` where execution is and
+hands the tensor to the current :class:`~swapkit.step.Step`; ``unpack`` checks the version,
+drives the prefetch schedule and restores the tensor. Engines, pools and the schedule do the rest.
+
+Note [Packs during backward]
+A pack can run while autograd executes a backward (reentrant checkpointing recomputes its region
+with grad enabled; double backward saves again). Those tensors belong to the backward, not to
+the forward clock: they are kept as they are, get no tick, and cannot open a new step.
+
+Note [Backward after the with block]
+``with session:`` must cover the forward; backward may run inside or after it. Unpack hooks are
+attached to each saved tensor, so they run after the block too; the block's exit only removes the
+pack hooks and, if backward has not started yet, waits for the copies and releases what is due.
+"""
+from __future__ import annotations
+
+from itertools import chain
+from typing import Any
+
+import torch
+from torch import nn
+
+from swapkit.binding import Binding
+from swapkit.engine import CopyEngine, HostPool, make_engine
+from swapkit.plan import Plan
+from swapkit.recompute import Recompute
+from swapkit.records import Saved
+from swapkit.scope import ScopeTracker
+from swapkit.stats import SwapStats
+from swapkit.step import Step
+
+
+class SwapSession:
+    """Swap and recompute applied to one model. Create it with :func:`swapkit.apply`.
+
+    Example:
+        >>> session = swapkit.apply(model, "configs/seed001_swap_op.yaml")  # doctest: +SKIP
+        >>> with session:
+        ...     loss = model(x).sum()
+        ...     loss.backward()
+        >>> session.stats.offloaded_bytes  # doctest: +SKIP
+    """
+
+    def __init__(self, model: nn.Module, binding: Binding, plan: Plan, tracker: ScopeTracker,
+                 recompute: Recompute) -> None:
+        self.model, self.binding, self.plan = model, binding, plan
+        self.tracker, self.recompute = tracker, recompute
+        self.engine: CopyEngine | None = None
+        self.pool: HostPool | None = None
+        self._step: Step | None = None
+        self._last: Step | None = None  # the latest step whose backward began (or that failed)
+        self._steps = 0
+        self._forward_ticks: int | None = None  # forward length of the last step, for the tail
+        self._hooks: Any = None
+        self._removed = False
+
+    # ------------------------------------------------------------------ context manager
+
+    def __enter__(self) -> "SwapSession":
+        if self._removed:
+            raise RuntimeError("this SwapSession was removed; call swapkit.apply(model, config) again")
+        if self._hooks is not None:
+            raise RuntimeError("this SwapSession is already active; sessions do not nest")
+        self._ensure_engine()
+        self._start_step()
+        self.tracker.reset()
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        hooks, self._hooks = self._hooks, None
+        hooks.__exit__(None, None, None)
+        self.tracker.reset()
+        step = self._step
+        if exc_type is not None:
+            self.engine.synchronize()
+            step.close(aborted=True)
+            self._last = step
+        elif not step.backward_started:  # Note [Backward after the with block]
+            step.finish_forward()
+        else:
+            self.engine.synchronize()
+
+    # ------------------------------------------------------------------ hooks
+
+    def _pack(self, tensor: torch.Tensor) -> Saved:
+        if torch._C._current_graph_task_id() != -1:  # Note [Packs during backward]
+            return Saved(tensor, tensor._version, None, -1, None, None, self.tracker.top)
+        step = self._step
+        if step.backward_started:  # the next micro-batch's forward inside the same block
+            step = self._start_step()
+        return step.save(tensor, self.tracker.top)
+
+    def _unpack(self, saved: Saved) -> torch.Tensor:
+        if saved.keeper._version != saved.version:
+            raise _modified_error(saved)
+        if saved.step is not None:
+            saved.step.unpacked(saved.tick)
+        record = saved.record
+        if record is None or not record.swapped or not record.released:
+            return saved.keeper
+        return record.restore(saved.meta)
+
+    # ------------------------------------------------------------------ steps
+
+    def _start_step(self) -> Step:
+        if self._step is not None:
+            self._step.close()
+        self._steps += 1
+        params = {id(t.untyped_storage()) for t in chain(self.model.parameters(), self.model.buffers())}
+        self._step = Step(self._steps, self.engine, self.pool, self.plan.runtime, params, self._forward_ticks,
+                          self._backward_began)
+        return self._step
+
+    def _backward_began(self, step: Step) -> None:
+        self._forward_ticks = step.clock
+        self._last = step
+
+    def _ensure_engine(self) -> None:
+        device = next(chain(self.model.parameters(), self.model.buffers()), torch.empty(0)).device
+        if self.engine is None or self.engine.device != device:
+            if self.engine is not None:
+                self.engine.close()
+            self.engine = make_engine(self.plan.runtime, device)
+            self.pool = HostPool(self.engine.host_buffer, self.plan.runtime.max_host_bytes)
+            self._forward_ticks = None
+
+    # ------------------------------------------------------------------ public
+
+    @property
+    def stats(self) -> SwapStats:
+        """Counters of the last step whose backward ran (or that failed); zeros before any."""
+        step = self._last or self._step
+        return step.snapshot() if step is not None else SwapStats()
+
+    @property
+    def active(self) -> bool:
+        return self._hooks is not None
+
+    def remove(self) -> None:
+        """Undo everything :func:`swapkit.apply` did: hooks, recompute wrappers, engine, pool."""
+        if self._hooks is not None:
+            raise RuntimeError("cannot remove a SwapSession inside its `with` block")
+        if self._removed:
+            return
+        self.tracker.remove()
+        self.recompute.remove()
+        if self._step is not None:
+            self._step.close()
+        if self.engine is not None:
+            self.engine.close()
+        if self.pool is not None:
+            self.pool.clear()
+        self._removed = True
+
+
+def _modified_error(saved: Saved) -> RuntimeError:
+    where = saved.frame.label if saved.frame is not None else "outside the bound layers"
+    now = saved.keeper._version
+    return RuntimeError(
+        f"swapkit: a tensor saved for backward in {where} was modified by an in-place operation after it "
+        f"was saved (version {saved.version} -> {now}); backward needs the original values and autograd "
+        "would fail here without swapkit too. Make that operation out-of-place (x = x + y instead of "
+        "x += y) or clone the tensor before changing it."
+    )

@@ -1,0 +1,39 @@
+"""What a swap session did in one step: bytes moved, prefetch timing, device memory held."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SwapStats:
+    """Counters for one step (one forward and its backward).
+
+    Memory figures are the session's own accounting of *device-resident saved bytes*: the
+    storages it holds for backward, swapped or kept (parameters and buffers excluded). On CPU the
+    "device" and the host share RAM, so these are accounting figures, not the process's RSS.
+    """
+
+    step: int = 0
+    ticks: int = 0  # tensors saved in forward (the forward clock)
+    saved_tensors: int = 0  # pack calls, backward-time packs included
+    saved_bytes: int = 0  # distinct activation storages saved on the device
+    offloaded_tensors: int = 0  # storages copied device -> host
+    offloaded_bytes: int = 0
+    released_bytes: int = 0  # device bytes dropped after their copy finished
+    prefetched_tensors: int = 0  # storages copied host -> device in backward
+    prefetched_bytes: int = 0
+    tail_bytes: int = 0  # offloaded but still on the device when backward began (used as is)
+    late_fetches: int = 0  # unpacks that had to wait for (or issue) their copy
+    wait_seconds: float = 0.0  # time those unpacks waited
+    peak_device_bytes: int = 0
+    resident_bytes: int = 0  # device-resident saved bytes still held when the stats were read
+    host_pool_bytes: int = 0  # pinned/pooled host memory owned by the session
+    host_allocations: int = 0  # new host buffers allocated during this step
+    skipped: dict[str, int] = field(default_factory=dict)  # swap candidates kept, reason -> bytes
+    offloaded_by_scope: dict[str, int] = field(default_factory=dict)  # "layer 0: attention" -> bytes
+    aborted: bool = False  # the step ended with an exception
+
+    @property
+    def memory_saved_bytes(self) -> int:
+        """Saved bytes that did not sit on the device at the peak, relative to keeping all."""
+        return max(self.saved_bytes - self.peak_device_bytes, 0)

@@ -1,0 +1,208 @@
+"""One step of a swap session: the forward clock, the storage index, the schedule, the counters.
+
+A step is one forward and its backward. The session opens a new step on ``__enter__`` and when a
+forward pack arrives after the current step's backward began (several micro-batches inside one
+``with`` block).
+
+Note [Releases never stall compute]
+At each tick the records whose horizon has come are released only if their device-to-host copy
+has finished (``engine.ready``); the others are looked at again on the next tick. A larger
+``backward_prefetch`` therefore holds device memory longer but the forward never waits on a copy.
+
+Note [The last k ticks stay on the device]
+Records still unreleased when backward begins (their horizon lies beyond the last forward tick,
+or their copy had not finished) are used from the device as they are: no round trip, and their
+host copies go straight back to the pool. The session remembers the forward length, and in later
+steps does not offload saves that would land in that tail (``runtime.skip_tail_offload``).
+"""
+from __future__ import annotations
+
+import weakref
+from collections import defaultdict
+from typing import Any, Callable
+
+import torch
+
+from swapkit.config import RuntimeConfig
+from swapkit.engine import CopyEngine, HostPool
+from swapkit.records import KeptRecord, Saved, SwapRecord, storage_bytes, view_meta
+from swapkit.schedule import TickQueue
+from swapkit.scope import Frame
+from swapkit.stats import SwapStats
+
+PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def _horizon(record: SwapRecord) -> int:
+    return record.horizon
+
+
+class Step:
+    """Per-step state. Created by :class:`swapkit.session.SwapSession`."""
+
+    def __init__(self, number: int, engine: CopyEngine, pool: HostPool, runtime: RuntimeConfig,
+                 param_storages: set[int], tail_ticks: int | None,
+                 on_backward: Callable[["Step"], None]) -> None:
+        self.number, self.engine, self.pool, self.runtime = number, engine, pool, runtime
+        self.device = engine.device
+        self.param_storages = param_storages
+        self.tail_ticks = tail_ticks if runtime.skip_tail_offload else None
+        self._on_backward = on_backward
+        self.clock = 0
+        self.backward_started = self.aborted = False
+        self._index: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+        self._skipped_storages: set[int] = set()
+        self._release: TickQueue[SwapRecord] = TickQueue(_horizon)
+        self._pending: list[SwapRecord] = []
+        self._prefetch: TickQueue[SwapRecord] = TickQueue(_horizon, descending=True)
+        self._timings: list[Any] = []
+        self._allocations_at_start = pool.allocations
+        self.stats = SwapStats(step=number, skipped=defaultdict(int), offloaded_by_scope=defaultdict(int))
+        self.device_bytes = 0
+
+    # ------------------------------------------------------------------ forward
+
+    def save(self, tensor: torch.Tensor, frame: Frame | None) -> Saved:
+        """Pack one tensor saved in forward: tick it, then keep it or start its swap."""
+        tick = self.clock
+        self.clock += 1
+        self._advance(tick)
+        if type(tensor) not in PLAIN_TENSORS or tensor.layout != torch.strided:
+            return Saved(tensor, tensor._version, self, tick, None, None, frame)
+        storage = tensor.untyped_storage()
+        nbytes, key, swap_k = storage.nbytes(), id(storage), frame.prefetch if frame is not None else None
+        version = tensor._version
+        if key in self.param_storages or tensor.device != self.device or nbytes == 0:
+            reason = "parameter" if key in self.param_storages else "not_on_device" if nbytes else None
+            if swap_k is not None and reason is not None:
+                self._skip(reason, key, nbytes)
+            return Saved(tensor, version, self, tick, None, None, frame)
+        record = self._lookup(key, storage, version)
+        if record is None:
+            record = self._new_record(tensor, storage, key, nbytes, tick, frame, version)
+        if not record.swapped:
+            return Saved(tensor, version, self, tick, record, None, frame)
+        record.saved_again(tick)
+        keeper = tensor.detach()  # Note [Version keepers] in swapkit.records
+        if record.released:  # the storage lives on elsewhere; its bytes are already on the host
+            with torch.autograd._unsafe_preserve_version_counter(keeper):
+                keeper.set_()
+            self._prefetch.push(record)  # its horizon moved out: prefetch earlier
+        else:
+            record.keepers.append(keeper)
+        return Saved(keeper, version, self, tick, record, view_meta(tensor), frame)
+
+    def _lookup(self, key: int, storage: torch.UntypedStorage, version: int) -> Any:
+        found = self._index.get(key)
+        if found is None:
+            return None
+        storage_ref, record_ref = found
+        record = record_ref()
+        if storage_ref() is not storage or record is None or record.version != version:
+            return None  # a new storage at a recycled id, or the old data was overwritten since
+        return record
+
+    def _new_record(self, tensor: torch.Tensor, storage: torch.UntypedStorage, key: int, nbytes: int, tick: int,
+                    frame: Frame | None, version: int) -> Any:
+        record = self._swap_record(tensor, storage, key, nbytes, tick, frame, version)
+        if record is None:
+            record = KeptRecord(self, nbytes, version)
+        self._index[key] = (weakref.ref(storage), weakref.ref(record))
+        self.stats.saved_bytes += nbytes
+        self.device_bytes_added(nbytes)
+        return record
+
+    def _swap_record(self, tensor: torch.Tensor, storage: torch.UntypedStorage, key: int, nbytes: int, tick: int,
+                     frame: Frame | None, version: int) -> SwapRecord | None:
+        if frame is None or frame.prefetch is None:
+            return None
+        if nbytes < self.runtime.min_offload_bytes:
+            return self._skip("small", key, nbytes)
+        if self.tail_ticks is not None and tick + frame.prefetch >= self.tail_ticks:
+            return self._skip("tail", key, nbytes)  # Note [The last k ticks stay on the device]
+        host = self.pool.acquire(nbytes)
+        if host is None:
+            return self._skip("host_cap", key, nbytes)
+        record = SwapRecord(self, nbytes, version, frame, tick, host, storage_bytes(storage, tensor.device))
+        self.stats.offloaded_tensors += 1
+        self.stats.offloaded_bytes += nbytes
+        self.stats.offloaded_by_scope[frame.label] += nbytes
+        self._release.push(record)
+        return record
+
+    def _skip(self, reason: str, key: int, nbytes: int) -> None:
+        if key not in self._skipped_storages:
+            self._skipped_storages.add(key)
+            self.stats.skipped[reason] += nbytes
+        return None
+
+    def _advance(self, tick: int) -> None:
+        """Release the records whose horizon has come and whose copy finished."""
+        self._pending += self._release.pop_due(tick)
+        waiting = []
+        for record in self._pending:
+            if self.engine.ready(record.d2h):  # Note [Releases never stall compute]
+                record.release()
+                self.stats.released_bytes += record.nbytes
+                self._prefetch.push(record)
+            else:
+                waiting.append(record)
+        self._pending = waiting
+
+    def finish_forward(self) -> None:
+        """Forward ended without a backward yet: wait for copies, release what is due."""
+        self.engine.synchronize()
+        self._advance(self.clock - 1)
+
+    # ------------------------------------------------------------------ backward
+
+    def unpacked(self, tick: int) -> None:
+        """Backward unpacked a tensor saved at ``tick``: prefetch every record due by then."""
+        if not self.backward_started and torch._C._current_graph_task_id() != -1:
+            self._begin_backward()
+        for record in self._prefetch.pop_due(tick):
+            record.fetch()
+
+    def _begin_backward(self) -> None:
+        self.backward_started = True
+        for record in self._pending + self._release.drain():  # Note [The last k ticks stay on the device]
+            record.drop_host_copy()
+            self.stats.tail_bytes += record.nbytes
+        self._pending = []
+        self._on_backward(self)
+
+    def prefetched(self, nbytes: int) -> None:
+        self.stats.prefetched_tensors += 1
+        self.stats.prefetched_bytes += nbytes
+
+    def late_fetch(self, timing: Any) -> None:
+        self.stats.late_fetches += 1
+        self._timings.append(timing)
+
+    # ------------------------------------------------------------------ accounting and end
+
+    def device_bytes_added(self, nbytes: int) -> None:
+        self.device_bytes += nbytes
+        self.stats.peak_device_bytes = max(self.stats.peak_device_bytes, self.device_bytes)
+
+    def device_bytes_freed(self, nbytes: int) -> None:
+        self.device_bytes -= nbytes
+
+    def close(self, aborted: bool = False) -> None:
+        """Drop the schedule (records live on only through the graph's handles)."""
+        self.aborted = self.aborted or aborted
+        self._release.drain()
+        self._prefetch.drain()
+        self._pending = []
+        self._index.clear()
+
+    def snapshot(self) -> SwapStats:
+        """The counters as a plain :class:`SwapStats` (resolves CUDA timings)."""
+        stats = self.stats
+        seconds = sum(t.seconds() for t in self._timings)
+        return SwapStats(**{
+            **vars(stats), "ticks": self.clock, "wait_seconds": seconds, "resident_bytes": self.device_bytes,
+            "host_pool_bytes": self.pool.total_bytes, "host_allocations": self.pool.allocations
+            - self._allocations_at_start, "skipped": dict(stats.skipped),
+            "offloaded_by_scope": dict(stats.offloaded_by_scope), "aborted": self.aborted,
+        })
