@@ -8,6 +8,7 @@ finds by building the plan once.
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -84,14 +85,28 @@ class _StrictLoader(yaml.SafeLoader):
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen: dict[Any, int] = {}
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *anchor` merges; keys given next to it may override the merged ones
             key = self.construct_object(key_node, deep=True)
             line = key_node.start_mark.line + 1
+            try:
+                hash(key)
+            except TypeError:
+                continue  # SafeLoader reports the unhashable key itself
             if key in seen:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"duplicate key {key!r} (first given at line {seen[key]})", key_node.start_mark
                 )
             seen[key] = line
         return super().construct_mapping(node, deep=deep)
+
+
+# Note [YAML 1.1 floats]
+# PyYAML follows YAML 1.1, where a float needs a dot: `lr: 1e-3` loads as the *string* '1e-3' and
+# then fails the number check, although every YAML 1.2 parser (and a user) reads it as 0.001. We
+# add the 1.2 form (digits, exponent, no dot) so `lr: 1e-3` and `--set train.lr=1e-3` are floats.
+_StrictLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"), list("-+0123456789"))
 
 
 def _yaml_message(err: yaml.YAMLError) -> str:
@@ -119,7 +134,7 @@ def apply_overrides(raw: Any, overrides: Sequence[str], problems: Problems) -> A
             problems.bad("--set", item, "dotted.key=value, for example train.steps=5")
             continue
         try:
-            value = yaml.safe_load(text) if text.strip() else None
+            value = yaml.load(text, Loader=_StrictLoader) if text.strip() else None  # noqa: S506
         except yaml.YAMLError as err:
             problems.bad(f"--set {key}", text, "a YAML value", _yaml_message(err))
             continue
@@ -154,6 +169,7 @@ def _read_config(raw: Any, problems: Problems, name: str | None) -> Config:
         top["parallel_config"], "parallel_config", schema.PARALLEL_KEYS, problems, schema.PARALLEL_NO_EFFECT, notices))
     recompute = _read_recompute(top["recompute_config"], problems, notices)
     swap = _read_swap(top["swap_config"], problems, model)
+    _read_context(top["context"], problems, notices)  # before no_effect is frozen into the Config
     config = Config(
         model=model,
         parallel=parallel,
@@ -164,7 +180,6 @@ def _read_config(raw: Any, problems: Problems, name: str | None) -> Config:
         no_effect=tuple(notices),
         source=name,
     )
-    _read_context(top["context"], problems, notices)
     from swapkit.plan import check_plan  # the plan needs the whole config
 
     check_plan(config, problems)

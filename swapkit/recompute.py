@@ -15,7 +15,16 @@ Megatron's ``uniform`` method checkpoints N consecutive layers as one unit: only
 is saved. The first layer of the unit runs all N layers' forwards inside one checkpoint and the
 other layers become pass-throughs that check they received the unit's output. This needs the
 usual decoder loop, ``h = layer(h, *args)`` with the same extra arguments and nothing in
-between; anything else raises instead of computing the wrong thing.
+between; anything else raises instead of computing the wrong thing. The last pass-through of a
+unit lets go of the unit's output and arguments, so no tensor (nor the graph behind it) outlives
+the forward that made it; a pass-through called outside a unit's forward computes its layer.
+
+Note [Keyword arguments of checkpointed modules]
+``torch.utils.checkpoint`` takes keyword arguments of its own (``debug``, ``early_stop``,
+``context_fn``, ``determinism_check``, ...). A module keyword with one of those names would be
+swallowed by ``checkpoint`` and never reach the module, so the keywords travel to the region as
+one positional dict. They are not saved as region inputs either way (non-reentrant checkpointing
+keeps its keyword tensors by reference); reentrant checkpointing refuses them.
 """
 from __future__ import annotations
 
@@ -80,7 +89,7 @@ class Recompute:
         label = f"layers {first}-{last}"
         originals = [layer.module.forward for layer in layers]
         head = layers[0].module
-        state: dict[str, Any] = {"output": None}
+        state: dict[str, Any] = {"output": None, "inputs": None}  # output None: pass-throughs compute
 
         def run_unit(h: Any, *args: Any, **kwargs: Any) -> Any:
             for forward in originals:
@@ -88,34 +97,64 @@ class Recompute:
             return h
 
         def head_forward(h: Any, *args: Any, **kwargs: Any) -> Any:
-            state["output"] = None
+            state["output"] = state["inputs"] = None
             if not (head.training and torch.is_grad_enabled()):
                 return originals[0](h, *args, **kwargs)
-            state["output"] = self._checkpoint(run_unit, (h, *args), kwargs, label)
-            return state["output"]
+            output = self._checkpoint(run_unit, (h, *args), kwargs, label)
+            state["output"], state["inputs"] = output, (args, kwargs)
+            return output
 
         self._replace_forward(head, head_forward, label)
         for position, layer in enumerate(layers[1:], start=1):
-            self._replace_forward(layer.module, self._pass_through(state, originals[position], layer.index, label),
-                                  f"{label} (pass-through {layer.index})")
-
-    @staticmethod
-    def _pass_through(state: dict[str, Any], original: Callable[..., Any], index: int, label: str) -> Callable:
-        def forward(h: Any, *args: Any, **kwargs: Any) -> Any:
-            if state["output"] is None:  # eval / no-grad: the head ran only itself
-                return original(h, *args, **kwargs)
-            if h is not state["output"]:
-                raise RuntimeError(f"swapkit: uniform recompute unit {label}: layer {index} was called with a "
-                                   "tensor other than the previous layer's output; uniform units need the layers "
-                                   "called back to back as h = layer(h, ...) (see Note [Uniform units])")
-            return h
-
-        return forward
+            forward = _pass_through(state, originals[position], layer.index, label, position == len(layers) - 1)
+            self._replace_forward(layer.module, forward, f"{label} (pass-through {layer.index})")
 
     def _checkpoint(self, function: Callable[..., Any], args: tuple, kwargs: dict, label: str) -> Any:
         if self.use_reentrant:
             _check_reentrant(args, kwargs, label)
-        return checkpoint(function, *args, use_reentrant=self.use_reentrant, preserve_rng_state=True, **kwargs)
+            return checkpoint(function, *args, use_reentrant=True, preserve_rng_state=True)
+        # Note [Keyword arguments of checkpointed modules]
+        return checkpoint(_call, function, kwargs, *args, use_reentrant=False, preserve_rng_state=True)
+
+
+def _call(function: Callable[..., Any], kwargs: dict, *args: Any) -> Any:
+    return function(*args, **kwargs)
+
+
+def _pass_through(state: dict[str, Any], original: Callable[..., Any], index: int, label: str,
+                  last: bool) -> Callable[..., Any]:
+    """A unit member's forward: hand back the unit's output (Note [Uniform units])."""
+    def forward(h: Any, *args: Any, **kwargs: Any) -> Any:
+        if state["output"] is None:  # eval / no-grad (the head ran only itself), or no unit running
+            return original(h, *args, **kwargs)
+        if h is not state["output"]:
+            raise _unit_error(label, index, "a tensor other than the previous layer's output")
+        if not _same_arguments((args, kwargs), state["inputs"]):
+            raise _unit_error(label, index, "other extra arguments than the first layer of the unit")
+        if last:
+            state["output"] = state["inputs"] = None
+        return h
+
+    return forward
+
+
+def _unit_error(label: str, index: int, what: str) -> RuntimeError:
+    return RuntimeError(f"swapkit: uniform recompute unit {label}: layer {index} was called with {what}; uniform "
+                        "units need the layers called back to back as h = layer(h, ...) with the same extra "
+                        "arguments (see Note [Uniform units])")
+
+
+def _same_arguments(a: Any, b: Any) -> bool:
+    """The same objects (tensors by identity), or equal plain values, nested in tuples/lists/dicts."""
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(_same_arguments(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same_arguments(a[k], b[k]) for k in a)
+    return isinstance(a, (bool, int, float, complex, str, bytes)) and a == b
 
 
 def _check_reentrant(args: tuple, kwargs: dict, label: str) -> None:

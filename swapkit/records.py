@@ -65,7 +65,7 @@ class SwapRecord:
     """A storage copied to host memory, released from the device, and prefetched back."""
 
     __slots__ = ("step", "nbytes", "version", "frame", "horizon", "keepers", "host", "d2h", "released",
-                 "device_buffer", "h2d", "waited", "resident", "__weakref__")
+                 "device_buffer", "h2d", "issued_at", "waited", "resident", "__weakref__")
     swapped = True
 
     def __init__(self, step: Step, nbytes: int, version: int, frame: Frame, tick: int, host: torch.Tensor,
@@ -78,6 +78,7 @@ class SwapRecord:
         self.released = False
         self.device_buffer: torch.Tensor | None = None
         self.h2d: Any = None
+        self.issued_at = -1  # the backward tick whose unpack issued the prefetch
         self.waited = False
         self.resident = True  # counted in the step's device bytes
 
@@ -94,27 +95,29 @@ class SwapRecord:
         self.released = True
         self._set_resident(False)
 
-    def fetch(self) -> None:
-        """Start the host-to-device copy (once); the host buffer can go back to the pool at once
-        (``swapkit.engine.pool.Note [Host buffer reuse is ordered by the copy queue]``)."""
+    def fetch(self, tick: int) -> None:
+        """Start the host-to-device copy (once) at backward tick ``tick``; the host buffer can go
+        back to the pool at once (``swapkit.engine.pool.Note [Host buffer reuse is ordered by the
+        copy queue]``)."""
         if self.device_buffer is not None:
             return
         step = self.step
+        self.issued_at = tick
         self.device_buffer, self.h2d = step.engine.prefetch(self.host)
         step.pool.release(self.host)
         self.host = None
         step.prefetched(self.nbytes)
         self._set_resident(True)
 
-    def restore(self, meta: tuple) -> torch.Tensor:
-        """The saved view, rebuilt on the prefetched storage; waits (a late fetch) if needed."""
+    def restore(self, meta: tuple, tick: int) -> torch.Tensor:
+        """The saved view (saved at ``tick``), rebuilt on the prefetched storage; waits for the
+        copy if it is not done (a late fetch)."""
         late = self.device_buffer is None or (not self.waited and not self.step.engine.ready(self.h2d))
-        self.fetch()
+        self.fetch(tick)
         timing = self.step.engine.wait(self.h2d, timed=late and not self.waited)
         if not self.waited:
             self.waited = True
-            if late:
-                self.step.late_fetch(timing)
+            self.step.restored(self.issued_at - tick, timing if late else None)
         return rebuild(self.device_buffer, meta)
 
     def drop_host_copy(self) -> None:

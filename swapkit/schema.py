@@ -95,7 +95,7 @@ RECOMPUTE_KEYS = {
     "recompute_modules": Key(optional(F.string_list), None),
     "recompute_activations": Key(boolean, False),
     "distribute_saved_activations": Key(boolean, False),
-    "module_scopes": Key(mapping, None),
+    "module_scopes": Key(optional(mapping), None),
     "use_reentrant": Key(boolean, False),
 }
 RECOMPUTE_NO_EFFECT = {
@@ -113,7 +113,7 @@ SWAP_KEYS = {
 
 RUNTIME_KEYS = {
     "engine": Key(choice("auto", "cuda", "thread"), "auto"),
-    "engine_options": Key(mapping, None),
+    "engine_options": Key(optional(mapping), None),
     "min_offload_bytes": Key(integer(0), 1024),
     "max_host_bytes": Key(optional(integer(1)), None),
     "skip_tail_offload": Key(boolean, True),

@@ -102,7 +102,7 @@ class SwapSession:
         record = saved.record
         if record is None or not record.swapped or not record.released:
             return saved.keeper
-        return record.restore(saved.meta)
+        return record.restore(saved.meta, saved.tick)
 
     # ------------------------------------------------------------------ steps
 

@@ -15,7 +15,6 @@ class SwapStats:
 
     step: int = 0
     ticks: int = 0  # tensors saved in forward (the forward clock)
-    saved_tensors: int = 0  # pack calls, backward-time packs included
     saved_bytes: int = 0  # distinct activation storages saved on the device
     offloaded_tensors: int = 0  # storages copied device -> host
     offloaded_bytes: int = 0
@@ -23,6 +22,7 @@ class SwapStats:
     prefetched_tensors: int = 0  # storages copied host -> device in backward
     prefetched_bytes: int = 0
     tail_bytes: int = 0  # offloaded but still on the device when backward began (used as is)
+    prefetch_lead_ticks: int = 0  # sum over prefetches of (issue tick - first-use tick)
     late_fetches: int = 0  # unpacks that had to wait for (or issue) their copy
     wait_seconds: float = 0.0  # time those unpacks waited
     peak_device_bytes: int = 0
@@ -32,6 +32,11 @@ class SwapStats:
     skipped: dict[str, int] = field(default_factory=dict)  # swap candidates kept, reason -> bytes
     offloaded_by_scope: dict[str, int] = field(default_factory=dict)  # "layer 0: attention" -> bytes
     aborted: bool = False  # the step ended with an exception
+
+    @property
+    def mean_prefetch_lead(self) -> float:
+        """How many ticks ahead of first use, on average, prefetches were issued (0: on demand)."""
+        return self.prefetch_lead_ticks / self.prefetched_tensors if self.prefetched_tensors else 0.0
 
     @property
     def memory_saved_bytes(self) -> int:

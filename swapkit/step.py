@@ -161,7 +161,7 @@ class Step:
         if not self.backward_started and torch._C._current_graph_task_id() != -1:
             self._begin_backward()
         for record in self._prefetch.pop_due(tick):
-            record.fetch()
+            record.fetch(tick)
 
     def _begin_backward(self) -> None:
         self.backward_started = True
@@ -175,9 +175,12 @@ class Step:
         self.stats.prefetched_tensors += 1
         self.stats.prefetched_bytes += nbytes
 
-    def late_fetch(self, timing: Any) -> None:
-        self.stats.late_fetches += 1
-        self._timings.append(timing)
+    def restored(self, lead: int, late_timing: Any) -> None:
+        """First use of a prefetched record: ``lead`` ticks after its copy was issued."""
+        self.stats.prefetch_lead_ticks += max(lead, 0)
+        if late_timing is not None:
+            self.stats.late_fetches += 1
+            self._timings.append(late_timing)
 
     # ------------------------------------------------------------------ accounting and end
 

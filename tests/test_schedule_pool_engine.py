@@ -1,0 +1,93 @@
+"""Pure pieces of the runtime: the tick queues, the host pool, the thread engine, the scope stack."""
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from swapkit.config import EngineOptions, RuntimeConfig
+from swapkit.engine import HostPool, ThreadCopyEngine, make_engine
+from swapkit.schedule import TickQueue
+
+
+def test_tick_queue_ascending_pops_due_in_key_then_push_order():
+    items = [SimpleNamespace(name=n, key=k) for n, k in [("a", 5), ("b", 2), ("c", 5), ("d", 9)]]
+    queue = TickQueue(lambda item: item.key)
+    for item in items:
+        queue.push(item)
+    assert [i.name for i in queue.pop_due(1)] == []
+    assert [i.name for i in queue.pop_due(5)] == ["b", "a", "c"]
+    assert len(queue) == 1 and [i.name for i in queue.drain()] == ["d"]
+
+
+def test_tick_queue_descending_for_backward():
+    items = [SimpleNamespace(name=n, key=k) for n, k in [("a", 3), ("b", 8), ("c", 5)]]
+    queue = TickQueue(lambda item: item.key, descending=True)
+    for item in items:
+        queue.push(item)
+    assert [i.name for i in queue.pop_due(6)] == ["b"]
+    assert [i.name for i in queue.pop_due(0)] == ["c", "a"]
+
+
+def test_tick_queue_lazily_rekeys_items_whose_key_moved():
+    item = SimpleNamespace(key=2)
+    queue = TickQueue(lambda i: i.key)
+    queue.push(item)
+    item.key = 6  # saved again later: its horizon moved out
+    assert queue.pop_due(3) == [] and len(queue) == 1
+    assert queue.pop_due(6) == [item]
+
+
+def test_host_pool_reuses_buffers_by_size_and_respects_the_cap():
+    made = []
+    pool = HostPool(lambda n: made.append(n) or torch.empty(n, dtype=torch.uint8), max_bytes=300)
+    a, b = pool.acquire(100), pool.acquire(150)
+    assert made == [100, 150] and pool.total_bytes == 250 and pool.allocations == 2
+    assert pool.acquire(100) is None  # 350 > cap
+    pool.release(a)
+    assert pool.acquire(100) is a and made == [100, 150]  # reused, not allocated
+    pool.release(a), pool.release(b)
+    assert pool.free_bytes == 250
+    pool.clear()
+    assert pool.total_bytes == 0 and pool.free_bytes == 0
+
+
+def test_thread_engine_copies_round_trip_in_fifo_order():
+    engine = ThreadCopyEngine("cpu")
+    src = torch.arange(64, dtype=torch.uint8)
+    host = engine.host_buffer(64)
+    copy = engine.offload(src, host)
+    back, fetched = engine.prefetch(host)  # queued after the offload: sees its bytes
+    engine.wait(fetched)
+    assert engine.ready(copy) and torch.equal(back, src)
+    engine.close()
+
+
+def test_thread_engine_injects_latency_and_throttles_bandwidth():
+    engine = ThreadCopyEngine("cpu", latency_s=0.02, bandwidth_gbps=0.001)  # 1 MB/s
+    src = torch.zeros(10_000, dtype=torch.uint8)  # 10 KB -> 10 ms at 1 MB/s
+    start = time.perf_counter()
+    copy = engine.offload(src, engine.host_buffer(src.numel()))
+    assert not engine.ready(copy)  # a copy is never done the moment it is issued
+    waited = engine.wait(copy).seconds()
+    assert time.perf_counter() - start >= 0.03 and waited > 0
+    engine.close()
+
+
+def test_thread_engine_reports_copy_errors_to_the_waiter():
+    engine = ThreadCopyEngine("cpu")
+    copy = engine.offload(torch.zeros(4, dtype=torch.uint8), torch.empty(3, dtype=torch.uint8))
+    with pytest.raises(RuntimeError):
+        engine.wait(copy)
+    engine.synchronize()  # the worker survives a failed copy
+    engine.close()
+
+
+def test_make_engine_picks_by_device_and_refuses_cuda_for_cpu_models():
+    runtime = RuntimeConfig(engine_options=EngineOptions(latency_s=0.5))
+    engine = make_engine(runtime, torch.device("cpu"))
+    assert engine.name == "thread" and engine.latency_s == 0.5
+    with pytest.raises(ValueError, match="runtime.engine is 'cuda' but the model is on cpu"):
+        make_engine(RuntimeConfig(engine="cuda"), torch.device("cpu"))

@@ -1,0 +1,100 @@
+"""Small models and test doubles shared by the runtime tests."""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+
+import torch
+from torch import nn
+
+from swapkit.config import ModelConfig
+from swapkit.engine import HostPool, ThreadCopyEngine
+from swapkit.model import build_model, lm_loss
+
+SMALL = ModelConfig(num_layers=4, hidden_size=32, num_heads=2, intermediate_size=64, vocab_size=64, seq_length=16)
+
+
+class Block(nn.Module):
+    """``sigmoid(lin(x))``: saves its input (for the weight grad) and the sigmoid output."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(dim, dim, bias=False)
+        self.act = nn.Sigmoid()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.lin(x))
+
+
+class ToyNet(nn.Module):
+    def __init__(self, layers: int = 3, dim: int = 16, block: type = Block) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(block(dim) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def toy_config(layers: int, **sections) -> dict:
+    return {"model": {"model_config": {"num_layers": layers}}, **sections}
+
+
+def layer_swap(k: int, layers=True, **runtime) -> dict:
+    return {"swap_config": {"swap": True, "layer_swap": [{"backward_prefetch": k, "layers": layers}]},
+            "runtime": {"min_offload_bytes": 0, **runtime}}
+
+
+class ReadyWhenDone(ThreadCopyEngine):
+    """``ready`` waits for the copy: releases then happen exactly at their horizon (deterministic)."""
+
+    def ready(self, copy: Future) -> bool:
+        copy.result()
+        return True
+
+
+class GatedEngine(ThreadCopyEngine):
+    """Copies block until ``gate`` is set: nothing is ready, every fetch is late."""
+
+    def __init__(self) -> None:
+        super().__init__("cpu")
+        self.gate = threading.Event()
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self.gate.wait(timeout=30)
+        super()._copy(dst, src)
+
+
+def install_engine(session, engine) -> None:
+    """Give a session a test engine (before its first ``with``)."""
+    session.engine = engine
+    session.pool = HostPool(engine.host_buffer, session.plan.runtime.max_host_bytes)
+
+
+def grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_grads_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), f"gradient of {name} differs"
+
+
+def llama(seed: int = 1, cfg: ModelConfig = SMALL):
+    return build_model(cfg, seed=seed)
+
+
+def llama_batch(seed: int = 0, cfg: ModelConfig = SMALL, batch: int = 2):
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_length), generator=gen)
+    targets = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_length), generator=gen)
+    return tokens, targets
+
+
+def llama_step(model: nn.Module, batch) -> torch.Tensor:
+    tokens, targets = batch
+    loss = lm_loss(model(tokens), targets)
+    loss.backward()
+    return loss.detach()
