@@ -7,7 +7,7 @@ from typing import Any, Mapping
 
 from torch import nn
 
-from swapkit.binding import bind, module_tree
+from swapkit.binding import BindError, bind, module_tree
 from swapkit.config import Config
 from swapkit.loader import load_config
 from swapkit.plan import Plan, build_plan
@@ -17,6 +17,7 @@ from swapkit.scope import ScopeTracker
 from swapkit.session import SwapSession
 
 logger = logging.getLogger(__name__)
+APPLIED = "_swapkit_applied"
 
 
 def apply(model: nn.Module, config: Config | Plan | Mapping[str, Any] | str | Path,
@@ -43,6 +44,9 @@ def apply(model: nn.Module, config: Config | Plan | Mapping[str, Any] | str | Pa
         >>> with session:  # doctest: +SKIP
         ...     model(tokens).sum().backward()
     """
+    if getattr(model, APPLIED, None) is not None:
+        raise BindError(f"swapkit is already applied to this {type(model).__name__}; call remove() on its "
+                        "SwapSession before applying another config")
     plan = as_plan(config)
     binding = bind(model, plan, layers)
     _log(plan, binding)
@@ -50,7 +54,9 @@ def apply(model: nn.Module, config: Config | Plan | Mapping[str, Any] | str | Pa
     recompute.apply()
     tracker = ScopeTracker()
     tracker.install(binding)
-    return SwapSession(model, binding, plan, tracker, recompute)
+    session = SwapSession(model, binding, plan, tracker, recompute)
+    object.__setattr__(model, APPLIED, True)  # a plain attribute: no module, parameter or buffer
+    return session
 
 
 def as_plan(config: Config | Plan | Mapping[str, Any] | str | Path) -> Plan:

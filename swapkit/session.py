@@ -154,6 +154,7 @@ class SwapSession:
             self.engine.close()
         if self.pool is not None:
             self.pool.clear()
+        self.model.__dict__.pop("_swapkit_applied", None)
         self._removed = True
 
 

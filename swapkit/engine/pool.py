@@ -34,6 +34,7 @@ class HostPool:
         self._lock = threading.Lock()  # buffers come back from the autograd thread on CUDA
         self.total_bytes = 0
         self.allocations = 0
+        self._closed = False
 
     def acquire(self, nbytes: int) -> torch.Tensor | None:
         """A buffer of exactly ``nbytes``, or ``None`` if a new one would exceed the cap."""
@@ -49,7 +50,8 @@ class HostPool:
 
     def release(self, buffer: torch.Tensor) -> None:
         with self._lock:
-            self._free[buffer.numel()].append(buffer)
+            if not self._closed:  # records outliving ``clear`` just drop their buffer
+                self._free[buffer.numel()].append(buffer)
 
     @property
     def free_bytes(self) -> int:
@@ -57,8 +59,9 @@ class HostPool:
             return sum(size * len(buffers) for size, buffers in self._free.items())
 
     def clear(self) -> None:
-        """Drop every free buffer (buffers still in use are not tracked and stay valid)."""
+        """Drop every free buffer and stop taking buffers back (the session was removed)."""
         with self._lock:
+            self._closed = True
             freed = sum(size * len(buffers) for size, buffers in self._free.items())
             self._free.clear()
             self.total_bytes -= freed
