@@ -474,3 +474,56 @@ def test_eval_forward_without_grad_saves_nothing():
     with session, torch.no_grad():
         model(llama_batch()[0])
     assert session._step.clock == 0 and session._step.stats.saved_bytes == 0
+
+
+def test_tensors_off_the_compute_device_are_skipped():
+    class SavesMeta(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(torch.empty(300, device="meta"))  # 1200 bytes, not on the CPU
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            assert ctx.saved_tensors[0].device.type == "meta"
+            return grad * 2
+
+    class MetaBlock(nn.Module):
+        def __init__(self, dim):
+            super().__init__()
+            self.lin = nn.Linear(dim, dim, bias=False)
+
+        def forward(self, x):
+            return SavesMeta.apply(self.lin(x))
+
+    model = ToyNet(layers=2, block=MetaBlock)
+    session = swapkit.apply(model, toy_config(2, **layer_swap(1)), layers="layers")
+    with session:
+        model(torch.randn(8, 16)).sum().backward()
+    assert session.stats.skipped["not_on_device"] == 2 * 1200
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_recompute_in_backward_does_not_move_the_clock(reentrant):
+    model, ref = llama(), llama()
+    config = toy_config(4, **layer_swap(3), recompute_config={
+        "recompute": [1], "select_recompute": {"feed_forward": [2]}, "use_reentrant": reentrant})
+    session = swapkit.apply(model, config, layers="layers")
+    batch = llama_batch()
+    from swapkit.model import lm_loss
+
+    ticks = []
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        with session:
+            loss = lm_loss(model(batch[0]), batch[1])
+            forward_ticks = session._step.clock
+            loss.backward()  # recomputes layer 1 and layer 2's feed_forward; their hooks fire again
+            assert session._step.clock == forward_ticks
+            assert session._step.number == len(ticks) + 1  # backward-time packs opened no step
+        ticks.append(forward_ticks)
+    assert ticks[0] == ticks[1]
+    ref_loss = llama_step(ref, batch)
+    assert torch.equal(loss.detach(), ref_loss)
+    for name, grad in grads(ref).items():
+        torch.testing.assert_close(grads(model)[name], grad, rtol=0, atol=0)
