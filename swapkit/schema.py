@@ -40,9 +40,9 @@ MODEL_KEYS = {"model_config": Key(mapping, required=True)}
 MODEL_NO_EFFECT = {"arch": mapping}
 
 MODEL_CONFIG_KEYS = {
-    "num_layers": Key(integer(1), required=True),
+    "num_layers": Key(integer(1, 100_000), required=True),
     "offset": Key(anything, 0),
-    "pp_interleave_num": Key(integer(1), 1),
+    "pp_interleave_num": Key(integer(1, 1024), 1),
     "hidden_size": Key(integer(2), 64),
     "num_heads": Key(integer(1), 4),
     "intermediate_size": Key(integer(1), 176),
@@ -71,7 +71,7 @@ MODEL_CONFIG_NO_EFFECT = {
     "num_blocks": integer(1), "qkv_has_bias": boolean, "user_pretrained": anything,
 }
 
-PARALLEL_KEYS = {"pipeline_stage": Key(integer(1), 1)}
+PARALLEL_KEYS = {"pipeline_stage": Key(integer(1, 4096), 1)}
 PARALLEL_NO_EFFECT = {
     "data_parallel": integer(1), "model_parallel": integer(1), "context_parallel": integer(1),
     "expert_parallel": integer(1), "micro_batch_num": integer(1), "vocab_emb_dp": boolean,

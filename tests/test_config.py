@@ -1,0 +1,433 @@
+"""Strict config loading (DESIGN §2): unknown keys, MindSpore-only keys, types, files, overrides."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from swapkit import Config, ConfigError, build_plan, load_config
+from swapkit.config import EngineOptions, MindFormersRecompute
+
+CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
+MINIMAL = {"model": {"model_config": {"num_layers": 4}}}
+
+
+def with_sections(**sections) -> dict:
+    raw = {"model": {"model_config": {"num_layers": 4}}}
+    raw.update(sections)
+    return raw
+
+
+def problems_of(raw, overrides=()) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        load_config(raw, overrides=overrides)
+    return [str(problem) for problem in info.value.problems]
+
+
+def write(tmp_path: Path, text: str, name: str = "config.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+# ---------------------------------------------------------------- shipped configs
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_every_shipped_config_loads_and_plans(path):
+    config = load_config(path)
+    plan = build_plan(config)
+    assert config.source == str(path)
+    assert len(plan.layers) == config.model.num_layers
+    assert [layer.layer for layer in plan.layers] == list(range(config.model.num_layers))
+
+
+def test_there_are_shipped_configs():
+    assert {p.name for p in CONFIGS} >= {"seed001_recompute_pp.yaml", "seed001_swap_default.yaml",
+                                         "seed001_swap_layer.yaml", "seed001_swap_op.yaml",
+                                         "seed001_swap_recompute.yaml"}
+
+
+def test_minimal_config_defaults():
+    config = load_config(MINIMAL)
+    assert isinstance(config, Config)
+    assert config.model.num_layers == 4 and config.model.offset == 0 and config.model.pp_interleave_num == 1
+    assert config.parallel.pipeline_stage == 1
+    assert config.recompute == MindFormersRecompute()
+    assert config.swap.swap is False and config.swap.default_prefetch == 1
+    assert config.swap.layer_swap is None and config.swap.op_swap is None
+    assert config.runtime.engine == "auto" and config.runtime.engine_options == EngineOptions()
+    assert config.train.dtype == "fp32"
+    assert config.no_effect == ()
+
+
+def test_null_sections_mean_defaults():
+    config = load_config(with_sections(recompute_config=None, swap_config=None, runtime=None, train=None,
+                                       context=None, parallel_config=None))
+    assert config.parallel.pipeline_stage == 1 and config.train.steps == 20
+
+
+def test_dtype_aliases():
+    assert load_config(with_sections(train={"dtype": "bfloat16"})).train.dtype == "bf16"
+
+
+# ---------------------------------------------------------------- unknown keys
+
+@pytest.mark.parametrize("raw, expected", [
+    (with_sections(trian={}), "trian: unknown key; did you mean 'train'?"),
+    ({"model": {"model_config": {"num_layers": 4, "num_layer": 4}}},
+     "model.model_config.num_layer: unknown key; did you mean 'num_layers'?"),
+    (with_sections(parallel_config={"pipline_stage": 2}),
+     "parallel_config.pipline_stage: unknown key; did you mean 'pipeline_stage'?"),
+    (with_sections(recompute_config={"select_recompue": True}),
+     "recompute_config.select_recompue: unknown key; did you mean 'select_recompute'?"),
+    (with_sections(swap_config={"swap": True, "op_swap": [{"op_name": "a", "backward_prefetch": 1, "layers": [0],
+                                                            "layer": [1]}]}),
+     "swap_config.op_swap[0].layer: unknown key; did you mean 'layers'?"),
+    (with_sections(runtime={"engine_options": {"latency": 1}}),
+     "runtime.engine_options.latency: unknown key; did you mean 'latency_s'?"),
+    (with_sections(context={"memory_optimise_level": "O0"}),
+     "context.memory_optimise_level: unknown key; did you mean 'memory_optimize_level'?"),
+    (with_sections(train={"stesp": 3}), "train.stesp: unknown key; did you mean 'steps'?"),
+])
+def test_unknown_keys_suggest_the_closest(raw, expected):
+    assert expected in problems_of(raw)
+
+
+def test_unknown_key_without_a_close_match_lists_the_known_keys():
+    (message,) = problems_of(with_sections(runtime={"zzz": 1}))
+    assert message.startswith("runtime.zzz: unknown key; known keys: engine, engine_options, max_host_bytes")
+
+
+# ---------------------------------------------------------------- MindSpore-only keys
+
+NO_EFFECT = {
+    "context": {"memory_optimize_level": "O0", "mode": 0, "device_target": "Ascend"},
+    "recompute_config": {"recompute": True, "mp_comm_recompute": True, "parallel_optimizer_comm_recompute": False,
+                         "recompute_slice_activation": True},
+    "parallel_config": {"pipeline_stage": 1, "data_parallel": 8, "model_parallel": 1, "use_seq_parallel": True},
+    "seed": 0,
+    "trainer": {"type": "CausalLanguageModelingTrainer"},
+}
+NO_EFFECT_PATHS = [
+    "seed", "trainer", "model.model_config.use_flash_attention", "model.model_config.compute_dtype", "model.arch",
+    "parallel_config.data_parallel", "parallel_config.model_parallel", "parallel_config.use_seq_parallel",
+    "recompute_config.mp_comm_recompute", "recompute_config.parallel_optimizer_comm_recompute",
+    "recompute_config.recompute_slice_activation", "context.memory_optimize_level", "context.mode",
+    "context.device_target",
+]
+
+
+def test_mindspore_only_keys_load_and_are_listed(caplog):
+    raw = {"model": {"arch": {"type": "LlamaForCausalLM"},
+                     "model_config": {"num_layers": 4, "use_flash_attention": True, "compute_dtype": "bfloat16"}},
+           **NO_EFFECT}
+    with caplog.at_level(logging.WARNING, logger="swapkit"):
+        config = load_config(raw)
+    assert sorted(config.no_effect) == sorted(NO_EFFECT_PATHS)
+    assert config.recompute.recompute is True
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    for path in NO_EFFECT_PATHS:
+        matching = [w for w in warnings if w.startswith(f"{path} has no effect in PyTorch eager")]
+        assert len(matching) == 1, (path, warnings)
+    assert len(warnings) == len(NO_EFFECT_PATHS)
+
+
+def test_seed_config_with_context_warns_once(caplog):
+    with caplog.at_level(logging.WARNING, logger="swapkit"):
+        config = load_config(Path(CONFIGS[0]).parent / "seed001_swap_default.yaml")
+    assert config.no_effect == ("context.memory_optimize_level",)
+    assert [r.getMessage() for r in caplog.records] == [
+        "context.memory_optimize_level has no effect in PyTorch eager; accepted and ignored"]
+
+
+@pytest.mark.parametrize("raw, expected", [
+    (with_sections(context={"memory_optimize_level": "O3"}),
+     "context.memory_optimize_level: got 'O3'; expected one of 'O0', 'O1'"),
+    (with_sections(recompute_config={"mp_comm_recompute": 1}),
+     "recompute_config.mp_comm_recompute: got 1; expected true or false"),
+    (with_sections(parallel_config={"data_parallel": 0}),
+     "parallel_config.data_parallel: got 0; expected an integer >= 1"),
+    (with_sections(seed=-1), "seed: got -1; expected an integer >= 0"),
+    (with_sections(context=["O0"]), "context: got ['O0']; expected a mapping of keys to values"),
+])
+def test_mindspore_only_keys_are_type_checked(raw, expected):
+    assert expected in problems_of(raw)
+
+
+def test_invalid_no_effect_key_is_not_listed():
+    with pytest.raises(ConfigError):
+        load_config(with_sections(recompute_config={"mp_comm_recompute": "yes"}))
+
+
+# ---------------------------------------------------------------- wrong types
+
+@pytest.mark.parametrize("raw, expected", [
+    ({"model": {"model_config": {"num_layers": True}}}, "model.model_config.num_layers: got true; expected an integer"),
+    ({"model": {"model_config": {"num_layers": "4"}}}, "model.model_config.num_layers: got '4'; expected an integer"),
+    ({"model": {"model_config": {"num_layers": 4.0}}}, "model.model_config.num_layers: got 4.0; expected an integer"),
+    ({"model": {"model_config": {"num_layers": 0}}}, "model.model_config.num_layers: got 0; expected an integer from 1 to 100000"),
+    ({"model": {"model_config": {"num_layers": 4, "pp_interleave_num": False}}},
+     "model.model_config.pp_interleave_num: got false; expected an integer from 1 to 1024"),
+    ({"model": {"model_config": {"num_layers": 4, "hidden_size": 30, "num_heads": 4}}},
+     "model.model_config.hidden_size: got 30; expected a multiple of num_heads (4) with an even head size"),
+    ({"model": {"model_config": {"num_layers": 4, "rms_norm_eps": 0}}},
+     "model.model_config.rms_norm_eps: got 0; expected a number > 0"),
+    ({"model": {"model_config": {"num_layers": 4, "hidden_dropout": 1.0}}},
+     "model.model_config.hidden_dropout: got 1.0; expected a number >= 0 and < 1"),
+    ({"model": {"model_config": {"num_layers": 4, "layers_path": ""}}},
+     "model.model_config.layers_path: got ''; expected a non-empty string"),
+    (with_sections(parallel_config={"pipeline_stage": "2"}), "parallel_config.pipeline_stage: got '2'; expected an int"),
+    (with_sections(parallel_config={"pipeline_stage": True}), "parallel_config.pipeline_stage: got true; expected an"),
+    (with_sections(swap_config={"swap": "yes"}), "swap_config.swap: got 'yes'; expected true or false"),
+    (with_sections(swap_config={"swap": 1}), "swap_config.swap: got 1; expected true or false"),
+    (with_sections(swap_config={"default_prefetch": True}),
+     "swap_config.default_prefetch: got true; expected an integer >= 1"),
+    (with_sections(runtime={"engine": "gpu"}), "runtime.engine: got 'gpu'; expected one of 'auto', 'cuda', 'thread'"),
+    (with_sections(runtime={"min_offload_bytes": -1}), "runtime.min_offload_bytes: got -1; expected an integer >= 0"),
+    (with_sections(runtime={"max_host_bytes": 0}), "runtime.max_host_bytes: got 0; expected an integer >= 1"),
+    (with_sections(runtime={"engine_options": {"latency_s": -1}}),
+     "runtime.engine_options.latency_s: got -1; expected a number >= 0"),
+    (with_sections(runtime={"engine_options": {"bandwidth_gbps": float("nan")}}),
+     "runtime.engine_options.bandwidth_gbps: got nan; expected a number > 0"),
+    (with_sections(train={"lr": 0}), "train.lr: got 0; expected a number > 0"),
+    (with_sections(train={"dtype": "fp16"}), "train.dtype: got 'fp16'; expected one of 'fp32', 'bf16'"),
+    (with_sections(train={"steps": 1.5}), "train.steps: got 1.5; expected an integer >= 1"),
+    (with_sections(train={"device": "npu"}), "train.device: got 'npu'; expected one of 'cpu', 'cuda'"),
+    (with_sections(recompute_config={"use_reentrant": "no"}),
+     "recompute_config.use_reentrant: got 'no'; expected true or false"),
+    (with_sections(recompute_config=True), "recompute_config: got true; expected a mapping of keys to values"),
+    (with_sections(swap_config=[1]), "swap_config: got [1]; expected a mapping of keys to values"),
+    ({"model": {"model_config": None}}, "model.model_config: got null; expected a mapping"),
+    ({"model": {"model_config": 3}}, "model.model_config: got 3; expected a mapping"),
+    ({"train": {}}, "model: is required"),
+    ({"model": {}}, "model.model_config: is required"),
+    ({"model": {"model_config": {}}}, "model.model_config.num_layers: is required"),
+])
+def test_wrong_types(raw, expected):
+    problems = problems_of(raw)
+    assert any(p.startswith(expected) for p in problems), problems
+
+
+def test_long_values_are_shortened():
+    (message,) = problems_of(with_sections(train={"device": "x" * 200}))
+    assert message.startswith("train.device: got 'xxxx")
+    assert "..." in message and len(message) < 200
+
+
+# ---------------------------------------------------------------- one error for all problems
+
+def test_all_problems_of_a_file_in_one_error(tmp_path):
+    path = write(tmp_path, """
+model:
+  model_config:
+    num_layers: 4
+    hiden_size: 32
+parallel_config:
+  pipeline_stage: 2
+recompute_config:
+  recompute: [[0, 1]]
+  mp_comm_recompute: maybe
+swap_config:
+  swap: true
+  default_prefetch: 0
+  op_swap:
+    - op_name: 'attention('
+      backward_prefetch: -1
+      layers: [0, 7]
+runtime:
+  engine: tpu
+""")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    err = info.value
+    paths = [p.path for p in err.problems]
+    assert paths == [
+        "model.model_config.hiden_size",
+        "recompute_config.mp_comm_recompute",
+        "swap_config.default_prefetch",
+        "swap_config.op_swap[0].op_name",  # in the order the keys are written
+        "swap_config.op_swap[0].backward_prefetch",
+        "swap_config.op_swap[0].layers",
+        "runtime.engine",
+        "recompute_config.recompute",
+    ]
+    text = str(err)
+    assert text.startswith(f"invalid swapkit config in {path} (8 problems):\n  - model.model_config.hiden_size")
+    assert "did you mean 'hidden_size'?" in text
+    assert err.source == str(path)
+
+
+def test_semantic_and_type_problems_together():
+    problems = problems_of({"model": {"model_config": {"num_layers": 8, "offset": [1, 2]}},
+                            "parallel_config": {"pipeline_stage": 4}, "train": {"steps": 0}})
+    assert [p.split(":")[0] for p in problems] == ["train.steps", "model.model_config.offset"]
+
+
+def test_config_error_is_a_value_error():
+    assert issubclass(ConfigError, ValueError)
+
+
+# ---------------------------------------------------------------- files
+
+def test_yaml_syntax_error(tmp_path):
+    path = write(tmp_path, "model:\n  model_config:\n    num_layers: [4\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    (problem,) = info.value.problems
+    assert str(problem).startswith("YAML syntax error at line 4, column 1:")
+    assert str(path) in str(info.value)
+
+
+def test_yaml_tab_indentation_is_a_syntax_error(tmp_path):
+    path = write(tmp_path, "model:\n\tmodel_config: {}\n")
+    with pytest.raises(ConfigError, match=r"YAML syntax error at line 2"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("text", ["", "# only a comment\n", "---\n"])
+def test_empty_file(tmp_path, text):
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, text))
+    assert [str(p) for p in info.value.problems] == [
+        "the config is empty; expected a mapping with at least model.model_config.num_layers"]
+
+
+def test_missing_file(tmp_path):
+    path = tmp_path / "nope.yaml"
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value.problems[0]) == f"config file not found: {path}"
+
+
+def test_directory(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        load_config(str(tmp_path))
+    assert str(info.value.problems[0]) == f"{tmp_path} is a directory; expected a YAML file"
+
+
+def test_not_utf8(tmp_path):
+    path = tmp_path / "bin.yaml"
+    path.write_bytes(b"\xff\xfe\x00model")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value.problems[0]).startswith(f"cannot read {path}:")
+
+
+def test_duplicate_keys(tmp_path):
+    path = write(tmp_path, "model:\n  model_config:\n    num_layers: 2\n    num_layers: 3\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value.problems[0]) == (
+        "YAML error at line 4, column 5: duplicate key 'num_layers' (first given at line 3)")
+
+
+def test_duplicate_top_level_sections(tmp_path):
+    path = write(tmp_path, "model: {model_config: {num_layers: 2}}\ntrain: {}\ntrain: {steps: 3}\n")
+    with pytest.raises(ConfigError, match=r"duplicate key 'train' \(first given at line 2\)"):
+        load_config(path)
+
+
+def test_unhashable_key_is_a_config_error(tmp_path):
+    path = write(tmp_path, "? [a, b]\n: 1\nmodel: {model_config: {num_layers: 2}}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert "found unhashable key" in str(info.value)
+
+
+def test_yaml_merge_keys_work(tmp_path):
+    path = write(tmp_path, """
+train: &common {steps: 3, batch_size: 2}
+model:
+  model_config: {num_layers: 2}
+recompute_config:
+  select_recompute:
+    <<: {attention: true, feed_forward: [1]}
+    feed_forward: [0]
+""")
+    config = load_config(path)
+    assert config.recompute.select_recompute == {"attention": True, "feed_forward": [0]}
+
+
+@pytest.mark.parametrize("text, shown", [("- a\n- b\n", "['a', 'b']"), ("hello\n", "'hello'"), ("3\n", "3")])
+def test_top_level_must_be_a_mapping(tmp_path, text, shown):
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, text))
+    assert [str(p) for p in info.value.problems] == [f"got {shown}; expected a mapping of keys to values"]
+
+
+def test_yaml_path_as_str_and_path(tmp_path):
+    path = write(tmp_path, "model: {model_config: {num_layers: 3}}\n")
+    assert load_config(str(path)).model.num_layers == 3
+    assert load_config(path).model.num_layers == 3
+
+
+def test_dict_input_is_not_modified():
+    raw = {"model": {"model_config": {"num_layers": 2}}, "recompute_config": {"recompute": [1]}}
+    load_config(raw, overrides=["model.model_config.num_layers=4", "train.steps=2"])
+    assert raw == {"model": {"model_config": {"num_layers": 2}}, "recompute_config": {"recompute": [1]}}
+
+
+# ---------------------------------------------------------------- --set overrides
+
+def test_overrides_are_yaml_values(tmp_path):
+    path = write(tmp_path, "model: {model_config: {num_layers: 3}}\n")
+    config = load_config(path, overrides=["model.model_config.num_layers=6", "swap_config.swap=true",
+                                          "recompute_config.recompute=[1, 0]", "parallel_config.pipeline_stage=2",
+                                          "train.lr=1e-3", "runtime.engine=thread"])
+    assert config.model.num_layers == 6
+    assert config.swap.swap is True
+    assert config.recompute.recompute == [1, 0]
+    assert config.parallel.pipeline_stage == 2
+    assert config.train.lr == 0.001
+    assert config.runtime.engine == "thread"
+
+
+def test_overrides_are_validated_like_the_file():
+    problems = problems_of(MINIMAL, overrides=["train.steps=0", "swap_config.sawp=true"])
+    assert sorted(problems) == ["swap_config.sawp: unknown key; did you mean 'swap'?",
+                                "train.steps: got 0; expected an integer >= 1"]
+
+
+def test_yaml_12_floats(tmp_path):
+    # Note [YAML 1.1 floats]: `1e-3` without a dot is a float, in files and in --set
+    path = write(tmp_path, "model: {model_config: {num_layers: 3, rms_norm_eps: 1e-6}}\ntrain: {lr: 2E-4}\n")
+    config = load_config(path, overrides=["train.weight_decay=1e-2"])
+    assert (config.model.rms_norm_eps, config.train.lr, config.train.weight_decay) == (1e-6, 2e-4, 1e-2)
+
+
+def test_override_into_a_null_section():
+    config = load_config({"model": {"model_config": {"num_layers": 2}}, "train": None}, overrides=["train.steps=7"])
+    assert config.train.steps == 7
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("train.steps", "--set: got 'train.steps'; expected dotted.key=value, for example train.steps=5"),
+    ("=3", "--set: got '=3'; expected dotted.key=value"),
+    ("train..steps=3", "--set: got 'train..steps=3'; expected dotted.key=value"),
+    ("train.steps=[", "--set train.steps: got '['; expected a YAML value. YAML syntax error"),
+    ("model.model_config.num_layers.x=1",
+     "--set model.model_config.num_layers.x=1: got 4; expected model.model_config.num_layers to be a mapping"),
+])
+def test_bad_overrides(override, expected):
+    problems = problems_of(MINIMAL, overrides=["train.steps=2", override])
+    assert len(problems) == 1 and problems[0].startswith(expected), problems
+
+
+def test_bad_overrides_are_collected_with_other_problems():
+    problems = problems_of(with_sections(train={"lr": -1}), overrides=["nonsense", "train.steps=x"])
+    assert problems[0].startswith("--set: got 'nonsense'")
+    assert "train.steps: got 'x'; expected an integer >= 1" in problems
+    assert "train.lr: got -1; expected a number > 0" in problems
+
+
+def test_absurd_sizes_are_errors_not_hangs():
+    from swapkit import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as err:
+        load_config({"model": {"model_config": {"num_layers": 4_000_000_000, "pp_interleave_num": 5000}},
+                     "parallel_config": {"pipeline_stage": 10**9}})
+    text = str(err.value)
+    assert "model.model_config.num_layers: got 4000000000; expected an integer from 1 to 100000" in text
+    assert "model.model_config.pp_interleave_num: got 5000" in text
+    assert "parallel_config.pipeline_stage: got 1000000000" in text

@@ -1,0 +1,358 @@
+r"""Normalization (DESIGN §3): count values, pattern dicts and swap mode (swap_config: test_normalize_swap.py).
+
+Every expected grid is written out by hand from the rules in DESIGN §3 (and, for the seed 001
+example, copied from the seed's log).
+"""
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from swapkit import ConfigError, build_plan, load_config
+from swapkit.errors import Problems
+from swapkit.layout import build_layout
+from swapkit.normalize import DEFAULT_COMM, DEFAULT_SELECT, normalize_counts
+
+SEED_OFFSET = [[0, 1, 1, 1, 1], [1, 1, 1, 1, 0]]
+SEED_LIST = ((4, 5, 5, 5, 5), (5, 5, 5, 5, 4))
+ZEROS_5x2 = ((0, 0, 0, 0, 0), (0, 0, 0, 0, 0))
+
+
+def raw_config(num_layers=4, stages=1, chunks=1, offset=0, recompute=None, swap=None) -> dict:
+    raw = {
+        "model": {"model_config": {"num_layers": num_layers, "offset": offset, "pp_interleave_num": chunks}},
+        "parallel_config": {"pipeline_stage": stages},
+    }
+    if recompute is not None:
+        raw["recompute_config"] = recompute
+    if swap is not None:
+        raw["swap_config"] = swap
+    return raw
+
+
+def formative(**kwargs):
+    return build_plan(load_config(raw_config(**kwargs))).formative
+
+
+def seed_formative(recompute=None, swap=None):
+    return formative(num_layers=48, stages=5, chunks=2, offset=SEED_OFFSET, recompute=recompute, swap=swap)
+
+
+def error(**kwargs) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(raw_config(**kwargs))
+    return str(info.value)
+
+
+def seed_layout():
+    return build_layout(48, 5, 2, SEED_OFFSET, Problems())
+
+
+def counts(value, layout=None):
+    problems = Problems()
+    grid = normalize_counts(value, layout or seed_layout(), "recompute_config.recompute", problems)
+    assert not problems.items, problems.items
+    return grid
+
+
+# ---------------------------------------------------------------- seed 001, recompute
+
+def test_seed001_recompute_true_is_layer_list():
+    assert seed_formative({"recompute": True}).layer_recompute == SEED_LIST
+
+
+def test_seed001_recompute_per_stage_is_dealt_over_chunks():
+    assert seed_formative({"recompute": [2, 1, 0, 0, 0]}).layer_recompute == ((1, 1, 0, 0, 0), (1, 0, 0, 0, 0))
+
+
+def test_seed001_recompute_per_chunk_unchanged():
+    grid = [[1, 0, 0, 0, 0], [2, 1, 0, 0, 0]]
+    assert seed_formative({"recompute": grid}).layer_recompute == ((1, 0, 0, 0, 0), (2, 1, 0, 0, 0))
+
+
+SEED_SELECT = {
+    r"feed_forward\.w1\.activation\.silu": True,
+    r"feed_forward\.mul": True,
+    r"feed_forward\.w1\.matmul": [[1, 0, 0, 0, 0], [2, 1, 0, 0, 0]],
+    r"feed_forward\.w3\.matmul": [2, 1, 0, 0, 0],
+}
+SEED_COMM = [r"ffn_norm\.norm", r"attention_norm\.norm"]
+
+# Copied from seed 001. The seed is markdown that lost one backslash of Python's repr: MindFormers
+# logs repr(dict), which doubles every backslash (DESIGN §3 shows 'feed_forward\\.mul'). Before
+# comparing we turn our doubled backslashes into single ones, which is what the seed shows.
+SEED_LOG_SELECT = (
+    r"Formative select_recompute: {'feed_forward\.w1\.activation\.silu': [[4, 5, 5, 5, 5], [5, 5, 5, 5, 4]], "
+    r"'feed_forward\.mul': [[4, 5, 5, 5, 5], [5, 5, 5, 5, 4]], 'feed_forward\.w1\.matmul': [[1, 0, 0, 0, 0], "
+    r"[2, 1, 0, 0, 0]], 'feed_forward\.w3\.matmul': [[1, 1, 0, 0, 0], [1, 0, 0, 0, 0]]}"
+)
+SEED_LOG_COMM = (
+    r"Formative select_comm_recompute: {'ffn_norm\.norm': [[4, 5, 5, 5, 5], [5, 5, 5, 5, 4]], "
+    r"'attention_norm\.norm': [[4, 5, 5, 5, 5], [5, 5, 5, 5, 4]]}"
+)
+SEED_LOG_LAYER = "Formative layer_recompute: [[2, 1, 0, 0, 0], [1, 0, 0, 0, 0]]"
+
+
+def squash(line: str) -> str:
+    """Compare modulo whitespace and modulo repr's doubled backslashes (see above)."""
+    return "".join(line.replace("\\\\", "\\").split())
+
+
+def test_seed001_select_and_comm_formative_values():
+    result = seed_formative({"recompute": [[2, 1, 0, 0, 0], [1, 0, 0, 0, 0]], "select_recompute": SEED_SELECT,
+                             "select_comm_recompute": SEED_COMM})
+    assert result.layer_recompute == ((2, 1, 0, 0, 0), (1, 0, 0, 0, 0))
+    assert list(result.select_recompute) == list(SEED_SELECT)  # order as written
+    assert result.select_recompute[r"feed_forward\.w3\.matmul"] == ((1, 1, 0, 0, 0), (1, 0, 0, 0, 0))
+    assert result.select_recompute[r"feed_forward\.w1\.matmul"] == ((1, 0, 0, 0, 0), (2, 1, 0, 0, 0))
+    assert result.select_comm_recompute == {SEED_COMM[0]: SEED_LIST, SEED_COMM[1]: SEED_LIST}
+
+
+def test_seed001_formative_log_lines_match_the_seed():
+    result = seed_formative({"recompute": [[2, 1, 0, 0, 0], [1, 0, 0, 0, 0]], "select_recompute": SEED_SELECT,
+                             "select_comm_recompute": SEED_COMM})
+    lines = result.log_lines(swap_on=False)
+    assert lines[0] == SEED_LOG_LAYER
+    assert squash(lines[1]) == squash(SEED_LOG_SELECT)
+    assert squash(lines[2]) == squash(SEED_LOG_COMM)
+    # and we really print repr (doubled backslashes), as MindFormers does
+    assert "{'feed_forward\\\\.w1\\\\.activation\\\\.silu': [[4, 5, 5, 5, 5]" in lines[1]
+    assert lines[3:] == ["Formative select_recompute_exclude: {}", "Formative select_comm_recompute_exclude: {}"]
+
+
+# ---------------------------------------------------------------- count values
+
+def test_true_and_false():
+    assert counts(True) == SEED_LIST
+    assert counts(False) == ZEROS_5x2
+
+
+def test_per_stage_count_is_clipped_to_the_stage_total():
+    # stage 0 holds 4 + 5 = 9 layers, stage 1 holds 10
+    assert counts([100, 3]) == ((4, 2, 0, 0, 0), (5, 1, 0, 0, 0))
+
+
+def test_round_robin_skips_full_chunks():
+    # one stage, two chunks of 3 and 7 layers: 8 layers dealt c0, c1, c0, c1, c0, c1, c1, c1
+    layout = build_layout(10, 1, 2, [[-2], [2]], Problems())
+    assert layout.layer_list == ((3,), (7,))
+    assert counts([8], layout) == ((3,), (5,))
+    assert counts([6], layout) == ((3,), (3,))
+    assert counts([1], layout) == ((1,), (0,))
+
+
+def test_per_stage_list_shorter_than_pipeline_stage():
+    assert counts([3]) == ((2, 0, 0, 0, 0), (1, 0, 0, 0, 0))
+    assert counts([]) == ZEROS_5x2
+
+
+def test_bools_inside_a_per_stage_list():
+    assert counts([True, False, 2, 0, True]) == ((4, 0, 1, 0, 5), (5, 0, 1, 0, 4))
+
+
+def test_per_chunk_grid_is_clipped_per_cell():
+    assert counts([[9, 1, 0, 0, 0], [0, 0, 0, 0, 9]]) == ((4, 1, 0, 0, 0), (0, 0, 0, 0, 4))
+
+
+def test_per_chunk_grid_bools_per_cell_and_per_row():
+    assert counts([[True, False, 0, 0, 0], [0, 0, 0, 0, True]]) == ((4, 0, 0, 0, 0), (0, 0, 0, 0, 4))
+    assert counts([True, [1, 0, 0, 0, 0]]) == ((4, 5, 5, 5, 5), (1, 0, 0, 0, 0))
+    assert counts([[0, 0, 0, 0, 2], False]) == ((0, 0, 0, 0, 2), (0, 0, 0, 0, 0))
+
+
+def test_list_of_strings_as_recompute_means_all_layers():
+    assert seed_formative({"recompute": ["attention", "feed_forward"]}).layer_recompute == SEED_LIST
+
+
+def test_negative_per_stage_count_is_an_error():
+    message = error(num_layers=4, stages=2, recompute={"recompute": [1, -1]})
+    assert "recompute_config.recompute: got [1, -1]; expected counts >= 0" in message
+    assert "Negative counts [-1] are not allowed" in message
+
+
+def test_negative_per_chunk_count_names_the_row():
+    message = error(num_layers=8, stages=2, chunks=2, recompute={"select_recompute": {"attention": [[0, 0], [0, -2]]}})
+    assert "recompute_config.select_recompute.attention[1]: got [0, -2]; expected counts >= 0" in message
+
+
+def test_list_longer_than_pipeline_stage_is_an_error():
+    message = error(num_layers=4, stages=2, recompute={"recompute": [1, 1, 1]})
+    assert "recompute_config.recompute: got [1, 1, 1]; expected at most pipeline_stage (2) per-stage counts" in message
+
+
+@pytest.mark.parametrize("grid", [
+    [[1, 1], [1, 1], [1, 1]],  # 3 rows for pp_interleave_num 2
+    [[1, 1, 1], [1, 1]],  # a row of 3 for pipeline_stage 2
+    [[1, "x"], [1, 1]],  # a string cell
+    [[1, 1.5], [1, 1]],  # a float cell
+])
+def test_wrong_grid_shape_is_an_error(grid):
+    message = error(num_layers=8, stages=2, chunks=2, recompute={"recompute": grid})
+    assert "recompute_config.recompute: got " in message
+    assert "expected a [2][2] grid (pp_interleave_num rows of pipeline_stage counts" in message
+
+
+@pytest.mark.parametrize("value", [3, "all", 1.0, None, {"a": 1}, [1, "a"], [[[1]]]])
+def test_other_count_values_are_errors(value):
+    message = error(num_layers=4, stages=2, recompute={"recompute": value})
+    assert "recompute_config.recompute: got " in message
+
+
+# ---------------------------------------------------------------- select / comm dicts
+
+def test_default_patterns():
+    assert DEFAULT_SELECT == (r"feed_forward\.mul", r"feed_forward\.w1\.activation\.silu")
+    assert DEFAULT_COMM == (r".*\.norm",)
+    result = formative(recompute={"select_recompute": True, "select_comm_recompute": [2]})
+    assert result.select_recompute == {r"feed_forward\.mul": ((4,),), r"feed_forward\.w1\.activation\.silu": ((4,),)}
+    assert result.select_comm_recompute == {r".*\.norm": ((2,),)}
+
+
+def test_defaults_with_a_per_chunk_grid():
+    result = seed_formative({"select_comm_recompute": [[1, 0, 0, 0, 0], [0, 0, 0, 0, 9]]})
+    assert result.select_comm_recompute == {r".*\.norm": ((1, 0, 0, 0, 0), (0, 0, 0, 0, 4))}
+
+
+def test_false_gives_the_defaults_with_zero_counts():
+    result = formative(recompute={"select_recompute": False})
+    assert result.select_recompute == {r"feed_forward\.mul": ((0,),), r"feed_forward\.w1\.activation\.silu": ((0,),)}
+
+
+def test_list_of_strings_names_the_patterns_for_all_layers():
+    result = formative(num_layers=6, stages=2, recompute={"select_recompute": ["attention", r"feed_forward\.w2"]})
+    assert result.select_recompute == {"attention": ((3, 3),), r"feed_forward\.w2": ((3, 3),)}
+
+
+def test_dict_maps_each_key_in_order():
+    result = formative(num_layers=6, stages=2, recompute={
+        "select_recompute": {"zeta": [1], "alpha": True, "mid": [[2, 0]]},
+        "select_comm_recompute": {r"attention_norm\.norm": [0, 1]},
+    })
+    assert list(result.select_recompute) == ["zeta", "alpha", "mid"]
+    assert result.select_recompute == {"zeta": ((1, 0),), "alpha": ((3, 3),), "mid": ((2, 0),)}
+    assert result.select_comm_recompute == {r"attention_norm\.norm": ((0, 1),)}
+
+
+def test_invalid_regex_in_a_pattern_key():
+    message = error(recompute={"select_recompute": {r"feed_forward\.w(1": True}})
+    assert "recompute_config.select_recompute.feed_forward\\.w(1: got 'feed_forward\\\\.w(1'" in message
+    assert "Component 'w(1' does not compile" in message
+
+
+def test_empty_component_in_a_pattern_key():
+    message = error(recompute={"select_comm_recompute": [r"ffn_norm\.\.norm"]})
+    assert "recompute_config.select_comm_recompute[0]" in message
+    assert "no empty component" in message
+
+
+def test_bad_value_inside_a_dict_names_the_key():
+    message = error(num_layers=4, stages=2, recompute={"select_recompute": {"attention": [1, 2, 3]}})
+    assert "recompute_config.select_recompute.attention: got [1, 2, 3]; expected at most pipeline_stage (2)" in message
+
+
+# ---------------------------------------------------------------- excludes
+
+def test_exclude_removes_the_same_pattern():
+    result = formative(recompute={"select_recompute": True, "select_recompute_exclude": {r"feed_forward\.mul": True}})
+    assert list(result.select_recompute) == [r"feed_forward\.w1\.activation\.silu"]
+    assert result.select_recompute_exclude == {r"feed_forward\.mul": ((4,),)}
+
+
+def test_exclude_regex_matches_select_literal():
+    result = formative(recompute={"select_recompute": [r"feed_forward\.mul", r"feed_forward\.w2", "attention"],
+                                  "select_recompute_exclude": [r"feed_forward\.w.*"]})
+    assert list(result.select_recompute) == [r"feed_forward\.mul", "attention"]
+
+
+def test_select_regex_matches_exclude_literal():
+    # the select pattern .*\.norm fullmatches the exclude's components ffn_norm, norm
+    result = formative(recompute={"select_comm_recompute": True, "select_comm_recompute_exclude": [r"ffn_norm\.norm"]})
+    assert result.select_comm_recompute == {}
+    assert result.select_comm_recompute_exclude == {r"ffn_norm\.norm": ((4,),)}
+
+
+def test_exclude_needs_the_same_number_of_components():
+    result = formative(recompute={"select_recompute": [r"feed_forward\.mul", "feed_forward"],
+                                  "select_recompute_exclude": [r".*"]})
+    assert list(result.select_recompute) == [r"feed_forward\.mul"]
+
+
+def test_exclude_only_touches_its_own_setting():
+    result = formative(recompute={"select_recompute": ["attention"], "select_comm_recompute": ["attention"],
+                                  "select_recompute_exclude": ["attention"]})
+    assert result.select_recompute == {}
+    assert result.select_comm_recompute == {"attention": ((4,),)}
+
+
+def test_exclude_is_global_whatever_its_counts(caplog):
+    # Deliberate (MindFormers' LayerSetting): an exclude removes the pattern for every layer, even
+    # with counts that select no layer; excludes have no defaults and use count semantics.
+    with caplog.at_level(logging.INFO, logger="swapkit"):
+        result = formative(num_layers=4, stages=2, recompute={
+            "select_recompute": {"attention": True}, "select_recompute_exclude": {"attention": [0, 0]}})
+    assert result.select_recompute == {}
+    assert result.select_recompute_exclude == {"attention": ((0, 0),)}
+    assert ("The pattern attention in select_recompute conflicts with select_recompute_exclude and will be removed."
+            in caplog.messages)
+
+
+def test_exclude_default_is_empty():
+    result = formative(recompute={"select_recompute_exclude": True, "select_comm_recompute_exclude": [1]})
+    assert result.select_recompute_exclude == {} and result.select_comm_recompute_exclude == {}
+    assert list(result.select_recompute) == list(DEFAULT_SELECT)
+
+
+# ---------------------------------------------------------------- swap mode: global layer indices
+
+SWAP_ON = {"swap": True, "op_swap": []}
+
+
+def test_swap_mode_recompute_indices():
+    result = formative(num_layers=6, stages=2, recompute={"recompute": [0, 5, 3]}, swap=SWAP_ON)
+    assert result.layer_recompute == (0, 5, 3)
+    assert formative(num_layers=6, recompute={"recompute": True}, swap=SWAP_ON).layer_recompute is True
+    assert formative(num_layers=6, recompute={"recompute": False}, swap=SWAP_ON).layer_recompute == ()
+
+
+def test_swap_mode_select_dict_and_defaults():
+    result = formative(num_layers=4, recompute={"select_recompute": {"feed_forward": [0, 3], "attention": True},
+                                                "select_comm_recompute": [1]}, swap=SWAP_ON)
+    assert result.select_recompute == {"feed_forward": (0, 3), "attention": True}
+    assert result.select_comm_recompute == {r".*\.norm": (1,)}
+    assert formative(recompute={"select_recompute": False}, swap=SWAP_ON).select_recompute == {
+        r"feed_forward\.mul": (), r"feed_forward\.w1\.activation\.silu": ()}
+
+
+def test_swap_mode_excludes_keep_count_semantics():
+    result = formative(num_layers=4, recompute={"select_recompute_exclude": {"attention": [2]}}, swap=SWAP_ON)
+    assert result.select_recompute_exclude == {"attention": ((2,),)}
+
+
+@pytest.mark.parametrize("key, value, path", [
+    ("recompute", [[0, 1], [2]], "recompute_config.recompute"),
+    ("select_recompute", {"feed_forward": [[0], [1]]}, "recompute_config.select_recompute.feed_forward"),
+    ("select_comm_recompute", [[1, 0]], "recompute_config.select_comm_recompute"),
+])
+def test_swap_mode_two_dimensional_lists_are_errors(key, value, path):
+    message = error(num_layers=4, recompute={key: value}, swap=SWAP_ON)
+    assert f"{path}: got " in message
+    assert "a flat list of global layer indices; 2-D lists are not allowed here" in message
+
+
+@pytest.mark.parametrize("value", [2, "attention", None, 1.5])
+def test_swap_mode_non_list_dict_values_are_errors(value):
+    message = error(num_layers=4, recompute={"select_recompute": {"feed_forward": value}}, swap=SWAP_ON)
+    assert "recompute_config.select_recompute.feed_forward: got " in message
+    assert "expected true, false or a list of layer indices" in message
+
+
+def test_swap_mode_out_of_range_indices():
+    message = error(num_layers=4, recompute={"recompute": [0, 4, -1]}, swap=SWAP_ON)
+    assert "recompute_config.recompute: got [0, 4, -1]; expected layer indices >= 0 < num_layers (4)" in message
+    assert "Out of range: [4, -1]" in message
+
+
+def test_swap_mode_bools_are_not_indices():
+    message = error(num_layers=4, recompute={"recompute": [True, 1]}, swap=SWAP_ON)
+    assert "recompute_config.recompute: got [True, 1]" in message

@@ -1,0 +1,158 @@
+"""swap_config normalization (DESIGN §3 "swap_config"): default strategy, layer_swap, op_swap."""
+from __future__ import annotations
+
+import pytest
+
+from swapkit import ConfigError, build_plan, load_config
+from swapkit.normalize import DEFAULT_SWAP_OP, SwapRule
+
+
+def formative(swap, num_layers=4):
+    config = load_config({"model": {"model_config": {"num_layers": num_layers}}, "swap_config": swap})
+    return build_plan(config).formative
+
+
+def error(swap, num_layers=4) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config({"model": {"model_config": {"num_layers": num_layers}}, "swap_config": swap})
+    return str(info.value)
+
+
+def test_default_strategy_when_both_lists_are_absent():
+    result = formative({"swap": True})
+    assert DEFAULT_SWAP_OP == r".*\.flash_attention"
+    assert result.layer_swap == ()
+    assert result.op_swap == {r".*\.flash_attention": (SwapRule(1, True),)}
+    assert formative({"swap": True, "default_prefetch": 10}).op_swap == {
+        r".*\.flash_attention": (SwapRule(10, True),)}
+
+
+def test_default_strategy_log_lines():
+    lines = formative({"swap": True, "default_prefetch": 10}).log_lines(swap_on=True)
+    assert lines[-2:] == ["Formative layer swap: []",
+                          "Formative op swap: {'.*\\\\.flash_attention': [{'backward_prefetch': 10, 'layers': True}]}"]
+
+
+@pytest.mark.parametrize("swap", [{"swap": True, "op_swap": []}, {"swap": True, "layer_swap": []},
+                                  {"swap": True, "layer_swap": [], "op_swap": []}])
+def test_explicit_empty_list_disables_the_default(swap):
+    result = formative(swap)
+    assert result.layer_swap == () and result.op_swap == {}
+
+
+def test_no_swap_rules_when_swap_is_off():
+    result = formative({"swap": False, "layer_swap": [{"backward_prefetch": 2, "layers": [0]}]})
+    assert result.layer_swap == () and result.op_swap == {}
+    assert result.log_lines(swap_on=False)[-1].startswith("Formative select_comm_recompute_exclude")
+
+
+def test_layer_swap_list_and_single_mapping():
+    result = formative({"swap": True, "layer_swap": [{"backward_prefetch": 20, "layers": [0, 3]},
+                                                          {"backward_prefetch": 5, "layers": [3, 1]}]})
+    assert result.layer_swap == (SwapRule(20, (0, 3)), SwapRule(5, (3, 1)))
+    assert result.op_swap == {}
+    single = formative({"swap": True, "layer_swap": {"backward_prefetch": 2, "layers": [1]}})
+    assert single.layer_swap == (SwapRule(2, (1,)),)
+    assert single.log_lines(True)[-2] == "Formative layer swap: [{'backward_prefetch': 2, 'layers': [1]}]"
+
+
+def test_op_swap_groups_by_op_name_in_order_of_first_appearance():
+    result = formative({"swap": True, "op_swap": [
+        {"op_name": ["feed_forward", "attention"], "backward_prefetch": 1, "layers": [0]},
+        {"op_name": "attention", "backward_prefetch": 2, "layers": [1, 2]},
+        {"op_name": r".*\.norm", "backward_prefetch": 3, "layers": True},
+        {"op_name": "feed_forward", "backward_prefetch": 4, "layers": [3]},
+    ]})
+    assert list(result.op_swap) == ["feed_forward", "attention", r".*\.norm"]
+    assert result.op_swap["feed_forward"] == (SwapRule(1, (0,)), SwapRule(4, (3,)))
+    assert result.op_swap["attention"] == (SwapRule(1, (0,)), SwapRule(2, (1, 2)))
+    assert result.op_swap[r".*\.norm"] == (SwapRule(3, True),)
+
+
+def test_op_swap_single_mapping():
+    result = formative({"swap": True, "op_swap": {"op_name": "attention", "backward_prefetch": 7, "layers": True}})
+    assert result.op_swap == {"attention": (SwapRule(7, True),)}
+
+
+def test_layers_true_collapses_entries_with_one_prefetch():
+    result = formative({"swap": True, "layer_swap": [{"backward_prefetch": 3, "layers": [0]},
+                                                          {"backward_prefetch": 3, "layers": True}]})
+    assert result.layer_swap == (SwapRule(3, True),)
+    result = formative({"swap": True, "op_swap": [
+        {"op_name": "attention", "backward_prefetch": 4, "layers": True},
+        {"op_name": "attention", "backward_prefetch": 4, "layers": [1]},
+        {"op_name": "feed_forward", "backward_prefetch": 9, "layers": [1]},
+    ]})
+    assert result.op_swap == {"attention": (SwapRule(4, True),), "feed_forward": (SwapRule(9, (1,)),)}
+
+
+def test_layers_true_with_inconsistent_prefetch_is_an_error():
+    message = error({"swap": True, "layer_swap": [{"backward_prefetch": 3, "layers": True},
+                                                        {"backward_prefetch": 4, "layers": [1]}]})
+    assert "swap_config.layer_swap[1].backward_prefetch: got 4; expected 3 like the other entries" in message
+    message = error({"swap": True, "op_swap": [
+        {"op_name": "feed_forward", "backward_prefetch": 1, "layers": [0]},
+        {"op_name": "attention", "backward_prefetch": 2, "layers": [0]},
+        {"op_name": "attention", "backward_prefetch": 5, "layers": True},
+    ]})
+    assert "swap_config.op_swap[2].backward_prefetch: got 5; expected 2 like the other entries" in message
+
+
+def test_different_prefetch_without_layers_true_is_fine():
+    result = formative({"swap": True, "layer_swap": [{"backward_prefetch": 3, "layers": [0]},
+                                                          {"backward_prefetch": 4, "layers": False}]})
+    assert result.layer_swap == (SwapRule(3, (0,)), SwapRule(4, ()))
+
+
+@pytest.mark.parametrize("prefetch", [0, -2, True, 1.5, "3"])
+def test_backward_prefetch_must_be_a_positive_int(prefetch):
+    message = error({"swap": True, "layer_swap": [{"backward_prefetch": prefetch, "layers": [0]}]})
+    assert "swap_config.layer_swap[0].backward_prefetch: got " in message
+    assert "expected an integer >= 1" in message
+    message = error({"swap": True, "op_swap": [{"op_name": "a", "backward_prefetch": 1, "layers": [0]},
+                                                     {"op_name": "a", "backward_prefetch": prefetch, "layers": [1]}]})
+    assert "swap_config.op_swap[1].backward_prefetch: got " in message
+
+
+def test_default_prefetch_must_be_a_positive_int():
+    message = error({"swap": True, "default_prefetch": 0})
+    assert "swap_config.default_prefetch: got 0; expected an integer >= 1" in message
+
+
+def test_swap_section_is_validated_when_swap_is_false():
+    message = error({"swap": False, "layer_swap": [{"backward_prefetch": 0, "layers": [9]}],
+                          "op_swap": [{"op_name": "x(", "backward_prefetch": 3, "layers": True},
+                                      {"op_name": "x(", "backward_prefetch": 1, "layers": [0]}]})
+    assert "swap_config.layer_swap[0].backward_prefetch: got 0" in message
+    assert "swap_config.layer_swap[0].layers: got [9]; expected layer indices >= 0 < num_layers (4)" in message
+    assert "swap_config.op_swap[0].op_name: got 'x('" in message
+    message = error({"swap": False, "op_swap": [{"op_name": "a", "backward_prefetch": 3, "layers": True},
+                                                      {"op_name": "a", "backward_prefetch": 1, "layers": [0]}]})
+    assert "swap_config.op_swap[1].backward_prefetch: got 1; expected 3 like the other entries" in message
+
+
+@pytest.mark.parametrize("entry, fragment", [
+    ({"backward_prefetch": 1}, "swap_config.layer_swap[0].layers: is required"),
+    ({"layers": [0]}, "swap_config.layer_swap[0].backward_prefetch: is required"),
+    ({"backward_prefetch": 1, "layers": [0], "op_name": "a"}, "swap_config.layer_swap[0].op_name: unknown key"),
+    ({"backward_prefetch": 1, "layer": [0]}, "swap_config.layer_swap[0].layer: unknown key; did you mean 'layers'?"),
+    ({"backward_prefetch": 1, "layers": [[0, 1]]}, "2-D lists are not allowed here"),
+    ({"backward_prefetch": 1, "layers": 2}, "swap_config.layer_swap[0].layers: got 2"),
+    ("layers", "swap_config.layer_swap[0]: got 'layers'; expected a mapping"),
+])
+def test_bad_layer_swap_entries(entry, fragment):
+    assert fragment in error({"swap": True, "layer_swap": [entry]})
+
+
+def test_op_swap_needs_op_name():
+    message = error({"swap": True, "op_swap": [{"backward_prefetch": 1, "layers": [0]}]})
+    assert "swap_config.op_swap[0].op_name: is required" in message
+    message = error({"swap": True, "op_swap": [{"op_name": [], "backward_prefetch": 1, "layers": [0]}]})
+    assert ("swap_config.op_swap[0].op_name: got []; expected a non-empty string or a non-empty list of strings"
+            in message)
+
+
+def test_swap_lists_of_the_wrong_type():
+    message = error({"swap": True, "layer_swap": "all", "op_swap": 3})
+    assert "swap_config.layer_swap: got 'all'; expected a list of {backward_prefetch, layers} mappings" in message
+    assert "swap_config.op_swap: got 3; expected a list of {op_name, backward_prefetch, layers} mappings" in message
