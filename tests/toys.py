@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import threading
-from concurrent.futures import Future
+
 
 import torch
 from torch import nn
@@ -49,7 +49,7 @@ def layer_swap(k: int, layers=True, **runtime) -> dict:
 class ReadyWhenDone(ThreadCopyEngine):
     """``ready`` waits for the copy: releases then happen exactly at their horizon (deterministic)."""
 
-    def ready(self, copy: Future) -> bool:
+    def ready(self, copy) -> bool:
         copy.result()
         return True
 

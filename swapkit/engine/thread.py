@@ -10,12 +10,26 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from concurrent.futures import Future
 from typing import Callable
 
 import torch
 
 from swapkit.engine.base import Waited
+
+
+class ThreadCopy:
+    """Completion of one copy: the worker sets ``done`` (or ``error``); waiters block on it."""
+
+    __slots__ = ("done", "error")
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+    def result(self) -> None:
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
 
 
 class ThreadCopyEngine:
@@ -41,17 +55,17 @@ class ThreadCopyEngine:
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)
 
-    def offload(self, src: torch.Tensor, dst: torch.Tensor) -> Future:
+    def offload(self, src: torch.Tensor, dst: torch.Tensor) -> ThreadCopy:
         return self._submit(lambda: self._copy(dst, src))
 
-    def prefetch(self, src: torch.Tensor) -> tuple[torch.Tensor, Future]:
+    def prefetch(self, src: torch.Tensor) -> tuple[torch.Tensor, ThreadCopy]:
         dst = torch.empty(src.numel(), dtype=torch.uint8, device=self.device)
         return dst, self._submit(lambda: self._copy(dst, src))
 
-    def ready(self, copy: Future) -> bool:
-        return copy.done()
+    def ready(self, copy: ThreadCopy) -> bool:
+        return copy.done.is_set()
 
-    def wait(self, copy: Future, timed: bool = False) -> Waited:
+    def wait(self, copy: ThreadCopy, timed: bool = False) -> Waited:
         start = time.perf_counter()
         copy.result()
         return Waited(time.perf_counter() - start)
@@ -73,11 +87,12 @@ class ThreadCopyEngine:
             time.sleep(delay)  # the bytes arrive only after the link would have delivered them
         dst.copy_(src)
 
-    def _submit(self, job: Callable[[], None]) -> Future:
-        self._ensure_worker()
-        future: Future = Future()
-        self._jobs.put((job, future))
-        return future
+    def _submit(self, job: Callable[[], None]) -> ThreadCopy:
+        if self._worker is None:
+            self._ensure_worker()
+        copy = ThreadCopy()
+        self._jobs.put((job, copy))
+        return copy
 
     def _ensure_worker(self) -> None:
         with self._start_lock:
@@ -90,10 +105,9 @@ class ThreadCopyEngine:
             item = self._jobs.get()
             if item is None:
                 return
-            job, future = item
+            job, copy = item
             try:
                 job()
             except BaseException as err:  # noqa: BLE001 - handed to the waiting unpack
-                future.set_exception(err)
-            else:
-                future.set_result(None)
+                copy.error = err
+            copy.done.set()
