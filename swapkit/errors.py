@@ -30,7 +30,8 @@ class ConfigError(ValueError):
         self.source = source
         where = f" in {source}" if source else ""
         count = len(self.problems)
-        lines = [f"invalid swapkit config{where} ({count} problem{'s' if count != 1 else ''}):"]
+        what = "command line" if all(p.path.startswith("--") for p in self.problems) else f"config{where}"
+        lines = [f"invalid swapkit {what} ({count} problem{'s' if count != 1 else ''}):"]
         lines += [f"  - {p}" for p in self.problems]
         super().__init__("\n".join(lines))
 

@@ -54,6 +54,8 @@ from swapkit.stats import SwapStats
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_GLOB = "step_*.pt"
+SUMMED_STATS = ("saved_bytes", "offloaded_bytes", "prefetched_bytes", "late_fetches", "wait_seconds")
+PEAK_STATS = ("peak_device_bytes", "host_pool_bytes")
 
 
 @dataclass(frozen=True)
@@ -72,7 +74,7 @@ class SyntheticTokens:
     def batch(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and targets ``[batch_size, seq_length]`` of micro-batch ``micro`` of ``step``."""
         key = hashlib.blake2b(f"{self.seed}:{step}:{micro}".encode(), digest_size=8).digest()
-        gen = torch.Generator().manual_seed(int.from_bytes(key, "little") >> 1)
+        gen = torch.Generator().manual_seed(int.from_bytes(key, "little"))
         tokens = torch.empty(self.batch_size, self.seq_length + 1, dtype=torch.long)
         tokens[:, 0] = torch.randint(self.vocab_size, (self.batch_size,), generator=gen)
         for t in range(1, self.seq_length + 1):
@@ -106,11 +108,6 @@ class RunState:
     metrics_out: Path | None = None
     status: str = "running"
 
-    @property
-    def autocast(self) -> torch.autocast:
-        bf16 = self.config.train.dtype == "bf16"
-        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16)
-
 
 def train_from_args(args: argparse.Namespace) -> int:
     """Run ``swapkit train`` from parsed CLI arguments; returns the exit status.
@@ -119,8 +116,9 @@ def train_from_args(args: argparse.Namespace) -> int:
         ConfigError: bad config or device (the CLI exits 2); KeyboardInterrupt propagates (130).
     """
     config = load_config(args.config, args.overrides)
-    train(config, steps=args.steps, device=args.device, metrics_out=args.metrics_out,
-          progress=not args.no_progress)
+    result = train(config, steps=args.steps, device=args.device, metrics_out=args.metrics_out,
+                   progress=not args.no_progress)
+    print(format_summary(result.summary))
     return 0
 
 
@@ -136,7 +134,7 @@ def train(config: Config | Mapping[str, Any] | str | Path, steps: int | None = N
         progress: show a tqdm bar on stderr (only when it is a terminal).
 
     Returns:
-        A :class:`TrainResult`; the summary table has been printed to stdout.
+        A :class:`TrainResult`; :func:`format_summary` renders its summary as the CLI's table.
 
     Raises:
         ConfigError: invalid config, ``cuda`` without CUDA, ``resume`` without ``save_dir``.
@@ -147,21 +145,24 @@ def train(config: Config | Mapping[str, Any] | str | Path, steps: int | None = N
         >>> result.losses  # doctest: +SKIP
     """
     config = config if isinstance(config, Config) else load_config(config)
-    run = _start(config, _resolve_device(config, device), _resolve_steps(config, steps), metrics_out)
+    run = _start(config, resolve_device(config, device), _resolve_steps(config, steps), metrics_out)
     try:
         _loop(run, progress)
     except BaseException as err:
         _close(run, "interrupted" if isinstance(err, KeyboardInterrupt) else "failed")
         raise
     _close(run, "completed")
-    summary = summarize(run)
-    print(format_summary(summary))
-    return TrainResult([r["loss"] for r in run.records], run.records, summary)
+    return TrainResult([r["loss"] for r in run.records], run.records, summarize(run))
 
 
 # ---------------------------------------------------------------------- setup
 
-def _resolve_device(config: Config, override: str | None) -> torch.device:
+def resolve_device(config: Config, override: str | None = None) -> torch.device:
+    """The device to train on; for CUDA also the allocator setting (before any CUDA allocation).
+
+    Raises:
+        ConfigError: ``cuda`` was asked for and ``torch.cuda.is_available()`` is false.
+    """
     name, key = (override, "--device") if override else (config.train.device, "train.device")
     if name == "cuda":
         # Must precede the first CUDA allocation; the user's own setting wins.
@@ -204,9 +205,8 @@ def environment(config: Config, device: torch.device) -> dict[str, Any]:
            "platform": platform.platform(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
            "device": str(device), "dtype": config.train.dtype, "config": config.source}
     if device.type == "cuda":
-        env["gpu"] = torch.cuda.get_device_name(device)
-        env["cuda"] = torch.version.cuda
-        env["pytorch_cuda_alloc_conf"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+        env.update(gpu=torch.cuda.get_device_name(device), cuda=torch.version.cuda,
+                   pytorch_cuda_alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
     return env
 
 
@@ -244,8 +244,9 @@ def _train_step(run: RunState, step: int) -> dict[str, Any]:
 
 def _micro_step(run: RunState, step: int, micro: int, accumulation: int) -> float:
     inputs, targets = (t.to(run.device) for t in run.data.batch(step, micro))
+    bf16 = run.config.train.dtype == "bf16"
     with run.session:  # forward and backward of one micro-batch are one swap step
-        with run.autocast:
+        with torch.autocast(run.device.type, dtype=torch.bfloat16, enabled=bf16):
             logits = run.model(inputs)
         loss = lm_loss(logits, targets) / accumulation
         loss.backward()
@@ -253,21 +254,15 @@ def _micro_step(run: RunState, step: int, micro: int, accumulation: int) -> floa
 
 
 def _step_record(step: int, loss: float, seconds: float, stats: list[SwapStats]) -> dict[str, Any]:
-    """One entry of ``metrics["steps"]``: micro-batch stats summed (bytes) or maxed (peaks)."""
-    return {
-        "step": step, "loss": loss, "step_time_s": seconds,
-        "peak_device_bytes": max(s.peak_device_bytes for s in stats),
-        "offloaded_bytes": sum(s.offloaded_bytes for s in stats),
-        "prefetched_bytes": sum(s.prefetched_bytes for s in stats),
-        "saved_bytes": sum(s.saved_bytes for s in stats),
-        "late_fetches": sum(s.late_fetches for s in stats),
-        "wait_seconds": sum(s.wait_seconds for s in stats),
-        "host_pool_bytes": max(s.host_pool_bytes for s in stats),
-    }
+    """One entry of ``metrics["steps"]``: the micro-batches' stats summed (bytes, waits) or maxed (peaks)."""
+    record: dict[str, Any] = {"step": step, "loss": loss, "step_time_s": seconds}
+    record.update({key: sum(getattr(s, key) for s in stats) for key in SUMMED_STATS})
+    record.update({key: max(getattr(s, key) for s in stats) for key in PEAK_STATS})
+    return record
 
 
 def _report_step(run: RunState, record: dict[str, Any], bar: tqdm, bar_off: bool) -> None:
-    figures = {"loss": f"{record['loss']:.4f}", "step": f"{record['step_time_s'] * 1e3:.0f}ms",
+    figures = {"loss": f"{record['loss']:.4f}", "time": f"{record['step_time_s'] * 1e3:.0f}ms",
                "peak": human_bytes(record["peak_device_bytes"]), "offloaded": human_bytes(record["offloaded_bytes"])}
     if bar_off:
         logger.info("step %d/%d %s", record["step"], run.total_steps,
@@ -320,7 +315,10 @@ def _resume(run: RunState) -> None:
         logger.warning("train.resume: no checkpoint in %s; starting from step 0", run.config.train.save_dir)
         return
     state = torch.load(path, map_location=run.device, weights_only=True)
-    run.model.load_state_dict(state["model"])
+    try:
+        run.model.load_state_dict(state["model"])
+    except RuntimeError as err:
+        raise ConfigError([Problem("train.resume", f"{path} does not fit model.model_config: {err}")]) from None
     run.optimizer.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["rng"]["torch"].cpu())
     if "cuda" in state["rng"] and run.device.type == "cuda":
@@ -342,24 +340,18 @@ def _write_metrics(run: RunState) -> None:
 
 
 def summarize(run: RunState) -> dict[str, Any]:
-    """Medians and peaks over the steps so far; Note [Memory figures]."""
-    records = run.records
-    summary: dict[str, Any] = {"status": run.status, "steps": len(records), "device": str(run.device),
+    """Medians, totals and peaks over the steps so far; Note [Memory figures]."""
+    summary: dict[str, Any] = {"status": run.status, "steps": len(run.records), "device": str(run.device),
                                "memory_accounting": "swap session (device-resident saved activations)"}
-    if not records:
+    if not run.records:
         return summary
-    column = lambda key: [r[key] for r in records]  # noqa: E731
-    summary.update({
-        "first_loss": records[0]["loss"], "final_loss": records[-1]["loss"],
-        "median_step_time_s": statistics.median(column("step_time_s")),
-        "peak_device_bytes": max(column("peak_device_bytes")),
-        "offloaded_bytes_per_step": statistics.median(column("offloaded_bytes")),
-        "prefetched_bytes_per_step": statistics.median(column("prefetched_bytes")),
-        "saved_bytes_per_step": statistics.median(column("saved_bytes")),
-        "late_fetches": sum(column("late_fetches")),
-        "wait_seconds": sum(column("wait_seconds")),
-        "host_pool_bytes": max(column("host_pool_bytes")),
-    })
+    column = {key: [r[key] for r in run.records] for key in run.records[0]}
+    summary.update(first_loss=column["loss"][0], final_loss=column["loss"][-1],
+                   median_step_time_s=statistics.median(column["step_time_s"]),
+                   late_fetches=sum(column["late_fetches"]), wait_seconds=sum(column["wait_seconds"]))
+    summary.update({key: max(column[key]) for key in PEAK_STATS})
+    summary.update({f"{key}_per_step": statistics.median(column[key])
+                    for key in ("saved_bytes", "offloaded_bytes", "prefetched_bytes")})
     if run.device.type == "cuda":
         summary["cuda_max_memory_allocated"] = torch.cuda.max_memory_allocated(run.device)
     return summary
@@ -367,6 +359,8 @@ def summarize(run: RunState) -> dict[str, Any]:
 
 def format_summary(summary: Mapping[str, Any]) -> str:
     """The end-of-run table printed to stdout."""
+    if not summary.get("steps"):
+        return "swapkit train summary: no steps were run"
     where = "session accounting, not RSS" if summary["device"] == "cpu" else "session accounting"
     rows = [("steps", str(summary["steps"])),
             ("loss (first -> final)", f"{summary['first_loss']:.4f} -> {summary['final_loss']:.4f}"),
