@@ -19,6 +19,15 @@ between; anything else raises instead of computing the wrong thing. The last pas
 unit lets go of the unit's output and arguments, so no tensor (nor the graph behind it) outlives
 the forward that made it; a pass-through called outside a unit's forward computes its layer.
 
+Note [What an op-level region saves]
+A checkpointed op scope saves its inputs instead of what it saves inside; its output is saved
+(or not) by its consumers as usual. So a region around one elementwise op (MindFormers' default
+``feed_forward.mul`` and ``feed_forward.w1.activation.silu``) frees nothing: its inputs are what
+it saved anyway, and the consumer still saves its output. MindSpore's op recompute instead drops
+the op's *output* and recomputes it for the consumer's backward; ``torch.utils.checkpoint``
+regions cannot express that. Scopes that save more than they take in (``feed_forward``,
+``attention``, the norms' internals) do free memory.
+
 Note [Keyword arguments of checkpointed modules]
 ``torch.utils.checkpoint`` takes keyword arguments of its own (``debug``, ``early_stop``,
 ``context_fn``, ``determinism_check``, ...). A module keyword with one of those names would be
