@@ -50,7 +50,7 @@ def apply(model: nn.Module, config: Config | Plan | Mapping[str, Any] | str | Pa
     plan = as_plan(config)
     binding = bind(model, plan, layers)
     _log(plan, binding)
-    recompute = Recompute(binding, plan.use_reentrant)
+    recompute = Recompute(binding, plan.use_reentrant, recompute_outputs=plan.dialect == "mindformers")
     recompute.apply()
     tracker = ScopeTracker()
     tracker.install(binding)

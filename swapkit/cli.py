@@ -68,15 +68,17 @@ def run_plan(args: argparse.Namespace) -> int:
     from swapkit.loader import load_config
     from swapkit.model import build_model
     from swapkit.plan import build_plan
-    from swapkit.report import plan_report, table
+    from swapkit.report import plan_report, table, with_exact_overridden
 
     config = load_config(args.config, args.overrides)
     plan = build_plan(config)
     for line in plan.log_lines():
         logger.info(line)
     model = build_model(config.model, device="meta")  # op paths of the built-in model, no memory
-    for level, message in plan_report(plan, [module_tree(layer) for layer in model.layers]):
+    trees = [module_tree(layer) for layer in model.layers]
+    for level, message in plan_report(plan, trees):
         logger.log(logging.getLevelName(level), message)
+    plan = with_exact_overridden(plan, trees)
     if args.json:
         print(json.dumps(plan.to_json(), indent=2))
     else:

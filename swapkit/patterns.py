@@ -39,9 +39,12 @@ def same_scope(a: str, b: str) -> bool:
 
 
 def covers(outer: str, inner: str) -> bool:
-    """``inner``'s scope is ``outer``'s scope or lies inside it (component-wise prefix match)."""
+    r"""Every scope ``inner`` can name lies in (or is) a scope ``outer`` names, as far as can be
+    told without a model: each component of ``outer`` fullmatches ``inner``'s component read as a
+    literal name. ``feed_forward`` covers ``feed_forward\.mul``; ``feed_forward`` does not cover
+    ``.*\.wq`` (which may name ``attention.wq``)."""
     po, pi = split(outer), split(inner)
-    return len(po) <= len(pi) and all(components_match(x, y) for x, y in zip(po, pi))
+    return len(po) <= len(pi) and all(_fullmatch(x, y) for x, y in zip(po, pi))
 
 
 def resolve(tree: dict, pattern: str) -> list[str]:

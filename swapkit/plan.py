@@ -164,7 +164,12 @@ def _selects(spec: Any, layer: int, layout: Layout, swap_mode: bool) -> bool:
 
 def _overridden(full: bool, recomputed: tuple[str, ...], layer_swap: int | None,
                 op_swap: tuple[tuple[str, int], ...]) -> tuple[str, ...]:
-    """Swaps that cannot act because recompute owns the tensors (DESIGN §4 "Recompute wins")."""
+    """Swaps that cannot act because recompute owns the tensors (DESIGN §4 "Recompute wins").
+
+    Without a model this is decided on the patterns (:func:`swapkit.patterns.covers`); binding to
+    a model decides it on the real sub-modules (:func:`swapkit.report.exact_overridden`), which is
+    what ``swapkit plan`` prints for the built-in model and what ``apply`` warns about.
+    """
     if full:
         return (("layer",) if layer_swap is not None else ()) + tuple(p for p, _ in op_swap)
     return tuple(p for p, _ in op_swap if any(patterns.covers(r, p) for r in recomputed))

@@ -22,11 +22,10 @@ the forward that made it; a pass-through called outside a unit's forward compute
 Note [What an op-level region saves]
 A checkpointed op scope saves its inputs instead of what it saves inside; its output is saved
 (or not) by its consumers as usual. So a region around one elementwise op (MindFormers' default
-``feed_forward.mul`` and ``feed_forward.w1.activation.silu``) frees nothing: its inputs are what
-it saved anyway, and the consumer still saves its output. MindSpore's op recompute instead drops
-the op's *output* and recomputes it for the consumer's backward; ``torch.utils.checkpoint``
-regions cannot express that. Scopes that save more than they take in (``feed_forward``,
-``attention``, the norms' internals) do free memory.
+``feed_forward.mul`` and ``feed_forward.w1.activation.silu``) frees nothing by itself: its inputs
+are what it saved anyway, and the consumer still saves its output. For MindFormers scopes the
+swap session therefore also drops the output (``swapkit.recipes.Note [Output recompute]``);
+Megatron scopes keep Megatron's checkpoint-region semantics.
 
 Note [Keyword arguments of checkpointed modules]
 ``torch.utils.checkpoint`` takes keyword arguments of its own (``debug``, ``early_stop``,
@@ -44,14 +43,17 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from swapkit.binding import Binding, BoundLayer
+from swapkit.recipes import capture_state
 
 
 class Recompute:
     """Applies and removes the recompute wrappers of a binding."""
 
-    def __init__(self, binding: Binding, use_reentrant: bool = False) -> None:
+    def __init__(self, binding: Binding, use_reentrant: bool = False, recompute_outputs: bool = False) -> None:
         self.binding = binding
         self.use_reentrant = use_reentrant
+        self.recompute_outputs = recompute_outputs  # MindFormers op semantics, Note [What an op-level ...]
+        self.output_sink: Any = None  # the swap session, which records recipes while it is active
         self._restore: list[tuple[nn.Module, Any]] = []
         self.wrapped: list[str] = []  # "layer 2: feed_forward", "layers 0-1" ... in apply order
 
@@ -66,7 +68,7 @@ class Recompute:
                     self._wrap_unit(self.binding.layers[first:last + 1])
                 continue
             for path in outermost(layer.scopes.select + layer.scopes.comm):  # Note [Outermost scope wins]
-                self._wrap(layer.submodule(path), f"layer {layer.index}: {path}")
+                self._wrap(layer.submodule(path), f"layer {layer.index}: {path}", self.recompute_outputs)
 
     def remove(self) -> None:
         for module, previous in reversed(self._restore):
@@ -82,13 +84,18 @@ class Recompute:
         module.forward = forward
         self.wrapped.append(label)
 
-    def _wrap(self, module: nn.Module, label: str) -> None:
+    def _wrap(self, module: nn.Module, label: str, outputs: bool = False) -> None:
         original = module.forward
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             if not (module.training and torch.is_grad_enabled()):
                 return original(*args, **kwargs)
-            return self._checkpoint(original, args, kwargs, label)
+            sink = self.output_sink if outputs else None
+            state = capture_state(args, kwargs) if sink is not None and sink.records_recipes() else None
+            out = self._checkpoint(original, args, kwargs, label)
+            if state is not None:
+                sink.record_recipe(original, args, kwargs, state, out)
+            return out
 
         self._replace_forward(module, forward, label)
 

@@ -12,7 +12,7 @@ spaces (MindFormers' own line has a doubled space for nested matches).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from swapkit import patterns
 from swapkit.plan import LayerPlan, Plan
@@ -44,6 +44,23 @@ def resolve_layer(layer: LayerPlan, tree: dict) -> LayerScopes:
         if owner:
             scopes.overridden.append((f"op swap {path}", owner))
     return scopes
+
+
+def exact_overridden(layer: LayerPlan, scopes: LayerScopes) -> tuple[str, ...]:
+    """``overridden`` decided on real paths: ``"layer"``, and op patterns all of whose scopes are
+    recomputed (or inside a recomputed scope)."""
+    hit = {what for what, _ in scopes.overridden}
+    patterns_hit = [pattern for pattern, _ in layer.op_swap
+                    if (paths := [p for q, p, _ in scopes.op_swap if q == pattern])
+                    and all(f"op swap {p}" in hit for p in paths)]
+    return (("layer",) if "layer swap" in hit else ()) + tuple(patterns_hit)
+
+
+def with_exact_overridden(plan: Plan, trees: list[dict]) -> Plan:
+    """The plan with ``overridden`` decided against a concrete module tree per layer."""
+    layers = tuple(replace(layer, overridden=exact_overridden(layer, resolve_layer(layer, tree)))
+                   for layer, tree in zip(plan.layers, trees))
+    return replace(plan, layers=layers)
 
 
 def _paths(tree: dict, pattern_list: tuple[str, ...]) -> list[str]:

@@ -25,6 +25,7 @@ from torch import nn
 from swapkit.binding import Binding
 from swapkit.engine import CopyEngine, HostPool, make_engine
 from swapkit.plan import Plan
+from swapkit.recipes import Recipe, tensor_leaves
 from swapkit.recompute import Recompute
 from swapkit.records import Saved
 from swapkit.scope import ScopeTracker
@@ -55,6 +56,7 @@ class SwapSession:
         self._forward_ticks: int | None = None  # forward length of the last step, for the tail
         self._hooks: Any = None
         self._removed = False
+        recompute.output_sink = self
 
     # ------------------------------------------------------------------ context manager
 
@@ -104,6 +106,23 @@ class SwapSession:
             return saved.keeper
         return record.restore(saved.meta, saved.tick)
 
+    # ------------------------------------------------------------------ output recompute
+
+    def records_recipes(self) -> bool:
+        """Recipes are recorded in forward while the session is active (Note [Output recompute])."""
+        return self._hooks is not None and torch._C._current_graph_task_id() == -1
+
+    def record_recipe(self, function: Any, args: tuple, kwargs: dict, state: tuple, out: Any) -> None:
+        """After a selected scope ran: remember how to rebuild its outputs for their consumers."""
+        def pack(value: Any) -> Any:
+            return self._pack(value) if isinstance(value, torch.Tensor) else value
+
+        inputs = {id(v.untyped_storage()) for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)}
+        packed_args, packed_kwargs = tuple(pack(a) for a in args), {k: pack(v) for k, v in kwargs.items()}
+        step = self._step  # _pack above opened a new step if this is the next micro-batch
+        recipe = Recipe(step, function, packed_args, packed_kwargs, self._unpack, *state)
+        step.register_outputs(recipe, tensor_leaves(out), inputs)
+
     # ------------------------------------------------------------------ steps
 
     def _start_step(self) -> Step:
@@ -148,6 +167,7 @@ class SwapSession:
             return
         self.tracker.remove()
         self.recompute.remove()
+        self.recompute.output_sink = None
         if self._step is not None:
             self._step.close()
         if self.engine is not None:

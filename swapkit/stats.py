@@ -23,6 +23,8 @@ class SwapStats:
     prefetched_bytes: int = 0
     tail_bytes: int = 0  # offloaded but still on the device when backward began (used as is)
     prefetch_lead_ticks: int = 0  # sum over prefetches of (issue tick - first-use tick)
+    recomputed_output_bytes: int = 0  # saves of selected ops' outputs replaced by a recipe (not held)
+    output_recomputes: int = 0  # recipes run in backward to rebuild those outputs
     late_fetches: int = 0  # unpacks that had to wait for (or issue) their copy
     wait_seconds: float = 0.0  # time those unpacks waited
     peak_device_bytes: int = 0

@@ -25,6 +25,7 @@ import torch
 
 from swapkit.config import RuntimeConfig
 from swapkit.engine import CopyEngine, HostPool
+from swapkit.recipes import Recipe, RecomputedOutput
 from swapkit.records import KeptRecord, Saved, SwapRecord, storage_bytes, view_meta
 from swapkit.schedule import TickQueue
 from swapkit.scope import Frame
@@ -51,6 +52,7 @@ class Step:
         self.clock = 0
         self.backward_started = self.aborted = False
         self._index: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+        self._recomputable: dict[int, tuple[weakref.ref, RecomputedOutput]] = {}
         self._skipped_storages: set[int] = set()
         self._release: TickQueue[SwapRecord] = TickQueue(_horizon)
         self._pending: list[SwapRecord] = []
@@ -79,6 +81,9 @@ class Step:
             return Saved(tensor, version, self, tick, None, None, frame)
         record = self._lookup(key, storage, version)
         if record is None:
+            recomputed = self._recomputed(key, storage, version)
+            if recomputed is not None:
+                return self._recomputed_handle(tensor, recomputed, tick, frame, version)
             record = self._new_record(tensor, storage, key, nbytes, tick, frame, version)
         if not record.swapped:
             return Saved(tensor, version, self, tick, record, None, frame)
@@ -101,6 +106,44 @@ class Step:
         if storage_ref() is not storage or record is None or record.version != version:
             return None  # a new storage at a recycled id, or the old data was overwritten since
         return record
+
+    def register_outputs(self, recipe: Recipe, outputs: list[torch.Tensor], inputs: set[int]) -> None:
+        """Outputs a recipe can rebuild (``swapkit.recipes.Note [Output recompute]``)."""
+        for index, output in enumerate(outputs):
+            storage = output.untyped_storage()
+            key = id(storage)
+            if key in inputs or key in self.param_storages or output.device != self.device or not storage.nbytes():
+                continue  # an input passed through, or nothing to free
+            entry = RecomputedOutput(recipe, index, output._version, storage.nbytes())
+            self._recomputable[key] = (weakref.ref(storage, self._forget_recomputable(key)), entry)
+
+    def _forget_recomputable(self, key: int) -> Callable[[weakref.ref], None]:
+        def forget(ref: weakref.ref) -> None:  # the storage died: no later save can find it
+            found = self._recomputable.get(key)
+            if found is not None and found[0] is ref:
+                del self._recomputable[key]
+
+        return forget
+
+    def _recomputed(self, key: int, storage: torch.UntypedStorage, version: int) -> RecomputedOutput | None:
+        found = self._recomputable.get(key)
+        if found is None or found[0]() is not storage or found[1].version != version:
+            return None  # unknown, recycled id, or changed in place after the op produced it
+        return found[1]
+
+    def _recomputed_handle(self, tensor: torch.Tensor, recomputed: RecomputedOutput, tick: int,
+                           frame: Frame | None, version: int) -> Saved:
+        if not recomputed.counted:
+            recomputed.counted = True
+            self.stats.recomputed_output_bytes += recomputed.nbytes
+        keeper = tensor.detach()
+        with torch.autograd._unsafe_preserve_version_counter(keeper):
+            keeper.set_()  # tracks in-place writes, holds no memory (swapkit.records Note [Version keepers])
+        return Saved(keeper, version, self, tick, recomputed, view_meta(tensor), frame)
+
+    def output_recomputed(self, nbytes: int) -> None:
+        self.stats.output_recomputes += 1
+        self.device_bytes_added(nbytes)
 
     def _new_record(self, tensor: torch.Tensor, storage: torch.UntypedStorage, key: int, nbytes: int, tick: int,
                     frame: Frame | None, version: int) -> Any:
@@ -198,6 +241,7 @@ class Step:
         self._prefetch.drain()
         self._pending = []
         self._index.clear()
+        self._recomputable.clear()
 
     def snapshot(self) -> SwapStats:
         """The counters as a plain :class:`SwapStats` (resolves CUDA timings)."""

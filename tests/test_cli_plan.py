@@ -276,3 +276,22 @@ def test_usage_error_exits_2(capsys):
         main(["plan"])
     assert info.value.code == 2
     assert "the following arguments are required: config" in capsys.readouterr().err
+
+
+def test_cli_json_overridden_is_exact_for_the_builtin_model(tmp_path, capsys):
+    """Megatron core_attn recomputes attention.flash_attention; the default swap `.*\\.flash_attention`
+    names exactly that scope, which only the module tree can tell."""
+    import json
+
+    import yaml
+
+    from swapkit.cli import main
+
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({
+        "model": {"model_config": {"num_layers": 2}},
+        "recompute_config": {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]},
+        "swap_config": {"swap": True}}))
+    assert main(["plan", str(path), "--json"]) == 0
+    layers = json.loads(capsys.readouterr().out)["layers"]
+    assert [layer["overridden"] for layer in layers] == [[r".*\.flash_attention"]] * 2

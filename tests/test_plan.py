@@ -342,3 +342,17 @@ def test_json_seed_layout():
     assert len(data["layers"]) == 48
     layer24 = data["layers"][24]
     assert (layer24["stage"], layer24["chunk"], layer24["full"], layer24["select"]) == (0, 1, True, [])
+
+
+def test_overridden_is_not_over_reported_for_regex_op_patterns():
+    """A select of feed_forward must not mark an op swap of `.*\\.wq` (attention.wq) as overridden."""
+    from swapkit import build_plan, load_config
+
+    raw = {"model": {"model_config": {"num_layers": 2}},
+           "recompute_config": {"select_recompute": {"feed_forward": [0]}},
+           "swap_config": {"swap": True, "op_swap": [
+               {"op_name": r".*\.wq", "backward_prefetch": 1, "layers": [0]},
+               {"op_name": r"feed_forward\.w1", "backward_prefetch": 1, "layers": [0]}]}}
+    plan = build_plan(load_config(raw))
+    assert plan.layers[0].overridden == (r"feed_forward\.w1",)
+

@@ -1,0 +1,111 @@
+"""Output recompute: MindSpore's op-level recompute semantics for MindFormers ``select_*`` scopes.
+
+Note [Output recompute]
+MindSpore's op recompute drops an op's *output* and recomputes it for the backward of whoever
+consumes it. A ``torch.utils.checkpoint`` region cannot express that: it saves its inputs instead
+of its internals, but its output is still saved by its consumer (``w2`` saves the output of
+``feed_forward.mul``), so a region around one elementwise op frees nothing. For MindFormers
+``select_recompute`` / ``select_comm_recompute`` scopes the session therefore also records a
+*recipe* after each call: the scope's forward, its inputs (packed through the session, so they
+join the storage records that already hold them), the RNG state before the call and the
+autocast state. When a later save in forward hits a storage the recipe produced, unchanged
+(same version), the session stores a :class:`RecomputedOutput` handle instead of the tensor: no
+device memory is held. The consumer's unpack in backward runs the recipe once under
+``no_grad`` with the RNG and autocast state restored, and rebuilds the saved view on the result.
+The recomputed bytes are identical because the op, its inputs and its random state are.
+
+Recipes exist only while a session is active; outside ``with session:`` a selected scope is a
+plain checkpoint region. The Megatron dialect keeps Megatron's semantics (checkpoint regions
+only). The cost is one extra forward of the scope in backward, on top of the checkpoint region's
+own recomputation.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+from torch.utils.checkpoint import get_device_states, set_device_states
+
+from swapkit.records import rebuild
+
+if TYPE_CHECKING:
+    from swapkit.step import Step
+
+
+class Recipe:
+    """How to rebuild the outputs of one call of a recomputed scope."""
+
+    __slots__ = ("step", "function", "args", "kwargs", "unpack", "rng", "autocast", "outputs", "nbytes",
+                 "__weakref__")
+
+    def __init__(self, step: Step, function: Callable[..., Any], args: tuple, kwargs: dict,
+                 unpack: Callable[[Any], torch.Tensor], rng: tuple, autocast: tuple) -> None:
+        self.step, self.function, self.args, self.kwargs = step, function, args, kwargs
+        self.unpack, self.rng, self.autocast = unpack, rng, autocast
+        self.outputs: list[torch.Tensor] | None = None
+        self.nbytes = 0
+
+    def materialize(self) -> list[torch.Tensor]:
+        """Run the scope again (once) and return its tensor outputs in forward order."""
+        if self.outputs is None:
+            args = [self.unpack(a) if _is_packed(a) else a for a in self.args]
+            kwargs = {k: self.unpack(v) if _is_packed(v) else v for k, v in self.kwargs.items()}
+            cpu_state, devices, states = self.rng
+            device_type, dtype, enabled = self.autocast
+            with torch.random.fork_rng(devices=devices), torch.no_grad():
+                torch.set_rng_state(cpu_state)
+                set_device_states(devices, states)
+                with torch.autocast(device_type, dtype=dtype, enabled=enabled):
+                    self.outputs = tensor_leaves(self.function(*args, **kwargs))
+            self.nbytes = sum(t.untyped_storage().nbytes() for t in self.outputs)
+            self.step.output_recomputed(self.nbytes)
+        return self.outputs
+
+    def __del__(self) -> None:
+        if self.nbytes:
+            self.step.device_bytes_freed(self.nbytes)
+
+
+class RecomputedOutput:
+    """A storage a recipe produced; stands in for it in every save that finds it unchanged."""
+
+    __slots__ = ("recipe", "index", "version", "nbytes", "counted", "__weakref__")
+    swapped = True
+    released = True  # never held on the device: every unpack goes through restore()
+
+    def __init__(self, recipe: Recipe, index: int, version: int, nbytes: int) -> None:
+        self.recipe, self.index, self.version, self.nbytes = recipe, index, version, nbytes
+        self.counted = False  # in the step's recomputed_output_bytes
+
+    def restore(self, meta: tuple, tick: int) -> torch.Tensor:
+        output = self.recipe.materialize()[self.index]
+        if output.untyped_storage().nbytes() != self.nbytes:
+            raise RuntimeError("swapkit: recomputing a selected op gave a storage of "
+                               f"{output.untyped_storage().nbytes()} bytes, not {self.nbytes}; the op is not "
+                               "deterministic in its layout and cannot be recomputed for its consumers")
+        return rebuild(output, meta)
+
+
+def capture_state(args: tuple, kwargs: dict) -> tuple[tuple, tuple]:
+    """RNG and autocast state before a scope runs, to replay it exactly."""
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    devices, states = get_device_states(*tensors)
+    device_type = tensors[0].device.type if tensors else "cpu"
+    autocast = (device_type, torch.get_autocast_dtype(device_type), torch.is_autocast_enabled(device_type))
+    return (torch.get_rng_state(), devices, states), autocast
+
+
+def tensor_leaves(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in tensor_leaves(item)]
+    if isinstance(value, dict):
+        return [t for item in value.values() for t in tensor_leaves(item)]
+    return []
+
+
+def _is_packed(value: Any) -> bool:
+    from swapkit.records import Saved
+
+    return isinstance(value, Saved)
