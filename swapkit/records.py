@@ -64,14 +64,15 @@ class KeptRecord:
 class SwapRecord:
     """A storage copied to host memory, released from the device, and prefetched back."""
 
-    __slots__ = ("step", "nbytes", "version", "frame", "horizon", "keepers", "host", "d2h", "released",
+    __slots__ = ("step", "nbytes", "version", "frame", "horizon", "issued", "keepers", "host", "d2h", "released",
                  "device_buffer", "h2d", "issued_at", "waited", "resident", "__weakref__")
     swapped = True
 
     def __init__(self, step: Step, nbytes: int, version: int, frame: Frame, tick: int, host: torch.Tensor,
-                 src: torch.Tensor) -> None:
+                 src: torch.Tensor, issued: int) -> None:
         self.step, self.nbytes, self.version, self.frame = step, nbytes, version, frame
         self.horizon = tick + frame.prefetch
+        self.issued = issued  # copies finish in issue order (one FIFO queue per engine)
         self.keepers: list[torch.Tensor] = []
         self.host: torch.Tensor | None = host
         self.d2h = step.engine.offload(src, host)

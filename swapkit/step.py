@@ -8,6 +8,8 @@ Note [Releases never stall compute]
 At each tick the records whose horizon has come are released only if their device-to-host copy
 has finished (``engine.ready``); the others are looked at again on the next tick. A larger
 ``backward_prefetch`` therefore holds device memory longer but the forward never waits on a copy.
+Copies finish in the order they were issued (one FIFO queue per engine), so the waiting records
+are kept by issue order and the check stops at the first unfinished one.
 
 Note [The last k ticks stay on the device]
 Records still unreleased when backward begins (their horizon lies beyond the last forward tick,
@@ -17,6 +19,7 @@ steps does not offload saves that would land in that tail (``runtime.skip_tail_o
 """
 from __future__ import annotations
 
+import heapq
 import weakref
 from collections import defaultdict
 from typing import Any, Callable
@@ -55,7 +58,7 @@ class Step:
         self._recomputable: dict[int, tuple[weakref.ref, RecomputedOutput]] = {}
         self._skipped_storages: set[int] = set()
         self._release: TickQueue[SwapRecord] = TickQueue(_horizon)
-        self._pending: list[SwapRecord] = []
+        self._pending: list[tuple[int, SwapRecord]] = []  # due, copy unfinished; by issue order
         self._prefetch: TickQueue[SwapRecord] = TickQueue(_horizon, descending=True)
         self._timings: list[Any] = []
         self._allocations_at_start = pool.allocations
@@ -166,7 +169,8 @@ class Step:
         host = self.pool.acquire(nbytes)
         if host is None:
             return self._skip("host_cap", key, nbytes)
-        record = SwapRecord(self, nbytes, version, frame, tick, host, storage_bytes(storage, tensor.device))
+        record = SwapRecord(self, nbytes, version, frame, tick, host, storage_bytes(storage, tensor.device),
+                            issued=self.stats.offloaded_tensors)
         self.stats.offloaded_tensors += 1
         self.stats.offloaded_bytes += nbytes
         self.stats.offloaded_by_scope[frame.label] += nbytes
@@ -181,16 +185,13 @@ class Step:
 
     def _advance(self, tick: int) -> None:
         """Release the records whose horizon has come and whose copy finished."""
-        self._pending += self._release.pop_due(tick)
-        waiting = []
-        for record in self._pending:
-            if self.engine.ready(record.d2h):  # Note [Releases never stall compute]
-                record.release()
-                self.stats.released_bytes += record.nbytes
-                self._prefetch.push(record)
-            else:
-                waiting.append(record)
-        self._pending = waiting
+        for record in self._release.pop_due(tick):
+            heapq.heappush(self._pending, (record.issued, record))
+        while self._pending and self.engine.ready(self._pending[0][1].d2h):  # Note [Releases never stall compute]
+            record = heapq.heappop(self._pending)[1]
+            record.release()
+            self.stats.released_bytes += record.nbytes
+            self._prefetch.push(record)
 
     def finish_forward(self) -> None:
         """Forward ended without a backward yet: wait for copies, release what is due."""
@@ -208,7 +209,7 @@ class Step:
 
     def _begin_backward(self) -> None:
         self.backward_started = True
-        for record in self._pending + self._release.drain():  # Note [The last k ticks stay on the device]
+        for record in [r for _, r in self._pending] + self._release.drain():  # Note [The last k ticks ...]
             record.drop_host_copy()
             self.stats.tail_bytes += record.nbytes
         self._pending = []

@@ -50,7 +50,7 @@ class ReadyWhenDone(ThreadCopyEngine):
     """``ready`` waits for the copy: releases then happen exactly at their horizon (deterministic)."""
 
     def ready(self, copy) -> bool:
-        copy.result()
+        self.wait(copy)
         return True
 
 

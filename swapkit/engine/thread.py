@@ -18,18 +18,13 @@ from swapkit.engine.base import Waited
 
 
 class ThreadCopy:
-    """Completion of one copy: the worker sets ``done`` (or ``error``); waiters block on it."""
+    """Completion of one copy: the worker sets ``done`` (or ``error``) when the bytes are there."""
 
     __slots__ = ("done", "error")
 
     def __init__(self) -> None:
-        self.done = threading.Event()
+        self.done = False
         self.error: BaseException | None = None
-
-    def result(self) -> None:
-        self.done.wait()
-        if self.error is not None:
-            raise self.error
 
 
 class ThreadCopyEngine:
@@ -51,6 +46,8 @@ class ThreadCopyEngine:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._worker: threading.Thread | None = None
         self._start_lock = threading.Lock()
+        self._finished = threading.Condition()  # signalled after a copy only while someone waits
+        self._waiting = 0
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)
@@ -63,16 +60,23 @@ class ThreadCopyEngine:
         return dst, self._submit(lambda: self._copy(dst, src))
 
     def ready(self, copy: ThreadCopy) -> bool:
-        return copy.done.is_set()
+        return copy.done
 
     def wait(self, copy: ThreadCopy, timed: bool = False) -> Waited:
         start = time.perf_counter()
-        copy.result()
+        if not copy.done:
+            with self._finished:
+                self._waiting += 1
+                while not copy.done:  # checked under the lock: the worker signals after setting it
+                    self._finished.wait()
+                self._waiting -= 1
+        if copy.error is not None:
+            raise copy.error
         return Waited(time.perf_counter() - start)
 
     def synchronize(self) -> None:
         if self._worker is not None:
-            self._submit(lambda: None).result()
+            self.wait(self._submit(lambda: None))
 
     def close(self) -> None:
         with self._start_lock:
@@ -110,4 +114,7 @@ class ThreadCopyEngine:
                 job()
             except BaseException as err:  # noqa: BLE001 - handed to the waiting unpack
                 copy.error = err
-            copy.done.set()
+            copy.done = True
+            if self._waiting:
+                with self._finished:
+                    self._finished.notify_all()

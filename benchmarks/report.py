@@ -1,0 +1,257 @@
+"""Render benchmark results: results.json, results.md (markdown tables) and the two plots."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
+
+from common import hardware_line  # noqa: E402
+from variants import ACCOUNTING, BASELINE, FULL_RECOMPUTE, LAYER_SWAP  # noqa: E402
+
+MIB = 2**20
+MEMORY_NOTE = ("On CPU the \"device\" and the host share RAM, so memory is the swap session's accounting of "
+               "device-resident saved bytes (parameters excluded), not the process's RSS. The baseline's memory "
+               "figure comes from a swapkit session with nothing configured (it keeps every tensor: accounting "
+               "only). The probe columns count independently of the session's hooks: bytes of storages created "
+               "during the step and still alive (TorchDispatchMode + weak references, parameters excluded), at "
+               "the end of the forward and at their peak over the whole step; the step peak also holds the "
+               "gradients and what backward re-materializes (recomputed layers, prefetched buffers).")
+
+
+def write_all(results: dict[str, Any], out: Path) -> str:
+    """Write results.json, results.md, tradeoff.png and prefetch_sweep.png; return the markdown."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+    markdown = render_markdown(results)
+    (out / "results.md").write_text(markdown)
+    plot_tradeoff(results["variants"], out / "tradeoff.png")
+    if results["sweep"]["rows"]:
+        plot_sweep(results["sweep"]["rows"], out / "prefetch_sweep.png")
+    return markdown
+
+
+def _mib(value: Any) -> str:
+    return "—" if value is None else f"{value / MIB:.1f}"
+
+
+def _num(value: Any, fmt: str = "{:.3f}") -> str:
+    return "—" if value is None else fmt.format(value)
+
+
+def _ms(value: Any) -> str:
+    return "—" if value is None else f"{value * 1e3:.1f}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return lines + ["| " + " | ".join(row) + " |" for row in rows]
+
+
+def render_markdown(results: dict[str, Any]) -> str:
+    env = results["env"]
+    lines = ["# swapkit benchmark: swap vs recompute", "", f"**Hardware/versions:** {hardware_line(env)}", "",
+             _setup_line(results), "", MEMORY_NOTE, "", "## Variants", ""]
+    lines += variant_table(results["variants"], env["device"].startswith("cuda"))
+    lines += ["", *_notes(results["variants"]), "", "## Checks", ""] + check_table(results["variants"])
+    lines += ["", "## Targets", "", *target_lines(results["variants"])]
+    lines += overhead_section(results.get("layer_swap_overhead"), results["env"])
+    lines += ["", "## Prefetch-distance sweep (layer swap)", "", *sweep_section(results["sweep"])]
+    lines += ["", "## Per-tensor overhead (microbenchmark)", "", *micro_section(results["microbench"])]
+    return "\n".join(lines) + "\n"
+
+
+def _setup_line(results: dict[str, Any]) -> str:
+    cfg, run = results["env"]["config"], results["run"]
+    model = ", ".join(f"{k} {v}" for k, v in cfg["model_config"].items() if k in _SIZE_KEYS)
+    return (f"**Model:** built-in Llama-style, {model}, batch {cfg['batch_size']}. **Run:** {run['warmup']} warm-up "
+            f"steps then {run['reps']} interleaved repetitions per variant; swap variants use backward_prefetch "
+            f"{run['prefetch']}; a step is forward + loss + backward (no optimizer). Time ratio = median over "
+            "repetitions of (variant step / baseline step in the same repetition).")
+
+
+_SIZE_KEYS = ("num_layers", "hidden_size", "num_heads", "intermediate_size", "vocab_size", "seq_length")
+
+
+def variant_table(rows: list[dict[str, Any]], cuda: bool) -> list[str]:
+    header = ["variant", "time ratio", "step ms", "peak saved MiB (session)", "memory ratio",
+              "probe: live at fwd end MiB", "probe: step peak MiB", "probe peak ratio", "moved MiB/step",
+              "late fetches", "exposed wait ms", "host pool MiB"]
+    header += ["cuda max alloc MiB", "cuda ratio"] if cuda else []
+    body = []
+    for r in rows:
+        line = [r["name"], _num(r["time_ratio"]), _ms(r["step_time_median_s"]), _mib(r["peak_device_bytes"]),
+                _num(r["memory_ratio"]), _mib(r["probe_forward_end_bytes"]), _mib(r["probe_peak_live_bytes"]),
+                _num(r["probe_peak_ratio"]),
+                _mib(r["moved_bytes"]), _num(r["late_fetches"], "{:g}"), _ms(r["wait_seconds"]),
+                _mib(r["host_pool_bytes"])]
+        line += [_mib(r["cuda_max_memory_allocated"]), _num(r["cuda_memory_ratio"])] if cuda else []
+        body.append(line)
+    return _table(header, body)
+
+
+def _notes(rows: list[dict[str, Any]]) -> list[str]:
+    return [f"- *{r['name']}*: {r['note']}" for r in rows if r["note"]]
+
+
+def check_table(rows: list[dict[str, Any]]) -> list[str]:
+    header = ["variant", "parameter bytes moved", "storages moved twice", "copies = offloaded_tensors",
+              "offloaded <= saved", "parameter MiB skipped", "loss == baseline", "grads vs baseline"]
+    body = []
+    for r in rows:
+        c = r["checks"]
+        moved = c.get("offload_copies") is not None
+        body.append([r["name"], str(c["parameter_bytes_moved"]) if moved else "—",
+                     str(c["moved_twice"]) if moved else "—",
+                     str(c["offload_copies"] == c["stats_offloaded_tensors"]) if moved else "—",
+                     str(c["offloaded_le_saved"]) if moved else "—",
+                     _mib(c["parameter_bytes_skipped"]) if moved else "—", _yes(c.get("loss_equal")),
+                     _grads(c)])
+    return _table(header, body)
+
+
+def _yes(value: Any) -> str:
+    return "—" if value is None else ("yes" if value else "no")
+
+
+def _grads(checks: dict[str, Any]) -> str:
+    if "grads_equal" not in checks:
+        return "—"
+    return "bit-identical" if checks["grads_equal"] else f"max abs diff {checks['grad_max_abs_diff']:.2e}"
+
+
+def _row(rows: list[dict[str, Any]], name: str) -> dict[str, Any] | None:
+    return next((r for r in rows if r["name"] == name), None)
+
+
+def target_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """Each target with its measured figure and whether it was met (targets, not tests)."""
+    layer, full = _row(rows, LAYER_SWAP), _row(rows, FULL_RECOMPUTE)
+    lines = []
+    if layer is not None and layer["memory_ratio"] is not None:
+        cut = 1 - layer["memory_ratio"]
+        lines.append(f"- Swap every layer cuts peak device-resident saved bytes by >= 75%: measured "
+                     f"{cut:.1%} (ratio {layer['memory_ratio']:.3f}) — {'MET' if cut >= 0.75 else 'MISSED'}.")
+        ratio = layer["time_ratio"]
+        lines.append(f"- Swap every layer within 1.05 of baseline step time: measured {ratio:.3f} "
+                     f"({layer['late_fetches']:g} late fetches, {layer['wait_seconds'] * 1e3:.1f} ms exposed wait "
+                     f"per step) — {'MET' if ratio <= 1.05 else 'MISSED'}.")
+    if full is not None:
+        lines.append(f"- Full recompute beside it: time ratio {full['time_ratio']:.3f}, memory ratio "
+                     f"{_num(full['memory_ratio'])} (session), step-peak ratio {_num(full['probe_peak_ratio'])} "
+                     f"(probe; the layer swap: {_num(layer['probe_peak_ratio'] if layer else None)}).")
+    lines += _move_lines(rows)
+    return lines
+
+
+def _move_lines(rows: list[dict[str, Any]]) -> list[str]:
+    checked = [r for r in rows if r["checks"].get("offload_copies") is not None]
+    params = sum(r["checks"]["parameter_bytes_moved"] for r in checked)
+    twice = sum(r["checks"]["moved_twice"] for r in checked)
+    return [f"- Zero parameter bytes moved: {params} bytes over {len(checked)} swapkit variants — "
+            f"{'MET' if params == 0 else 'MISSED'}.",
+            f"- No storage moved twice in a step: {twice} repeated copies — {'MET' if twice == 0 else 'MISSED'}."]
+
+
+def overhead_section(estimate: dict[str, Any] | None, env: dict[str, Any]) -> list[str]:
+    """The CPU layer swap's extra time, split by :func:`measure.overhead_estimate`."""
+    if estimate is None:
+        return []
+    copy = estimate["copy"]
+    return ["", "### Where the layer swap's extra time goes (CPU estimate)", "",
+            f"Measured extra per step: {_ms(estimate['measured_extra_s'])} ms. Copy-thread work (round trips timed "
+            "through the engine): every swapped "
+            f"byte is copied out into a reused pool buffer ({copy['reused_buffer_gbps']:.1f} GB/s measured for a "
+            f"{copy['bytes'] / MIB:.1f} MiB tensor) and back into a freshly allocated buffer "
+            f"({copy['fresh_buffer_gbps']:.1f} GB/s), about "
+            f"{_ms(estimate['worker_copy_s'])} ms of copy-thread CPU time per step ({env['torch_threads']} compute "
+            f"threads on {env['cpu_count']} cores: {_core_note(env)}; a GPU's copy engine uses no CPU core). "
+            f"Main-thread hook work (per-tensor costs from the microbenchmark below): about "
+            f"{_ms(estimate['main_thread_hooks_s'])} ms per step. The main thread's own CPU time grew by "
+            f"{_ms(estimate['main_thread_cpu_extra_s'])} ms per step (hooks, and compute slowed by the copy thread's "
+            f"memory traffic); the other {_ms(estimate['main_thread_off_cpu_extra_s'])} ms it was off the CPU: "
+            "waiting for a core (the copy thread's memcpy takes one of the cores the compute threads use) or for "
+            "the GIL (the copy thread runs Python around every copy)."]
+
+
+def _core_note(env: dict[str, Any]) -> str:
+    if env["torch_threads"] < env["cpu_count"]:
+        return "a core is left for the copy thread, which still shares memory bandwidth and caches"
+    return "the copy thread competes with them for cores"
+
+
+def sweep_section(sweep: dict[str, Any]) -> list[str]:
+    if not sweep["rows"]:
+        return ["(not run)"]
+    header = ["backward_prefetch", "step ms", "time ratio", "exposed wait ms", "late fetches",
+              "mean prefetch lead (ticks)", "peak saved MiB", "memory ratio", "tail MiB (kept on device)"]
+    body = [[str(r["backward_prefetch"]), _ms(r["step_time_median_s"]), _num(r["time_ratio"]), _ms(r["wait_seconds"]),
+             _num(r["late_fetches"], "{:g}"), _num(r["mean_prefetch_lead"], "{:.1f}"), _mib(r["peak_device_bytes"]),
+             _num(r["memory_ratio"]), _mib(r["tail_bytes"])] for r in sweep["rows"]]
+    return [f"**Link:** {sweep['link']['why']}.", ""] + _table(header, body)
+
+
+def micro_section(micro: dict[str, Any]) -> list[str]:
+    if not micro:
+        return ["(not run)"]
+    labels = {"none": "(a) no hooks", "identity": "(b) identity saved_tensors_hooks",
+              "keep": "(c) swapkit session, keep all", "swap": "(d) swapkit session, swap all (min_offload_bytes 0)"}
+    per = micro["us_per_saved_tensor"]
+    body = [[labels[k], _ms(v), "—" if k == "none" else f"{per[k]:.2f}"]
+            for k, v in micro["step_time_median_s"].items()]
+    return [f"A chain of {micro['ops_in_chain']} `sin` ops on {micro['tensor_bytes']}-byte tensors in one layer: "
+            f"{micro['saved_tensors_per_step']} saved tensors per step, {micro['reps']} interleaved repetitions. "
+            f"Cost = (median step - median of (a)) / saved tensors. The session's bookkeeping costs "
+            f"{micro['session_keep_over_identity_us']:.2f} us per tensor over bare identity hooks. In (d) every "
+            f"saved tensor is two copy jobs (out and back) whatever its size, so (d) is the engine's per-job cost "
+            f"({micro['swap_offloaded_tensors']} swapped, {micro['swap_late_fetches']} late fetches per step).", ""] + \
+        _table(["way", "step ms (median)", "us per saved tensor (pack + unpack)"], body)
+
+
+def plot_tradeoff(rows: list[dict[str, Any]], path: Path) -> None:
+    """Memory ratio against time ratio, one labelled point per variant (CUDA: the allocator's peak,
+    so that the peers, which have no session, sit on the same axis)."""
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    key = "cuda_memory_ratio" if rows[0].get("cuda_memory_ratio") is not None else "memory_ratio"
+    shown = [r for r in rows if r["name"] != ACCOUNTING and r[key] is not None]
+    middle = (min(r["time_ratio"] for r in shown) + max(r["time_ratio"] for r in shown)) / 2
+    for i, r in enumerate(shown):
+        right = r["time_ratio"] > middle  # labels of the right half point leftwards, inside the axes
+        ax.scatter(r["time_ratio"], r[key], s=40)
+        ax.annotate(r["name"], (r["time_ratio"], r[key]), textcoords="offset points", fontsize=8,
+                    xytext=(-6 if right else 6, 4 if i % 2 else -11), ha="right" if right else "left")
+    ax.axvline(1.05, color="grey", linestyle=":", linewidth=1)
+    ax.axhline(0.25, color="grey", linestyle=":", linewidth=1)
+    ax.set_xlabel(f"step time / {BASELINE} (median of pairwise ratios)")
+    ax.set_ylabel("torch.cuda.max_memory_allocated / baseline" if key == "cuda_memory_ratio" else
+                  "peak device-resident saved bytes / baseline (session accounting)")
+    ax.set_title("swap vs recompute: memory against time (lower left is better)")
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_sweep(rows: list[dict[str, Any]], path: Path) -> None:
+    """Exposed wait and late fetches (left), peak bytes and time ratio (right) per distance."""
+    ks = [r["backward_prefetch"] for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+    left.plot(ks, [r["wait_seconds"] * 1e3 for r in rows], "o-", label="exposed wait (ms/step)")
+    left.plot(ks, [r["late_fetches"] for r in rows], "s--", label="late fetches (per step)")
+    right.plot(ks, [r["memory_ratio"] for r in rows], "o-", label="peak saved bytes / baseline")
+    right.plot(ks, [r["time_ratio"] for r in rows], "s--", label="step time / baseline")
+    for ax in (left, right):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ks, [str(k) for k in ks])
+        ax.set_xlabel("backward_prefetch (ticks)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    left.set_title("prefetch: exposed wait and late fetches")
+    right.set_title("memory held and step time")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,158 @@
+"""Swap vs recompute on swapkit's built-in model: step time, memory and bytes moved, in one process.
+
+What it measures
+  1. Variants, each on its own model copy with identical weights, interleaved (A B C ... A B C ...)
+     after warm-up: baseline (plain model), a session with nothing configured (its memory figure is
+     the baseline's), swap default (flash_attention), swap op attention+feed_forward, swap every
+     layer, recompute full, Megatron selective core_attn and mlp, layer swap + recompute of
+     feed_forward; on CUDA also the peers ``save_on_cpu(pin_memory=True)`` and torchtune's
+     ``OffloadActivations``. Per variant: median step time and the median of per-repetition ratios
+     to the baseline, peak device-resident saved bytes (session accounting; on CUDA also
+     ``torch.cuda.max_memory_allocated``) and an independent live-bytes probe, bytes moved, late
+     fetches, exposed wait, host pool bytes, and checks: no parameter bytes moved, no storage moved
+     twice, loss and gradients against the baseline.
+  2. A prefetch-distance sweep of the layer swap over a throttled thread engine that emulates a
+     PCIe-to-compute ratio (see ``sweep.py``, Note [Emulated link]).
+  3. A microbenchmark of the session's per-saved-tensor cost against identity hooks and no hooks.
+
+Writes OUT/results.json, OUT/results.md, OUT/tradeoff.png, OUT/prefetch_sweep.png and prints the
+markdown. Timings are not tests: they are recorded with hardware, versions and config.
+
+Run (from the repository root):
+    python benchmarks/swap_vs_recompute.py                        # full run -> benchmarks/results/
+    python benchmarks/swap_vs_recompute.py --quick --out bench-out  # < 1 minute on 2 CPU cores
+    python benchmarks/swap_vs_recompute.py --device cuda          # CUDA engine, cuda memory, peers
+    python benchmarks/swap_vs_recompute.py --config configs/tiny.yaml --reps 10
+    python benchmarks/swap_vs_recompute.py --threads 1 --out bench-out/threads1  # a core for the copy thread
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import microbench
+from common import Setup, environment, load_setup, make_batch
+from measure import add_ratios, overhead_estimate, probe_fields, run_interleaved, stats_fields, timing_row
+from report import write_all
+from sweep import choose_link, run_sweep
+from variants import ACCOUNTING, BASELINE, LAYER_SWAP, Runner, Variant, cuda_peers, main_variants
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """How much to run: repetitions, warm-up, sweep distances, microbenchmark size."""
+
+    reps: int
+    warmup: int
+    prefetch: int
+    prefetches: list[int]
+    link_fraction: float
+    link_latency_s: float
+    micro_length: int
+    micro_reps: int
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--config", help="swapkit YAML: model sizes from model.model_config, batch from train")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default: %(default)s)")
+    parser.add_argument("--quick", action="store_true", help="small model, few repetitions (< 1 minute on CPU)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--reps", type=int, help="interleaved repetitions (default 20, --quick 5)")
+    parser.add_argument("--prefetch", type=int, default=8, help="backward_prefetch of the swap variants")
+    parser.add_argument("--threads", type=int,
+                        help="torch intra-op threads (default: torch's choice); 1 on a 2-core machine leaves a core "
+                             "to the copy thread, like a GPU's copy engine")
+    parser.add_argument("--link-fraction", type=float, default=0.5,
+                        help="sweep: one layer's copy time / its forward time on the emulated link")
+    return parser.parse_args(argv)
+
+
+def run_plan(args: argparse.Namespace) -> RunPlan:
+    if args.quick:
+        return RunPlan(args.reps or 5, 1, args.prefetch, [1, 4, 16], args.link_fraction, 20e-6, 300, 3)
+    return RunPlan(args.reps or 20, 3, args.prefetch, [1, 2, 4, 8, 16, 32, 64], args.link_fraction, 20e-6,
+                   2000, 10)
+
+
+def compare_variants(setup: Setup, variants: list[Variant], batch: Any, plan: RunPlan) -> list[dict[str, Any]]:
+    """Interleaved timing, then the untimed probes; one result row per variant."""
+    runners = [Runner(v, setup) for v in variants]
+    try:
+        run_interleaved(runners, batch, plan.warmup, plan.reps, "variants")
+        return _rows(runners, batch)
+    finally:
+        for runner in runners:
+            runner.close()
+
+
+def _rows(runners: list[Runner], batch: Any) -> list[dict[str, Any]]:
+    baseline = runners[0]
+    assert baseline.variant.name == BASELINE, "the baseline runs first"
+    rows, reference = [], None
+    for runner in runners:
+        fields, probe = probe_fields(runner, batch, reference)
+        reference = reference or probe
+        rows.append({**timing_row(runner, baseline), **stats_fields(runner), **fields,
+                     "config": runner.variant.sections})
+    accounting = next(r for r in rows if r["name"] == ACCOUNTING)
+    rows[0].update({k: accounting[k] for k in ("peak_device_bytes", "saved_bytes")})
+    add_ratios(rows, rows[0])
+    return rows
+
+
+def prefetch_sweep(setup: Setup, batch: Any, rows: list[dict[str, Any]], plan: RunPlan) -> dict[str, Any]:
+    """The layer swap at each distance over the emulated link (``sweep.py``)."""
+    layer = next(r for r in rows if r["name"] == LAYER_SWAP)
+    baseline = Runner(Variant(BASELINE), setup)
+    link = choose_link(baseline, batch, layer["moved_bytes"] / setup.model.num_layers, plan.link_fraction,
+                       plan.link_latency_s)
+    sweep_rows = run_sweep(setup, batch, plan.prefetches, link, plan.warmup, plan.reps, rows[0]["peak_device_bytes"])
+    return {"link": link, "rows": sweep_rows}
+
+
+def layer_swap_overhead(setup: Setup, rows: list[dict[str, Any]], micro: dict[str, Any]) -> dict[str, Any] | None:
+    """CPU only: the layer swap's extra time split into worker copies and main-thread hooks."""
+    layer = next(r for r in rows if r["name"] == LAYER_SWAP)
+    if setup.device.type != "cpu" or not layer["offloaded_tensors"]:
+        return None
+    copy = microbench.engine_copy_gbps(layer["moved_bytes"] // layer["offloaded_tensors"])
+    return overhead_estimate(layer, rows[0], micro, copy)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(f"--device cuda: CUDA is not available (torch {torch.__version__}); use --device cpu", file=sys.stderr)
+        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    logging.getLogger("swapkit").setLevel(logging.ERROR)  # the plan log lines of every apply() are noise here
+    setup, plan = load_setup(args.config, args.quick, args.device), run_plan(args)
+    batch = make_batch(setup)
+    variants = main_variants(setup, plan.prefetch) + (cuda_peers() if setup.device.type == "cuda" else [])
+    engine = setup.runtime.get("engine", "auto")
+    engine = ("cuda" if setup.device.type == "cuda" else "thread") if engine == "auto" else engine
+    env = environment(setup, engine, {v.name: v.sections for v in variants})
+    rows = compare_variants(setup, variants, batch, plan)
+    sweep = prefetch_sweep(setup, batch, rows, plan)
+    micro = microbench.run(setup.device, plan.micro_length, plan.micro_reps)
+    env["load_average_at_end"] = os.getloadavg()
+    results = {"env": env, "run": vars(plan), "variants": rows, "sweep": sweep, "microbench": micro,
+               "layer_swap_overhead": layer_swap_overhead(setup, rows, micro)}
+    print(write_all(results, args.out))
+    print(f"results written to {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
