@@ -40,6 +40,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Mapping
 
+import psutil
 import torch
 from tqdm import tqdm
 
@@ -203,6 +204,7 @@ def environment(config: Config, device: torch.device) -> dict[str, Any]:
     """Versions and hardware to record next to the numbers."""
     env = {"swapkit": swapkit.__version__, "torch": torch.__version__, "python": platform.python_version(),
            "platform": platform.platform(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+           "ram_bytes": psutil.virtual_memory().total,
            "device": str(device), "dtype": config.train.dtype, "config": config.source}
     if device.type == "cuda":
         env.update(gpu=torch.cuda.get_device_name(device), cuda=torch.version.cuda,
@@ -352,6 +354,7 @@ def summarize(run: RunState) -> dict[str, Any]:
     summary.update({key: max(column[key]) for key in PEAK_STATS})
     summary.update({f"{key}_per_step": statistics.median(column[key])
                     for key in ("saved_bytes", "offloaded_bytes", "prefetched_bytes")})
+    summary["process_rss_bytes"] = psutil.Process().memory_info().rss  # the whole process, for scale
     if run.device.type == "cuda":
         summary["cuda_max_memory_allocated"] = torch.cuda.max_memory_allocated(run.device)
     return summary
@@ -370,7 +373,8 @@ def format_summary(summary: Mapping[str, Any]) -> str:
             ("bytes swapped per step (device -> host)", human_bytes(summary["offloaded_bytes_per_step"])),
             ("bytes prefetched per step (host -> device)", human_bytes(summary["prefetched_bytes_per_step"])),
             ("late fetches (total)", f"{summary['late_fetches']} ({summary['wait_seconds'] * 1e3:.1f} ms waited)"),
-            ("host pool bytes", human_bytes(summary["host_pool_bytes"]))]
+            ("host pool bytes", human_bytes(summary["host_pool_bytes"])),
+            ("process RSS (psutil, whole process)", human_bytes(summary["process_rss_bytes"]))]
     if "cuda_max_memory_allocated" in summary:
         rows.append(("torch.cuda.max_memory_allocated", human_bytes(summary["cuda_max_memory_allocated"])))
     width = max(len(name) for name, _ in rows)
