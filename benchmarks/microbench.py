@@ -124,10 +124,10 @@ def engine_copy_gbps(nbytes: int, reps: int = 10) -> dict[str, float]:
     reused, fresh = [], []
     for _ in range(reps + 1):
         start = time.perf_counter()
-        engine.offload(src, dst).result()
+        engine.wait(engine.offload(src, dst))
         reused.append(time.perf_counter() - start)
         start = time.perf_counter()
-        engine.prefetch(src)[1].result()
+        engine.wait(engine.prefetch(src)[1])
         fresh.append(time.perf_counter() - start)
     engine.close()
     return {"bytes": nbytes, "reused_buffer_gbps": nbytes / statistics.median(reused[1:]) / 1e9,

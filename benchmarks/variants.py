@@ -48,7 +48,8 @@ def layer_swap(prefetch: int) -> dict[str, Any]:
 
 
 def main_variants(setup: Setup, prefetch: int) -> list[Variant]:
-    """Baseline, swap (default / op / layer), recompute (full / core_attn / mlp), swap + recompute."""
+    """Baseline, swap (default / op / layer), recompute (full / core_attn / mlp / MindFormers select),
+    swap + recompute."""
     layers = list(range(setup.model.num_layers))
     megatron = {"recompute_granularity": "selective"}
     ops = {"swap": True, "op_swap": [{"op_name": ["attention", "feed_forward"], "backward_prefetch": prefetch,
@@ -68,6 +69,8 @@ def main_variants(setup: Setup, prefetch: int) -> list[Variant]:
                 note="Megatron dialect"),
         Variant("recompute selective mlp", {"recompute_config": {**megatron, "recompute_modules": ["mlp"]}},
                 note="Megatron dialect"),
+        Variant("recompute select silu+mul (MindFormers)", {"recompute_config": {"select_recompute": True}},
+                note="MindFormers default select_recompute patterns; their outputs are rebuilt by recipes"),
         Variant("swap layer + recompute feed_forward", both,
                 note="swap mode, select_recompute {feed_forward: [every layer index]}"),
     ]

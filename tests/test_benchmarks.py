@@ -1,0 +1,34 @@
+"""The benchmark is shipped: its quick mode runs end to end and its checks hold."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_quick_benchmark_writes_results_and_checks_hold(tmp_path):
+    out = tmp_path / "bench"
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "swap_vs_recompute.py"), "--quick",
+                             "--reps", "2", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    for name in ("results.json", "results.md", "tradeoff.png", "prefetch_sweep.png"):
+        assert (out / name).stat().st_size > 0, name
+    data = json.loads((out / "results.json").read_text())
+    assert {"torch", "cpu_count"} <= set(data["env"])
+    variants = {v["name"]: v for v in data["variants"]}
+    for key in ("time_ratio", "step_time_median_s", "peak_device_bytes", "memory_ratio", "moved_bytes",
+                "late_fetches", "wait_seconds"):
+        assert all(key in v for v in variants.values()), key
+    swapkit_rows = [v for v in variants.values() if v["checks"]]
+    assert len(swapkit_rows) >= 8
+    for row in swapkit_rows:
+        checks = row["checks"]
+        assert checks["loss_equal"] and checks["grads_equal"], row["name"]
+        assert checks["parameter_bytes_moved"] == 0 and checks["moved_twice"] == 0, row["name"]
+    layer = variants["swap layer (every layer)"]
+    assert layer["moved_bytes"] > 0 and layer["memory_ratio"] < 0.5
+    assert variants["recompute select silu+mul (MindFormers)"]["memory_ratio"] < 1.0
+    assert data["sweep"] and data["microbench"]
