@@ -11,6 +11,8 @@ class SwapStats:
     Memory figures are the session's own accounting of *device-resident saved bytes*: the
     storages it holds for backward, swapped or kept (parameters and buffers excluded). On CPU the
     "device" and the host share RAM, so these are accounting figures, not the process's RSS.
+    Activations a checkpoint region re-materializes during backward are not saved tensors of the
+    session and are not counted; ``torch.cuda.max_memory_allocated`` sees them.
     """
 
     step: int = 0

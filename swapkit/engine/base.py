@@ -48,8 +48,9 @@ class CopyEngine(Protocol):
     def ready(self, copy: Any) -> bool:
         """Has the copy finished? Never blocks."""
 
-    def wait(self, copy: Any) -> Timing:
-        """Make the current compute stream (or thread) wait for the copy before using its data."""
+    def wait(self, copy: Any, timed: bool = False) -> Timing:
+        """Make the current compute stream (or thread) wait for the copy before using its data;
+        ``timed`` asks for the waiting time (late fetches only: timing events cost on CUDA)."""
 
     def synchronize(self) -> None:
         """Block until every queued copy has finished."""
