@@ -14,6 +14,12 @@ device memory is held. The consumer's unpack in backward runs the recipe once un
 ``no_grad`` with the RNG and autocast state restored, and rebuilds the saved view on the result.
 The recomputed bytes are identical because the op, its inputs and its random state are.
 
+Note [Replay as in forward]
+A recipe replays with grad enabled and its inputs' ``requires_grad`` as in forward, and detaches
+the outputs: kernel choice may depend on it (on CUDA, ``scaled_dot_product_attention`` picks its
+backend partly by ``requires_grad``, and a different backend would draw a different dropout
+mask). The small graph the replay builds dies with the detached outputs' producers.
+
 Recipes exist only while a session is active; outside ``with session:`` a selected scope is a
 plain checkpoint region. The Megatron dialect keeps Megatron's semantics (checkpoint regions
 only). The cost is one extra forward of the scope in backward, on top of the checkpoint region's
@@ -21,12 +27,12 @@ own recomputation.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import torch
 from torch.utils.checkpoint import get_device_states, set_device_states
 
-from swapkit.records import rebuild
+from swapkit.records import is_plain, rebuild
 
 if TYPE_CHECKING:
     from swapkit.step import Step
@@ -47,23 +53,41 @@ class Recipe:
 
     def materialize(self) -> list[torch.Tensor]:
         """Run the scope again (once) and return its tensor outputs in forward order."""
-        if self.outputs is None:
-            args = [self.unpack(a) if _is_packed(a) else a for a in self.args]
-            kwargs = {k: self.unpack(v) if _is_packed(v) else v for k, v in self.kwargs.items()}
-            cpu_state, devices, states = self.rng
-            device_type, dtype, enabled = self.autocast
-            with torch.random.fork_rng(devices=devices), torch.no_grad():
-                torch.set_rng_state(cpu_state)
-                set_device_states(devices, states)
-                with torch.autocast(device_type, dtype=dtype, enabled=enabled):
-                    self.outputs = tensor_leaves(self.function(*args, **kwargs))
-            self.nbytes = sum(t.untyped_storage().nbytes() for t in self.outputs)
-            self.step.output_recomputed(self.nbytes)
-        return self.outputs
+        with self.step.lock:  # two autograd threads may need the same outputs
+            if self.outputs is None:
+                self._replay()
+            return self.outputs
+
+    def _replay(self) -> None:
+        """Note [Replay as in forward]"""
+        args = [self._input(a) for a in self.args]
+        kwargs = {k: self._input(v) for k, v in self.kwargs.items()}
+        cpu_state, devices, states = self.rng
+        device_type, dtype, enabled = self.autocast
+        with torch.random.fork_rng(devices=devices), torch.enable_grad():
+            torch.set_rng_state(cpu_state)
+            set_device_states(devices, states)
+            with torch.autocast(device_type, dtype=dtype, enabled=enabled):
+                self.outputs = [t.detach() for t in tensor_leaves(self.function(*args, **kwargs))]
+        self.nbytes = sum(t.untyped_storage().nbytes() for t in self.outputs if is_plain(t))
+        self.step.output_recomputed(self.nbytes)
+
+    def _input(self, value: Any) -> Any:
+        if not isinstance(value, PackedInput):
+            return value
+        tensor = self.unpack(value.saved).detach()
+        return tensor.requires_grad_() if value.requires_grad else tensor
 
     def __del__(self) -> None:
         if self.nbytes:
             self.step.device_bytes_freed(self.nbytes)
+
+
+class PackedInput(NamedTuple):
+    """A tensor input of a recipe: its session handle and whether it required grad in forward."""
+
+    saved: Any
+    requires_grad: bool
 
 
 class RecomputedOutput:
@@ -105,7 +129,3 @@ def tensor_leaves(value: Any) -> list[torch.Tensor]:
     return []
 
 
-def _is_packed(value: Any) -> bool:
-    from swapkit.records import Saved
-
-    return isinstance(value, Saved)

@@ -16,6 +16,13 @@ counter. When a swapped storage is released, its keepers are emptied with ``set_
 ``_unsafe_preserve_version_counter``: they stop holding device memory but keep counting in-place
 writes, so unpack can still raise instead of returning stale data.
 
+Note [Unpacks from several threads]
+Autograd runs nodes of different devices on different threads at once (a CUDA device thread and
+the CPU thread, or one thread per GPU), and unpack hooks run on those threads. Every change of a
+record's or a step's state (backward start, prefetch issue, host buffer return, counters) happens
+under the step's re-entrant lock; a restore takes the buffer and the copy handle under the lock
+and waits outside it, so one slow copy does not serialize the other threads' unpacks.
+
 Note [Record lifetime]
 Records live exactly as long as the autograd graph holds their handles (plus, briefly, the
 schedule queues). When the last handle dies the record's ``__del__`` returns its host buffer to
@@ -112,14 +119,17 @@ class SwapRecord:
 
     def restore(self, meta: tuple, tick: int) -> torch.Tensor:
         """The saved view (saved at ``tick``), rebuilt on the prefetched storage; waits for the
-        copy if it is not done (a late fetch)."""
-        late = self.device_buffer is None or (not self.waited and not self.step.engine.ready(self.h2d))
-        self.fetch(tick)
-        timing = self.step.engine.wait(self.h2d, timed=late and not self.waited)
-        if not self.waited:
+        copy if it is not done (a late fetch). Note [Unpacks from several threads]."""
+        step = self.step
+        with step.lock:
+            late = self.device_buffer is None or (not self.waited and not step.engine.ready(self.h2d))
+            self.fetch(tick)
+            buffer, copy, first = self.device_buffer, self.h2d, not self.waited
             self.waited = True
-            self.step.restored(self.issued_at - tick, timing if late else None)
-        return rebuild(self.device_buffer, meta)
+        timing = step.engine.wait(copy, timed=late and first)
+        if first:
+            step.restored(self.issued_at - tick, timing if late else None)
+        return rebuild(buffer, meta)
 
     def drop_host_copy(self) -> None:
         """Backward began before this storage was released: it is used from the device as is."""
@@ -149,11 +159,21 @@ def storage_bytes(storage: torch.UntypedStorage, device: torch.device) -> torch.
 
 
 def view_meta(tensor: torch.Tensor) -> tuple:
-    return tensor.dtype, tensor.size(), tensor.stride(), tensor.storage_offset()
+    """What ``rebuild`` needs, including the lazy conjugate / negative bits of a view."""
+    return (tensor.dtype, tensor.size(), tensor.stride(), tensor.storage_offset(), tensor.is_conj(),
+            tensor.is_neg())
 
 
 def rebuild(buffer: torch.Tensor, meta: tuple) -> torch.Tensor:
     """The view ``meta`` describes, on the storage of ``buffer`` (Note [One move per storage])."""
-    dtype, size, stride, offset = meta
-    out = torch.empty(0, dtype=dtype, device=buffer.device)
-    return out.set_(buffer.untyped_storage(), offset, size, stride)
+    dtype, size, stride, offset, conj, neg = meta
+    out = torch.empty(0, dtype=dtype, device=buffer.device).set_(buffer.untyped_storage(), offset, size, stride)
+    if neg:
+        out = torch._neg_view(out)
+    return out.conj() if conj else out
+
+
+def is_plain(tensor: torch.Tensor) -> bool:
+    """A dense strided tensor whose bytes are its storage (no subclass, nested or quantized)."""
+    return (type(tensor) in (torch.Tensor, torch.nn.Parameter) and tensor.layout == torch.strided
+            and not tensor.is_nested and not tensor.is_quantized)

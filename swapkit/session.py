@@ -25,9 +25,9 @@ from torch import nn
 from swapkit.binding import Binding
 from swapkit.engine import CopyEngine, HostPool, make_engine
 from swapkit.plan import Plan
-from swapkit.recipes import Recipe, tensor_leaves
+from swapkit.recipes import PackedInput, Recipe, tensor_leaves
 from swapkit.recompute import Recompute
-from swapkit.records import Saved
+from swapkit.records import Saved, is_plain
 from swapkit.scope import ScopeTracker
 from swapkit.stats import SwapStats
 from swapkit.step import Step
@@ -115,9 +115,12 @@ class SwapSession:
     def record_recipe(self, function: Any, args: tuple, kwargs: dict, state: tuple, out: Any) -> None:
         """After a selected scope ran: remember how to rebuild its outputs for their consumers."""
         def pack(value: Any) -> Any:
-            return self._pack(value) if isinstance(value, torch.Tensor) else value
+            if not isinstance(value, torch.Tensor):
+                return value
+            return PackedInput(self._pack(value), value.requires_grad)
 
-        inputs = {id(v.untyped_storage()) for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)}
+        inputs = {id(v.untyped_storage()) for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)
+                  and is_plain(v)}
         packed_args, packed_kwargs = tuple(pack(a) for a in args), {k: pack(v) for k, v in kwargs.items()}
         step = self._step  # _pack above opened a new step if this is the next micro-batch
         recipe = Recipe(step, function, packed_args, packed_kwargs, self._unpack, *state)

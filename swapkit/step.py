@@ -20,6 +20,7 @@ steps does not offload saves that would land in that tail (``runtime.skip_tail_o
 from __future__ import annotations
 
 import heapq
+import threading
 import weakref
 from collections import defaultdict
 from typing import Any, Callable
@@ -29,13 +30,10 @@ import torch
 from swapkit.config import RuntimeConfig
 from swapkit.engine import CopyEngine, HostPool
 from swapkit.recipes import Recipe, RecomputedOutput
-from swapkit.records import KeptRecord, Saved, SwapRecord, storage_bytes, view_meta
+from swapkit.records import KeptRecord, Saved, SwapRecord, is_plain, storage_bytes, view_meta
 from swapkit.schedule import TickQueue
 from swapkit.scope import Frame
 from swapkit.stats import SwapStats
-
-PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
-
 
 def _horizon(record: SwapRecord) -> int:
     return record.horizon
@@ -64,6 +62,7 @@ class Step:
         self._allocations_at_start = pool.allocations
         self.stats = SwapStats(step=number, skipped=defaultdict(int), offloaded_by_scope=defaultdict(int))
         self.device_bytes = 0
+        self.lock = threading.RLock()  # swapkit.records Note [Unpacks from several threads]
 
     # ------------------------------------------------------------------ forward
 
@@ -72,7 +71,7 @@ class Step:
         tick = self.clock
         self.clock += 1
         self._advance(tick)
-        if type(tensor) not in PLAIN_TENSORS or tensor.layout != torch.strided:
+        if not is_plain(tensor):
             return Saved(tensor, tensor._version, self, tick, None, None, frame)
         storage = tensor.untyped_storage()
         nbytes, key, swap_k = storage.nbytes(), id(storage), frame.prefetch if frame is not None else None
@@ -113,6 +112,8 @@ class Step:
     def register_outputs(self, recipe: Recipe, outputs: list[torch.Tensor], inputs: set[int]) -> None:
         """Outputs a recipe can rebuild (``swapkit.recipes.Note [Output recompute]``)."""
         for index, output in enumerate(outputs):
+            if not is_plain(output):
+                continue
             storage = output.untyped_storage()
             key = id(storage)
             if key in inputs or key in self.param_storages or output.device != self.device or not storage.nbytes():
@@ -145,8 +146,9 @@ class Step:
         return Saved(keeper, version, self, tick, recomputed, view_meta(tensor), frame)
 
     def output_recomputed(self, nbytes: int) -> None:
-        self.stats.output_recomputes += 1
-        self.device_bytes_added(nbytes)
+        with self.lock:
+            self.stats.output_recomputes += 1
+            self.device_bytes_added(nbytes)
 
     def _new_record(self, tensor: torch.Tensor, storage: torch.UntypedStorage, key: int, nbytes: int, tick: int,
                     frame: Frame | None, version: int) -> Any:
@@ -202,10 +204,11 @@ class Step:
 
     def unpacked(self, tick: int) -> None:
         """Backward unpacked a tensor saved at ``tick``: prefetch every record due by then."""
-        if not self.backward_started and torch._C._current_graph_task_id() != -1:
-            self._begin_backward()
-        for record in self._prefetch.pop_due(tick):
-            record.fetch(tick)
+        with self.lock:
+            if not self.backward_started and torch._C._current_graph_task_id() != -1:
+                self._begin_backward()
+            for record in self._prefetch.pop_due(tick):
+                record.fetch(tick)
 
     def _begin_backward(self) -> None:
         self.backward_started = True
@@ -221,19 +224,22 @@ class Step:
 
     def restored(self, lead: int, late_timing: Any) -> None:
         """First use of a prefetched record: ``lead`` ticks after its copy was issued."""
-        self.stats.prefetch_lead_ticks += max(lead, 0)
-        if late_timing is not None:
-            self.stats.late_fetches += 1
-            self._timings.append(late_timing)
+        with self.lock:
+            self.stats.prefetch_lead_ticks += max(lead, 0)
+            if late_timing is not None:
+                self.stats.late_fetches += 1
+                self._timings.append(late_timing)
 
     # ------------------------------------------------------------------ accounting and end
 
     def device_bytes_added(self, nbytes: int) -> None:
-        self.device_bytes += nbytes
-        self.stats.peak_device_bytes = max(self.stats.peak_device_bytes, self.device_bytes)
+        with self.lock:
+            self.device_bytes += nbytes
+            self.stats.peak_device_bytes = max(self.stats.peak_device_bytes, self.device_bytes)
 
     def device_bytes_freed(self, nbytes: int) -> None:
-        self.device_bytes -= nbytes
+        with self.lock:
+            self.device_bytes -= nbytes
 
     def close(self, aborted: bool = False) -> None:
         """Drop the schedule (records live on only through the graph's handles)."""

@@ -19,6 +19,12 @@ or a branch whose backward never runs) could return memory to the allocator whil
 stream still reads or writes it. This replaces ``record_stream``, which would delay the reuse of
 *every* freed block until all later side-stream work finished.
 
+Note [A prefetched buffer used on another stream]
+A prefetched buffer belongs to the stream that was current when the prefetch was issued. If a
+backward node that unpacks it runs on another stream (a forward that used several streams), the
+buffer is ``record_stream``-ed on that stream at the wait, so the allocator does not reuse it
+while that stream may still read it.
+
 Note [Compute stream is read at use]
 ``torch.cuda.current_stream()`` is read on every call, never cached: backward runs on the
 autograd device thread with the stream of each forward op set as current, and users may run
@@ -26,9 +32,21 @@ forward under their own stream.
 """
 from __future__ import annotations
 
+import threading
 from collections import deque
 
 import torch
+
+
+class CudaCopy:
+    """One copy on the side stream: its completion event, and for a prefetch its target buffer and
+    the compute stream the buffer was allocated on."""
+
+    __slots__ = ("event", "buffer", "stream")
+
+    def __init__(self, event: torch.cuda.Event, buffer: torch.Tensor | None = None,
+                 stream: torch.cuda.Stream | None = None) -> None:
+        self.event, self.buffer, self.stream = event, buffer, stream
 
 
 class CudaTiming:
@@ -60,21 +78,23 @@ class CudaCopyEngine:
         self.device = torch.device(device)
         self.stream = torch.cuda.Stream(device=self.device)
         self._inflight: deque[tuple[torch.cuda.Event, torch.Tensor]] = deque()
+        self._lock = threading.Lock()  # unpacks run on several autograd threads
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
-    def offload(self, src: torch.Tensor, dst: torch.Tensor) -> torch.cuda.Event:
+    def offload(self, src: torch.Tensor, dst: torch.Tensor) -> CudaCopy:
         self._prune()
         self.stream.wait_stream(self._compute())  # Note [D2H waits for the producer]
         with torch.cuda.stream(self.stream):
             dst.copy_(src, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.stream)
-        self._inflight.append((done, src))  # Note [Copy sources and targets outlive their copies]
-        return done
+        with self._lock:
+            self._inflight.append((done, src))  # Note [Copy sources and targets outlive their copies]
+        return CudaCopy(done)
 
-    def prefetch(self, src: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
+    def prefetch(self, src: torch.Tensor) -> tuple[torch.Tensor, CudaCopy]:
         self._prune()
         compute = self._compute()
         dst = torch.empty(src.numel(), dtype=torch.uint8, device=self.device)  # on the compute stream
@@ -83,26 +103,32 @@ class CudaCopyEngine:
             dst.copy_(src, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.stream)
-        self._inflight.append((done, dst))
-        return dst, done
+        with self._lock:
+            self._inflight.append((done, dst))
+        return dst, CudaCopy(done, dst, compute)
 
-    def ready(self, copy: torch.cuda.Event) -> bool:
-        return copy.query()
+    def ready(self, copy: CudaCopy) -> bool:
+        self._prune()
+        return copy.event.query()
 
-    def wait(self, copy: torch.cuda.Event, timed: bool = False) -> CudaTiming | NoTiming:
+    def wait(self, copy: CudaCopy, timed: bool = False) -> CudaTiming | NoTiming:
+        self._prune()
         compute = self._compute()
+        if copy.buffer is not None and compute != copy.stream:
+            copy.buffer.record_stream(compute)  # Note [A prefetched buffer used on another stream]
         if not timed:
-            compute.wait_event(copy)
+            compute.wait_event(copy.event)
             return NoTiming()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record(compute)
-        compute.wait_event(copy)
+        compute.wait_event(copy.event)
         end.record(compute)
         return CudaTiming(start, end)
 
     def synchronize(self) -> None:
         self.stream.synchronize()
-        self._inflight.clear()
+        with self._lock:
+            self._inflight.clear()
 
     def close(self) -> None:
         self.synchronize()
@@ -111,5 +137,6 @@ class CudaCopyEngine:
         return torch.cuda.current_stream(self.device)  # Note [Compute stream is read at use]
 
     def _prune(self) -> None:
-        while self._inflight and self._inflight[0][0].query():  # one stream: completes in order
-            self._inflight.popleft()
+        with self._lock:
+            while self._inflight and self._inflight[0][0].query():  # one stream: completes in order
+                self._inflight.popleft()

@@ -44,9 +44,16 @@ class HostPool:
                 return free.pop()
             if self.max_bytes is not None and self.total_bytes + nbytes > self.max_bytes:
                 return None
-            self.total_bytes += nbytes
+            self.total_bytes += nbytes  # reserved under the lock, so two callers cannot overshoot the cap
+        try:
+            buffer = self._allocate(nbytes)
+        except BaseException:
+            with self._lock:
+                self.total_bytes -= nbytes
+            raise
+        with self._lock:
             self.allocations += 1
-        return self._allocate(nbytes)
+        return buffer
 
     def release(self, buffer: torch.Tensor) -> None:
         with self._lock:

@@ -60,6 +60,9 @@ class ThreadCopyEngine:
         return dst, self._submit(lambda: self._copy(dst, src))
 
     def ready(self, copy: ThreadCopy) -> bool:
+        """Finished? A failed copy raises here: its bytes must never be trusted (or released)."""
+        if copy.done and copy.error is not None:
+            raise copy.error
         return copy.done
 
     def wait(self, copy: ThreadCopy, timed: bool = False) -> Waited:
@@ -112,9 +115,11 @@ class ThreadCopyEngine:
             job, copy = item
             try:
                 job()
-            except BaseException as err:  # noqa: BLE001 - handed to the waiting unpack
+            except BaseException as err:  # noqa: BLE001 - handed to whoever asks about this copy
                 copy.error = err
             copy.done = True
+            del item, job  # the copy's source and target must not outlive it here
             if self._waiting:
                 with self._finished:
                     self._finished.notify_all()
+            del copy
