@@ -126,13 +126,18 @@ def test_larger_prefetch_distance_prefetches_ahead_and_holds_memory_longer():
     assert far.released_bytes > 0
 
 
-def test_release_never_waits_for_unfinished_copies():
-    model = ToyNet(layers=4)
-    ref = ToyNet(layers=4)
+def gated_toy():
+    """A 4-layer toy with layer swap k=1 on a GatedEngine, and an unwrapped twin."""
+    model, ref = ToyNet(layers=4), ToyNet(layers=4)
     ref.load_state_dict(model.state_dict())
     session = swapkit.apply(model, toy_config(4, **layer_swap(1)), layers="layers")
     engine = GatedEngine()
     install_engine(session, engine)
+    return model, ref, session, engine
+
+
+def test_release_never_waits_for_unfinished_copies():
+    model, ref, session, engine = gated_toy()
     x = torch.randn(8, 16)
     with session:
         out = model(x).sum()  # returns although no copy can finish
@@ -147,12 +152,7 @@ def test_release_never_waits_for_unfinished_copies():
 
 
 def test_late_fetch_waits_and_is_counted():
-    model = ToyNet(layers=4)
-    ref = ToyNet(layers=4)
-    ref.load_state_dict(model.state_dict())
-    session = swapkit.apply(model, toy_config(4, **layer_swap(1)), layers="layers")
-    engine = GatedEngine()
-    install_engine(session, engine)
+    model, ref, session, engine = gated_toy()
     x = torch.randn(8, 16)
     engine.gate.set()
     with session:
