@@ -35,6 +35,7 @@ from swapkit.schedule import TickQueue
 from swapkit.scope import Frame
 from swapkit.stats import SwapStats
 
+
 def _horizon(record: SwapRecord) -> int:
     return record.horizon
 
