@@ -16,6 +16,7 @@ pack hooks and, if backward has not started yet, waits for the copies and releas
 """
 from __future__ import annotations
 
+import logging
 from itertools import chain
 from typing import Any
 
@@ -31,6 +32,8 @@ from swapkit.records import Saved, is_plain
 from swapkit.scope import ScopeTracker
 from swapkit.stats import SwapStats
 from swapkit.step import Step
+
+logger = logging.getLogger(__name__)
 
 
 class SwapSession:
@@ -77,14 +80,22 @@ class SwapSession:
         hooks.__exit__(None, None, None)
         self.tracker.reset()
         step = self._step
+        try:
+            if exc_type is None and not step.backward_started:  # Note [Backward after the with block]
+                step.finish_forward()
+            else:
+                self.engine.synchronize()  # no copy outlives the block; a failed one raises here
+        except BaseException:
+            self._abort(step)
+            if exc_type is None:
+                raise
+            logger.warning("swapkit: a copy also failed while leaving the block after an error", exc_info=True)
         if exc_type is not None:
-            self.engine.synchronize()
-            step.close(aborted=True)
-            self._last = step
-        elif not step.backward_started:  # Note [Backward after the with block]
-            step.finish_forward()
-        else:
-            self.engine.synchronize()
+            self._abort(step)
+
+    def _abort(self, step: Step) -> None:
+        step.close(aborted=True)
+        self._last = step
 
     # ------------------------------------------------------------------ hooks
 

@@ -81,7 +81,7 @@ def test_thread_engine_reports_copy_errors_to_the_waiter():
     copy = engine.offload(torch.zeros(4, dtype=torch.uint8), torch.empty(3, dtype=torch.uint8))
     with pytest.raises(RuntimeError):
         engine.wait(copy)
-    engine.synchronize()  # the worker survives a failed copy
+    engine.synchronize()  # the worker survives a failed copy, and the error was already reported
     engine.close()
 
 
@@ -91,3 +91,12 @@ def test_make_engine_picks_by_device_and_refuses_cuda_for_cpu_models():
     assert engine.name == "thread" and engine.latency_s == 0.5
     with pytest.raises(ValueError, match="runtime.engine is 'cuda' but the model is on cpu"):
         make_engine(RuntimeConfig(engine="cuda"), torch.device("cpu"))
+
+
+def test_thread_engine_synchronize_raises_a_failure_nobody_waited_for():
+    engine = ThreadCopyEngine("cpu")
+    engine.offload(torch.zeros(4, dtype=torch.uint8), torch.empty(3, dtype=torch.uint8))
+    with pytest.raises(RuntimeError):
+        engine.synchronize()
+    engine.synchronize()  # reported once
+    engine.close()

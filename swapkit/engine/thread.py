@@ -48,6 +48,7 @@ class ThreadCopyEngine:
         self._start_lock = threading.Lock()
         self._finished = threading.Condition()  # signalled after a copy only while someone waits
         self._waiting = 0
+        self._error: BaseException | None = None  # a failed copy nobody was told of yet
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)
@@ -62,7 +63,7 @@ class ThreadCopyEngine:
     def ready(self, copy: ThreadCopy) -> bool:
         """Finished? A failed copy raises here: its bytes must never be trusted (or released)."""
         if copy.done and copy.error is not None:
-            raise copy.error
+            self._report(copy.error)
         return copy.done
 
     def wait(self, copy: ThreadCopy, timed: bool = False) -> Waited:
@@ -74,12 +75,22 @@ class ThreadCopyEngine:
                     self._finished.wait()
                 self._waiting -= 1
         if copy.error is not None:
-            raise copy.error
+            self._report(copy.error)
         return Waited(time.perf_counter() - start)
 
+    def _report(self, error: BaseException) -> None:
+        """Raise a copy's error; once raised it is no longer pending for ``synchronize``."""
+        if self._error is error:
+            self._error = None
+        raise error
+
     def synchronize(self) -> None:
+        """Wait for every queued copy; raise the first copy that failed since the last call."""
         if self._worker is not None:
             self.wait(self._submit(lambda: None))
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
 
     def close(self) -> None:
         with self._start_lock:
@@ -117,6 +128,7 @@ class ThreadCopyEngine:
                 job()
             except BaseException as err:  # noqa: BLE001 - handed to whoever asks about this copy
                 copy.error = err
+                self._error = self._error or err
             copy.done = True
             del item, job  # the copy's source and target must not outlive it here
             if self._waiting:
