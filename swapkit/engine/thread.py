@@ -1,6 +1,6 @@
 """CPU copy engine: one worker thread copies into pooled host buffers.
 
-It stands in for the CUDA engine in CPU-only runs: futures play the role of CUDA events, and
+It stands in for the CUDA engine in CPU-only runs: completion flags play the role of CUDA events, and
 ``latency_s`` / ``bandwidth_gbps`` make each copy take as long as it would over a slower link,
 which widens race windows in tests and emulates a PCIe-to-compute ratio in benchmarks. On CPU the
 "device" and the host share RAM; the memory the session reports is its own accounting.
