@@ -66,10 +66,16 @@ class ScopeTracker:
         self.stack.clear()
 
     def _hook(self, module: nn.Module, layer: int, path: str, prefetch: int | None) -> None:
+        frames: dict[int | None, Frame] = {}  # by the prefetch in force; built once, not per call
+
         def enter(_module: nn.Module, _args: Any) -> None:
             parent = self.top
             inherited = parent.prefetch if parent is not None and parent.layer == layer else None
-            self.stack.append(Frame(layer, path, prefetch if prefetch is not None else inherited))
+            k = prefetch if prefetch is not None else inherited
+            frame = frames.get(k)
+            if frame is None:
+                frame = frames[k] = Frame(layer, path, k)
+            self.stack.append(frame)
 
         def leave(_module: nn.Module, _args: Any, _output: Any) -> None:
             for depth in range(len(self.stack) - 1, -1, -1):  # pop through frames an exception skipped
