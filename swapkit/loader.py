@@ -19,7 +19,6 @@ from swapkit import schema
 from swapkit.config import (
     Config,
     EngineOptions,
-    MegatronRecompute,
     MindFormersRecompute,
     ModelConfig,
     ParallelConfig,

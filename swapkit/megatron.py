@@ -13,7 +13,7 @@ chunk (each stage when ``pp_interleave_num`` is 1) and ``uniform`` N groups neve
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from swapkit import fields as F
 from swapkit.config import BUILTIN_MODULE_SCOPES, MEGATRON_MODULES, MegatronRecompute

@@ -14,7 +14,7 @@ from swapkit import fields as F
 from swapkit import patterns
 from swapkit.config import MindFormersRecompute, SwapConfig, SwapEntry
 from swapkit.errors import Problems, join
-from swapkit.layout import Grid, Layout, as_lists
+from swapkit.layout import Grid, Layout
 from swapkit.swap_entries import layer_indices
 
 logger = logging.getLogger(__name__)

@@ -13,7 +13,9 @@ from torch import nn
 
 import swapkit
 from swapkit.engine import HostPool, ThreadCopyEngine
-from tests.toys import ReadyWhenDone, ToyNet, assert_grads_equal, grads, install_engine, layer_swap, toy_config
+from tests.toys import (
+    ReadyWhenDone, ToyNet, assert_grads_equal, grads, install_engine, layer_swap, synced_session, toy_config,
+)
 
 
 class ConjBlock(nn.Module):
@@ -32,8 +34,7 @@ class ConjBlock(nn.Module):
 def test_conj_and_neg_views_come_back_with_their_bits():
     model, ref = ToyNet(layers=3, block=ConjBlock), ToyNet(layers=3, block=ConjBlock)
     ref.load_state_dict(model.state_dict())
-    session = swapkit.apply(model, toy_config(3, **layer_swap(1)), layers="layers")
-    install_engine(session, ReadyWhenDone())
+    session = synced_session(model, toy_config(3, **layer_swap(1)))
     x = torch.randn(8, 16)
     with session:
         model(x).sum().backward()

@@ -10,8 +10,8 @@ from torch import nn
 
 import swapkit
 from tests.toys import (
-    SMALL, GatedEngine, ReadyWhenDone, ToyNet, assert_grads_equal, grads, install_engine, layer_swap, llama,
-    llama_batch, llama_step, toy_config,
+    GatedEngine, ToyNet, assert_grads_equal, grads, install_engine, layer_swap, llama, llama_batch, llama_step,
+    synced_session, toy_config,
 )
 
 F32 = 4
@@ -89,8 +89,7 @@ def test_exact_stats_on_toy_model():
     (x needs no grad, so block 0 saves no weight). Storages: x, s0, s1, s2, each moved once.
     """
     model = ToyNet(layers=3)
-    session = swapkit.apply(model, toy_config(3, **layer_swap(1)), layers="layers")
-    install_engine(session, ReadyWhenDone())
+    session = synced_session(model, toy_config(3, **layer_swap(1)))
     x = torch.randn(8, 16)
     with session:
         model(x).sum().backward()
@@ -114,8 +113,7 @@ def test_exact_stats_on_toy_model():
 def test_larger_prefetch_distance_prefetches_ahead_and_holds_memory_longer():
     def run(k):
         model = ToyNet(layers=6)
-        session = swapkit.apply(model, toy_config(6, **layer_swap(k)), layers="layers")
-        install_engine(session, ReadyWhenDone())
+        session = synced_session(model, toy_config(6, **layer_swap(k)))
         with session:
             model(torch.randn(8, 16)).sum().backward()
         return session.stats
@@ -199,8 +197,7 @@ def test_storage_saved_three_times_moves_once_and_views_keep_strides():
     model = ToyNet(layers=2, block=ViewBlock)
     ref = ToyNet(layers=2, block=ViewBlock)
     ref.load_state_dict(model.state_dict())
-    session = swapkit.apply(model, toy_config(2, **layer_swap(1)), layers="layers")
-    install_engine(session, ReadyWhenDone())
+    session = synced_session(model, toy_config(2, **layer_swap(1)))
     with session:
         got = run(model)
     assert_grads_equal(got, run(ref))
@@ -231,8 +228,7 @@ def test_min_offload_bytes_and_host_cap():
     assert session.stats.offloaded_bytes == 0
     assert session.stats.skipped["small"] == 4 * 512
 
-    capped = swapkit.apply(ToyNet(layers=3), toy_config(3, **layer_swap(1, max_host_bytes=1100)), layers="layers")
-    install_engine(capped, ReadyWhenDone())
+    capped = synced_session(ToyNet(layers=3), toy_config(3, **layer_swap(1, max_host_bytes=1100)))
     with capped:
         capped.model(torch.randn(8, 16)).sum().backward()
     stats = capped.stats
@@ -254,8 +250,7 @@ def test_inplace_write_to_saved_tensor_raises_naming_the_layer(swapped):
 
     model = ToyNet(layers=2, block=Mutating)
     layers = [0, 1] if swapped else [0]
-    session = swapkit.apply(model, toy_config(2, **layer_swap(1, layers=layers)), layers="layers")
-    install_engine(session, ReadyWhenDone())
+    session = synced_session(model, toy_config(2, **layer_swap(1, layers=layers)))
     with session:
         loss = model(torch.randn(8, 16)).sum()
         with pytest.raises(RuntimeError, match=r"layer 1 was modified by an in-place operation"):
@@ -265,8 +260,7 @@ def test_inplace_write_to_saved_tensor_raises_naming_the_layer(swapped):
 
 def test_inplace_write_after_release_still_raises():
     model = ToyNet(layers=3)
-    session = swapkit.apply(model, toy_config(3, **layer_swap(1)), layers="layers")
-    install_engine(session, ReadyWhenDone())
+    session = synced_session(model, toy_config(3, **layer_swap(1)))
     with session:
         out0 = model.layers[0](torch.randn(8, 16))
         out = model.layers[2](model.layers[1](out0))
@@ -342,8 +336,7 @@ def test_exception_mid_backward_leaves_clean_state():
 
 def test_fifty_steps_keep_memory_flat_and_reuse_host_buffers():
     model = llama()
-    session = swapkit.apply(model, toy_config(4, **layer_swap(5)), layers="layers")
-    install_engine(session, ReadyWhenDone())
+    session = synced_session(model, toy_config(4, **layer_swap(5)))
     batch = llama_batch()
     seen = []
     for step in range(50):
@@ -361,8 +354,7 @@ def test_fifty_steps_keep_memory_flat_and_reuse_host_buffers():
 
 def test_skip_tail_offload_after_first_step():
     model = ToyNet(layers=4)
-    session = swapkit.apply(model, toy_config(4, **layer_swap(2)), layers="layers")
-    install_engine(session, ReadyWhenDone())
+    session = synced_session(model, toy_config(4, **layer_swap(2)))
     x = torch.randn(8, 16)
     with session:
         model(x).sum().backward()
@@ -404,8 +396,7 @@ def test_micro_batches_inside_one_block_open_a_step_each():
 
 def test_backward_after_the_with_block():
     model, ref = llama(), llama()
-    session = swapkit.apply(model, toy_config(4, **layer_swap(2)), layers="layers")
-    install_engine(session, ReadyWhenDone())
+    session = synced_session(model, toy_config(4, **layer_swap(2)))
     tokens, targets = llama_batch()
     from swapkit.model import lm_loss
 
@@ -437,8 +428,7 @@ def test_retain_graph_backward_twice():
 
 def test_branch_whose_backward_never_runs_is_freed():
     model = ToyNet(layers=3)
-    session = swapkit.apply(model, toy_config(3, **layer_swap(1)), layers="layers")
-    install_engine(session, ReadyWhenDone())
+    session = synced_session(model, toy_config(3, **layer_swap(1)))
     x = torch.randn(8, 16)
     with session:
         used = model(x).sum()

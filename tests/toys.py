@@ -72,6 +72,15 @@ def install_engine(session, engine) -> None:
     session.pool = HostPool(engine.host_buffer, session.plan.runtime.max_host_bytes)
 
 
+def synced_session(model: nn.Module, config: dict):
+    """``swapkit.apply`` on the ``layers`` container with a :class:`ReadyWhenDone` engine."""
+    import swapkit
+
+    session = swapkit.apply(model, config, layers="layers")
+    install_engine(session, ReadyWhenDone())
+    return session
+
+
 def grads(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
