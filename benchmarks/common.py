@@ -22,9 +22,9 @@ import psutil
 import torch
 
 import swapkit
-from swapkit.config import ModelConfig
-from swapkit.loader import load_config
-from swapkit.model import build_model, lm_loss
+from swapkit.config.types import ModelConfig
+from swapkit.load import load_config
+from swapkit.train.model import build_model, lm_loss
 
 #: The default model: a CPU step (forward + backward) takes roughly 100 ms on 2 cores.
 DEFAULT_MODEL = {"num_layers": 4, "hidden_size": 256, "num_heads": 4, "intermediate_size": 704,

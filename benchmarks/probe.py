@@ -28,7 +28,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from swapkit.model import lm_loss
+from swapkit.train.model import lm_loss
 
 from common import synchronize
 from variants import Runner

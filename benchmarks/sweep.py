@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from swapkit.model import lm_loss
+from swapkit.train.model import lm_loss
 
 from common import Setup, synchronize
 from measure import pairwise_ratio, run_interleaved, stats_fields

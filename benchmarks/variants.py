@@ -13,7 +13,7 @@ from typing import Any, Callable, ContextManager
 import torch
 
 import swapkit
-from swapkit.stats import SwapStats
+from swapkit.runtime.stats import SwapStats
 
 from common import Setup, fresh_model, timed_step
 

@@ -7,14 +7,14 @@ from typing import Any, Mapping
 
 from torch import nn
 
-from swapkit.binding import BindError, bind, module_tree
-from swapkit.config import Config
-from swapkit.loader import load_config
-from swapkit.plan import Plan, build_plan
-from swapkit.recompute import Recompute
-from swapkit.report import layer_lines, unmatched
-from swapkit.scope import ScopeTracker
-from swapkit.session import SwapSession
+from swapkit.runtime.binding import BindError, bind, module_tree
+from swapkit.config.types import Config
+from swapkit.load import load_config
+from swapkit.plan.plan import Plan, build_plan
+from swapkit.runtime.recompute import Recompute
+from swapkit.plan.report import layer_lines, unmatched
+from swapkit.runtime.scope import ScopeTracker
+from swapkit.runtime.session import SwapSession
 
 logger = logging.getLogger(__name__)
 APPLIED = "_swapkit_applied"

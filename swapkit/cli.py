@@ -11,7 +11,7 @@ import logging
 import sys
 from typing import Sequence
 
-from swapkit.errors import ConfigError
+from swapkit.config.errors import ConfigError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 logger = logging.getLogger("swapkit")
@@ -64,11 +64,11 @@ def _configure_logging(verbose: bool) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from swapkit.binding import module_tree
-    from swapkit.loader import load_config
-    from swapkit.model import build_model
-    from swapkit.plan import build_plan
-    from swapkit.report import plan_report, table, with_exact_overridden
+    from swapkit.load import load_config
+    from swapkit.plan.plan import build_plan
+    from swapkit.plan.report import plan_report, table, with_exact_overridden
+    from swapkit.runtime.binding import module_tree
+    from swapkit.train.model import build_model
 
     config = load_config(args.config, args.overrides)
     plan = build_plan(config)
@@ -87,9 +87,15 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from swapkit.train import train_from_args
+    """Run ``swapkit train``; a bad config or device raises :class:`ConfigError` (exit 2)."""
+    from swapkit.load import load_config
+    from swapkit.train import format_summary, train
 
-    return train_from_args(args)
+    config = load_config(args.config, args.overrides)
+    result = train(config, steps=args.steps, device=args.device, metrics_out=args.metrics_out,
+                   progress=not args.no_progress)
+    print(format_summary(result.summary))
+    return EXIT_OK
 
 
 if __name__ == "__main__":

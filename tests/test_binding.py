@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 import swapkit
-from swapkit.binding import BindError, bind, find_layers
-from swapkit.scope import ScopeTracker
+from swapkit.runtime.binding import BindError, bind, find_layers
+from swapkit.runtime.scope import ScopeTracker
 from tests.toys import SMALL, Block, ToyNet, llama, toy_config
 
 

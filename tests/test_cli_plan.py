@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from swapkit.cli import main
-from swapkit.loader import load_config
+from swapkit.load import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs"

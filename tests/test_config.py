@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from swapkit import Config, ConfigError, build_plan, load_config
-from swapkit.config import EngineOptions, MindFormersRecompute
+from swapkit.config.types import EngineOptions, MindFormersRecompute
 
 CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
 MINIMAL = {"model": {"model_config": {"num_layers": 4}}}

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import swapkit
-from swapkit.model import build_model, lm_loss
+from swapkit.train.model import build_model, lm_loss
 from tests.toys import SMALL, ToyNet, grads, layer_swap, llama_batch, toy_config
 
 pytestmark = pytest.mark.cuda

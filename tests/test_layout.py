@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 
 from swapkit import ConfigError, load_config
-from swapkit.errors import Problems
-from swapkit.layout import OFFSET_PATH, build_layout
+from swapkit.config.errors import Problems
+from swapkit.plan.layout import OFFSET_PATH, build_layout
 
 
 def layout_of(num_layers, stages, chunks=1, offset=0):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from swapkit import ConfigError, build_plan, load_config
-from swapkit.config import MEGATRON_MODULES
+from swapkit.config.types import MEGATRON_MODULES
 
 VALID_MODULES = "valid modules: core_attn, moe_act, layernorm, mla_up_proj, mlp, moe, shared_experts"
 

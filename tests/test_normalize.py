@@ -10,9 +10,9 @@ import logging
 import pytest
 
 from swapkit import ConfigError, build_plan, load_config
-from swapkit.errors import Problems
-from swapkit.layout import build_layout
-from swapkit.normalize import DEFAULT_COMM, DEFAULT_SELECT, normalize_counts
+from swapkit.config.errors import Problems
+from swapkit.plan.layout import build_layout
+from swapkit.plan.normalize import DEFAULT_COMM, DEFAULT_SELECT, normalize_counts
 
 SEED_OFFSET = [[0, 1, 1, 1, 1], [1, 1, 1, 1, 0]]
 SEED_LIST = ((4, 5, 5, 5, 5), (5, 5, 5, 5, 4))

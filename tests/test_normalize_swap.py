@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from swapkit import ConfigError, build_plan, load_config
-from swapkit.normalize import DEFAULT_SWAP_OP, SwapRule
+from swapkit.plan.normalize import DEFAULT_SWAP_OP, SwapRule
 
 
 def formative(swap, num_layers=4):

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from swapkit import ConfigError, build_plan, load_config
-from swapkit.config import Config, ModelConfig, SwapConfig, SwapEntry
-from swapkit.report import layer_lines, plan_report, resolve_layer, table, unmatched
+from swapkit.config.types import Config, ModelConfig, SwapConfig, SwapEntry
+from swapkit.plan.report import layer_lines, plan_report, resolve_layer, table, unmatched
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 SEED_OFFSET = [[0, 1, 1, 1, 1], [1, 1, 1, 1, 0]]

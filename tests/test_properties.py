@@ -6,9 +6,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from swapkit import ConfigError, build_plan, load_config
-from swapkit.errors import Problems
-from swapkit.layout import build_layout
-from swapkit.normalize import normalize_counts
+from swapkit.config.errors import Problems
+from swapkit.plan.layout import build_layout
+from swapkit.plan.normalize import normalize_counts
 
 FAST = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -1,4 +1,4 @@
-"""Output recompute for MindFormers select scopes (swapkit.recipes Note [Output recompute])."""
+"""Output recompute for MindFormers select scopes (swapkit.runtime.recipes Note [Output recompute])."""
 from __future__ import annotations
 
 import pytest

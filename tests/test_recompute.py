@@ -31,9 +31,9 @@ from torch.utils.checkpoint import set_checkpoint_early_stop
 
 import swapkit
 from swapkit import build_plan, load_config
-from swapkit.config import ModelConfig
-from swapkit.model import build_model, lm_loss
-from swapkit.recompute import outermost
+from swapkit.config.types import ModelConfig
+from swapkit.train.model import build_model, lm_loss
+from swapkit.runtime.recompute import outermost
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 SIZES = dict(num_layers=4, hidden_size=32, num_heads=2, intermediate_size=64, vocab_size=64, seq_length=16)
@@ -186,7 +186,7 @@ def labels(template: str, layers=range(4)) -> list[str]:
 SILU, MUL = "feed_forward.w1.activation.silu", "feed_forward.mul"
 MEGATRON_FULL = {"recompute_granularity": "full"}
 # A MindFormers select/comm scope whose output a consumer saves runs twice in backward: once as a
-# recipe rebuilding that output for the consumer (swapkit.recipes Note [Output recompute]), once as
+# recipe rebuilding that output for the consumer (swapkit.runtime.recipes Note [Output recompute]), once as
 # its own checkpoint region. silu, mul and the norms are such scopes; feed_forward is not (the
 # residual add saves nothing), and Megatron scopes never record recipes.
 CASES = {
@@ -282,7 +282,7 @@ def test_selective_mlp_saves_less_than_keeping_everything():
 
 
 def test_select_recompute_of_silu_and_mul_drops_their_outputs():
-    """swapkit.recipes Note [Output recompute]: silu's and mul's outputs ([B, S, intermediate]) are
+    """swapkit.runtime.recipes Note [Output recompute]: silu's and mul's outputs ([B, S, intermediate]) are
     not held for w2 / mul; recipes rebuild them in backward."""
     wrapped = run(config({"select_recompute": True}))
     stats = wrapped.session.stats
@@ -361,7 +361,7 @@ def test_enclosing_layer_swap_still_offloads_the_inputs_of_recomputed_regions(pl
     stats = wrapped.session.stats
     # everything in layer 3 is recomputed: what is saved there are the four regions' inputs (layer
     # input, attention_norm output, mid residual, ffn_norm output); the norms' outputs are rebuilt
-    # by recipes (swapkit.recipes Note [Output recompute]), so only the two residuals move
+    # by recipes (swapkit.runtime.recipes Note [Output recompute]), so only the two residuals move
     assert stats.offloaded_by_scope == {"layer 3": 2 * H_BYTES}
     assert stats.offloaded_tensors == 2 and stats.recomputed_output_bytes == 2 * H_BYTES
     assert stats.skipped.get("parameter", 0) > 0

@@ -7,9 +7,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from swapkit.config import EngineOptions, RuntimeConfig
+from swapkit.config.types import EngineOptions, RuntimeConfig
 from swapkit.engine import HostPool, ThreadCopyEngine, make_engine
-from swapkit.schedule import TickQueue
+from swapkit.runtime.schedule import TickQueue
 
 
 def test_tick_queue_ascending_pops_due_in_key_then_push_order():

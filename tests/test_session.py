@@ -371,7 +371,7 @@ def test_gradient_accumulation_several_forwards_then_backward():
     model, ref = llama(), llama()
     session = swapkit.apply(model, toy_config(4, **layer_swap(4)), layers="layers")
     batches = [llama_batch(seed) for seed in range(3)]
-    from swapkit.model import lm_loss
+    from swapkit.train.model import lm_loss
 
     with session:
         total = sum(lm_loss(model(t), y) for t, y in batches)
@@ -398,7 +398,7 @@ def test_backward_after_the_with_block():
     model, ref = llama(), llama()
     session = synced_session(model, toy_config(4, **layer_swap(2)))
     tokens, targets = llama_batch()
-    from swapkit.model import lm_loss
+    from swapkit.train.model import lm_loss
 
     with session:
         loss = lm_loss(model(tokens), targets)
@@ -414,7 +414,7 @@ def test_retain_graph_backward_twice():
     model, ref = llama(), llama()
     session = swapkit.apply(model, toy_config(4, **layer_swap(2)), layers="layers")
     tokens, targets = llama_batch()
-    from swapkit.model import lm_loss
+    from swapkit.train.model import lm_loss
 
     with session:
         loss = lm_loss(model(tokens), targets)
@@ -500,7 +500,7 @@ def test_recompute_in_backward_does_not_move_the_clock(reentrant):
         "recompute": [1], "select_recompute": {"feed_forward": [2]}, "use_reentrant": reentrant})
     session = swapkit.apply(model, config, layers="layers")
     batch = llama_batch()
-    from swapkit.model import lm_loss
+    from swapkit.train.model import lm_loss
 
     ticks = []
     for _ in range(2):

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 import swapkit
-import swapkit.train as train_mod
+import swapkit.train.loop as train_mod
 from swapkit import ConfigError, cli, load_config
-from swapkit.model import build_model, lm_loss
+from swapkit.train.model import build_model, lm_loss
 from swapkit.train import SyntheticTokens, format_summary, latest_checkpoint, resolve_device, train
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -7,9 +7,9 @@ import threading
 import torch
 from torch import nn
 
-from swapkit.config import ModelConfig
+from swapkit.config.types import ModelConfig
 from swapkit.engine import HostPool, ThreadCopyEngine
-from swapkit.model import build_model, lm_loss
+from swapkit.train.model import build_model, lm_loss
 
 SMALL = ModelConfig(num_layers=4, hidden_size=32, num_heads=2, intermediate_size=64, vocab_size=64, seq_length=16)
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from swapkit.config import RuntimeConfig
+from swapkit.config.types import RuntimeConfig
 from swapkit.engine.base import CopyEngine
 from swapkit.engine.pool import HostPool
 from swapkit.engine.thread import ThreadCopyEngine

@@ -1,9 +1,9 @@
 """Typed configuration: one frozen dataclass per YAML section.
 
-The loader (:mod:`swapkit.loader`) is the only code that reads raw YAML; everything downstream
+The loader (:mod:`swapkit.config.loader`) is the only code that reads raw YAML; everything downstream
 takes these dataclasses. Count values of ``recompute_config`` stay in the shape the user wrote
 them (bool, list, grid, dict) because their meaning depends on the layout; they are validated and
-normalized by :mod:`swapkit.normalize`.
+normalized by :mod:`swapkit.plan.normalize`.
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class MindFormersRecompute:
-    """``recompute_config`` in MindFormers keys; values as written, see :mod:`swapkit.normalize`."""
+    """``recompute_config`` in MindFormers keys; values as written, see :mod:`swapkit.plan.normalize`."""
 
     recompute: Any = False
     select_recompute: Any = False

@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from swapkit.errors import Problems, join
+from swapkit.config.errors import Problems, join
 
 INVALID: Any = type("Invalid", (), {"__repr__": lambda self: "INVALID"})()
 Check = Callable[[Any, str, Problems], Any]

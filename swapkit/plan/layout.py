@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any
 
-from swapkit import fields as F
-from swapkit.errors import Problems
+from swapkit.config import fields as F
+from swapkit.config.errors import Problems
 
 Grid = tuple[tuple[int, ...], ...]
 OFFSET_PATH = "model.model_config.offset"

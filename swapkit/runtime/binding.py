@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from swapkit.plan import LayerPlan, Plan
-from swapkit.report import LayerScopes, resolve_layer
+from swapkit.plan.plan import LayerPlan, Plan
+from swapkit.plan.report import LayerScopes, resolve_layer
 
 
 class BindError(ValueError):

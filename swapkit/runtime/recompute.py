@@ -24,7 +24,7 @@ A checkpointed op scope saves its inputs instead of what it saves inside; its ou
 (or not) by its consumers as usual. So a region around one elementwise op (MindFormers' default
 ``feed_forward.mul`` and ``feed_forward.w1.activation.silu``) frees nothing by itself: its inputs
 are what it saved anyway, and the consumer still saves its output. For MindFormers scopes the
-swap session therefore also drops the output (``swapkit.recipes.Note [Output recompute]``);
+swap session therefore also drops the output (``swapkit.runtime.recipes.Note [Output recompute]``);
 Megatron scopes keep Megatron's checkpoint-region semantics.
 
 Note [Keyword arguments of checkpointed modules]
@@ -42,8 +42,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from swapkit.binding import Binding, BoundLayer
-from swapkit.recipes import capture_state
+from swapkit.runtime.binding import Binding, BoundLayer
+from swapkit.runtime.recipes import capture_state
 
 
 class Recompute:

@@ -6,8 +6,8 @@ MindFormers YAML loads unchanged.
 """
 from __future__ import annotations
 
-from swapkit import fields as F
-from swapkit.fields import Key
+from swapkit.config import fields as F
+from swapkit.config.fields import Key
 
 anything, boolean, mapping, string = F.anything, F.boolean, F.mapping, F.string
 integer, number, choice, optional = F.integer, F.number, F.choice, F.optional

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from swapkit import patterns
-from swapkit.plan import LayerPlan, Plan
+from swapkit.plan import patterns
+from swapkit.plan.plan import LayerPlan, Plan
 
 
 @dataclass

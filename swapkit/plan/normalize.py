@@ -10,12 +10,12 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from swapkit import fields as F
-from swapkit import patterns
-from swapkit.config import MindFormersRecompute, SwapConfig, SwapEntry
-from swapkit.errors import Problems, join
-from swapkit.layout import Grid, Layout
-from swapkit.swap_entries import layer_indices
+from swapkit.config import fields as F
+from swapkit.plan import patterns
+from swapkit.config.types import MindFormersRecompute, SwapConfig, SwapEntry
+from swapkit.config.errors import Problems, join
+from swapkit.plan.layout import Grid, Layout
+from swapkit.config.swap_entries import layer_indices
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from swapkit.config import ModelConfig
+from swapkit.config.types import ModelConfig
 
 
 class MatMul(nn.Module):

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from swapkit import fields as F
-from swapkit.config import SwapEntry
-from swapkit.errors import Problems, join
-from swapkit.fields import Key
+from swapkit.config import fields as F
+from swapkit.config.types import SwapEntry
+from swapkit.config.errors import Problems, join
+from swapkit.config.fields import Key
 
 SWAP_FIX = "list global layer indices such as [0, 3], or true for every layer"
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from swapkit import patterns
-from swapkit.config import Config, MegatronRecompute, RuntimeConfig
-from swapkit.errors import Problems
-from swapkit.fields import INVALID
-from swapkit.layout import Layout, build_layout
-from swapkit.megatron import describe, megatron_formative, megatron_layers
-from swapkit.normalize import Formative, normalize_recompute, normalize_swap
+from swapkit.plan import patterns
+from swapkit.config.types import Config, MegatronRecompute, RuntimeConfig
+from swapkit.config.errors import Problems
+from swapkit.config.fields import INVALID
+from swapkit.plan.layout import Layout, build_layout
+from swapkit.plan.megatron import describe, megatron_formative, megatron_layers
+from swapkit.plan.normalize import Formative, normalize_recompute, normalize_swap
 
 
 @dataclass(frozen=True)
@@ -166,8 +166,8 @@ def _overridden(full: bool, recomputed: tuple[str, ...], layer_swap: int | None,
                 op_swap: tuple[tuple[str, int], ...]) -> tuple[str, ...]:
     """Swaps that cannot act because recompute owns the tensors (DESIGN §4 "Recompute wins").
 
-    Without a model this is decided on the patterns (:func:`swapkit.patterns.covers`); binding to
-    a model decides it on the real sub-modules (:func:`swapkit.report.exact_overridden`), which is
+    Without a model this is decided on the patterns (:func:`swapkit.plan.patterns.covers`); binding to
+    a model decides it on the real sub-modules (:func:`swapkit.plan.report.exact_overridden`), which is
     what ``swapkit plan`` prints for the built-in model and what ``apply`` warns about.
     """
     if full:

@@ -27,13 +27,13 @@ from typing import Any, Callable
 
 import torch
 
-from swapkit.config import RuntimeConfig
+from swapkit.config.types import RuntimeConfig
 from swapkit.engine import CopyEngine, HostPool
-from swapkit.recipes import Recipe, RecomputedOutput
-from swapkit.records import KeptRecord, Saved, SwapRecord, is_plain, storage_bytes, view_meta
-from swapkit.schedule import TickQueue
-from swapkit.scope import Frame
-from swapkit.stats import SwapStats
+from swapkit.runtime.recipes import Recipe, RecomputedOutput
+from swapkit.runtime.records import KeptRecord, Saved, SwapRecord, is_plain, storage_bytes, view_meta
+from swapkit.runtime.schedule import TickQueue
+from swapkit.runtime.scope import Frame
+from swapkit.runtime.stats import SwapStats
 
 
 def _horizon(record: SwapRecord) -> int:
@@ -41,7 +41,7 @@ def _horizon(record: SwapRecord) -> int:
 
 
 class Step:
-    """Per-step state. Created by :class:`swapkit.session.SwapSession`."""
+    """Per-step state. Created by :class:`swapkit.runtime.session.SwapSession`."""
 
     def __init__(self, number: int, engine: CopyEngine, pool: HostPool, runtime: RuntimeConfig,
                  param_storages: set[int], tail_ticks: int | None,
@@ -63,7 +63,7 @@ class Step:
         self._allocations_at_start = pool.allocations
         self.stats = SwapStats(step=number, skipped=defaultdict(int), offloaded_by_scope=defaultdict(int))
         self.device_bytes = 0
-        self.lock = threading.RLock()  # swapkit.records Note [Unpacks from several threads]
+        self.lock = threading.RLock()  # swapkit.runtime.records Note [Unpacks from several threads]
 
     # ------------------------------------------------------------------ forward
 
@@ -91,7 +91,7 @@ class Step:
         if not record.swapped:
             return Saved(tensor, version, self, tick, record, None, frame)
         record.saved_again(tick)
-        keeper = tensor.detach()  # Note [Version keepers] in swapkit.records
+        keeper = tensor.detach()  # Note [Version keepers] in swapkit.runtime.records
         if record.released:  # the storage lives on elsewhere; its bytes are already on the host
             with torch.autograd._unsafe_preserve_version_counter(keeper):
                 keeper.set_()
@@ -111,7 +111,7 @@ class Step:
         return record
 
     def register_outputs(self, recipe: Recipe, outputs: list[torch.Tensor], inputs: set[int]) -> None:
-        """Outputs a recipe can rebuild (``swapkit.recipes.Note [Output recompute]``)."""
+        """Outputs a recipe can rebuild (``swapkit.runtime.recipes.Note [Output recompute]``)."""
         for index, output in enumerate(outputs):
             if not is_plain(output):
                 continue
@@ -143,7 +143,7 @@ class Step:
             self.stats.recomputed_output_bytes += recomputed.nbytes
         keeper = tensor.detach()
         with torch.autograd._unsafe_preserve_version_counter(keeper):
-            keeper.set_()  # tracks in-place writes, holds no memory (swapkit.records Note [Version keepers])
+            keeper.set_()  # tracks in-place writes, holds no memory (swapkit.runtime.records Note [Version keepers])
         return Saved(keeper, version, self, tick, recomputed, view_meta(tensor), frame)
 
     def output_recomputed(self, nbytes: int) -> None:

@@ -27,15 +27,12 @@ own recomputation.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch.utils.checkpoint import get_device_states, set_device_states
 
-from swapkit.records import is_plain, rebuild
-
-if TYPE_CHECKING:
-    from swapkit.step import Step
+from swapkit.runtime.records import StepState, is_plain, rebuild
 
 
 class Recipe:
@@ -44,7 +41,7 @@ class Recipe:
     __slots__ = ("step", "function", "args", "kwargs", "unpack", "rng", "autocast", "outputs", "nbytes",
                  "__weakref__")
 
-    def __init__(self, step: Step, function: Callable[..., Any], args: tuple, kwargs: dict,
+    def __init__(self, step: StepState, function: Callable[..., Any], args: tuple, kwargs: dict,
                  unpack: Callable[[Any], torch.Tensor], rng: tuple, autocast: tuple) -> None:
         self.step, self.function, self.args, self.kwargs = step, function, args, kwargs
         self.unpack, self.rng, self.autocast = unpack, rng, autocast

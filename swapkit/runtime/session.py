@@ -1,7 +1,7 @@
 """The swap session: saved-tensor hooks around the forward, a step per forward/backward.
 
-Thin autograd glue: ``pack`` asks the :class:`~swapkit.scope.ScopeTracker` where execution is and
-hands the tensor to the current :class:`~swapkit.step.Step`; ``unpack`` checks the version,
+Thin autograd glue: ``pack`` asks the :class:`~swapkit.runtime.scope.ScopeTracker` where execution is and
+hands the tensor to the current :class:`~swapkit.runtime.step.Step`; ``unpack`` checks the version,
 drives the prefetch schedule and restores the tensor. Engines, pools and the schedule do the rest.
 
 Note [Packs during backward]
@@ -23,15 +23,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from swapkit.binding import Binding
+from swapkit.runtime.binding import Binding
 from swapkit.engine import CopyEngine, HostPool, make_engine
-from swapkit.plan import Plan
-from swapkit.recipes import PackedInput, Recipe, tensor_leaves
-from swapkit.recompute import Recompute
-from swapkit.records import Saved, is_plain
-from swapkit.scope import ScopeTracker
-from swapkit.stats import SwapStats
-from swapkit.step import Step
+from swapkit.plan.plan import Plan
+from swapkit.runtime.recipes import PackedInput, Recipe, tensor_leaves
+from swapkit.runtime.recompute import Recompute
+from swapkit.runtime.records import Saved, is_plain
+from swapkit.runtime.scope import ScopeTracker
+from swapkit.runtime.stats import SwapStats
+from swapkit.runtime.step import Step
 
 logger = logging.getLogger(__name__)
 

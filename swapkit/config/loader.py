@@ -1,9 +1,10 @@
-"""Strict config loading: YAML file or dict -> :class:`swapkit.config.Config`.
+"""Strict config reading: YAML file or dict -> :class:`swapkit.config.Config`.
 
-Every problem of a file is collected into one :class:`~swapkit.errors.ConfigError`: unknown keys
-(with a "did you mean"), wrong types, and the semantic problems that need the layout (list
-lengths, negative counts, layer indices out of range, ...), which :func:`swapkit.plan.check_plan`
-finds by building the plan once.
+Every problem of a file is collected into one :class:`~swapkit.config.errors.Problems` list: unknown
+keys (with a "did you mean"), wrong types, out-of-range values. The semantic problems that need the
+layout (list lengths, negative counts, layer indices out of range, ...) are added to the same list by
+:func:`swapkit.plan.plan.check_plan`; :func:`swapkit.load.load_config` runs both and raises one
+:class:`~swapkit.config.errors.ConfigError`.
 """
 from __future__ import annotations
 
@@ -14,9 +15,12 @@ from typing import Any, Mapping, Sequence
 
 import yaml
 
-from swapkit import fields as F
-from swapkit import schema
-from swapkit.config import (
+from swapkit.config import fields as F
+from swapkit.config import schema
+from swapkit.config.errors import ConfigError, Problem, Problems, join
+from swapkit.config.megatron import read_megatron
+from swapkit.config.swap_entries import read_swap_entries
+from swapkit.config.types import (
     Config,
     EngineOptions,
     MindFormersRecompute,
@@ -26,40 +30,31 @@ from swapkit.config import (
     SwapConfig,
     TrainConfig,
 )
-from swapkit.errors import ConfigError, Problem, Problems, join
-from swapkit.megatron import read_megatron
-from swapkit.swap_entries import read_swap_entries
 
 logger = logging.getLogger(__name__)
 
 
-def load_config(source: str | Path | Mapping[str, Any], overrides: Sequence[str] = ()) -> Config:
-    """Load and validate a swapkit config.
+def source_name(source: str | Path | Mapping[str, Any]) -> str | None:
+    """The file name a config came from, or ``None`` for a dict."""
+    return str(source) if isinstance(source, (str, Path)) else None
 
-    Args:
-        source: a YAML file path, or a dict in the YAML layout.
-        overrides: ``"dotted.key=value"`` strings applied before validation (values are YAML).
 
-    Returns:
-        The validated :class:`Config`.
+def read_config(source: str | Path | Mapping[str, Any], overrides: Sequence[str], problems: Problems) -> Config:
+    """Read a YAML file or dict into a :class:`Config`, recording every problem in ``problems``.
 
     Raises:
-        ConfigError: listing every problem, each with its key path, the bad value and the fix.
-
-    Example:
-        >>> cfg = load_config({"model": {"model_config": {"num_layers": 4}}})
-        >>> cfg.model.num_layers
-        4
+        ConfigError: only when the file itself cannot be read or parsed.
     """
-    name = str(source) if isinstance(source, (str, Path)) else None
+    name = source_name(source)
     raw = read_yaml(Path(source)) if name is not None else _copy(source)
-    problems = Problems()
     raw = apply_overrides(raw, overrides, problems)
-    config = _read_config(raw, problems, name)
-    problems.raise_if_any(name)
+    return _read_config(raw, problems, name)
+
+
+def warn_no_effect(config: Config) -> None:
+    """Report, once per load, the MindSpore-only keys that were accepted and ignored."""
     for path in config.no_effect:
         logger.warning("%s has no effect in PyTorch eager; accepted and ignored", path)
-    return config
 
 
 def read_yaml(path: Path) -> Any:
@@ -179,9 +174,6 @@ def _read_config(raw: Any, problems: Problems, name: str | None) -> Config:
         no_effect=tuple(notices),
         source=name,
     )
-    from swapkit.plan import check_plan  # the plan needs the whole config
-
-    check_plan(config, problems)
     return config
 
 

@@ -8,7 +8,7 @@ Note [Recompute does not move the clock]
 While a checkpointed region recomputes in backward, its modules' hooks fire again and push and
 pop frames. That is harmless: the forward clock only advances when the session's pack hook runs
 in forward, and the session ignores packs made during backward (see
-``swapkit.session.Note [Packs during backward]``).
+``swapkit.runtime.session.Note [Packs during backward]``).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from typing import Any
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from swapkit.binding import Binding
+from swapkit.runtime.binding import Binding
 
 
 @dataclass(frozen=True)

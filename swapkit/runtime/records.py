@@ -30,13 +30,37 @@ the pool and takes its bytes off the device accounting: nothing is stashed acros
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 if TYPE_CHECKING:
-    from swapkit.scope import Frame
-    from swapkit.step import Step
+    import threading
+
+    from swapkit.engine import CopyEngine, HostPool
+    from swapkit.runtime.scope import Frame
+
+
+class StepState(Protocol):
+    """What records and recipes need of the step that owns them (:class:`swapkit.runtime.step.Step`).
+
+    Naming the needs here, rather than importing the step, keeps the runtime's dependencies one
+    way: step -> recipes -> records.
+    """
+
+    engine: CopyEngine
+    pool: HostPool
+    lock: threading.RLock
+
+    def device_bytes_added(self, nbytes: int) -> None: ...
+
+    def device_bytes_freed(self, nbytes: int) -> None: ...
+
+    def prefetched(self, nbytes: int) -> None: ...
+
+    def restored(self, lead: int, late_timing: Any) -> None: ...
+
+    def output_recomputed(self, nbytes: int) -> None: ...
 
 
 class Saved:
@@ -44,7 +68,7 @@ class Saved:
 
     __slots__ = ("keeper", "version", "step", "tick", "record", "meta", "frame")
 
-    def __init__(self, keeper: torch.Tensor, version: int, step: Step | None, tick: int,
+    def __init__(self, keeper: torch.Tensor, version: int, step: StepState | None, tick: int,
                  record: Any, meta: tuple | None, frame: Frame | None) -> None:
         self.keeper = keeper  # Note [Version keepers]
         self.version = version
@@ -61,7 +85,7 @@ class KeptRecord:
     __slots__ = ("step", "nbytes", "version", "__weakref__")
     swapped = False
 
-    def __init__(self, step: Step, nbytes: int, version: int) -> None:
+    def __init__(self, step: StepState, nbytes: int, version: int) -> None:
         self.step, self.nbytes, self.version = step, nbytes, version
 
     def __del__(self) -> None:  # Note [Record lifetime]
@@ -75,7 +99,7 @@ class SwapRecord:
                  "device_buffer", "h2d", "issued_at", "waited", "resident", "__weakref__")
     swapped = True
 
-    def __init__(self, step: Step, nbytes: int, version: int, frame: Frame, tick: int, host: torch.Tensor,
+    def __init__(self, step: StepState, nbytes: int, version: int, frame: Frame, tick: int, host: torch.Tensor,
                  src: torch.Tensor, issued: int) -> None:
         self.step, self.nbytes, self.version, self.frame = step, nbytes, version, frame
         self.horizon = tick + frame.prefetch

@@ -1,0 +1,42 @@
+"""``load_config``: where the two pure packages meet.
+
+:mod:`swapkit.config` reads what the file says; :mod:`swapkit.plan` finds the problems that need the
+layout. Both add to one problem list, so a file with five mistakes gets one error listing five.
+Neither package imports torch.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from swapkit.config.errors import Problems
+from swapkit.config.loader import read_config, source_name, warn_no_effect
+from swapkit.config.types import Config
+from swapkit.plan.plan import check_plan
+
+
+def load_config(source: str | Path | Mapping[str, Any], overrides: Sequence[str] = ()) -> Config:
+    """Load and validate a swapkit config.
+
+    Args:
+        source: a YAML file path, or a dict in the YAML layout.
+        overrides: ``"dotted.key=value"`` strings applied before validation (values are YAML).
+
+    Returns:
+        The validated :class:`Config`.
+
+    Raises:
+        ConfigError: listing every problem, each with its key path, the bad value and the fix.
+
+    Example:
+        >>> cfg = load_config({"model": {"model_config": {"num_layers": 4}}})
+        >>> cfg.model.num_layers
+        4
+    """
+    problems = Problems()
+    config = read_config(source, overrides, problems)
+    if config is not None:
+        check_plan(config, problems)
+    problems.raise_if_any(source_name(source))
+    warn_no_effect(config)
+    return config

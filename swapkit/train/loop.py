@@ -1,0 +1,184 @@
+"""``swapkit train``: train the built-in model on synthetic tokens under the config's plan.
+
+The loop is deliberately plain — AdamW, gradient accumulation, optional clipping, fp32 or bf16
+autocast — so that what changes between two runs is only what swapkit does with the saved
+activations. :func:`train` is the reusable entry point (CLI, tests, benchmarks). Data lives in
+:mod:`swapkit.train.data`, checkpoints in :mod:`swapkit.train.checkpoint`, metrics and the summary
+in :mod:`swapkit.train.summary`.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+import psutil
+import torch
+from tqdm import tqdm
+
+import swapkit
+from swapkit.config.errors import ConfigError, Problem
+from swapkit.config.types import Config
+from swapkit.load import load_config
+from swapkit.train.checkpoint import checkpoint_due, resume, save_checkpoint
+from swapkit.train.data import SyntheticTokens
+from swapkit.train.model import build_model, lm_loss
+from swapkit.train.state import RunState, TrainResult
+from swapkit.train.summary import human_bytes, step_record, summarize, write_metrics
+
+logger = logging.getLogger(__name__)
+
+
+def train(config: Config | Mapping[str, Any] | str | Path, steps: int | None = None, device: str | None = None,
+          metrics_out: str | Path | None = None, progress: bool = True) -> TrainResult:
+    """Train the built-in model with the config's recompute and swap plan applied.
+
+    Args:
+        config: a :class:`Config`, a dict in the YAML layout, or a YAML path.
+        steps: total number of optimizer steps (overrides ``train.steps``).
+        device: ``"cpu"`` or ``"cuda"`` (overrides ``train.device``).
+        metrics_out: JSON file rewritten after every step (Note [Memory figures] for its meaning).
+        progress: show a tqdm bar on stderr (only when it is a terminal).
+
+    Returns:
+        A :class:`TrainResult`; :func:`format_summary` renders its summary as the CLI's table.
+
+    Raises:
+        ConfigError: invalid config, ``cuda`` without CUDA, ``resume`` without ``save_dir``.
+        KeyboardInterrupt: after removing the session and writing the metrics so far.
+
+    Example:
+        >>> result = train("configs/tiny.yaml", steps=2, progress=False)  # doctest: +SKIP
+        >>> result.losses  # doctest: +SKIP
+    """
+    config = config if isinstance(config, Config) else load_config(config)
+    run = _start(config, resolve_device(config, device), _resolve_steps(config, steps), metrics_out)
+    try:
+        _loop(run, progress)
+    except BaseException as err:
+        _close(run, "interrupted" if isinstance(err, KeyboardInterrupt) else "failed")
+        raise
+    _close(run, "completed")
+    return TrainResult([r["loss"] for r in run.records], run.records, summarize(run))
+
+
+# ---------------------------------------------------------------------- setup
+
+def resolve_device(config: Config, override: str | None = None) -> torch.device:
+    """The device to train on; for CUDA also the allocator setting (before any CUDA allocation).
+
+    Raises:
+        ConfigError: ``cuda`` was asked for and ``torch.cuda.is_available()`` is false.
+    """
+    name, key = (override, "--device") if override else (config.train.device, "train.device")
+    if name == "cuda":
+        # Must precede the first CUDA allocation; the user's own setting wins.
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+        if not torch.cuda.is_available():
+            raise ConfigError([Problem(key, f"got 'cuda' but CUDA is not available (torch {torch.__version__}, "
+                                            "no usable GPU or a CPU-only build); use --device cpu")], config.source)
+    return torch.device(name)
+
+
+def _resolve_steps(config: Config, steps: int | None) -> int:
+    if steps is not None and steps < 1:
+        raise ConfigError([Problem("--steps", f"got {steps}; expected an integer >= 1")], config.source)
+    if config.train.resume and not config.train.save_dir:
+        raise ConfigError([Problem("train.resume", "is true but train.save_dir is not set; "
+                                                   "set train.save_dir to the checkpoint folder")], config.source)
+    return steps if steps is not None else config.train.steps
+
+
+def _start(config: Config, device: torch.device, total_steps: int, metrics_out: str | Path | None) -> RunState:
+    cfg = config.train
+    torch.manual_seed(cfg.seed)
+    model = build_model(config.model, seed=cfg.seed, device=device)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    data = SyntheticTokens(cfg.seed, cfg.batch_size, config.model.seq_length, config.model.vocab_size)
+    run = RunState(config, device, total_steps, model, optimizer, data,
+                   metrics_out=Path(metrics_out) if metrics_out else None, env=environment(config, device))
+    if cfg.resume:
+        resume(run)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    run.session = swapkit.apply(model, config, layers="layers")
+    return run
+
+
+def environment(config: Config, device: torch.device) -> dict[str, Any]:
+    """Versions and hardware to record next to the numbers."""
+    env = {"swapkit": swapkit.__version__, "torch": torch.__version__, "python": platform.python_version(),
+           "platform": platform.platform(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+           "ram_bytes": psutil.virtual_memory().total,
+           "device": str(device), "dtype": config.train.dtype, "config": config.source}
+    if device.type == "cuda":
+        env.update(gpu=torch.cuda.get_device_name(device), cuda=torch.version.cuda,
+                   pytorch_cuda_alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
+    return env
+
+
+# ---------------------------------------------------------------------- the loop
+
+def _loop(run: RunState, progress: bool) -> None:
+    bar_off = not progress or not sys.stderr.isatty()
+    with tqdm(total=run.total_steps, initial=run.step, disable=bar_off, unit="step", file=sys.stderr,
+              dynamic_ncols=True, desc="swapkit train") as bar:
+        while run.step < run.total_steps:
+            record = _train_step(run, run.step + 1)
+            run.step += 1
+            run.records.append(record)
+            _report_step(run, record, bar, bar_off)
+            write_metrics(run)
+            if checkpoint_due(run):
+                save_checkpoint(run)
+
+
+def _train_step(run: RunState, step: int) -> dict[str, Any]:
+    start = time.perf_counter()
+    run.optimizer.zero_grad(set_to_none=True)
+    accumulation = run.config.train.gradient_accumulation_steps
+    loss, stats = 0.0, []
+    for micro in range(accumulation):
+        loss += _micro_step(run, step, micro, accumulation)
+        stats.append(run.session.stats)
+    if run.config.train.grad_clip is not None:
+        torch.nn.utils.clip_grad_norm_(run.model.parameters(), run.config.train.grad_clip)
+    run.optimizer.step()
+    if run.device.type == "cuda":
+        torch.cuda.synchronize(run.device)
+    return step_record(step, loss, time.perf_counter() - start, stats)
+
+
+def _micro_step(run: RunState, step: int, micro: int, accumulation: int) -> float:
+    inputs, targets = (t.to(run.device) for t in run.data.batch(step, micro))
+    bf16 = run.config.train.dtype == "bf16"
+    with run.session:  # forward and backward of one micro-batch are one swap step
+        with torch.autocast(run.device.type, dtype=torch.bfloat16, enabled=bf16):
+            logits = run.model(inputs)
+        loss = lm_loss(logits, targets) / accumulation
+        loss.backward()
+    return loss.item()
+
+
+def _report_step(run: RunState, record: dict[str, Any], bar: tqdm, bar_off: bool) -> None:
+    figures = {"loss": f"{record['loss']:.4f}", "time": f"{record['step_time_s'] * 1e3:.0f}ms",
+               "peak": human_bytes(record["peak_device_bytes"]), "offloaded": human_bytes(record["offloaded_bytes"])}
+    if bar_off:
+        logger.info("step %d/%d %s", record["step"], run.total_steps,
+                    " ".join(f"{k} {v}" for k, v in figures.items()))
+    bar.set_postfix(figures, refresh=False)
+    bar.update(1)
+
+
+def _close(run: RunState, status: str) -> None:
+    """Remove the session, then save and write what the run has (also after Ctrl-C)."""
+    run.session.remove()
+    run.status = status
+    if status == "completed" and run.config.train.save_dir and run.records:
+        save_checkpoint(run)
+    write_metrics(run)

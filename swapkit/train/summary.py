@@ -1,0 +1,89 @@
+"""Per-step records, the metrics JSON and the end-of-run summary of ``swapkit train``.
+
+Note [Memory figures]
+``peak_device_bytes`` and friends are the swap session's accounting of device-resident saved
+activations. On CPU the "device" and the host share RAM: they are not the process's RSS. On CUDA
+the summary adds ``torch.cuda.max_memory_allocated``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from typing import Any, Mapping
+
+import psutil
+import torch
+
+from swapkit.runtime.stats import SwapStats
+from swapkit.train.state import RunState
+
+SUMMED_STATS = ("saved_bytes", "offloaded_bytes", "prefetched_bytes", "late_fetches", "wait_seconds")
+PEAK_STATS = ("peak_device_bytes", "host_pool_bytes")
+
+
+def step_record(step: int, loss: float, seconds: float, stats: list[SwapStats]) -> dict[str, Any]:
+    """One entry of ``metrics["steps"]``: the micro-batches' stats summed (bytes, waits) or maxed (peaks)."""
+    record: dict[str, Any] = {"step": step, "loss": loss, "step_time_s": seconds}
+    record.update({key: sum(getattr(s, key) for s in stats) for key in SUMMED_STATS})
+    record.update({key: max(getattr(s, key) for s in stats) for key in PEAK_STATS})
+    return record
+
+
+def write_metrics(run: RunState) -> None:
+    """Rewrite ``--metrics-out`` atomically, so an interrupted run keeps every finished step."""
+    if run.metrics_out is None:
+        return
+    document = {"steps": run.records, "summary": summarize(run), "env": run.env}
+    tmp = run.metrics_out.with_name(run.metrics_out.name + ".tmp")
+    tmp.write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, run.metrics_out)
+
+
+def summarize(run: RunState) -> dict[str, Any]:
+    """Medians, totals and peaks over the steps so far; Note [Memory figures]."""
+    summary: dict[str, Any] = {"status": run.status, "steps": len(run.records), "device": str(run.device),
+                               "memory_accounting": "swap session (device-resident saved activations)"}
+    if not run.records:
+        return summary
+    column = {key: [r[key] for r in run.records] for key in run.records[0]}
+    summary.update(first_loss=column["loss"][0], final_loss=column["loss"][-1],
+                   median_step_time_s=statistics.median(column["step_time_s"]),
+                   late_fetches=sum(column["late_fetches"]), wait_seconds=sum(column["wait_seconds"]))
+    summary.update({key: max(column[key]) for key in PEAK_STATS})
+    summary.update({f"{key}_per_step": statistics.median(column[key])
+                    for key in ("saved_bytes", "offloaded_bytes", "prefetched_bytes")})
+    summary["process_rss_bytes"] = psutil.Process().memory_info().rss  # the whole process, for scale
+    if run.device.type == "cuda":
+        summary["cuda_max_memory_allocated"] = torch.cuda.max_memory_allocated(run.device)
+    return summary
+
+
+def format_summary(summary: Mapping[str, Any]) -> str:
+    """The end-of-run table printed to stdout."""
+    if not summary.get("steps"):
+        return "swapkit train summary: no steps were run"
+    where = "session accounting, not RSS" if summary["device"] == "cpu" else "session accounting"
+    rows = [("steps", str(summary["steps"])),
+            ("loss (first -> final)", f"{summary['first_loss']:.4f} -> {summary['final_loss']:.4f}"),
+            ("median step time", f"{summary['median_step_time_s'] * 1e3:.1f} ms"),
+            (f"peak device-resident saved bytes ({where})", human_bytes(summary["peak_device_bytes"])),
+            ("saved activation bytes per step", human_bytes(summary["saved_bytes_per_step"])),
+            ("bytes swapped per step (device -> host)", human_bytes(summary["offloaded_bytes_per_step"])),
+            ("bytes prefetched per step (host -> device)", human_bytes(summary["prefetched_bytes_per_step"])),
+            ("late fetches (total)", f"{summary['late_fetches']} ({summary['wait_seconds'] * 1e3:.1f} ms waited)"),
+            ("host pool bytes", human_bytes(summary["host_pool_bytes"])),
+            ("process RSS (psutil, whole process)", human_bytes(summary["process_rss_bytes"]))]
+    if "cuda_max_memory_allocated" in summary:
+        rows.append(("torch.cuda.max_memory_allocated", human_bytes(summary["cuda_max_memory_allocated"])))
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(["swapkit train summary"] + [f"  {name.ljust(width)}  {value}" for name, value in rows])
+
+
+def human_bytes(nbytes: float) -> str:
+    """``1536`` -> ``'1.5 KiB'``."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(nbytes) < 1024 or unit == "GiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    raise AssertionError("unreachable")

@@ -1,0 +1,114 @@
+"""The package layout is a contract: pure config/plan packages, one-way dependencies, no import cycles."""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "swapkit"
+
+# Which top-level parts of swapkit each part may import (besides itself). The pure side never
+# reaches the torch side; the torch side never reaches the CLI or the training entry point.
+ALLOWED = {
+    "config": set(),
+    "plan": {"config"},
+    "load": {"config", "plan"},
+    "engine": {"config"},
+    "runtime": {"config", "plan", "engine"},
+    "api": {"config", "plan", "load", "runtime"},
+    "train": {"__init__", "api", "config", "plan", "load", "runtime", "engine"},
+    "cli": {"config", "plan", "load", "runtime", "train"},
+    "__init__": {"config", "plan", "load", "api", "runtime"},
+}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def all_modules() -> dict[str, Path]:
+    return {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def imported(path: Path, modules: dict[str, Path]) -> set[str]:
+    """Every swapkit module ``path`` imports anywhere (module level, functions, TYPE_CHECKING)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names if alias.name.split(".")[0] == "swapkit"}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "swapkit":
+            for alias in node.names:  # `from pkg import submodule` imports the submodule
+                sub = f"{node.module}.{alias.name}"
+                found.add(sub if sub in modules else node.module)
+    return {name for name in found if name in modules}
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = all_modules()
+    return {name: imported(path, modules) - {name} for name, path in modules.items()}
+
+
+def part(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def test_no_import_cycles():
+    graph = import_graph()
+    state: dict[str, int] = {}  # 1 visiting, 2 done
+    cycles: list[list[str]] = []
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycles.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert cycles == [], "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_parts_depend_one_way():
+    wrong = [f"{module} imports {target}" for module, targets in import_graph().items() for target in targets
+             if part(target) != part(module) and part(target) not in ALLOWED[part(module)]]
+    assert wrong == []
+
+
+def test_every_part_is_known():
+    assert {part(m) for m in all_modules()} <= set(ALLOWED)
+
+
+def test_config_and_plan_work_without_torch():
+    configs = sorted(str(p) for p in (ROOT / "configs").glob("*.yaml"))
+    assert configs
+    script = textwrap.dedent(f"""
+        import sys
+        sys.modules["torch"] = None  # any `import torch` now raises ImportError
+        import swapkit.config, swapkit.plan
+        from swapkit import build_plan, load_config
+        for path in {configs!r}:
+            plan = build_plan(load_config(path))
+            assert plan.layers, path
+            plan.to_json()
+        assert "swapkit.runtime" not in sys.modules and "swapkit.engine" not in sys.modules
+        print("ok", len({configs!r}))
+    """)
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"ok {len(configs)}"
+
+
+def test_torch_side_names_stay_public():
+    import swapkit
+
+    for name in swapkit.__all__:
+        assert getattr(swapkit, name) is not None
