@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from swapkit.engine.base import Waited
+from swapkit.engine.base import Waited, check_source
 
 
 class ThreadCopy:
@@ -54,7 +54,14 @@ class ThreadCopyEngine:
         return torch.empty(nbytes, dtype=torch.uint8)
 
     def offload(self, src: torch.Tensor, dst: torch.Tensor) -> ThreadCopy:
-        return self._submit(lambda: self._copy(dst, src))
+        data_ptr = src.data_ptr()
+
+        def job() -> None:  # swapkit.runtime.records Note [Storages another component may resize]
+            check_source(src, data_ptr)
+            self._copy(dst, src)
+            check_source(src, data_ptr)
+
+        return self._submit(job)
 
     def prefetch(self, src: torch.Tensor) -> tuple[torch.Tensor, ThreadCopy]:
         dst = torch.empty(src.numel(), dtype=torch.uint8, device=self.device)

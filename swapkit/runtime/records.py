@@ -23,6 +23,20 @@ record's or a step's state (backward start, prefetch issue, host buffer return, 
 under the step's re-entrant lock; a restore takes the buffer and the copy handle under the lock
 and waits outside it, so one slow copy does not serialize the other threads' unpacks.
 
+Note [Storages another component may resize]
+Another component may resize or free a storage autograd saved: FSDP2 frees its all-gathered
+parameters with ``untyped_storage().resize_(0)`` after a layer's forward (``reshard_after_forward``)
+and re-gathers them before its backward. An asynchronous copy of such a storage would read freed
+memory: a crash on the thread engine, silent garbage on CUDA. swapkit never queues one for a
+parameter (Note [Parameters are recognised when saved] in ``swapkit.runtime.step``). For any
+other storage changed behind its back, the record remembers the storage's size and data pointer
+when it queued the copy; the thread engine checks both right before and right after copying,
+and the record checks them again when it releases the device copy (the CUDA engine's copy has
+finished by then, so this is where a resize during a CUDA copy is seen). A mismatch raises
+:class:`~swapkit.engine.base.StorageChangedError` naming the layer and op, never a copy the
+backward would trust. The one window no outside library can close is a resize that runs *during*
+the thread engine's memcpy; that is why recognising parameters, not this check, is the guarantee.
+
 Note [Record lifetime]
 Records live exactly as long as the autograd graph holds their handles (plus, briefly, the
 schedule queues). When the last handle dies the record's ``__del__`` returns its host buffer to
@@ -30,9 +44,12 @@ the pool and takes its bytes off the device accounting: nothing is stashed acros
 """
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+
+from swapkit.engine.base import storage_changed
 
 if TYPE_CHECKING:
     import threading
@@ -96,7 +113,7 @@ class SwapRecord:
     """A storage copied to host memory, released from the device, and prefetched back."""
 
     __slots__ = ("step", "nbytes", "version", "frame", "horizon", "issued", "keepers", "host", "d2h", "released",
-                 "device_buffer", "h2d", "issued_at", "waited", "resident", "__weakref__")
+                 "device_buffer", "h2d", "issued_at", "waited", "resident", "source", "data_ptr", "__weakref__")
     swapped = True
 
     def __init__(self, step: StepState, nbytes: int, version: int, frame: Frame, tick: int, host: torch.Tensor,
@@ -106,13 +123,14 @@ class SwapRecord:
         self.issued = issued  # copies finish in issue order (one FIFO queue per engine)
         self.keepers: list[torch.Tensor] = []
         self.host: torch.Tensor | None = host
+        self.source, self.data_ptr = weakref.ref(src.untyped_storage()), src.data_ptr()
+        self.resident = True  # counted in the step's device bytes
         self.d2h = step.engine.offload(src, host)
         self.released = False
         self.device_buffer: torch.Tensor | None = None
         self.h2d: Any = None
         self.issued_at = -1  # the backward tick whose unpack issued the prefetch
         self.waited = False
-        self.resident = True  # counted in the step's device bytes
 
     def saved_again(self, tick: int) -> None:
         """A later save of this storage keeps it (or brings it back) until ``tick + k``."""
@@ -120,12 +138,19 @@ class SwapRecord:
 
     def release(self) -> None:
         """Drop every device reference; the copy has finished (Note [Version keepers])."""
+        self._check_source()
         for keeper in self.keepers:
             with torch.autograd._unsafe_preserve_version_counter(keeper):
                 keeper.set_()
         self.keepers.clear()
         self.released = True
         self._set_resident(False)
+
+    def _check_source(self) -> None:
+        """Note [Storages another component may resize]"""
+        storage = self.source()  # alive: the keepers hold it until this release
+        if storage is not None and (storage.nbytes() != self.nbytes or storage.data_ptr() != self.data_ptr):
+            raise storage_changed(self.nbytes, storage.nbytes(), self.frame.label)
 
     def fetch(self, tick: int) -> None:
         """Start the host-to-device copy (once) at backward tick ``tick``; the host buffer can go
