@@ -14,7 +14,7 @@ from swapkit.plan.plan import Plan, build_plan
 from swapkit.runtime.recompute import Recompute
 from swapkit.plan.report import layer_lines, unmatched
 from swapkit.runtime.scope import ScopeTracker
-from swapkit.runtime.session import SwapSession
+from swapkit.runtime.session import AppliedMarker, SwapSession
 
 logger = logging.getLogger(__name__)
 APPLIED = "_swapkit_applied"
@@ -55,7 +55,7 @@ def apply(model: nn.Module, config: Config | Plan | Mapping[str, Any] | str | Pa
     tracker = ScopeTracker()
     tracker.install(binding)
     session = SwapSession(model, binding, plan, tracker, recompute)
-    object.__setattr__(model, APPLIED, True)  # a plain attribute: no module, parameter or buffer
+    object.__setattr__(model, APPLIED, AppliedMarker(session))  # a plain attribute: no module, parameter or buffer
     return session
 
 

@@ -10,9 +10,12 @@ large storage.
 
 Note [Version keepers]
 With saved-tensor hooks installed autograd no longer checks that a saved tensor was not modified
-in place. Each handle keeps the version the tensor had when saved and a *keeper*: the tensor
-itself for kept records, or ``tensor.detach()`` for swapped ones, which shares the version
-counter. When a swapped storage is released, its keepers are emptied with ``set_()`` under
+in place. Each handle keeps the version the tensor had when saved and a *keeper*: ``tensor.detach()``,
+which shares the tensor's storage and version counter but not its ``grad_fn``. Holding the
+tensor itself would tie a cycle for every op that saves its own output (output -> grad_fn ->
+saved variable -> handle -> output) through C++ autograd nodes, which Python's gc cannot see:
+a graph dropped without backward would then never be freed, with its records, host buffers
+and device memory. When a swapped storage is released, its keepers are emptied with ``set_()`` under
 ``_unsafe_preserve_version_counter``: they stop holding device memory but keep counting in-place
 writes, so unpack can still raise instead of returning stale data.
 
@@ -122,10 +125,11 @@ class SwapRecord:
         self.horizon = tick + frame.prefetch
         self.issued = issued  # copies finish in issue order (one FIFO queue per engine)
         self.keepers: list[torch.Tensor] = []
-        self.host: torch.Tensor | None = host
+        self.host: torch.Tensor | None = host  # back to the pool by __del__ even if the offload below fails
+        self.resident = False  # not counted in the step's device bytes until construction succeeded
         self.source, self.data_ptr = weakref.ref(src.untyped_storage()), src.data_ptr()
-        self.resident = True  # counted in the step's device bytes
         self.d2h = step.engine.offload(src, host)
+        self.resident = True
         self.released = False
         self.device_buffer: torch.Tensor | None = None
         self.h2d: Any = None
@@ -194,10 +198,11 @@ class SwapRecord:
             else:
                 self.step.device_bytes_freed(self.nbytes)
 
-    def __del__(self) -> None:  # Note [Record lifetime]
-        if self.host is not None:
-            self.step.pool.release(self.host)
-        if self.resident:
+    def __del__(self) -> None:  # Note [Record lifetime]; slots a failed __init__ never set read as unset
+        host = getattr(self, "host", None)
+        if host is not None:
+            self.step.pool.release(host)
+        if getattr(self, "resident", False):
             self.step.device_bytes_freed(self.nbytes)
 
 

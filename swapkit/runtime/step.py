@@ -88,7 +88,7 @@ class Step:
         self.clock += 1
         self._advance(tick)
         if not is_plain(tensor):
-            return Saved(tensor, tensor._version, self, tick, None, None, frame)
+            return Saved(tensor.detach(), tensor._version, self, tick, None, None, frame)
         storage = tensor.untyped_storage()
         nbytes, key, swap_k = storage.nbytes(), id(storage), frame.prefetch if frame is not None else None
         version = tensor._version
@@ -97,7 +97,7 @@ class Step:
             reason = "parameter" if parameter else "not_on_device" if nbytes else None
             if swap_k is not None and reason is not None:
                 self._skip(reason, key, nbytes)
-            return Saved(tensor, version, self, tick, None, None, frame)
+            return Saved(tensor.detach(), version, self, tick, None, None, frame)
         record = self._lookup(key, storage, version)
         if record is None:
             recomputed = self._recomputed(key, storage, version)
@@ -105,7 +105,7 @@ class Step:
                 return self._recomputed_handle(tensor, recomputed, tick, frame, version)
             record = self._new_record(tensor, storage, key, nbytes, tick, frame, version)
         if not record.swapped:
-            return Saved(tensor, version, self, tick, record, None, frame)
+            return Saved(tensor.detach(), version, self, tick, record, None, frame)
         record.saved_again(tick)
         keeper = tensor.detach()  # Note [Version keepers] in swapkit.runtime.records
         if record.released:  # the storage lives on elsewhere; its bytes are already on the host
@@ -159,6 +159,8 @@ class Step:
         found = self._recomputable.get(key)
         if found is None or found[0]() is not storage or found[1].version != version:
             return None  # unknown, recycled id, or changed in place after the op produced it
+        if not found[1].recipe.inputs_unchanged():
+            return None  # swapkit.runtime.recipes Note [Inputs changed in place after the scope ran]
         return found[1]
 
     def _recomputed_handle(self, tensor: torch.Tensor, recomputed: RecomputedOutput, tick: int,
