@@ -40,6 +40,18 @@ finished by then, so this is where a resize during a CUDA copy is seen). A misma
 backward would trust. The one window no outside library can close is a resize that runs *during*
 the thread engine's memcpy; that is why recognising parameters, not this check, is the guarantee.
 
+Note [Verify mode]
+With ``runtime.verify: true`` a swapped record takes a checksum of its device storage when it is
+released: the copy to host has finished and the storage still holds the bytes autograd saved.
+When the prefetched copy is first used, after the engine's wait, the checksum of the restored
+buffer must match, or backward raises naming the layer, the op and the step. That covers the
+whole round trip (device-to-host copy, the pooled host buffer while it waits, host-to-device
+copy): a reload race such as NVIDIA/Megatron-LM#7398, which corrupted gradients while the loss
+still fell, fails loudly instead. The checksum is the wrapping sum of the storage read as 32-bit
+words (bytes when the size is not a multiple of 4): one memory-bound pass, run on the compute
+stream after the data is ready, and one host sync per restore to compare. It catches overwritten,
+stale or zeroed buffers; it cannot see two equal-sized words trading places.
+
 Note [Record lifetime]
 Records live exactly as long as the autograd graph holds their handles (plus, briefly, the
 schedule queues). When the last handle dies the record's ``__del__`` returns its host buffer to
@@ -68,6 +80,8 @@ class StepState(Protocol):
     way: step -> recipes -> records.
     """
 
+    number: int
+    verify: bool
     engine: CopyEngine
     pool: HostPool
     lock: threading.RLock
@@ -79,6 +93,8 @@ class StepState(Protocol):
     def prefetched(self, nbytes: int) -> None: ...
 
     def restored(self, lead: int, late_timing: Any) -> None: ...
+
+    def verified(self) -> None: ...
 
     def output_recomputed(self, nbytes: int) -> None: ...
 
@@ -116,7 +132,8 @@ class SwapRecord:
     """A storage copied to host memory, released from the device, and prefetched back."""
 
     __slots__ = ("step", "nbytes", "version", "frame", "horizon", "issued", "keepers", "host", "d2h", "released",
-                 "device_buffer", "h2d", "issued_at", "waited", "resident", "source", "data_ptr", "__weakref__")
+                 "device_buffer", "h2d", "issued_at", "waited", "resident", "source", "data_ptr", "checksum",
+                 "__weakref__")
     swapped = True
 
     def __init__(self, step: StepState, nbytes: int, version: int, frame: Frame, tick: int, host: torch.Tensor,
@@ -128,6 +145,7 @@ class SwapRecord:
         self.host: torch.Tensor | None = host  # back to the pool by __del__ even if the offload below fails
         self.resident = False  # not counted in the step's device bytes until construction succeeded
         self.source, self.data_ptr = weakref.ref(src.untyped_storage()), src.data_ptr()
+        self.checksum: torch.Tensor | None = None  # Note [Verify mode]
         self.d2h = step.engine.offload(src, host)
         self.resident = True
         self.released = False
@@ -143,6 +161,8 @@ class SwapRecord:
     def release(self) -> None:
         """Drop every device reference; the copy has finished (Note [Version keepers])."""
         self._check_source()
+        if self.step.verify:  # Note [Verify mode]
+            self.checksum = checksum(storage_bytes(self.source(), self.step.engine.device))
         for keeper in self.keepers:
             with torch.autograd._unsafe_preserve_version_counter(keeper):
                 keeper.set_()
@@ -182,7 +202,22 @@ class SwapRecord:
         timing = step.engine.wait(copy, timed=late and first)
         if first:
             step.restored(self.issued_at - tick, timing if late else None)
+            self._verify(buffer)
         return rebuild(buffer, meta)
+
+    def _verify(self, buffer: torch.Tensor) -> None:
+        """Note [Verify mode]"""
+        expected, self.checksum = self.checksum, None
+        if expected is None:
+            return
+        got = checksum(buffer)
+        if not torch.equal(got, expected):
+            raise RuntimeError(
+                f"swapkit verify: the bytes restored for a tensor saved in {self.frame.label} during step "
+                f"{self.step.number} differ from those offloaded (checksum {got.item()} != {expected.item()}, "
+                f"{self.nbytes} bytes); a device-to-host copy, its host buffer or the prefetch was corrupted. "
+                "Its gradients would be wrong.")
+        self.step.verified()
 
     def drop_host_copy(self) -> None:
         """Backward began before this storage was released: it is used from the device as is."""
@@ -204,6 +239,12 @@ class SwapRecord:
             self.step.pool.release(host)
         if getattr(self, "resident", False):
             self.step.device_bytes_freed(self.nbytes)
+
+
+def checksum(flat: torch.Tensor) -> torch.Tensor:
+    """Wrapping sum of a flat ``uint8`` buffer read as 32-bit words (Note [Verify mode])."""
+    words = flat.view(torch.int32) if flat.numel() % 4 == 0 else flat
+    return words.sum(dtype=torch.int64)
 
 
 def storage_bytes(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:

@@ -82,6 +82,9 @@ class SwapSession:
         self._entry_lock = threading.Lock()
         self._owner: int | None = None  # the thread inside the `with` block
         recompute.output_sink = self
+        if plan.runtime.verify and not any(layer.layer_swap is not None or layer.op_swap for layer in plan.layers):
+            logger.warning("runtime.verify: true has no effect: swap_config swaps nothing on this model; set "
+                           "swap_config.swap: true with a layer_swap or op_swap, or drop runtime.verify")
 
     # ------------------------------------------------------------------ context manager
 

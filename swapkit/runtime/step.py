@@ -63,6 +63,7 @@ class Step:
                  on_backward: Callable[["Step"], None]) -> None:
         self.number, self.engine, self.pool, self.runtime = number, engine, pool, runtime
         self.device = engine.device
+        self.verify = runtime.verify  # swapkit.runtime.records Note [Verify mode]
         self.param_storages = param_storages
         self.tail_ticks = tail_ticks if runtime.skip_tail_offload else None
         self._on_backward = on_backward
@@ -249,6 +250,10 @@ class Step:
     def prefetched(self, nbytes: int) -> None:
         self.stats.prefetched_tensors += 1
         self.stats.prefetched_bytes += nbytes
+
+    def verified(self) -> None:
+        with self.lock:
+            self.stats.verified_tensors += 1
 
     def restored(self, lead: int, late_timing: Any) -> None:
         """First use of a prefetched record: ``lead`` ticks after its copy was issued."""
