@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -21,14 +22,17 @@ APPLIED = "_swapkit_applied"
 
 
 def apply(model: nn.Module, config: Config | Plan | Mapping[str, Any] | str | Path,
-          layers: str | None = None) -> SwapSession:
+          layers: str | Sequence[str] | None = None) -> SwapSession:
     """Apply the config's recompute and swap strategy to ``model``.
 
     Args:
         model: the model; its layer container must hold ``num_layers`` layers.
         config: a :class:`Config`, a :class:`Plan`, a dict in the YAML layout, or a YAML path.
         layers: dotted path of the layer container (``"layers"``, ``"model.layers"``,
-            ``"transformer.h"``); ``None`` uses ``model_config.layers_path`` or auto-detects.
+            ``"transformer.h"``), or a list of containers numbered globally in the order given
+            (``["encoder.block", "decoder.block"]``, ``swapkit.runtime.binding.Note [Several layer
+            containers]``); ``None`` uses ``model_config.layers_path`` or auto-detects the one
+            container of repeated layers (an error lists the candidates when there are several).
 
     Returns:
         A :class:`SwapSession`; use ``with session:`` around the forward (backward inside or

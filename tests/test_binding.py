@@ -33,9 +33,12 @@ def plan_for(layers, **sections):
 def test_dotted_path_and_auto_detection():
     model = Nested()
     assert find_layers(model, "transformer.h", 3)[0] == "transformer.h"
-    assert find_layers(model, None, 3)[0] == "transformer.h"  # the only list of 3 repeated blocks
-    with pytest.raises(BindError, match=r"several layer containers.*transformer\.h \(3 x Block\).*heads \(2 x Linear\)"):
-        find_layers(model, None, 5)
+    # several candidates are an error listing them, even when only one has num_layers layers
+    for expected in (3, 5):
+        with pytest.raises(BindError, match=r"several layer containers.*transformer\.h \(3 x Block\).*heads \(2 x Linear\)"):
+            find_layers(model, None, expected)
+    del model.heads
+    assert find_layers(model, None, 3)[0] == "transformer.h"
     with pytest.raises(BindError, match=r"'transformer\.x': transformer has no child 'x'; children: h"):
         find_layers(model, "transformer.x", 3)
     with pytest.raises(BindError, match="is a Module; expected an nn.ModuleList"):
@@ -51,6 +54,30 @@ def test_layers_path_from_config():
     plan = swapkit.build_plan(swapkit.load_config(
         {"model": {"model_config": {"num_layers": 3, "layers_path": "transformer.h"}}}))
     assert bind(Nested(), plan).layers_path == "transformer.h"
+
+
+def test_several_containers_number_layers_in_the_order_given(caplog):
+    model = Nested()
+    model.heads = nn.ModuleList(Block(8) for _ in range(2))
+    caplog.set_level(logging.INFO, logger="swapkit")
+    plan = swapkit.build_plan(swapkit.load_config(
+        {"model": {"model_config": {"num_layers": 5, "layers_path": ["heads", "transformer.h"]}}}))
+    binding = bind(model, plan)
+    assert binding.layers_paths == ("heads", "transformer.h")
+    assert [b.module for b in binding.layers] == [*model.heads, *model.transformer.h]
+    assert "Bound layers: heads (layers 0-1: 2 x Block), transformer.h (layers 2-4: 3 x Block)" in caplog.messages
+    with pytest.raises(BindError, match=r"Nested\.heads \+ transformer\.h holds 5 layers but the config says "
+                                        r"model\.model_config\.num_layers: 4"):
+        bind(model, plan_for(4), ["heads", "transformer.h"])
+    with pytest.raises(BindError, match=r"expected distinct container paths"):
+        bind(model, plan, ["heads", "heads"])
+
+
+def test_auto_detection_ignores_lists_inside_a_layer():
+    model = ToyNet(layers=3)
+    for layer in model.layers:
+        layer.experts = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+    assert find_layers(model, None, 3)[0] == "layers"
 
 
 def test_apply_logs_with_real_op_paths(caplog):

@@ -115,6 +115,18 @@ def string_list(value: Any, path: str, problems: Problems) -> Any:
     return INVALID
 
 
+def layer_paths(value: Any, path: str, problems: Problems) -> Any:
+    """One dotted path (kept as a string) or a list of distinct paths (a tuple, in the order given)."""
+    if isinstance(value, str):
+        return string(value, path, problems)
+    if (isinstance(value, (list, tuple)) and value and all(isinstance(v, str) and v for v in value)
+            and len(set(value)) == len(value)):
+        return tuple(value)
+    problems.bad(path, value, "a non-empty string or a list of distinct non-empty strings "
+                 "(e.g. [encoder.block, decoder.block])")
+    return INVALID
+
+
 def pattern(value: Any, path: str, problems: Problems) -> Any:
     """An op pattern: components split on the two characters ``\\.``, each a valid regex."""
     if not isinstance(value, str) or not value:

@@ -52,7 +52,7 @@ MODEL_CONFIG_KEYS = {
     "hidden_dropout": Key(number(0, below=1), 0.0),
     "attention_dropout": Key(number(0, below=1), 0.0),
     "rope_theta": Key(number(positive=True), 10000.0),
-    "layers_path": Key(optional(string), None),
+    "layers_path": Key(optional(F.layer_paths), None),
 }
 
 # MindFormers LlamaConfig keys that the built-in model does not use.

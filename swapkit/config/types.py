@@ -38,7 +38,7 @@ class ModelConfig:
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     rope_theta: float = 10000.0
-    layers_path: str | None = None
+    layers_path: str | tuple[str, ...] | None = None  # one container or several, numbered in order
 
 
 @dataclass(frozen=True)

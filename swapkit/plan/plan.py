@@ -58,7 +58,7 @@ class Plan:
     swap: bool
     use_reentrant: bool
     runtime: RuntimeConfig
-    layers_path: str | None = None
+    layers_path: str | tuple[str, ...] | None = None  # one container or several, numbered in order
     summary: str | None = None  # one line describing a Megatron strategy
 
     def log_lines(self) -> list[str]:

@@ -1,17 +1,31 @@
-"""Binding a plan to a model: find the layer container, resolve op patterns to sub-modules.
+"""Binding a plan to a model: find the layer containers, resolve op patterns to sub-modules.
 
-The layer container is named by a dotted attribute path relative to the model (``"layers"``,
+A layer container is named by a dotted attribute path relative to the model (``"layers"``,
 ``"model.layers"``, ``"transformer.h"``). Without one, the single ``nn.ModuleList`` /
 ``nn.Sequential`` of repeated blocks is taken; when there are several, the error lists them.
+
+Note [Several layer containers]
+An encoder-decoder model keeps its layers in two containers (``encoder.block``,
+``decoder.block``). One session may bind several: ``layers=["encoder.block", "decoder.block"]``
+numbers their layers globally in the order given (encoder layers 0..E-1, decoder layers E..),
+and every config key that names layers (``layer_swap.layers``, ``recompute: [..]``, the
+per-stage counts of the layout) uses that numbering; ``num_layers`` is the total. The order is
+the user's, not the order of execution: it only names layers. A Megatron ``uniform`` unit runs
+its layers back to back inside one checkpoint, so it may not span two containers.
 """
 from __future__ import annotations
 
+import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from torch import nn
 
 from swapkit.plan.plan import LayerPlan, Plan
 from swapkit.plan.report import LayerScopes, resolve_layer
+
+
+logger = logging.getLogger(__name__)
 
 
 class BindError(ValueError):
@@ -38,35 +52,74 @@ class BoundLayer:
 
 @dataclass
 class Binding:
+    """The bound model: its layer containers (Note [Several layer containers]) and their layers."""
+
     model: nn.Module
-    layers_path: str
+    layers_paths: tuple[str, ...]
     layers: list[BoundLayer]
 
+    @property
+    def layers_path(self) -> str:
+        """The container path, or the paths joined with ``", "`` when there are several."""
+        return ", ".join(self.layers_paths)
 
-def bind(model: nn.Module, plan: Plan, layers_path: str | None = None) -> Binding:
+
+def bind(model: nn.Module, plan: Plan, layers_path: str | Sequence[str] | None = None) -> Binding:
     """Attach the plan's per-layer decisions to the model's layers.
 
+    Args:
+        model: the model.
+        plan: the resolved plan; ``plan.layers_path`` is used when ``layers_path`` is ``None``.
+        layers_path: a dotted container path, a list of them (Note [Several layer containers]),
+            or ``None`` to auto-detect the one container of repeated layers.
+
     Raises:
-        BindError: if the container cannot be found or its length differs from ``num_layers``.
+        BindError: a container cannot be found, the layer count differs from ``num_layers``, or a
+            uniform recompute unit spans two containers.
     """
-    path = layers_path or plan.layers_path
-    path, container = find_layers(model, path, plan.layout.num_layers)
-    layers = list(container)
+    found = find_containers(model, layers_path or plan.layers_path, plan.layout.num_layers)
+    layers = [layer for _, container in found for layer in container]
+    paths = tuple(path for path, _ in found)
     if len(layers) != plan.layout.num_layers:
-        raise BindError(f"{type(model).__name__}.{path} holds {len(layers)} layers but the config says "
+        raise BindError(f"{type(model).__name__}.{' + '.join(paths)} holds {len(layers)} layers but the config says "
                         f"model.model_config.num_layers: {plan.layout.num_layers}; make them agree")
+    _check_units(plan, found)
     bound = [BoundLayer(i, layer, lp, resolve_layer(lp, module_tree(layer)))
              for i, (layer, lp) in enumerate(zip(layers, plan.layers))]
-    return Binding(model, path, bound)
+    logger.info("Bound layers: %s", describe(found))
+    return Binding(model, paths, bound)
+
+
+def describe(found: list[tuple[str, nn.Module]]) -> str:
+    """``model.layers (layers 0-3: 4 x LlamaDecoderLayer)``, one entry per container."""
+    parts, start = [], 0
+    for path, container in found:
+        kinds = " / ".join(sorted({type(m).__name__ for m in container})) or "empty"
+        parts.append(f"{path} (layers {start}-{start + len(container) - 1}: {len(container)} x {kinds})")
+        start += len(container)
+    return ", ".join(parts)
+
+
+def find_containers(model: nn.Module, paths: str | Sequence[str] | None,
+                    expected: int) -> list[tuple[str, nn.Module]]:
+    """The named containers in order, or the one auto-detected container."""
+    if paths is None or isinstance(paths, str):
+        return [find_layers(model, paths, expected)]
+    if not paths or len(set(paths)) != len(paths):
+        raise BindError(f"layers={list(paths)!r}: expected distinct container paths, e.g. "
+                        "['encoder.block', 'decoder.block']")
+    return [(path, _walk(model, path)) for path in paths]
 
 
 def find_layers(model: nn.Module, path: str | None, expected: int) -> tuple[str, nn.Module]:
+    """The container at ``path``, or the only outermost list of repeated blocks.
+
+    A list inside a layer of another candidate (a layer's experts) is not a candidate: it cannot
+    hold the model's layers. Several remaining candidates are an error listing them.
+    """
     if path:
         return path, _walk(model, path)
-    candidates = [(name, module) for name, module in model.named_modules() if _is_block_list(module)]
-    if len(candidates) > 1:
-        sized = [(n, m) for n, m in candidates if len(m) == expected]
-        candidates = sized if len(sized) == 1 else candidates
+    candidates = _outermost([(name, module) for name, module in model.named_modules() if _is_block_list(module)])
     if len(candidates) == 1:
         return candidates[0]
     if not candidates:
@@ -74,7 +127,27 @@ def find_layers(model: nn.Module, path: str | None, expected: int) -> tuple[str,
                         "layers='path.to.layers' (or set model.model_config.layers_path)")
     found = ", ".join(f"{n} ({len(m)} x {type(m[0]).__name__})" for n, m in candidates)
     raise BindError(f"several layer containers in {type(model).__name__}: {found}; pass layers='<one of them>' "
-                    "(or set model.model_config.layers_path)")
+                    f"or a list of them (or set model.model_config.layers_path); num_layers is {expected}")
+
+
+def _outermost(candidates: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    names = [name for name, _ in candidates]
+    return [(name, module) for name, module in candidates
+            if not any(name.startswith(other + ".") for other in names if other and other != name)]
+
+
+def _check_units(plan: Plan, found: list[tuple[str, nn.Module]]) -> None:
+    """A uniform unit runs back to back inside one checkpoint: it cannot span two containers."""
+    start = 0
+    for path, container in found:
+        end = start + len(container) - 1
+        for layer in plan.layers[start:end + 1]:
+            if layer.unit and (layer.unit[0] < start or layer.unit[1] > end):
+                raise BindError(f"recompute_method: uniform unit of layers {layer.unit[0]}-{layer.unit[1]} spans "
+                                f"two layer containers ({path} holds layers {start}-{end}); choose "
+                                "recompute_num_layers so units stay inside one container, or use "
+                                "recompute_method: block")
+        start = end + 1
 
 
 def _walk(model: nn.Module, path: str) -> nn.Module:

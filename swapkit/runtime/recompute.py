@@ -15,7 +15,9 @@ Megatron's ``uniform`` method checkpoints N consecutive layers as one unit: only
 is saved. The first layer of the unit runs all N layers' forwards inside one checkpoint and the
 other layers become pass-throughs that check they received the unit's output. This needs the
 usual decoder loop, ``h = layer(h, *args)`` with the same extra arguments and nothing in
-between; anything else raises instead of computing the wrong thing. The last pass-through of a
+between, and layers that return the hidden-states tensor itself; anything else (a layer that
+returns a tuple, as Falcon's and T5's do) raises swapkit's error instead of computing the wrong
+thing. The last pass-through of a
 unit lets go of the unit's output and arguments, so no tensor (nor the graph behind it) outlives
 the forward that made it; a pass-through called outside a unit's forward computes its layer.
 
@@ -36,6 +38,7 @@ keeps its keyword tensors by reference); reentrant checkpointing refuses them.
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable
 
 import torch
@@ -43,7 +46,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from swapkit.runtime.binding import Binding, BoundLayer
+from swapkit.runtime.kv_cache import CacheArguments, cache_warning
 from swapkit.runtime.recipes import capture_state
+
+logger = logging.getLogger(__name__)
 
 
 class Recompute:
@@ -56,6 +62,7 @@ class Recompute:
         self.output_sink: Any = None  # the swap session, which records recipes while it is active
         self._restore: list[tuple[nn.Module, Any]] = []
         self.wrapped: list[str] = []  # "layer 2: feed_forward", "layers 0-1" ... in apply order
+        self._cache_warned = False  # Note [Caches in recomputed regions]: one warning per session
 
     def apply(self) -> None:
         for layer in self.binding.layers:
@@ -97,10 +104,12 @@ class Recompute:
 
     def _wrap(self, module: nn.Module, label: str, outputs: bool = False) -> None:
         original = module.forward
+        cache = CacheArguments(original)
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             if not (module.training and torch.is_grad_enabled()):
                 return original(*args, **kwargs)
+            args, kwargs = self._no_cache(cache, args, kwargs, label)
             sink = self.output_sink if outputs else None
             state = capture_state(args, kwargs) if sink is not None and sink.records_recipes() else None
             out = self._checkpoint(original, args, kwargs, label)
@@ -116,25 +125,39 @@ class Recompute:
         label = f"layers {first}-{last}"
         originals = [layer.module.forward for layer in layers]
         head = layers[0].module
+        cache = CacheArguments(originals[0])
         state: dict[str, Any] = {"output": None, "inputs": None}  # output None: pass-throughs compute
 
         def run_unit(h: Any, *args: Any, **kwargs: Any) -> Any:
-            for forward in originals:
+            for layer, forward in zip(layers, originals):
                 h = forward(h, *args, **kwargs)
+                if not isinstance(h, torch.Tensor):
+                    raise _unit_error(label, layer.index, f"returned a {type(h).__name__}, not the hidden-states "
+                                      "tensor; use recompute_method: block (or MindFormers' "
+                                      "recompute) for layers that return tuples")
             return h
 
         def head_forward(h: Any, *args: Any, **kwargs: Any) -> Any:
             state["output"] = state["inputs"] = None
             if not (head.training and torch.is_grad_enabled()):
                 return originals[0](h, *args, **kwargs)
-            output = self._checkpoint(run_unit, (h, *args), kwargs, label)
-            state["output"], state["inputs"] = output, (args, kwargs)
+            clean_args, clean_kwargs = self._no_cache(cache, (h, *args), kwargs, label)
+            output = self._checkpoint(run_unit, clean_args, clean_kwargs, label)
+            state["output"], state["inputs"] = output, (args, kwargs)  # as the pass-throughs receive them
             return output
 
         self._replace_forward(head, head_forward, label)
         for position, layer in enumerate(layers[1:], start=1):
             forward = _pass_through(state, originals[position], layer.index, label, position == len(layers) - 1)
             self._replace_forward(layer.module, forward, f"{label} (pass-through {layer.index})")
+
+    def _no_cache(self, cache: CacheArguments, args: tuple, kwargs: dict, label: str) -> tuple[tuple, dict]:
+        """Note [Caches in recomputed regions]"""
+        args, kwargs, changed = cache.disable(args, kwargs)
+        if changed and not self._cache_warned:
+            self._cache_warned = True
+            logger.warning(cache_warning(label, changed))
+        return args, kwargs
 
     def _checkpoint(self, function: Callable[..., Any], args: tuple, kwargs: dict, label: str) -> Any:
         if self.use_reentrant:
@@ -155,9 +178,9 @@ def _pass_through(state: dict[str, Any], original: Callable[..., Any], index: in
         if state["output"] is None:  # eval / no-grad (the head ran only itself), or no unit running
             return original(h, *args, **kwargs)
         if h is not state["output"]:
-            raise _unit_error(label, index, "a tensor other than the previous layer's output")
+            raise _unit_error(label, index, "was called with a tensor other than the previous layer's output")
         if not _same_arguments((args, kwargs), state["inputs"]):
-            raise _unit_error(label, index, "other extra arguments than the first layer of the unit")
+            raise _unit_error(label, index, "was called with other extra arguments than the first layer of the unit")
         if last:
             state["output"] = state["inputs"] = None
         return h
@@ -166,7 +189,7 @@ def _pass_through(state: dict[str, Any], original: Callable[..., Any], index: in
 
 
 def _unit_error(label: str, index: int, what: str) -> RuntimeError:
-    return RuntimeError(f"swapkit: uniform recompute unit {label}: layer {index} was called with {what}; uniform "
+    return RuntimeError(f"swapkit: uniform recompute unit {label}: layer {index} {what}; uniform "
                         "units need the layers called back to back as h = layer(h, ...) with the same extra "
                         "arguments (see Note [Uniform units])")
 
