@@ -12,8 +12,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 import swapkit
 from swapkit.config.types import ModelConfig
+from swapkit.engine import ThreadCopyEngine
 from tests.dist_utils import run_ranks
-from tests.toys import llama_batch, llama_step, toy_config
+from tests.toys import install_engine, llama_batch, llama_step, toy_config
 
 TINY = ModelConfig(num_layers=4, hidden_size=32, num_heads=2, intermediate_size=64, vocab_size=64, seq_length=16)
 STEPS = 3
@@ -46,6 +47,25 @@ def shard(model: torch.nn.Module, reshard: bool) -> torch.nn.Module:
         fully_shard(layer, reshard_after_forward=reshard)
     fully_shard(model, reshard_after_forward=reshard)
     return model
+
+
+class ParameterWatch(ThreadCopyEngine):
+    """Counts the bytes of copies whose source is the storage of a parameter the model holds right now
+    (during forward FSDP2 registers its unsharded parameters on the modules)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__("cpu")
+        self.model, self.parameter_bytes = model, 0
+
+    def offload(self, src, dst):
+        pointers = {_local(p).untyped_storage().data_ptr() for p in self.model.parameters()}
+        if src.untyped_storage().data_ptr() in pointers - {0}:
+            self.parameter_bytes += src.numel()
+        return super().offload(src, dst)
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    return param.to_local() if hasattr(param, "to_local") else param
 
 
 def local_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -87,7 +107,9 @@ def fsdp_cases(rank: int, world_size: int) -> dict:
             model = build()
             session = swapkit.apply(model, toy_config(4, **config), layers="layers")
             shard(model, reshard)
+            install_engine(session, watch := ParameterWatch(model))
             results[(reshard, name)] = (reference, train(model, rank, session))
+            results[(reshard, name, "parameter bytes moved")] = watch.parameter_bytes
             session.remove()
         model = shard(build(), reshard)  # the other order: swapkit applied to an already sharded model
         session = swapkit.apply(model, toy_config(4, **CONFIGS["swap_and_recompute"]), layers="layers")
@@ -100,6 +122,8 @@ def fsdp_cases(rank: int, world_size: int) -> dict:
 def test_fsdp2_swap_and_recompute_bit_identical():
     for rank_results in run_ranks(fsdp_cases, 2):
         single = rank_results.pop("single")
+        moved = {key: rank_results.pop(key) for key in list(rank_results) if len(key) == 3}
+        assert len(moved) == 4 and set(moved.values()) == {0}, moved
         for (reshard, name), (reference, *runs) in rank_results.items():
             for step, (ref, got) in enumerate((r, g) for swapped in runs for r, g in zip(reference, swapped)):
                 where = f"reshard_after_forward={reshard}, {name}, step {step}"
