@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 import swapkit  # noqa: E402
 from swapkit.runtime.binding import BindError  # noqa: E402
 from tests.hf_zoo import FAMILIES, SEQ, Family  # noqa: E402
-from tests.toys import assert_grads_equal, grads  # noqa: E402
+from tests.toys import ReadyWhenDone, assert_grads_equal, grads, install_engine  # noqa: E402
 
 CACHE_WARNING = "a key/value cache cannot be updated inside a recomputed region"
 
@@ -62,6 +62,7 @@ def swap_config(family: Family) -> dict:
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_swap_is_bit_identical(name):
     family, model, reference, ref_losses, session = reference_and_applied(name, swap_config)
+    install_engine(session, ReadyWhenDone())  # releases exactly at their horizon: the stats do not depend on timing
     losses, _ = train(model, family, session)
     assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
     assert_grads_equal(grads(model), grads(reference))
@@ -186,3 +187,24 @@ def test_auto_detection_binds_and_logs_the_container(name, path, caplog):
     session = swapkit.apply(family.build(), config(family))
     assert session.binding.layers_path == path
     assert any(m.startswith(f"Bound layers: {path} (layers 0-1: 2 x ") for m in caplog.messages)
+
+
+def test_op_swap_inside_hf_gradient_checkpointing_is_reported(caplog):
+    family = FAMILIES["llama"]
+    model = family.build()
+    # gradient_checkpointing_enable() under its newer name (the old one warns that it is deprecated)
+    getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
+    reference = copy.deepcopy(model)
+    train(reference, family)
+    cfg = config(family, swap_config={"swap": True, "op_swap": [{"op_name": "self_attn", "backward_prefetch": 1,
+                                                                  "layers": True}]})
+    session = swapkit.apply(model, cfg, layers=family.layers)
+    caplog.set_level(logging.WARNING, logger="swapkit")
+    train(model, family, session)
+    assert_grads_equal(grads(model), grads(reference))
+    assert session.stats.unused_swaps == ["layer 0: self_attn", "layer 1: self_attn"]
+    assert session.stats.offloaded_bytes == 0
+    reported = [m for m in caplog.messages if "saw no saved tensor" in m]
+    assert [m.split(" saw ")[0] for m in reported] == ["swapkit: op swap at layer 0: self_attn",
+                                                       "swapkit: op swap at layer 1: self_attn"]
+    assert all("another saved_tensors_hooks context" in m for m in reported)

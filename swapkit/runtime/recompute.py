@@ -105,19 +105,30 @@ class Recompute:
     def _wrap(self, module: nn.Module, label: str, outputs: bool = False) -> None:
         original = module.forward
         cache = CacheArguments(original)
+        # swapkit.runtime.scope Note [Bookkeeping stays out of compiled graphs]
+        capture, record = torch.compiler.disable(self._capture), torch.compiler.disable(self._record)
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             if not (module.training and torch.is_grad_enabled()):
                 return original(*args, **kwargs)
             args, kwargs = self._no_cache(cache, args, kwargs, label)
-            sink = self.output_sink if outputs else None
-            state = capture_state(args, kwargs) if sink is not None and sink.records_recipes() else None
+            state = capture(args, kwargs) if outputs else None
             out = self._checkpoint(original, args, kwargs, label)
             if state is not None:
-                sink.record_recipe(original, args, kwargs, state, out, label)
+                record(original, args, kwargs, state, out, label)
             return out
 
         self._replace_forward(module, forward, label)
+
+    def _capture(self, args: tuple, kwargs: dict) -> tuple | None:
+        """RNG and autocast state for a recipe, when the session records recipes (Note [What an op-level ...])."""
+        sink = self.output_sink
+        return capture_state(args, kwargs) if sink is not None and sink.records_recipes() else None
+
+    def _record(self, function: Callable[..., Any], args: tuple, kwargs: dict, state: tuple, out: Any,
+                label: str) -> None:
+        if self.output_sink is not None:
+            self.output_sink.record_recipe(function, args, kwargs, state, out, label)
 
     def _wrap_unit(self, layers: list[BoundLayer]) -> None:
         """Note [Uniform units]"""

@@ -9,12 +9,27 @@ While a checkpointed region recomputes in backward, its modules' hooks fire agai
 pop frames. That is harmless: the forward clock only advances when the session's pack hook runs
 in forward, and the session ignores packs made during backward (see
 ``swapkit.runtime.session.Note [Packs during backward]``).
+
+Note [Bookkeeping stays out of compiled graphs]
+``torch.compile`` inlines module hooks into the graph it traces: the pushes and pops of the frame
+stack would be replayed as side effects after the graph ran, so every tensor a compiled scope
+saves would land in the wrong frame (an op swap under compile offloaded 0 bytes), and recipe
+bookkeeping traced into a graph breaks it (``set_()`` on a fake tensor). Every piece of swapkit
+that runs *inside* a module call - the scope hooks here, the recompute wrappers' recipe capture
+and recording (``swapkit.runtime.recompute``) - is therefore wrapped in
+``torch.compiler.disable``: Dynamo breaks the graph there and runs it eagerly, so a swapped scope
+becomes its own graph whose saves happen while its frame is on the stack. The saved-tensor hooks
+themselves are never traced: AOTAutograd's compiled function saves real tensors through them at
+run time. The cost is a graph break at each hooked scope boundary (layers and swapped or
+recomputed ops), which limits what a compiler can fuse across them. Wrapping happens in
+``install`` (at ``swapkit.apply``), which imports ``torch._dynamo`` once per process.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
+import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
@@ -41,6 +56,9 @@ class ScopeTracker:
     def __init__(self) -> None:
         self.stack: list[Frame] = []
         self._handles: list[tuple[nn.Module, RemovableHandle]] = []
+        # called with the frame of every scope that configures its own swap, when it is entered
+        self.on_swap_enter: Callable[[Frame], None] | None = None
+        self.swap_scopes: list[tuple[int, str]] = []  # (layer, op path) of every hooked swap, "" = layer
 
     @property
     def top(self) -> Frame | None:
@@ -60,6 +78,7 @@ class ScopeTracker:
             handle.remove()
         self._handles.clear()
         self.stack.clear()
+        self.swap_scopes.clear()
 
     def detach_copies(self, memo: dict) -> None:
         """Remove the hooks from deep copies of the hooked modules (``memo`` maps ids to copies)."""
@@ -74,6 +93,8 @@ class ScopeTracker:
         self.stack.clear()
 
     def _hook(self, module: nn.Module, layer: int, path: str, prefetch: int | None) -> None:
+        if prefetch is not None:
+            self.swap_scopes.append((layer, path))
         frames: dict[int | None, Frame] = {}  # by the prefetch in force; built once, not per call
 
         def enter(called: nn.Module, _args: Any) -> None:
@@ -86,6 +107,8 @@ class ScopeTracker:
             if frame is None:
                 frame = frames[k] = Frame(layer, path, k)
             self.stack.append(frame)
+            if prefetch is not None and self.on_swap_enter is not None:
+                self.on_swap_enter(frame)  # swapkit.runtime.overrides Note [Swaps nobody reports]
 
         def leave(_module: nn.Module, _args: Any, _output: Any) -> None:
             for depth in range(len(self.stack) - 1, -1, -1):  # pop through frames an exception skipped
@@ -94,8 +117,9 @@ class ScopeTracker:
                     del self.stack[depth:]
                     return
 
-        self._handles.append((module, module.register_forward_pre_hook(enter)))
-        self._handles.append((module, module.register_forward_hook(leave, always_call=True)))
+        eager = torch.compiler.disable  # Note [Bookkeeping stays out of compiled graphs]
+        self._handles.append((module, module.register_forward_pre_hook(eager(enter))))
+        self._handles.append((module, module.register_forward_hook(eager(leave), always_call=True)))
 
 
 def _copy_error(module: nn.Module, layer: int, path: str) -> RuntimeError:

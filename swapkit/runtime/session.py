@@ -46,10 +46,11 @@ from torch import nn
 from swapkit.runtime.binding import Binding
 from swapkit.engine import CopyEngine, HostPool, make_engine
 from swapkit.plan.plan import Plan
+from swapkit.runtime.overrides import entry_cause, unused_message
 from swapkit.runtime.recipes import PackedInput, Recipe, tensor_leaves
 from swapkit.runtime.recompute import Recompute
 from swapkit.runtime.records import Saved, is_plain
-from swapkit.runtime.scope import ScopeTracker
+from swapkit.runtime.scope import Frame, ScopeTracker
 from swapkit.runtime.stats import SwapStats
 from swapkit.runtime.step import Step
 
@@ -81,7 +82,9 @@ class SwapSession:
         self._removed = False
         self._entry_lock = threading.Lock()
         self._owner: int | None = None  # the thread inside the `with` block
+        self._reported: set[tuple[int, str]] = set()  # unused swaps already warned about
         recompute.output_sink = self
+        tracker.on_swap_enter = self._swap_scope_entered
         if plan.runtime.verify and not any(layer.layer_swap is not None or layer.op_swap for layer in plan.layers):
             logger.warning("runtime.verify: true has no effect: swap_config swaps nothing on this model; set "
                            "swap_config.swap: true with a layer_swap or op_swap, or drop runtime.verify")
@@ -194,12 +197,24 @@ class SwapSession:
         self._steps += 1
         params = {id(t.untyped_storage()) for t in chain(self.model.parameters(), self.model.buffers())}
         self._step = Step(self._steps, self.engine, self.pool, self.plan.runtime, params, self._forward_ticks,
-                          self._backward_began)
+                          self._backward_began, tuple(self.tracker.swap_scopes))
         return self._step
 
     def _backward_began(self, step: Step) -> None:
         self._forward_ticks = step.clock
         self._last = step
+        self._report_unused(step)
+
+    def _swap_scope_entered(self, frame: Frame) -> None:
+        """swapkit.runtime.overrides Note [Swaps nobody reports]"""
+        if self._hooks is not None and torch._C._current_graph_task_id() == -1:
+            self._step.scope_entered(frame, entry_cause(self._pack))
+
+    def _report_unused(self, step: Step) -> None:
+        for layer, path, cause in step.unused_swaps():
+            if (layer, path) not in self._reported:
+                self._reported.add((layer, path))
+                logger.warning(unused_message(layer, path, cause, step.number))
 
     def _ensure_engine(self) -> None:
         device = next(chain(self.model.parameters(), self.model.buffers()), torch.empty(0)).device

@@ -37,6 +37,9 @@ class SwapStats:
     skipped: dict[str, int] = field(default_factory=dict)  # swap candidates kept, reason -> bytes
     offloaded_by_scope: dict[str, int] = field(default_factory=dict)  # "layer 0: attention" -> bytes
     aborted: bool = False  # the step ended with an exception
+    # swap scopes entered in forward under which no tensor reached the session ("layer 1: self_attn"):
+    # something else checkpoints them (swapkit.runtime.overrides Note [Swaps nobody reports])
+    unused_swaps: list[str] = field(default_factory=list)
 
     @property
     def mean_prefetch_lead(self) -> float:

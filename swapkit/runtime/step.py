@@ -47,6 +47,7 @@ from swapkit.engine import CopyEngine, HostPool
 from swapkit.runtime.recipes import Recipe, RecomputedOutput
 from swapkit.runtime.records import KeptRecord, Saved, SwapRecord, is_plain, storage_bytes, view_meta
 from swapkit.runtime.schedule import TickQueue
+from swapkit.runtime.overrides import NOT_ENTERED, scope_label
 from swapkit.runtime.scope import Frame
 from swapkit.runtime.stats import SwapStats
 
@@ -60,7 +61,7 @@ class Step:
 
     def __init__(self, number: int, engine: CopyEngine, pool: HostPool, runtime: RuntimeConfig,
                  param_storages: set[int], tail_ticks: int | None,
-                 on_backward: Callable[["Step"], None]) -> None:
+                 on_backward: Callable[["Step"], None], swap_scopes: tuple[tuple[int, str], ...] = ()) -> None:
         self.number, self.engine, self.pool, self.runtime = number, engine, pool, runtime
         self.device = engine.device
         self.verify = runtime.verify  # swapkit.runtime.records Note [Verify mode]
@@ -79,6 +80,9 @@ class Step:
         self._allocations_at_start = pool.allocations
         self.stats = SwapStats(step=number, skipped=defaultdict(int), offloaded_by_scope=defaultdict(int))
         self.device_bytes = 0
+        self.swap_scopes = swap_scopes  # (layer, op path) of every configured swap scope
+        self._entered: dict[tuple[int, str], str | None] = {}  # swap scopes entered in forward -> cause
+        self._seen: set[tuple[int, str]] = set()  # scopes a forward save reached
         self.lock = threading.RLock()  # swapkit.runtime.records Note [Unpacks from several threads]
 
     # ------------------------------------------------------------------ forward
@@ -88,6 +92,8 @@ class Step:
         tick = self.clock
         self.clock += 1
         self._advance(tick)
+        if frame is not None:
+            self._seen.add((frame.layer, frame.path))
         if not is_plain(tensor):
             return Saved(tensor.detach(), tensor._version, self, tick, None, None, frame)
         storage = tensor.untyped_storage()
@@ -224,6 +230,21 @@ class Step:
             self.stats.released_bytes += record.nbytes
             self._prefetch.push(record)
 
+    def scope_entered(self, frame: Frame, cause: str | None) -> None:
+        """A scope that configures a swap was entered in forward (``cause``: why its saves would not
+        reach the session, if known). swapkit.runtime.overrides Note [Swaps nobody reports]"""
+        key = (frame.layer, frame.path)
+        if self._entered.get(key) is None:
+            self._entered[key] = cause
+
+    def unused_swaps(self) -> list[tuple[int, str, str | None]]:
+        """``(layer, op path, cause)`` of each swap scope no forward save reached, once a forward saved
+        anything; a scope whose hooks never ran gets the cause :data:`NOT_ENTERED`."""
+        if self.clock == 0:
+            return []
+        return [(layer, path, self._entered.get((layer, path), NOT_ENTERED)) for layer, path in self.swap_scopes
+                if (layer, path) not in self._seen]
+
     def finish_forward(self) -> None:
         """Forward ended without a backward yet: wait for copies, release what is due."""
         self.engine.synchronize()
@@ -292,4 +313,5 @@ class Step:
             "host_pool_bytes": self.pool.total_bytes, "host_allocations": self.pool.allocations
             - self._allocations_at_start, "skipped": dict(stats.skipped),
             "offloaded_by_scope": dict(stats.offloaded_by_scope), "aborted": self.aborted,
+            "unused_swaps": [scope_label(layer, path) for layer, path, _ in self.unused_swaps()],
         })

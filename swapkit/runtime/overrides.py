@@ -1,0 +1,56 @@
+"""Swaps that something else overrides at run time, and how they are reported.
+
+Note [Swaps nobody reports]
+swapkit's own recompute overriding a swap is known from the plan (``Plan.layers[i].overridden``).
+Other checkpointing is not: HF's ``gradient_checkpointing_enable()`` (non-reentrant by default
+in transformers 5) or the user's ``torch.utils.checkpoint`` run a region under their own
+``saved_tensors_hooks``, which are innermost, so the tensors saved there never reach the session:
+a swap configured on a scope inside such a region moves nothing. Reentrant checkpointing runs
+its forward with grad disabled and saves nothing at all. The session therefore watches each
+scope that configures a swap: when one is entered in forward, it notes whether the session's
+hooks are the innermost ones and whether grad is enabled; every save marks its scope as having
+seen a tensor. When backward begins, a swap scope that saw no tensor is listed in
+``SwapStats.unused_swaps`` and logged once per session as a WARNING naming layer and op, with the
+cause when it is known; a scope whose hooks never ran at all in a forward that saved tensors is
+reported too (``torch.compile`` reusing a graph traced before the hooks existed: Dynamo does not
+guard on module hooks by default). A layer swap around an HF-checkpointed layer is caught the same way
+(HF checkpoints ``forward``, so the layer's own hooks run outside the region and see nothing).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+OTHER_HOOKS = ("it ran inside another saved_tensors_hooks context (a non-reentrant checkpoint such as Hugging "
+               "Face's gradient_checkpointing_enable() or torch.utils.checkpoint, or another offloading tool), "
+               "which keeps its tensors from swapkit")
+NOT_ENTERED = ("its module hooks never ran in a forward that saved tensors (the module is not called, or it runs "
+               "in a graph torch.compile traced before swapkit.apply: Dynamo does not guard on module hooks by "
+               "default, torch._dynamo.config.skip_nnmodule_hook_guards; apply swapkit before the first compiled "
+               "call, or call torch._dynamo.reset() after applying it)")
+NO_GRAD = ("it ran with grad disabled (inside a reentrant checkpoint, which recomputes it in backward, or under "
+           "torch.no_grad)")
+
+
+def entry_cause(own_pack: Callable[[torch.Tensor], Any]) -> str | None:
+    """Why tensors saved in a scope entered now would not reach the session (``None``: they would)."""
+    if not torch.is_grad_enabled():
+        return NO_GRAD
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if top is None or top[0] != own_pack:
+        return OTHER_HOOKS
+    return None
+
+
+def scope_label(layer: int, path: str) -> str:
+    """As :attr:`swapkit.runtime.scope.Frame.label`: ``"layer 1: self_attn"``, ``"layer 1"``."""
+    return f"layer {layer}: {path}" if path else f"layer {layer}"
+
+
+def unused_message(layer: int, path: str, cause: str | None, step: int) -> str:
+    what = f"op swap at layer {layer}: {path}" if path else f"layer swap at layer {layer}"
+    why = cause or ("nothing inside it saved a tensor through swapkit (the tensors are saved elsewhere, or "
+                    "something else checkpoints the region)")
+    return (f"swapkit: {what} saw no saved tensor in step {step}: {why}; the swap has no effect. Drop the swap "
+            "from swap_config, or stop the other checkpointing for this layer (Note [Swaps nobody reports])")

@@ -1,0 +1,117 @@
+"""Swaps that something else overrides at run time are reported (swapkit.runtime.overrides
+Note [Swaps nobody reports]): a WARNING naming layer and op, and ``SwapStats.unused_swaps``."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from swapkit.runtime.overrides import NO_GRAD, OTHER_HOOKS
+from torch import nn
+
+from tests.toys import Block, ToyNet, assert_grads_equal, grads, synced_session, toy_config
+
+
+class UserCheckpointed(ToyNet):
+    """Layer 1 runs inside the user's own ``torch.utils.checkpoint``."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__(layers=3)
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for index, layer in enumerate(self.layers):
+            x = checkpoint(layer, x, use_reentrant=self.reentrant) if index == 1 else layer(x)
+        return x
+
+
+def op_swap(op: str = "lin", **extra) -> dict:
+    return toy_config(3, swap_config={"swap": True, "op_swap": [{"op_name": op, "backward_prefetch": 1,
+                                                                  "layers": True}], **extra},
+                      runtime={"min_offload_bytes": 0, "skip_tail_offload": False})
+
+
+def run(model, session, steps: int = 2) -> None:
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    for _ in range(steps):
+        with session:
+            model(x).sum().backward()
+
+
+def warnings_of(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "saw no saved" in r.getMessage()]
+
+
+@pytest.mark.parametrize("reentrant,cause", [(False, OTHER_HOOKS), (True, NO_GRAD)])
+def test_op_swap_inside_a_users_checkpoint_is_reported(reentrant, cause, caplog):
+    torch.manual_seed(0)
+    model, reference = UserCheckpointed(reentrant), UserCheckpointed(reentrant)
+    reference.load_state_dict(model.state_dict())
+    session = synced_session(model, op_swap())
+    caplog.set_level(logging.WARNING, logger="swapkit")
+    run(model, session)
+    run(reference, _Plain())
+    stats = session.stats
+    assert stats.unused_swaps == ["layer 1: lin"]
+    assert set(stats.offloaded_by_scope) == {"layer 0: lin", "layer 2: lin"}  # layer 1's tensors never reached us
+    assert warnings_of(caplog) == [f"swapkit: op swap at layer 1: lin saw no saved tensor in step 1: {cause}; the "
+                                   "swap has no effect. Drop the swap from swap_config, or stop the other "
+                                   "checkpointing for this layer (Note [Swaps nobody reports])"]  # once, not per step
+    assert_grads_equal(grads(model), grads(reference))
+
+
+class _Plain:
+    """A stand-in for a session: no hooks."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+
+def test_layer_swap_inside_a_users_checkpoint_is_reported(caplog):
+    model = UserCheckpointed(reentrant=False)
+    cfg = toy_config(3, swap_config={"swap": True, "layer_swap": [{"backward_prefetch": 1, "layers": True}]},
+                     runtime={"min_offload_bytes": 0})
+    session = synced_session(model, cfg)
+    caplog.set_level(logging.WARNING, logger="swapkit")
+    run(model, session)
+    assert session.stats.unused_swaps == ["layer 1"]
+    assert warnings_of(caplog)[0].startswith("swapkit: layer swap at layer 1 saw no saved tensor in step 1: it ran "
+                                             "inside another saved_tensors_hooks context")
+
+
+def test_swaps_that_see_tensors_are_not_reported(caplog):
+    model = ToyNet(layers=3)
+    session = synced_session(model, op_swap())
+    caplog.set_level(logging.WARNING, logger="swapkit")
+    run(model, session)
+    assert session.stats.unused_swaps == [] and warnings_of(caplog) == []
+    assert "layer 0: lin" in session.stats.offloaded_by_scope  # (layers 1-2 save what layer 0's act kept)
+
+
+class Shift(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + 1.0  # saves nothing for backward
+
+
+class ShiftBlock(Block):
+    def __init__(self, dim: int) -> None:
+        super().__init__(dim)
+        self.shift = Shift()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.shift(super().forward(x))
+
+
+def test_a_scope_that_saves_nothing_is_reported_without_a_cause(caplog):
+    model = ToyNet(layers=3, block=ShiftBlock)
+    session = synced_session(model, op_swap("shift"))
+    caplog.set_level(logging.WARNING, logger="swapkit")
+    run(model, session)
+    assert session.stats.unused_swaps == ["layer 0: shift", "layer 1: shift", "layer 2: shift"]
+    assert len(warnings_of(caplog)) == 3
+    assert "nothing inside it saved a tensor through swapkit" in warnings_of(caplog)[0]
