@@ -11,7 +11,7 @@ import logging
 import sys
 from typing import Sequence
 
-from swapkit.config.errors import ConfigError
+from swapkit.config.errors import ConfigError, clip
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 logger = logging.getLogger("swapkit")
@@ -29,6 +29,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("swapkit: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except Exception as err:  # noqa: BLE001 - Note [No traceback]
+        print(f"swapkit: {_failure(err, args.verbose)}", file=sys.stderr)
+        return EXIT_FAILED
+
+
+# Note [No traceback]
+# Whatever goes wrong, the CLI ends with one message and an exit status, never a Python traceback:
+# config and usage problems are ConfigErrors (2); failures the run can explain (NaN loss, a full
+# disk, memory that cannot be allocated) are RunFailed (1); anything else is reported as an
+# internal error with its type and a clipped message (1), and `-v` logs the traceback for a bug report.
+def _failure(err: Exception, verbose: bool) -> str:
+    from swapkit.train.errors import RunFailed
+
+    if isinstance(err, RunFailed):
+        return clip(str(err), 2000)
+    if isinstance(err, MemoryError) or "out of memory" in str(err)[:500].lower():
+        return (f"out of memory: {clip(str(err) or type(err).__name__, 300)}; reduce train.batch_size, "
+                "model.model_config sizes or num_layers")
+    if verbose:
+        logger.exception("swapkit: traceback of the failure")
+    hint = "" if verbose else "; rerun with -v for the traceback"
+    return f"failed: {type(err).__name__}: {clip(str(err), 500)}{hint}"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -45,7 +67,7 @@ def _parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="train the built-in model as the config says")
     train.add_argument("config", help="YAML config file")
-    train.add_argument("--steps", type=int, help="override train.steps")
+    train.add_argument("--steps", type=int, help="override train.steps")  # range checked with train.steps
     train.add_argument("--device", choices=("cpu", "cuda"), help="override train.device")
     train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config value, e.g. --set train.lr=1e-3 (repeatable)")
