@@ -105,8 +105,11 @@ class Problems:
         self.add(path, f"{message}. {fix[0].upper()}{fix[1:]}" if fix else message)
 
     def unknown_key(self, path: str, key: str, known: Iterable[str]) -> None:
-        known = sorted(known)
         key = clip(key, 100) if isinstance(key, str) else show(key)  # a YAML key may be any scalar
+        if len(self.items) >= MAX_LISTED_PROBLEMS:  # not listed: only counted, so no did-you-mean search
+            self.add(join(path, key), UNKNOWN_KEY)
+            return
+        known = sorted(known)
         close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
         hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(known)}"
         self.add(join(path, key), f"{UNKNOWN_KEY}; {hint}")

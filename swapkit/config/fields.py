@@ -168,7 +168,7 @@ def pattern(value: Any, path: str, problems: Problems) -> Any:
     """
     if not isinstance(value, str) or not value or len(value) > MAX_PATTERN_CHARS:
         problems.bad(path, value, r"an op pattern such as 'feed_forward\.mul'",
-                     f"at most {MAX_PATTERN_CHARS} characters" if isinstance(value, str) and value else None)
+                     _length_fix(value))
         return INVALID
     for component in value.split(r"\."):
         if not component:
@@ -180,6 +180,12 @@ def pattern(value: Any, path: str, problems: Problems) -> Any:
                          f"component {show(component)} does not compile: {error}")
             return INVALID
     return value
+
+
+def _length_fix(value: Any) -> str | None:
+    if isinstance(value, str) and len(value) > MAX_PATTERN_CHARS:
+        return f"it has {len(value):,} characters; write a pattern of at most {MAX_PATTERN_CHARS} characters"
+    return None
 
 
 def _compile_error(component: str) -> str | None:

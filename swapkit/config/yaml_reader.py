@@ -17,7 +17,9 @@ from swapkit.config.errors import ConfigError, Problem, clip
 
 #: A config file larger than this is refused (real configs are a few KiB; PyYAML reads ~1 MiB/s).
 MAX_FILE_BYTES = 1 << 20
-#: Nodes of the document with every alias expanded (a real config has a few hundred).
+#: Values (scalars, lists, mappings) written in the document (a real config has a few hundred).
+MAX_WRITTEN_NODES = 50_000
+#: Values of the document with every alias expanded.
 MAX_NODES = 200_000
 #: Nesting depth of mappings and lists (a real config nests fewer than ten levels).
 MAX_DEPTH = 64
@@ -159,14 +161,20 @@ class StrictLoader(yaml.SafeLoader):
     """SafeLoader that refuses duplicate keys and reads numbers as YAML 1.2 does (Note [YAML 1.1 scalars])."""
 
     _depth = 0
+    _written = 0
 
     def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
-        """Refuse nesting beyond MAX_DEPTH while composing, before PyYAML's recursion gets deep (and slow)."""
+        """Refuse nesting beyond MAX_DEPTH and more than MAX_WRITTEN_NODES values while composing, before
+        PyYAML's recursion gets deep or its (pure Python, ~100k values/s) parsing gets long."""
         self._depth += 1
+        self._written += 1
         try:
             if self._depth > MAX_DEPTH:
                 raise yaml.composer.ComposerError(None, None, f"nested deeper than {MAX_DEPTH} levels",
                                                   self.peek_event().start_mark)
+            if self._written > MAX_WRITTEN_NODES:
+                raise yaml.composer.ComposerError(None, None, f"more than {MAX_WRITTEN_NODES:,} values; a swapkit "
+                                                  "config has a few hundred", self.peek_event().start_mark)
             return super().compose_node(parent, index)
         finally:
             self._depth -= 1
