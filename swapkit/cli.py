@@ -44,7 +44,8 @@ def _failure(err: Exception, verbose: bool) -> str:
 
     if isinstance(err, RunFailed):
         return clip(str(err), 2000)
-    if isinstance(err, MemoryError) or "out of memory" in str(err)[:500].lower():
+    text = str(err)[:500].lower()
+    if isinstance(err, MemoryError) or "out of memory" in text or "can't allocate memory" in text:
         return (f"out of memory: {clip(str(err) or type(err).__name__, 300)}; reduce train.batch_size, "
                 "model.model_config sizes or num_layers")
     if verbose:

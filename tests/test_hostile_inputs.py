@@ -76,6 +76,8 @@ CASES = [
      ["parallel_config.pipeline_stage: got 4096; expected an integer from 1 to 256",
       "pp_interleave_num: got 1024; expected an integer from 1 to 64"]),
     ("many-unknown-keys", "plan", unknown_keys(20_000), [], 2, ["k0: unknown key", "... and 19,980 more unknown keys"]),
+    ("many-written-values", "plan", BASE + "x: [" + ", ".join(["1"] * 300_000) + "]\n", [], 2,
+     ["more than 50,000 values"]),
     ("latency-1e9", "train", BASE + "runtime:\n  engine_options: {latency_s: 1.0e+9}\n", [], 2,
      ["runtime.engine_options.latency_s: got 1000000000.0; expected a number >= 0 and <= 1"]),
     ("latency-inf", "train", BASE + "runtime:\n  engine_options: {latency_s: .inf}\n", [], 2,
@@ -94,7 +96,8 @@ CASES = [
      ["train.seed: got", "expected an integer from 0 to 9223372036854775807"]),
     ("huge-integer-literal", "plan", BASE.replace("num_layers: 2", "num_layers: " + "9" * 5000), [], 2,
      ["YAML value cannot be read"]),
-    ("unallocatable-model", "train", with_model(vocab_size=1048576, hidden_size=65536), [], 2, ["model.model_config: the built-in model", "Reduce these sizes"]),
+    ("unallocatable-model", "train", with_model(vocab_size=1048576, hidden_size=65536), [], 2,
+     ["model.model_config: the built-in model", "Reduce these sizes"]),
     ("unallocatable-batch", "train", BASE.replace("batch_size: 2", "batch_size: 65536").replace(
         "seq_length: 16", "seq_length: 65536"), [], 2, ["train.batch_size 65536", "needs about"]),
     ("cuda-engine-on-cpu", "train", BASE + "runtime:\n  engine: cuda\n", [], 2,
@@ -163,8 +166,35 @@ def test_every_class_ends_in_one_clear_message(command, config, args, status, ex
 
 
 def test_the_table_covers_every_class_of_the_issue():
-    assert len(CASES) >= 38
+    assert len(CASES) >= 39
     assert {c[4] for c in CASES} == {2}  # every one of these is a config or usage problem
+
+
+def test_200k_unknown_keys_in_a_dict_are_counted_not_listed():
+    from swapkit import ConfigError, load_config
+
+    raw = {"model": {"model_config": {"num_layers": 2}}, **{f"k{i}": 1 for i in range(200_000)}}
+    start = time.perf_counter()
+    with pytest.raises(ConfigError) as info:
+        load_config(raw)
+    text = str(info.value)
+    assert time.perf_counter() - start < 10
+    assert text.startswith("invalid swapkit config (200,000 problems):")
+    assert text.endswith("... and 199,980 more unknown keys (fix the ones listed and run again)")
+    assert len(text.splitlines()) == 22 and len(text) < 10_000
+
+
+def test_values_in_messages_are_summarised_whatever_their_size():
+    from swapkit import ConfigError, load_config
+
+    nested = [[list(range(1000))] * 500]  # 500,000 values
+    with pytest.raises(ConfigError) as info:
+        load_config({"model": {"model_config": {"num_layers": nested}}})
+    line = str(info.value).splitlines()[1]
+    assert line.startswith("  - model.model_config.num_layers: got [[[0, 1, 2, 3, 4, 5, 6, 7, ...], ")
+    assert len(line) < 200
+    with pytest.raises(ConfigError, match="holding more than 1,000,000 values"):
+        load_config({"model": {"model_config": {"num_layers": [[list(range(10_000))] * 1000]}}})
 
 
 # ---------------------------------------------------------------- runtime failures (exit 1)

@@ -78,7 +78,10 @@ def show(value: Any) -> str:
         return "false"
     if value is None:
         return "null"
-    text = _short_repr().repr(value)
+    try:
+        text = _short_repr().repr(value)
+    except ValueError:  # an int beyond Python's 4300-digit str limit
+        text = f"<an integer of {value.bit_length():,} bits>" if isinstance(value, int) else "<unprintable value>"
     return text if len(text) <= MAX_VALUE_CHARS else text[:MAX_VALUE_CHARS - 3] + "..."
 
 

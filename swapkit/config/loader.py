@@ -55,15 +55,21 @@ def warn_no_effect(config: Config) -> None:
         logger.warning("%s has no effect in PyTorch eager; accepted and ignored", path)
 
 
-def _copy(value: Any, depth: int = 0) -> Any:
-    """A plain copy of a dict config; a recursive or absurdly deep one is a ConfigError (Note [Hostile YAML])."""
-    if depth > MAX_DEPTH and isinstance(value, (Mapping, list, tuple)):
-        raise ConfigError([Problem("", f"config nested deeper than {MAX_DEPTH} levels (or recursive); "
-                                       "expected a dict in the YAML layout")])
+#: Values a dict config may hold, aliases (shared sub-lists) counted each time they appear.
+MAX_DICT_NODES = 1_000_000
+
+
+def _copy(value: Any, depth: int = 0, budget: list[int] | None = None) -> Any:
+    """A plain copy of a dict config; a recursive, absurdly deep or huge one is a ConfigError (Note [Hostile YAML])."""
+    budget = [MAX_DICT_NODES] if budget is None else budget
+    budget[0] -= 1
+    if budget[0] < 0 or (depth > MAX_DEPTH and isinstance(value, (Mapping, list, tuple))):
+        raise ConfigError([Problem("", f"config nested deeper than {MAX_DEPTH} levels, recursive, or holding more "
+                                       f"than {MAX_DICT_NODES:,} values; expected a dict in the YAML layout")])
     if isinstance(value, Mapping):
-        return {k: _copy(v, depth + 1) for k, v in value.items()}
+        return {k: _copy(v, depth + 1, budget) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_copy(v, depth + 1) for v in value]
+        return [_copy(v, depth + 1, budget) for v in value]
     return value
 
 
