@@ -257,3 +257,29 @@ def test_close_does_not_wait_for_copies_sleeping_on_their_latency():
     engine.wait(engine.offload(torch.ones(4), torch.empty(4)))  # usable again, nothing stale raised
     engine.synchronize()
     engine.close()
+
+
+def test_ctrl_c_with_a_slow_emulated_link_exits_at_once(tmp_path):
+    """``latency_s`` at its bound (1 s per copy): Ctrl-C mid-step still ends the run within seconds."""
+    import signal
+    import subprocess
+    import sys
+
+    config = _write(tmp_path, BASE + "  steps: 100\nswap_config:\n  swap: true\n  layer_swap: [{backward_prefetch: 2, "
+                    "layers: [0, 1]}]\nruntime:\n  min_offload_bytes: 0\n  engine_options: {latency_s: 1.0}\n")
+    child = subprocess.Popen([sys.executable, "-m", "swapkit.cli", "train", str(config), "--no-progress"],
+                             stderr=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
+    try:
+        for line in child.stderr:  # the plan is logged just before the first step
+            if "Set layer swap at layer 1" in line:
+                break
+        time.sleep(1.5)  # copies are queued and sleeping on their latency
+        start = time.perf_counter()
+        child.send_signal(signal.SIGINT)
+        err = child.communicate(timeout=60)[1]
+        seconds = time.perf_counter() - start
+    finally:
+        child.kill()
+    assert child.returncode == 130, err
+    assert "swapkit: interrupted" in err and "Traceback" not in err
+    assert seconds < 5, seconds
