@@ -88,12 +88,13 @@ def _configure_logging(verbose: bool) -> None:
 
 def run_plan(args: argparse.Namespace) -> int:
     from swapkit.load import load_config
+
+    config = load_config(args.config, args.overrides)  # before importing torch: a bad config fails fast
     from swapkit.plan.plan import build_plan
     from swapkit.plan.report import plan_report, table, with_exact_overridden
     from swapkit.runtime.binding import module_tree
     from swapkit.train.model import build_model
 
-    config = load_config(args.config, args.overrides)
     plan = build_plan(config)
     for line in plan.log_lines():
         logger.info(line)
@@ -112,9 +113,10 @@ def run_plan(args: argparse.Namespace) -> int:
 def run_train(args: argparse.Namespace) -> int:
     """Run ``swapkit train``; a bad config or device raises :class:`ConfigError` (exit 2)."""
     from swapkit.load import load_config
+
+    config = load_config(args.config, args.overrides)  # before importing torch: a bad config fails fast
     from swapkit.train import format_summary, train
 
-    config = load_config(args.config, args.overrides)
     result = train(config, steps=args.steps, device=args.device, metrics_out=args.metrics_out,
                    progress=not args.no_progress)
     print(format_summary(result.summary))
