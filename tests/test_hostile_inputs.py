@@ -197,6 +197,14 @@ def test_values_in_messages_are_summarised_whatever_their_size():
         load_config({"model": {"model_config": {"num_layers": [[list(range(10_000))] * 1000]}}})
 
 
+def test_numbers_are_read_as_yaml_1_2_writes_them():
+    from swapkit.config.yaml_reader import parse_yaml
+
+    read = parse_yaml("a: 1:30\nb: 010\nc: 1e-3\nd: 1.5e3\ne: 0x1F\nf: 2024-01-01\ng: 1_000\nh: -0.5\ni: .inf\n")
+    assert read == {"a": "1:30", "b": "010", "c": 0.001, "d": 1500.0, "e": 31, "f": "2024-01-01", "g": 1000,
+                    "h": -0.5, "i": math.inf}
+
+
 # ---------------------------------------------------------------- runtime failures (exit 1)
 
 def test_a_nan_loss_stops_the_run_with_exit_1_naming_the_step(tmp_path, capsys, monkeypatch):

@@ -2,6 +2,7 @@
 0, 1 or 2 (train), with at most one short message, no traceback and no internal error, in bounded time."""
 from __future__ import annotations
 
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -12,6 +13,8 @@ from hypothesis import strategies as st
 
 from swapkit import cli
 
+#: Examples per run: a few seconds in CI; SWAPKIT_HOSTILE_EXAMPLES=2000 for a longer hunt.
+EXAMPLES = int(os.environ.get("SWAPKIT_HOSTILE_EXAMPLES", "60"))
 SLOW = "a" * 40 + "!"
 NASTY_STRINGS = ["1:30", "010", "0x1F", "(a|aa)+$", "a{99999999999}", "(" * 300, ".*", r"feed_forward\.mul",
                  "attention", SLOW, "2024-01-01", "~", "yes", "", " ", "\\.", r"\.\.", "[", "é" * 50, "cuda"]
@@ -81,7 +84,10 @@ def run(command: str, text: str, capsys, extra: list[str]) -> tuple[int, str, fl
         path = Path(folder) / "config.yaml"
         path.write_text(text, encoding="utf-8", errors="surrogatepass")
         start = time.perf_counter()
-        status = cli.main([command, str(path), *extra])
+        try:
+            status = cli.main([command, str(path), *extra])
+        except SystemExit as usage:  # argparse's own usage errors (`--set -x`): exit 2 with its message
+            status = usage.code
         return status, capsys.readouterr().err, time.perf_counter() - start
 
 
@@ -90,18 +96,25 @@ def assert_clean(status: int, err: str, seconds: float, allowed: set[int]) -> No
     assert "Traceback" not in err and "swapkit: failed:" not in err, err  # no escaped exception
     assert seconds < 10, seconds
     assert len(err) < 20_000, len(err)
-    messages = [line for line in err.splitlines() if line.startswith("swapkit: ")]
+    messages = [line for line in err.splitlines() if line.startswith(("swapkit: ", "swapkit plan: error:",
+                                                                         "swapkit train: error:"))]
     assert len(messages) == (0 if status == 0 else 1), err  # one message, and only when it failed
 
 
-@settings(max_examples=60, deadline=10_000, suppress_health_check=[HealthCheck.function_scoped_fixture,
+overrides = st.lists(st.builds("{}={}".format, st.sampled_from(KEY_PATHS) | st.text(max_size=12),
+                                st.sampled_from(NASTY_STRINGS + ["[&a [1, 1], *a]", "{", ".inf", "1e999"])
+                                | st.text(max_size=30)), max_size=3)
+
+
+@settings(max_examples=EXAMPLES, deadline=10_000, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                     HealthCheck.too_slow])
-@given(text=configs())
-def test_plan_survives_random_and_hostile_configs(text, capsys):
-    assert_clean(*run("plan", text, capsys, ["--json"]), allowed={0, 2})
+@given(text=configs(), sets=overrides)
+def test_plan_survives_random_and_hostile_configs(text, sets, capsys):
+    extra = [arg for item in sets for arg in ("--set", item)]
+    assert_clean(*run("plan", text, capsys, ["--json", *extra]), allowed={0, 2})
 
 
-@settings(max_examples=12, deadline=10_000, suppress_health_check=[HealthCheck.function_scoped_fixture,
+@settings(max_examples=max(EXAMPLES // 5, 12), deadline=10_000, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                     HealthCheck.too_slow])
 @given(text=configs())
 def test_train_survives_random_and_hostile_configs(text, capsys):

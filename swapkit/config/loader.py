@@ -14,7 +14,7 @@ from typing import Any, Mapping, Sequence
 
 from swapkit.config import fields as F
 from swapkit.config import schema
-from swapkit.config.errors import ConfigError, Problem, Problems, join
+from swapkit.config.errors import ConfigError, Problem, Problems, clip, join
 from swapkit.config.megatron import read_megatron
 from swapkit.config.swap_entries import read_swap_entries
 from swapkit.config.yaml_reader import MAX_DEPTH, parse_yaml, read_yaml_file
@@ -97,7 +97,7 @@ def _set_path(raw: dict, parts: list[str], value: Any, problems: Problems, item:
         if child is None:
             child = node[part] = {}
         if not isinstance(child, dict):
-            problems.bad(f"--set {item}", child, f"{'.'.join(parts[:depth + 1])} to be a mapping")
+            problems.bad(f"--set {clip(item, 120)}", child, f"{'.'.join(parts[:depth + 1])} to be a mapping")
             return raw
         node = child
     node[parts[-1]] = value
