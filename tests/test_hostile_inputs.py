@@ -119,6 +119,7 @@ CASES = [
      ["train.save_dir: got", "which is a file"]),
     ("save-dir-under-a-file", "train", BASE + "  save_dir: {tmp}/bad.yaml/ckpt\n", [], 2,
      ["train.save_dir: got", "cannot create the folder"]),
+    ("metrics-is-a-fifo", "train", BASE, ["--metrics-out", "{tmp}/m.fifo"], 2, ["which is not a regular file"]),
     ("steps-flag-huge", "train", BASE, ["--steps", str(10 ** 30)], 2, ["--steps: got", "<= 1,000,000,000"]),
 ]
 
@@ -143,6 +144,8 @@ def run_cli(command: str, config, args: list[str], tmp_path: Path, capsys) -> tu
         path = _write(tmp_path, config.replace("{tmp}", str(tmp_path))) if config else None
         path = path.rename(tmp_path / "bad.yaml")
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    if any(a.endswith(".fifo") for a in args):
+        os.mkfifo(args[-1])
     extra = ["--no-progress", "--steps", "1"] if command == "train" and "--steps" not in args else []
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     start = time.perf_counter()
@@ -166,7 +169,7 @@ def test_every_class_ends_in_one_clear_message(command, config, args, status, ex
 
 
 def test_the_table_covers_every_class_of_the_issue():
-    assert len(CASES) >= 39
+    assert len(CASES) >= 41
     assert {c[4] for c in CASES} == {2}  # every one of these is a config or usage problem
 
 
@@ -203,6 +206,23 @@ def test_numbers_are_read_as_yaml_1_2_writes_them():
     read = parse_yaml("a: 1:30\nb: 010\nc: 1e-3\nd: 1.5e3\ne: 0x1F\nf: 2024-01-01\ng: 1_000\nh: -0.5\ni: .inf\n")
     assert read == {"a": "1:30", "b": "010", "c": 0.001, "d": 1500.0, "e": 31, "f": "2024-01-01", "g": 1000,
                     "h": -0.5, "i": math.inf}
+
+
+def test_a_folder_that_cannot_be_written_is_refused_before_the_first_step(tmp_path, capsys, monkeypatch):
+    """Read-only folders, simulated: as root a chmod'ed folder stays writable, so the probe's write fails."""
+    from swapkit.train import files
+
+    def read_only(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(files.tempfile, "mkstemp", read_only)
+    config = _write(tmp_path, BASE + f"  save_dir: {tmp_path}/ckpt\n")
+    args = ["--steps", "1", "--no-progress", "--metrics-out", str(tmp_path / "m.json")]
+    assert cli.main(["train", str(config), *args]) == 2
+    err = capsys.readouterr().err
+    assert f"--metrics-out: got {tmp_path / 'm.json'}; cannot write in {tmp_path}: Permission denied" in err
+    assert f"train.save_dir: got {tmp_path / 'ckpt'}; cannot write in {tmp_path / 'ckpt'}: Permission denied" in err
+    assert not (tmp_path / "m.json").exists()
 
 
 # ---------------------------------------------------------------- runtime failures (exit 1)

@@ -62,6 +62,10 @@ def check_output_file(path: Path, key: str, problems: list[Problem]) -> None:
         problems.append(Problem(key, f"got {shown}, which is a directory; expected a file path such as "
                                      f"{clip(str(path / 'metrics.json'), 200)}"))
         return
+    if path.exists() and not path.is_file():  # replacing /dev/null or a FIFO with a file would be a disaster
+        problems.append(Problem(key, f"got {shown}, which is not a regular file (a device, FIFO or socket); "
+                                     "expected a file path"))
+        return
     parent = path.parent
     if not parent.is_dir():
         what = "is a file" if parent.exists() else "does not exist"
