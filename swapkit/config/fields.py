@@ -188,7 +188,24 @@ def _length_fix(value: Any) -> str | None:
     return None
 
 
+#: Counted repetition (``a{3}``) a pattern may ask for, nested counts multiplied: `regex` unrolls
+#: counted repeats when it compiles, so ``((a{99}){99}){99}`` alone takes seconds and three 65535s hang.
+MAX_REPEAT = 1000
+_COUNTED_REPEAT = re.compile(r"(?<!\\)\{(\d*)(?:,(\d*))?\}")
+
+
+def _repeat_product(component: str) -> int:
+    """An upper bound of how far ``regex`` unrolls the counted repeats of ``component``."""
+    product = 1
+    for low, high in _COUNTED_REPEAT.findall(component):
+        product *= max(1, int(high or low or 1) if len(high or low or "1") < 12 else 10 ** 12)
+    return product
+
+
 def _compile_error(component: str) -> str | None:
+    repeats = _repeat_product(component)
+    if repeats > MAX_REPEAT:
+        return f"counted repetition up to {repeats:,} times; at most {MAX_REPEAT:,} (counts multiply when nested)"
     try:
         regex.compile(component)
     except (regex.error, OverflowError, RecursionError, MemoryError, ValueError) as err:

@@ -22,8 +22,9 @@ MATCH_TIMEOUT_S = 0.25
 # match it against another pattern's *text*; binding matches patterns against module names. Such
 # text is short, but a pattern with nested quantifiers (`(a|aa)+$`) backtracks exponentially: `re`
 # ran for minutes. Every match goes through `regex` with MATCH_TIMEOUT_S; a match that runs out of
-# time is a ConfigError naming the pattern, never a hang. Patterns are also capped in length at load
-# (swapkit.config.fields.MAX_PATTERN_CHARS) and compiled by the same engine there.
+# time is a ConfigError naming the pattern, never a hang. At load, patterns are capped in length
+# (swapkit.config.fields.MAX_PATTERN_CHARS) and in counted repetition (MAX_REPEAT: `regex` unrolls
+# `a{n}` when it compiles, which has no time limit) and compiled by the same engine.
 
 
 class PatternTooSlow(ConfigError):

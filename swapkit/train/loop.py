@@ -53,7 +53,10 @@ def train(config: Config | Mapping[str, Any] | str | Path, steps: int | None = N
         A :class:`TrainResult`; :func:`format_summary` renders its summary as the CLI's table.
 
     Raises:
-        ConfigError: invalid config, ``cuda`` without CUDA, ``resume`` without ``save_dir``.
+        ConfigError: invalid config, ``cuda`` without CUDA, ``resume`` without ``save_dir``, an output path
+            that cannot be written, sizes that cannot fit in memory, a checkpoint of another model or data.
+        RunFailed: a NaN or infinite loss (naming the step), a file that could not be written (disk full),
+            a model that could not be allocated.
         KeyboardInterrupt: after removing the session and writing the metrics so far.
 
     Example:
