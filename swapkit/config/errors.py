@@ -17,6 +17,8 @@ MAX_LISTED_PROBLEMS = 20
 MAX_MESSAGE_CHARS = 400
 #: A rendered value is cut to this many characters.
 MAX_VALUE_CHARS = 80
+#: How an unknown-key problem's message begins (the ones not listed are counted by this).
+UNKNOWN_KEY = "unknown key"
 
 
 @dataclass(frozen=True)
@@ -36,7 +38,7 @@ class ConfigError(ValueError):
     def __init__(self, problems: Iterable[Problem], source: str | None = None):
         self.problems = tuple(problems)
         self.source = source
-        where = f" in {source}" if source else ""
+        where = f" in {clip(source, 200)}" if source else ""
         count = len(self.problems)
         what = "command line" if all(p.path.startswith("--") for p in self.problems) else f"config{where}"
         lines = [f"invalid swapkit {what} ({count:,} problem{'s' if count != 1 else ''}):"]
@@ -51,8 +53,6 @@ def _more(rest: tuple[Problem, ...]) -> str:
     kind = "unknown keys" if all(p.message.startswith(UNKNOWN_KEY) for p in rest) else "problems"
     return f"{len(rest):,} more {kind} (fix the ones listed and run again)"
 
-
-UNKNOWN_KEY = "unknown key"
 
 
 def _short_repr() -> reprlib.Repr:
