@@ -11,7 +11,7 @@ import logging
 import sys
 from typing import Sequence
 
-from swapkit.config.errors import ConfigError
+from swapkit.config.errors import ConfigError, clip
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 logger = logging.getLogger("swapkit")
@@ -29,6 +29,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("swapkit: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except Exception as err:  # noqa: BLE001 - Note [No traceback]
+        print(f"swapkit: {_failure(err, args.verbose)}", file=sys.stderr)
+        return EXIT_FAILED
+
+
+# Note [No traceback]
+# Whatever goes wrong, the CLI ends with one message and an exit status, never a Python traceback:
+# config and usage problems are ConfigErrors (2); failures the run can explain (NaN loss, a full
+# disk, memory that cannot be allocated) are RunFailed (1); anything else is reported as an
+# internal error with its type and a clipped message (1), and `-v` logs the traceback for a bug report.
+def _failure(err: Exception, verbose: bool) -> str:
+    from swapkit.train.errors import RunFailed
+
+    if isinstance(err, RunFailed):
+        return clip(str(err), 2000)
+    text = str(err)[:500].lower()
+    if isinstance(err, MemoryError) or "out of memory" in text or "can't allocate memory" in text:
+        return (f"out of memory: {clip(str(err) or type(err).__name__, 300)}; reduce train.batch_size, "
+                "model.model_config sizes or num_layers")
+    if verbose:
+        logger.exception("swapkit: traceback of the failure")
+    hint = "" if verbose else "; rerun with -v for the traceback"
+    return f"failed: {type(err).__name__}: {clip(str(err), 500)}{hint}"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -45,7 +68,7 @@ def _parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="train the built-in model as the config says")
     train.add_argument("config", help="YAML config file")
-    train.add_argument("--steps", type=int, help="override train.steps")
+    train.add_argument("--steps", type=int, help="override train.steps")  # range checked with train.steps
     train.add_argument("--device", choices=("cpu", "cuda"), help="override train.device")
     train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config value, e.g. --set train.lr=1e-3 (repeatable)")
@@ -65,12 +88,13 @@ def _configure_logging(verbose: bool) -> None:
 
 def run_plan(args: argparse.Namespace) -> int:
     from swapkit.load import load_config
+
+    config = load_config(args.config, args.overrides)  # before importing torch: a bad config fails fast
     from swapkit.plan.plan import build_plan
     from swapkit.plan.report import plan_report, table, with_exact_overridden
     from swapkit.runtime.binding import module_tree
     from swapkit.train.model import build_model
 
-    config = load_config(args.config, args.overrides)
     plan = build_plan(config)
     for line in plan.log_lines():
         logger.info(line)
@@ -89,9 +113,10 @@ def run_plan(args: argparse.Namespace) -> int:
 def run_train(args: argparse.Namespace) -> int:
     """Run ``swapkit train``; a bad config or device raises :class:`ConfigError` (exit 2)."""
     from swapkit.load import load_config
+
+    config = load_config(args.config, args.overrides)  # before importing torch: a bad config fails fast
     from swapkit.train import format_summary, train
 
-    config = load_config(args.config, args.overrides)
     result = train(config, steps=args.steps, device=args.device, metrics_out=args.metrics_out,
                    progress=not args.no_progress)
     print(format_summary(result.summary))

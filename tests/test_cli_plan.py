@@ -214,7 +214,7 @@ BAD_CONFIGS = {
     "yaml_syntax": ("model: {model_config: {num_layers: 4}\n", "YAML syntax error"),
     "empty": ("", "the config is empty"),
     "wrong_types": ("model: {model_config: {num_layers: four}}\nswap_config: {swap: maybe}\n",
-                    "model.model_config.num_layers: got 'four'; expected an integer from 1 to 100000"),
+                    "model.model_config.num_layers: got 'four'; expected an integer from 1 to 1024"),
     "too_long_list": ("model: {model_config: {num_layers: 4}}\nparallel_config: {pipeline_stage: 2}\n"
                       "recompute_config: {recompute: [1, 1, 1]}\n",
                       "recompute_config.recompute: got [1, 1, 1]; expected at most pipeline_stage (2)"),

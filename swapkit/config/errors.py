@@ -7,8 +7,18 @@ value and what is expected.
 from __future__ import annotations
 
 import difflib
+import reprlib
 from dataclasses import dataclass
 from typing import Any, Iterable
+
+#: At most this many problems are listed; the rest are counted ("... and 199,990 more unknown keys").
+MAX_LISTED_PROBLEMS = 20
+#: A problem's message is cut to this many characters (a value is summarised before, by :func:`show`).
+MAX_MESSAGE_CHARS = 400
+#: A rendered value is cut to this many characters.
+MAX_VALUE_CHARS = 80
+#: How an unknown-key problem's message begins (the ones not listed are counted by this).
+UNKNOWN_KEY = "unknown key"
 
 
 @dataclass(frozen=True)
@@ -28,12 +38,36 @@ class ConfigError(ValueError):
     def __init__(self, problems: Iterable[Problem], source: str | None = None):
         self.problems = tuple(problems)
         self.source = source
-        where = f" in {source}" if source else ""
+        where = f" in {clip(source, 200)}" if source else ""
         count = len(self.problems)
         what = "command line" if all(p.path.startswith("--") for p in self.problems) else f"config{where}"
-        lines = [f"invalid swapkit {what} ({count} problem{'s' if count != 1 else ''}):"]
-        lines += [f"  - {p}" for p in self.problems]
+        lines = [f"invalid swapkit {what} ({count:,} problem{'s' if count != 1 else ''}):"]
+        lines += [f"  - {p}" for p in self.problems[:MAX_LISTED_PROBLEMS]]
+        if count > MAX_LISTED_PROBLEMS:
+            lines.append(f"  ... and {_more(self.problems[MAX_LISTED_PROBLEMS:])}")
         super().__init__("\n".join(lines))
+
+
+def _more(rest: tuple[Problem, ...]) -> str:
+    """``'199,990 more unknown keys'`` when the unlisted problems are all unknown keys, else ``'N more problems'``."""
+    kind = "unknown keys" if all(p.message.startswith(UNKNOWN_KEY) for p in rest) else "problems"
+    return f"{len(rest):,} more {kind} (fix the ones listed and run again)"
+
+
+
+def _short_repr() -> reprlib.Repr:
+    """A ``repr`` that never walks more than a few items of a container, however large or deep.
+
+    Note [Bounded rendering]
+    A value in an error may be a huge list, a deep nest or an aliased YAML structure whose full
+    ``repr`` is gigabytes. Values are rendered by this bounded repr (a few items per level, three
+    levels) before anything else sees them, and messages are cut to ``MAX_MESSAGE_CHARS``, so
+    formatting an error costs the same for any input.
+    """
+    limits = reprlib.Repr()
+    limits.maxlevel, limits.maxlist, limits.maxtuple, limits.maxdict = 3, 8, 8, 6
+    limits.maxstring, limits.maxother, limits.maxlong = 60, 60, 40
+    return limits
 
 
 def show(value: Any) -> str:
@@ -44,8 +78,16 @@ def show(value: Any) -> str:
         return "false"
     if value is None:
         return "null"
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+    try:
+        text = _short_repr().repr(value)
+    except ValueError:  # an int beyond Python's 4300-digit str limit
+        text = f"<an integer of {value.bit_length():,} bits>" if isinstance(value, int) else "<unprintable value>"
+    return text if len(text) <= MAX_VALUE_CHARS else text[:MAX_VALUE_CHARS - 3] + "..."
+
+
+def clip(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """``text`` cut to ``limit`` characters, saying how much was left out."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit:,} more characters)"
 
 
 class Problems:
@@ -58,7 +100,7 @@ class Problems:
         return len(self.items)
 
     def add(self, path: str, message: str) -> None:
-        self.items.append(Problem(path, message))
+        self.items.append(Problem(clip(path, 200), clip(message)))
 
     def bad(self, path: str, value: Any, expected: str, fix: str | None = None) -> None:
         """Record that ``value`` at ``path`` is not ``expected``; ``fix`` says what to do."""
@@ -66,10 +108,14 @@ class Problems:
         self.add(path, f"{message}. {fix[0].upper()}{fix[1:]}" if fix else message)
 
     def unknown_key(self, path: str, key: str, known: Iterable[str]) -> None:
+        key = clip(key, 100) if isinstance(key, str) else show(key)  # a YAML key may be any scalar
+        if len(self.items) >= MAX_LISTED_PROBLEMS:  # not listed: only counted, so no did-you-mean search
+            self.add(join(path, key), UNKNOWN_KEY)
+            return
         known = sorted(known)
-        close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
+        close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
         hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(known)}"
-        self.add(join(path, key), f"unknown key; {hint}")
+        self.add(join(path, key), f"{UNKNOWN_KEY}; {hint}")
 
     def raise_if_any(self, source: str | None = None) -> None:
         if self.items:

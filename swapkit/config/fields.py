@@ -5,11 +5,14 @@ after recording a problem. Checks never raise: the loader collects every problem
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from swapkit.config.errors import Problems, join
+import regex
+
+from swapkit.config.errors import Problems, clip, join, show
 
 INVALID: Any = type("Invalid", (), {"__repr__": lambda self: "INVALID"})()
 Check = Callable[[Any, str, Problems], Any]
@@ -32,36 +35,74 @@ def integer(minimum: int | None = None, maximum: int | None = None) -> Check:
         if not is_int(value) or (minimum is not None and value < minimum) or (
             maximum is not None and value > maximum
         ):
-            problems.bad(path, value, _int_range(minimum, maximum))
+            above = is_int(value) and maximum is not None and value > maximum
+            problems.bad(path, value, _int_range(minimum, maximum, above), yaml11_hint(value))
             return INVALID
         return value
 
     return check
 
 
-def _int_range(minimum: int | None, maximum: int | None) -> str:
-    if minimum is not None and maximum is not None:
+_SEXAGESIMAL = re.compile(r"[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?")
+_LEADING_ZERO = re.compile(r"[-+]?0[0-9_]+")
+
+
+def yaml11_hint(value: Any) -> str | None:
+    """What YAML 1.1 would have read ``value`` as, when it is one of its surprises (Note [YAML 1.1 scalars])."""
+    if not isinstance(value, str) or len(value) > 40:
+        return None
+    if _SEXAGESIMAL.fullmatch(value):
+        return (f"{value!r} is read as text: YAML 1.1 reads it as a base-60 number (1:30 = 90); "
+                "write the plain number you mean")
+    if _LEADING_ZERO.fullmatch(value):
+        return (f"{value!r} is read as text: YAML 1.1 reads a leading 0 as octal (010 = 8); "
+                "write the number without leading zeros")
+    return None
+
+
+def _int_range(minimum: int | None, maximum: int | None, above: bool = False) -> str:
+    """The range in words; a far-away upper bound (a size limit) is named only when it was exceeded."""
+    if minimum is not None and maximum is not None and (above or maximum <= 100_000):
         return f"an integer from {minimum} to {maximum}"
     if minimum is not None:
         return f"an integer >= {minimum}"
     return "an integer"
 
 
-def number(minimum: float | None = None, positive: bool = False, below: float | None = None) -> Check:
-    """A real number; ``positive`` excludes 0, ``below`` is an exclusive upper bound."""
+def number(minimum: float | None = None, positive: bool = False, below: float | None = None,
+           maximum: float | None = None) -> Check:
+    """A finite real number; ``positive`` excludes 0, ``below`` / ``maximum`` are upper bounds."""
 
     def check(value: Any, path: str, problems: Problems) -> Any:
-        ok = (is_int(value) or isinstance(value, float)) and value == value  # NaN fails
-        ok = ok and (minimum is None or value >= minimum) and (not positive or value > 0)
-        ok = ok and (below is None or value < below)
+        real = _finite(value)
+        ok = real is not None and (minimum is None or real >= minimum) and (not positive or real > 0)
+        ok = ok and (below is None or real < below) and (maximum is None or real <= maximum)
         if not ok:
             bound = "> 0" if positive else f">= {minimum}" if minimum is not None else ""
-            upper = f" and < {below}" if below is not None else ""
-            problems.bad(path, value, f"a number {bound}{upper}".strip())
+            above = real is not None and maximum is not None and real > maximum  # named only when exceeded
+            upper = f" and < {below}" if below is not None else f" and <= {maximum:g}" if above else ""
+            problems.bad(path, value, f"a number {bound}{upper}".strip(), _number_fix(value))
             return INVALID
-        return float(value)
+        return real
 
     return check
+
+
+def _number_fix(value: Any) -> str | None:
+    if isinstance(value, float) and not math.isfinite(value) or is_int(value) and _finite(value) is None:
+        return "numbers must be finite: .inf, .nan and values beyond 1.8e308 are not allowed"
+    return yaml11_hint(value)
+
+
+def _finite(value: Any) -> float | None:
+    """``value`` as a finite float, or ``None`` (bools, strings, .inf, .nan, ints beyond float range)."""
+    if not (is_int(value) or isinstance(value, float)):
+        return None
+    try:
+        real = float(value)
+    except OverflowError:
+        return None
+    return real if math.isfinite(real) else None
 
 
 def choice(*options: str, aliases: Mapping[str, str] | None = None) -> Check:
@@ -127,22 +168,61 @@ def layer_paths(value: Any, path: str, problems: Problems) -> Any:
     return INVALID
 
 
+#: Longest op pattern accepted (MindFormers' longest is about 40 characters).
+MAX_PATTERN_CHARS = 200
+
+
 def pattern(value: Any, path: str, problems: Problems) -> Any:
-    """An op pattern: components split on the two characters ``\\.``, each a valid regex."""
-    if not isinstance(value, str) or not value:
-        problems.bad(path, value, r"an op pattern such as 'feed_forward\.mul'")
+    """An op pattern: components split on the two characters ``\\.``, each a valid regex.
+
+    Compiled with the engine that matches them (``regex``; Note [Regex against regex] in
+    :mod:`swapkit.plan.patterns`); a compile that overflows or recurses is a problem, not a crash.
+    """
+    if not isinstance(value, str) or not value or len(value) > MAX_PATTERN_CHARS:
+        problems.bad(path, value, r"an op pattern such as 'feed_forward\.mul'",
+                     _length_fix(value))
         return INVALID
     for component in value.split(r"\."):
-        try:
-            re.compile(component)
-        except re.error as err:
-            problems.bad(path, value, "a valid regular expression in every \\.-separated component",
-                         f"component {component!r} does not compile: {err}")
-            return INVALID
         if not component:
             problems.bad(path, value, r"no empty component between '\.' separators")
             return INVALID
+        error = _compile_error(component)
+        if error:
+            problems.bad(path, value, "a valid regular expression in every \\.-separated component",
+                         f"component {show(component)} does not compile: {error}")
+            return INVALID
     return value
+
+
+def _length_fix(value: Any) -> str | None:
+    if isinstance(value, str) and len(value) > MAX_PATTERN_CHARS:
+        return f"it has {len(value):,} characters; write a pattern of at most {MAX_PATTERN_CHARS} characters"
+    return None
+
+
+#: Counted repetition (``a{3}``) a pattern may ask for, nested counts multiplied: `regex` unrolls
+#: counted repeats when it compiles, so ``((a{99}){99}){99}`` alone takes seconds and three 65535s hang.
+MAX_REPEAT = 1000
+_COUNTED_REPEAT = re.compile(r"(?<!\\)\{(\d*)(?:,(\d*))?\}")
+
+
+def _repeat_product(component: str) -> int:
+    """An upper bound of how far ``regex`` unrolls the counted repeats of ``component``."""
+    product = 1
+    for low, high in _COUNTED_REPEAT.findall(component):
+        product *= max(1, int(high or low or 1) if len(high or low or "1") < 12 else 10 ** 12)
+    return product
+
+
+def _compile_error(component: str) -> str | None:
+    repeats = _repeat_product(component)
+    if repeats > MAX_REPEAT:
+        return f"counted repetition up to {repeats:,} times; at most {MAX_REPEAT:,} (counts multiply when nested)"
+    try:
+        regex.compile(component)
+    except (regex.error, OverflowError, RecursionError, MemoryError, ValueError) as err:
+        return clip(str(err) or type(err).__name__, 120)
+    return None
 
 
 @dataclass(frozen=True)

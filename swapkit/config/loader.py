@@ -9,17 +9,15 @@ layout (list lengths, negative counts, layer indices out of range, ...) are adde
 from __future__ import annotations
 
 import logging
-import re
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-import yaml
-
 from swapkit.config import fields as F
 from swapkit.config import schema
-from swapkit.config.errors import ConfigError, Problem, Problems, join
+from swapkit.config.errors import ConfigError, Problem, Problems, clip, join
 from swapkit.config.megatron import read_megatron
 from swapkit.config.swap_entries import read_swap_entries
+from swapkit.config.yaml_reader import MAX_DEPTH, parse_yaml, read_yaml_file
 from swapkit.config.types import (
     Config,
     EngineOptions,
@@ -46,7 +44,7 @@ def read_config(source: str | Path | Mapping[str, Any], overrides: Sequence[str]
         ConfigError: only when the file itself cannot be read or parsed.
     """
     name = source_name(source)
-    raw = read_yaml(Path(source)) if name is not None else _copy(source)
+    raw = read_yaml_file(Path(source)) if name is not None else _copy(source)
     raw = apply_overrides(raw, overrides, problems)
     return _read_config(raw, problems, name)
 
@@ -57,65 +55,21 @@ def warn_no_effect(config: Config) -> None:
         logger.warning("%s has no effect in PyTorch eager; accepted and ignored", path)
 
 
-def read_yaml(path: Path) -> Any:
-    """Read a YAML file, turning every way it can fail into a ConfigError."""
-    if not path.exists():
-        raise ConfigError([Problem("", f"config file not found: {path}")])
-    if path.is_dir():
-        raise ConfigError([Problem("", f"{path} is a directory; expected a YAML file")])
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
-        raise ConfigError([Problem("", f"cannot read {path}: {err}")]) from None
-    try:
-        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
-    except yaml.YAMLError as err:
-        raise ConfigError([Problem("", _yaml_message(err))], str(path)) from None
+#: Values a dict config may hold, aliases (shared sub-lists) counted each time they appear.
+MAX_DICT_NODES = 1_000_000
 
 
-class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that refuses duplicate keys instead of silently keeping the last one."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
-        seen: dict[Any, int] = {}
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":
-                continue  # `<<: *anchor` merges; keys given next to it may override the merged ones
-            key = self.construct_object(key_node, deep=True)
-            line = key_node.start_mark.line + 1
-            try:
-                hash(key)
-            except TypeError:
-                continue  # SafeLoader reports the unhashable key itself
-            if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r} (first given at line {seen[key]})", key_node.start_mark
-                )
-            seen[key] = line
-        return super().construct_mapping(node, deep=deep)
-
-
-# Note [YAML 1.1 floats]
-# PyYAML follows YAML 1.1, where a float needs a dot: `lr: 1e-3` loads as the *string* '1e-3' and
-# then fails the number check, although every YAML 1.2 parser (and a user) reads it as 0.001. We
-# add the 1.2 form (digits, exponent, no dot) so `lr: 1e-3` and `--set train.lr=1e-3` are floats.
-_StrictLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"), list("-+0123456789"))
-
-
-def _yaml_message(err: yaml.YAMLError) -> str:
-    mark = getattr(err, "problem_mark", None)
-    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-    problem = getattr(err, "problem", None) or str(err)
-    kind = "YAML error" if isinstance(err, yaml.constructor.ConstructorError) else "YAML syntax error"
-    return f"{kind}{where}: {problem}"
-
-
-def _copy(value: Any) -> Any:
+def _copy(value: Any, depth: int = 0, budget: list[int] | None = None) -> Any:
+    """A plain copy of a dict config; a recursive, absurdly deep or huge one is a ConfigError (Note [Hostile YAML])."""
+    budget = [MAX_DICT_NODES] if budget is None else budget
+    budget[0] -= 1
+    if budget[0] < 0 or (depth > MAX_DEPTH and isinstance(value, (Mapping, list, tuple))):
+        raise ConfigError([Problem("", f"config nested deeper than {MAX_DEPTH} levels, recursive, or holding more "
+                                       f"than {MAX_DICT_NODES:,} values; expected a dict in the YAML layout")])
     if isinstance(value, Mapping):
-        return {k: _copy(v) for k, v in value.items()}
+        return {k: _copy(v, depth + 1, budget) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_copy(v) for v in value]
+        return [_copy(v, depth + 1, budget) for v in value]
     return value
 
 
@@ -128,9 +82,9 @@ def apply_overrides(raw: Any, overrides: Sequence[str], problems: Problems) -> A
             problems.bad("--set", item, "dotted.key=value, for example train.steps=5")
             continue
         try:
-            value = yaml.load(text, Loader=_StrictLoader) if text.strip() else None  # noqa: S506
-        except yaml.YAMLError as err:
-            problems.bad(f"--set {key}", text, "a YAML value", _yaml_message(err))
+            value = parse_yaml(text) if text.strip() else None
+        except ConfigError as err:
+            problems.bad(f"--set {key}", text, "a YAML value", err.problems[0].message)
             continue
         raw = _set_path(raw if isinstance(raw, dict) else {}, parts, value, problems, item)
     return raw
@@ -143,7 +97,7 @@ def _set_path(raw: dict, parts: list[str], value: Any, problems: Problems, item:
         if child is None:
             child = node[part] = {}
         if not isinstance(child, dict):
-            problems.bad(f"--set {item}", child, f"{'.'.join(parts[:depth + 1])} to be a mapping")
+            problems.bad(f"--set {clip(item, 120)}", child, f"{'.'.join(parts[:depth + 1])} to be a mapping")
             return raw
         node = child
     node[parts[-1]] = value

@@ -12,6 +12,19 @@ from swapkit.config.fields import Key
 anything, boolean, mapping, string = F.anything, F.boolean, F.mapping, F.string
 integer, number, choice, optional = F.integer, F.number, F.choice, F.optional
 
+# Note [Size limits]
+# Upper bounds a real model never reaches (the largest public dense models have ~130 layers, 64
+# pipeline stages, a 256k vocabulary, hidden 16k), chosen so that no accepted value can make
+# `swapkit plan` slow or an error message huge: `num_layers` and P x V bound every per-layer and
+# per-chunk structure. The engine options bound the thread engine's emulated link (PCIe latency is
+# microseconds, its bandwidth tens of GB/s), so no copy sleeps for longer than a second.
+LIMITS = {
+    "num_layers": 1024, "pipeline_stage": 256, "pp_interleave_num": 64,
+    "hidden_size": 65_536, "num_heads": 1024, "intermediate_size": 262_144, "vocab_size": 1_048_576,
+    "seq_length": 1_048_576, "steps": 10**9, "batch_size": 65_536, "gradient_accumulation_steps": 65_536,
+    "lr": 10.0, "weight_decay": 10.0, "seed": 2**63 - 1, "latency_s": 1.0, "bandwidth_gbps": (1e-3, 1e5),
+}
+
 TOP_KEYS = {
     "model": Key(anything, required=True),
     "parallel_config": Key(anything),
@@ -40,18 +53,18 @@ MODEL_KEYS = {"model_config": Key(mapping, required=True)}
 MODEL_NO_EFFECT = {"arch": mapping}
 
 MODEL_CONFIG_KEYS = {
-    "num_layers": Key(integer(1, 100_000), required=True),
+    "num_layers": Key(integer(1, LIMITS["num_layers"]), required=True),
     "offset": Key(anything, 0),
-    "pp_interleave_num": Key(integer(1, 1024), 1),
-    "hidden_size": Key(integer(2), 64),
-    "num_heads": Key(integer(1), 4),
-    "intermediate_size": Key(integer(1), 176),
-    "vocab_size": Key(integer(2), 256),
-    "seq_length": Key(integer(2), 64),
-    "rms_norm_eps": Key(number(positive=True), 1e-5),
+    "pp_interleave_num": Key(integer(1, LIMITS["pp_interleave_num"]), 1),
+    "hidden_size": Key(integer(2, LIMITS["hidden_size"]), 64),
+    "num_heads": Key(integer(1, LIMITS["num_heads"]), 4),
+    "intermediate_size": Key(integer(1, LIMITS["intermediate_size"]), 176),
+    "vocab_size": Key(integer(2, LIMITS["vocab_size"]), 256),
+    "seq_length": Key(integer(2, LIMITS["seq_length"]), 64),
+    "rms_norm_eps": Key(number(positive=True, maximum=1.0), 1e-5),
     "hidden_dropout": Key(number(0, below=1), 0.0),
     "attention_dropout": Key(number(0, below=1), 0.0),
-    "rope_theta": Key(number(positive=True), 10000.0),
+    "rope_theta": Key(number(positive=True, maximum=1e12), 10000.0),
     "layers_path": Key(optional(F.layer_paths), None),
 }
 
@@ -71,7 +84,7 @@ MODEL_CONFIG_NO_EFFECT = {
     "num_blocks": integer(1), "qkv_has_bias": boolean, "user_pretrained": anything,
 }
 
-PARALLEL_KEYS = {"pipeline_stage": Key(integer(1, 4096), 1)}
+PARALLEL_KEYS = {"pipeline_stage": Key(integer(1, LIMITS["pipeline_stage"]), 1)}
 PARALLEL_NO_EFFECT = {
     "data_parallel": integer(1), "model_parallel": integer(1), "context_parallel": integer(1),
     "expert_parallel": integer(1), "micro_batch_num": integer(1), "vocab_emb_dp": boolean,
@@ -120,22 +133,22 @@ RUNTIME_KEYS = {
     "verify": Key(boolean, False),
 }
 ENGINE_OPTION_KEYS = {
-    "latency_s": Key(number(0), 0.0),
-    "bandwidth_gbps": Key(optional(number(positive=True)), None),
+    "latency_s": Key(number(0, maximum=LIMITS["latency_s"]), 0.0),
+    "bandwidth_gbps": Key(optional(number(LIMITS["bandwidth_gbps"][0], maximum=LIMITS["bandwidth_gbps"][1])), None),
 }
 
 TRAIN_KEYS = {
-    "steps": Key(integer(1), 20),
-    "batch_size": Key(integer(1), 4),
-    "gradient_accumulation_steps": Key(integer(1), 1),
-    "lr": Key(number(positive=True), 3e-3),
-    "weight_decay": Key(number(0), 0.0),
-    "grad_clip": Key(optional(number(positive=True)), 1.0),
+    "steps": Key(integer(1, LIMITS["steps"]), 20),
+    "batch_size": Key(integer(1, LIMITS["batch_size"]), 4),
+    "gradient_accumulation_steps": Key(integer(1, LIMITS["gradient_accumulation_steps"]), 1),
+    "lr": Key(number(positive=True, maximum=LIMITS["lr"]), 3e-3),
+    "weight_decay": Key(number(0, maximum=LIMITS["weight_decay"]), 0.0),
+    "grad_clip": Key(optional(number(positive=True, maximum=1e6)), 1.0),
     "dtype": Key(choice("fp32", "bf16", aliases={"float32": "fp32", "bfloat16": "bf16"}), "fp32"),
     "device": Key(choice("cpu", "cuda"), "cpu"),
-    "seed": Key(integer(0), 0),
+    "seed": Key(integer(0, LIMITS["seed"]), 0),
     "save_dir": Key(optional(string), None),
-    "save_interval": Key(optional(integer(1)), None),
+    "save_interval": Key(optional(integer(1, LIMITS["steps"])), None),
     "resume": Key(boolean, False),
 }
 

@@ -5,7 +5,7 @@ from typing import Any
 
 from swapkit.config import fields as F
 from swapkit.config.types import SwapEntry
-from swapkit.config.errors import Problems, join
+from swapkit.config.errors import Problems, join, show
 from swapkit.config.fields import Key
 
 SWAP_FIX = "list global layer indices such as [0, 3], or true for every layer"
@@ -57,7 +57,7 @@ def layer_indices(value: Any, path: str, problems: Problems, num_layers: int | N
     bad = [v for v in value if v < 0 or (num_layers is not None and v >= num_layers)]
     if bad:
         upper = f" < num_layers ({num_layers})" if num_layers is not None else ""
-        problems.bad(path, value, f"layer indices >= 0{upper}", f"out of range: {bad}")
+        problems.bad(path, value, f"layer indices >= 0{upper}", f"out of range: {show(bad)}")
         return F.INVALID
     return tuple(value)
 

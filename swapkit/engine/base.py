@@ -27,11 +27,11 @@ def storage_changed(expected_bytes: int, now_bytes: int, where: str = "") -> Sto
         "view of it so swapkit recognises it; otherwise keep the scope that saves it out of swap_config.")
 
 
-def check_source(src: torch.Tensor, data_ptr: int) -> None:
-    """Raise if the storage under the flat ``uint8`` copy source ``src`` is no longer the one queued."""
+def check_source(src: torch.Tensor, nbytes: int, data_ptr: int) -> None:
+    """Raise if the storage under the copy source ``src`` no longer has the size and address it was queued with."""
     now = src.untyped_storage().nbytes()
-    if now != src.numel() or src.data_ptr() != data_ptr:
-        raise storage_changed(src.numel(), now)
+    if now != nbytes or src.data_ptr() != data_ptr:
+        raise storage_changed(nbytes, now)
 
 
 class Timing(Protocol):

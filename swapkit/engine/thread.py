@@ -23,6 +23,10 @@ import torch
 from swapkit.engine.base import Waited, check_source
 
 
+class CopyCancelled(RuntimeError):
+    """A copy still waiting for its emulated delay when the engine was closed."""
+
+
 class ThreadCopy:
     """Completion of one copy: the worker sets ``done`` (or ``error``) when the bytes are there."""
 
@@ -43,12 +47,15 @@ class ThreadCopyEngine:
     """
 
     name = "thread"
+    #: Bounds of the emulated link (the config checks the same ones, with the key path).
+    MAX_LATENCY_S = 1.0
+    BANDWIDTH_GBPS = (1e-3, 1e5)
 
     def __init__(self, device: torch.device | str = "cpu", latency_s: float = 0.0,
                  bandwidth_gbps: float | None = None) -> None:
         self.device = torch.device(device)
-        self.latency_s = latency_s
-        self.bandwidth_gbps = bandwidth_gbps
+        self.latency_s, self.bandwidth_gbps = _checked_link(latency_s, bandwidth_gbps)
+        self._closing = threading.Event()  # wakes a copy sleeping for its emulated delay
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._worker: threading.Thread | None = None
         self._start_lock = threading.Lock()
@@ -61,12 +68,12 @@ class ThreadCopyEngine:
         return torch.empty(nbytes, dtype=torch.uint8)
 
     def offload(self, src: torch.Tensor, dst: torch.Tensor) -> ThreadCopy:
-        data_ptr = src.data_ptr()
+        nbytes, data_ptr = src.untyped_storage().nbytes(), src.data_ptr()
 
         def job() -> None:  # swapkit.runtime.records Note [Storages another component may resize]
-            check_source(src, data_ptr)
+            check_source(src, nbytes, data_ptr)
             self._copy(dst, src)
-            check_source(src, data_ptr)
+            check_source(src, nbytes, data_ptr)
 
         return self._submit(job)
 
@@ -109,18 +116,23 @@ class ThreadCopyEngine:
             raise error
 
     def close(self) -> None:
-        """Finish queued copies and stop the worker; later copies run inline (Note [Copies after close])."""
+        """Stop the worker: copies still sleeping for their emulated delay end at once (Ctrl-C never
+        waits); copies after close run inline (Note [Copies after close])."""
         with self._start_lock:
             self._closed = True
             worker, self._worker = self._worker, None
         if worker is not None:
+            self._closing.set()
             self._jobs.put(None)
             worker.join()
+            self._closing.clear()
+            if isinstance(self._error, CopyCancelled):
+                self._error = None  # cancelled by this close: nothing a later use must hear about
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         delay = self.latency_s + (src.numel() / (self.bandwidth_gbps * 1e9) if self.bandwidth_gbps else 0.0)
-        if delay:
-            time.sleep(delay)  # the bytes arrive only after the link would have delivered them
+        if delay and self._closing.wait(delay):  # the bytes arrive only after the link would have delivered them
+            raise CopyCancelled("copy cancelled: the thread copy engine was closed")
         dst.copy_(src)
 
     def _submit(self, job: Callable[[], None]) -> ThreadCopy:
@@ -159,3 +171,15 @@ class ThreadCopyEngine:
                 with self._finished:
                     self._finished.notify_all()
             del copy
+
+
+def _checked_link(latency_s: float, bandwidth_gbps: float | None) -> tuple[float, float | None]:
+    """The emulated link's options, refused when they would hang (1e9 s) or overflow (1e-300 GB/s)."""
+    high = ThreadCopyEngine.MAX_LATENCY_S
+    if not (isinstance(latency_s, (int, float)) and 0 <= latency_s <= high):
+        raise ValueError(f"thread engine latency_s: got {latency_s!r}; expected a number from 0 to {high} seconds")
+    low, top = ThreadCopyEngine.BANDWIDTH_GBPS
+    if bandwidth_gbps is not None and not (isinstance(bandwidth_gbps, (int, float)) and low <= bandwidth_gbps <= top):
+        raise ValueError(f"thread engine bandwidth_gbps: got {bandwidth_gbps!r}; expected null or a number "
+                         f"from {low:g} to {top:g} GB/s")
+    return float(latency_s), None if bandwidth_gbps is None else float(bandwidth_gbps)

@@ -190,7 +190,11 @@ def exclude(select: dict[str, Spec], excludes: Mapping[str, Spec], name: str) ->
     """Remove select patterns that an exclude pattern names (same scope, either-way fullmatch)."""
     kept = dict(select)
     for key in excludes:
-        for pattern in [p for p in kept if patterns.same_scope(key, p)]:
+        try:
+            named = [p for p in kept if patterns.same_scope(key, p)]
+        except patterns.PatternTooSlow as err:
+            raise err.at(f"recompute_config.{name}_exclude") from None
+        for pattern in named:
             del kept[pattern]
             logger.info("The pattern %s in %s conflicts with %s_exclude and will be removed.", pattern, name, name)
     return kept

@@ -6,10 +6,40 @@ An unescaped ``.`` stays a regex wildcard inside one component. Pure: no torch n
 """
 from __future__ import annotations
 
-import re
 from functools import lru_cache
 
+# `regex` rather than `re`: its matcher takes a time limit (Note [Regex against regex]).
+import regex
+
+from swapkit.config.errors import ConfigError, Problem, show
+
 SEPARATOR = r"\."
+#: Longest a single component match may run before the pattern is refused.
+MATCH_TIMEOUT_S = 0.25
+
+# Note [Regex against regex]
+# Excludes and the recompute-overrides-swap check read one user pattern as a regular expression and
+# match it against another pattern's *text*; binding matches patterns against module names. Such
+# text is short, but a pattern with nested quantifiers (`(a|aa)+$`) backtracks exponentially: `re`
+# ran for minutes. Every match goes through `regex` with MATCH_TIMEOUT_S; a match that runs out of
+# time is a ConfigError naming the pattern, never a hang. At load, patterns are capped in length
+# (swapkit.config.fields.MAX_PATTERN_CHARS) and in counted repetition (MAX_REPEAT: `regex` unrolls
+# `a{n}` when it compiles, which has no time limit) and compiled by the same engine.
+
+
+class PatternTooSlow(ConfigError):
+    """A pattern took longer than ``MATCH_TIMEOUT_S`` to match a name (catastrophic backtracking)."""
+
+    def __init__(self, pattern: str, text: str, path: str = "") -> None:
+        self.pattern, self.text = pattern, text
+        super().__init__([Problem(path, (
+            f"got op pattern component {show(pattern)}; it ran over {MATCH_TIMEOUT_S} s matching "
+            f"{show(text)} (catastrophic backtracking); expected a simple pattern. Remove nested "
+            "repetition such as (a|aa)+ or (x+)+"))])
+
+    def at(self, path: str) -> "PatternTooSlow":
+        """The same error, located at a config key path."""
+        return PatternTooSlow(self.pattern, self.text, path)
 
 
 @lru_cache(maxsize=None)
@@ -22,9 +52,13 @@ def display(pattern: str) -> str:
     return ".".join(split(pattern))
 
 
-@lru_cache(maxsize=None)
-def _fullmatch(regex: str, name: str) -> bool:
-    return re.fullmatch(regex, name) is not None
+@lru_cache(maxsize=4096)
+def _fullmatch(component: str, name: str) -> bool:
+    """``component`` fullmatches ``name``; Note [Regex against regex]."""
+    try:
+        return regex.fullmatch(component, name, timeout=MATCH_TIMEOUT_S) is not None
+    except TimeoutError:
+        raise PatternTooSlow(component, name) from None
 
 
 def components_match(a: str, b: str) -> bool:

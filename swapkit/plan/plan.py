@@ -172,6 +172,9 @@ def _overridden(full: bool, recomputed: tuple[str, ...], layer_swap: int | None,
     """
     if full:
         return (("layer",) if layer_swap is not None else ()) + tuple(p for p, _ in op_swap)
-    return tuple(p for p, _ in op_swap if any(patterns.covers(r, p) for r in recomputed))
+    try:
+        return tuple(p for p, _ in op_swap if any(patterns.covers(r, p) for r in recomputed))
+    except patterns.PatternTooSlow as err:
+        raise err.at("swap_config.op_swap") from None
 
 

@@ -1,26 +1,37 @@
-"""Checkpoints of ``swapkit train``: save atomically, find the latest, resume exactly.
+"""Checkpoints of ``swapkit train``: save atomically, find the newest valid one, resume exactly.
 
 Note [Exact resume]
-A checkpoint holds the model and optimizer state dicts, the step, the RNG states and the metrics
-so far. swapkit's wrappers replace ``forward`` on instances and insert no module (see
-:mod:`swapkit.runtime.recompute`), so the state dict keys are those of a plain model. Data is a pure
-function of the step (Note [Synthetic data]), so continuing from step k gives the same losses, bit
-for bit, as never stopping.
+A checkpoint holds the model and optimizer state dicts, the step, the RNG states, the metrics so
+far and the config it was written with. swapkit's wrappers replace ``forward`` on instances and
+insert no module (see :mod:`swapkit.runtime.recompute`), so the state dict keys are those of a plain
+model. Data is a pure function of the step (Note [Synthetic data]), so continuing from step k gives
+the same losses, bit for bit, as never stopping — as long as the model and the data did not change,
+which :mod:`swapkit.train.resume_check` verifies against the stored config.
+
+Note [Choosing a checkpoint]
+Checkpoints are named ``step_<step>.pt`` and chosen by the step *number* (``step_10000000`` is newer
+than ``step_9999999``; a stray ``step_best.pt`` is not a step). The newest one that loads and has
+the expected structure wins; a truncated, empty or garbage file is skipped with a warning naming
+it, and only when no checkpoint is valid does resume fail (a ConfigError, exit 2).
 """
 from __future__ import annotations
 
 import logging
-import os
+import re
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from swapkit.config.errors import ConfigError, Problem
+from swapkit.config.errors import ConfigError, Problem, clip
+from swapkit.train.files import atomic_write
+from swapkit.train.resume_check import apply_resume_config, config_record
 from swapkit.train.state import RunState
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINT_GLOB = "step_*.pt"
+CHECKPOINT_NAME = re.compile(r"step_(\d+)\.pt")
+REQUIRED = {"step": int, "model": dict, "optimizer": dict, "rng": dict, "records": list}
 
 
 def checkpoint_due(run: RunState) -> bool:
@@ -29,40 +40,92 @@ def checkpoint_due(run: RunState) -> bool:
 
 
 def save_checkpoint(run: RunState) -> Path:
-    """Write ``save_dir/step_NNNNNNN.pt`` atomically; returns its path."""
+    """Write ``save_dir/step_NNNNNNN.pt`` atomically (Note [Atomic writes]); returns its path."""
     folder = Path(run.config.train.save_dir)
-    folder.mkdir(parents=True, exist_ok=True)
+    folder.mkdir(parents=True, exist_ok=True)  # checked before the first step (swapkit.train.files)
     rng = {"torch": torch.get_rng_state()}
     if run.device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(run.device)
     state = {"step": run.step, "model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(),
-             "rng": rng, "records": run.records}
+             "rng": rng, "records": run.records, "config": config_record(run.config)}
     path = folder / f"step_{run.step:07d}.pt"
-    torch.save(state, path.with_suffix(".tmp"))
-    os.replace(path.with_suffix(".tmp"), path)
+    atomic_write(path, lambda file: torch.save(state, file))
     logger.info("saved checkpoint %s", path)
     return path
 
 
+def checkpoints(save_dir: str | Path) -> list[Path]:
+    """``step_<n>.pt`` files in ``save_dir``, newest step first (Note [Choosing a checkpoint])."""
+    found = []
+    for path in Path(save_dir).glob("step_*.pt"):
+        match = CHECKPOINT_NAME.fullmatch(path.name)
+        if match and path.is_file():
+            found.append((int(match.group(1)), path))
+    return [path for _, path in sorted(found, reverse=True)]
+
+
 def latest_checkpoint(save_dir: str | Path) -> Path | None:
-    """The checkpoint with the highest step in ``save_dir``, or ``None``."""
-    paths = sorted(Path(save_dir).glob(CHECKPOINT_GLOB))
-    return paths[-1] if paths else None
+    """The checkpoint with the highest step number in ``save_dir``, or ``None``."""
+    paths = checkpoints(save_dir)
+    return paths[0] if paths else None
+
+
+def load_newest_valid(save_dir: str | Path, device: torch.device) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint that loads and looks right; broken ones are skipped with a warning.
+
+    Raises:
+        ConfigError: there are checkpoints but none of them is valid.
+    """
+    paths, broken = checkpoints(save_dir), []
+    for path in paths:
+        reason = None
+        try:
+            state = torch.load(path, map_location=device, weights_only=True)
+            reason = _structure_problem(state, path)
+        except Exception as err:  # noqa: BLE001 - any unreadable file is a broken checkpoint
+            reason = f"{type(err).__name__}: {clip(str(err), 200)}"
+        if reason is None:
+            return path, state
+        logger.warning("train.resume: skipping %s, which is not a valid checkpoint (%s)", path, reason)
+        broken.append(f"{path.name} ({reason})")
+    if broken:
+        raise ConfigError([Problem("train.resume", f"no valid checkpoint in {clip(str(save_dir), 200)}: "
+                                   f"{'; '.join(broken[:5])}. Remove the broken files or set train.resume: false")])
+    return None
+
+
+def _structure_problem(state: Any, path: Path) -> str | None:
+    if not isinstance(state, dict):
+        return f"holds a {type(state).__name__}, not a checkpoint"
+    for key, kind in REQUIRED.items():
+        if not isinstance(state.get(key), kind):
+            return f"{key!r} is missing or not a {kind.__name__}"
+    if not isinstance(state["rng"].get("torch"), torch.Tensor):
+        return "the torch RNG state is missing"
+    if int(CHECKPOINT_NAME.fullmatch(path.name).group(1)) != state["step"]:
+        return f"it holds step {state['step']}"
+    return None
 
 
 def resume(run: RunState) -> None:
-    path = latest_checkpoint(run.config.train.save_dir)
-    if path is None:
+    """Continue from the newest valid checkpoint in ``train.save_dir`` (Note [Exact resume])."""
+    found = load_newest_valid(run.config.train.save_dir, run.device)
+    if found is None:
         logger.warning("train.resume: no checkpoint in %s; starting from step 0", run.config.train.save_dir)
         return
-    state = torch.load(path, map_location=run.device, weights_only=True)
+    path, state = found
+    run.resume_notes = apply_resume_config(run.config, state.get("config"), path)
     try:
         run.model.load_state_dict(state["model"])
     except RuntimeError as err:
-        raise ConfigError([Problem("train.resume", f"{path} does not fit model.model_config: {err}")]) from None
+        raise ConfigError([Problem("train.resume", f"{path} does not fit model.model_config: "
+                                                   f"{clip(str(err), 300)}")]) from None
     run.optimizer.load_state_dict(state["optimizer"])
+    for group in run.optimizer.param_groups:  # the config's hyper-parameters win (Note [Resume differences])
+        group["lr"], group["weight_decay"] = run.config.train.lr, run.config.train.weight_decay
     torch.set_rng_state(state["rng"]["torch"].cpu())
     if "cuda" in state["rng"] and run.device.type == "cuda":
         torch.cuda.set_rng_state(state["rng"]["cuda"].cpu(), run.device)
     run.step, run.records = state["step"], list(state["records"])
+    run.resumed_from = str(path)
     logger.info("resumed from %s at step %d", path, run.step)

@@ -9,6 +9,7 @@ in :mod:`swapkit.train.summary`.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import platform
 import sys
@@ -21,12 +22,16 @@ import torch
 from tqdm import tqdm
 
 import swapkit
-from swapkit.config.errors import ConfigError, Problem
+from swapkit.config.errors import ConfigError, Problem, clip, show
+from swapkit.config.schema import LIMITS
 from swapkit.config.types import Config
 from swapkit.load import load_config
 from swapkit.train.checkpoint import checkpoint_due, resume, save_checkpoint
+from swapkit.train.budget import check_memory
 from swapkit.train.data import SyntheticTokens
-from swapkit.train.model import build_model, lm_loss
+from swapkit.train.errors import RunFailed
+from swapkit.train.files import check_output_file, prepare_output_dir, raise_problems
+from swapkit.train.model import LlamaModel, build_model, lm_loss
 from swapkit.train.state import RunState, TrainResult
 from swapkit.train.summary import human_bytes, step_record, summarize, write_metrics
 
@@ -48,7 +53,10 @@ def train(config: Config | Mapping[str, Any] | str | Path, steps: int | None = N
         A :class:`TrainResult`; :func:`format_summary` renders its summary as the CLI's table.
 
     Raises:
-        ConfigError: invalid config, ``cuda`` without CUDA, ``resume`` without ``save_dir``.
+        ConfigError: invalid config, ``cuda`` without CUDA, ``resume`` without ``save_dir``, an output path
+            that cannot be written, sizes that cannot fit in memory, a checkpoint of another model or data.
+        RunFailed: a NaN or infinite loss (naming the step), a file that could not be written (disk full),
+            a model that could not be allocated.
         KeyboardInterrupt: after removing the session and writing the metrics so far.
 
     Example:
@@ -56,7 +64,9 @@ def train(config: Config | Mapping[str, Any] | str | Path, steps: int | None = N
         >>> result.losses  # doctest: +SKIP
     """
     config = config if isinstance(config, Config) else load_config(config)
-    run = _start(config, resolve_device(config, device), _resolve_steps(config, steps), metrics_out)
+    device, total_steps = resolve_device(config, device), _resolve_steps(config, steps)
+    _preflight(config, device, metrics_out)
+    run = _start(config, device, total_steps, metrics_out)
     try:
         _loop(run, progress)
     except BaseException as err:
@@ -85,18 +95,33 @@ def resolve_device(config: Config, override: str | None = None) -> torch.device:
 
 
 def _resolve_steps(config: Config, steps: int | None) -> int:
-    if steps is not None and steps < 1:
-        raise ConfigError([Problem("--steps", f"got {steps}; expected an integer >= 1")], config.source)
+    if steps is not None and not 1 <= steps <= LIMITS["steps"]:
+        bound = ">= 1" if steps < 1 else f"<= {LIMITS['steps']:,}"
+        raise ConfigError([Problem("--steps", f"got {show(steps)}; expected an integer {bound}")], config.source)
     if config.train.resume and not config.train.save_dir:
         raise ConfigError([Problem("train.resume", "is true but train.save_dir is not set; "
                                                    "set train.save_dir to the checkpoint folder")], config.source)
     return steps if steps is not None else config.train.steps
 
 
+def _preflight(config: Config, device: torch.device, metrics_out: str | Path | None) -> None:
+    """Everything that can be checked before the first step: engine, memory, output paths (exit 2)."""
+    problems: list[Problem] = []
+    if config.runtime.engine == "cuda" and device.type != "cuda":
+        problems.append(Problem("runtime.engine", f"got 'cuda' but the model trains on {device}; set "
+                                                  "runtime.engine: auto (or thread), or train.device: cuda"))
+    if metrics_out is not None:
+        check_output_file(Path(metrics_out), "--metrics-out", problems)
+    if config.train.save_dir:
+        prepare_output_dir(Path(config.train.save_dir), "train.save_dir", "step_*.pt", problems)
+    raise_problems(problems, config.source)
+    check_memory(config, device)
+
+
 def _start(config: Config, device: torch.device, total_steps: int, metrics_out: str | Path | None) -> RunState:
     cfg = config.train
     torch.manual_seed(cfg.seed)
-    model = build_model(config.model, seed=cfg.seed, device=device)
+    model = _build(config, device)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     data = SyntheticTokens(cfg.seed, cfg.batch_size, config.model.seq_length, config.model.vocab_size)
@@ -108,6 +133,14 @@ def _start(config: Config, device: torch.device, total_steps: int, metrics_out: 
         torch.cuda.reset_peak_memory_stats(device)
     run.session = swapkit.apply(model, config, layers="layers")
     return run
+
+
+def _build(config: Config, device: torch.device) -> LlamaModel:
+    try:
+        return build_model(config.model, seed=config.train.seed, device=device)
+    except (RuntimeError, MemoryError) as err:  # allocation failures the estimate did not foresee
+        raise RunFailed(f"cannot build the built-in model on {device}: {clip(str(err), 300)}; reduce "
+                        "model.model_config sizes (vocab_size, hidden_size, intermediate_size, num_layers)") from err
 
 
 def environment(config: Config, device: torch.device) -> dict[str, Any]:
@@ -146,12 +179,22 @@ def _train_step(run: RunState, step: int) -> dict[str, Any]:
     for micro in range(accumulation):
         loss += _micro_step(run, step, micro, accumulation)
         stats.append(run.session.stats)
+    _check_finite(run, step, loss)
     if run.config.train.grad_clip is not None:
         torch.nn.utils.clip_grad_norm_(run.model.parameters(), run.config.train.grad_clip)
     run.optimizer.step()
     if run.device.type == "cuda":
         torch.cuda.synchronize(run.device)
     return step_record(step, loss, time.perf_counter() - start, stats)
+
+
+def _check_finite(run: RunState, step: int, loss: float) -> None:
+    """A NaN or infinite loss stops the run before the optimizer spreads it into the weights."""
+    if not math.isfinite(loss):
+        cfg = run.config.train
+        raise RunFailed(f"the loss is {loss} at step {step}; the run stopped before updating the weights. "
+                        f"Lower train.lr ({cfg.lr:g}), set train.grad_clip (now {cfg.grad_clip}) or check "
+                        "model.model_config (rms_norm_eps, rope_theta)")
 
 
 def _micro_step(run: RunState, step: int, micro: int, accumulation: int) -> float:

@@ -38,3 +38,5 @@ class RunState:
     env: dict[str, Any] = field(default_factory=dict)
     metrics_out: Path | None = None
     status: str = "running"
+    resumed_from: str | None = None  # the checkpoint this run continued from
+    resume_notes: list[str] = field(default_factory=list)  # what changed since it (Note [Resume differences])

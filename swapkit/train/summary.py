@@ -8,7 +8,6 @@ the summary adds ``torch.cuda.max_memory_allocated``.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 from typing import Any, Mapping
 
@@ -16,6 +15,7 @@ import psutil
 import torch
 
 from swapkit.runtime.stats import SwapStats
+from swapkit.train.files import atomic_write
 from swapkit.train.state import RunState
 
 SUMMED_STATS = ("saved_bytes", "offloaded_bytes", "prefetched_bytes", "late_fetches", "wait_seconds")
@@ -35,15 +35,16 @@ def write_metrics(run: RunState) -> None:
     if run.metrics_out is None:
         return
     document = {"steps": run.records, "summary": summarize(run), "env": run.env}
-    tmp = run.metrics_out.with_name(run.metrics_out.name + ".tmp")
-    tmp.write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, run.metrics_out)
+    text = (json.dumps(document, indent=2) + "\n").encode("utf-8")
+    atomic_write(run.metrics_out, lambda file: file.write(text))
 
 
 def summarize(run: RunState) -> dict[str, Any]:
     """Medians, totals and peaks over the steps so far; Note [Memory figures]."""
     summary: dict[str, Any] = {"status": run.status, "steps": len(run.records), "device": str(run.device),
                                "memory_accounting": "swap session (device-resident saved activations)"}
+    if run.resumed_from:
+        summary["resumed_from"], summary["resume_changes"] = run.resumed_from, list(run.resume_notes)
     if not run.records:
         return summary
     column = {key: [r[key] for r in run.records] for key in run.records[0]}
@@ -76,6 +77,9 @@ def format_summary(summary: Mapping[str, Any]) -> str:
             ("process RSS (psutil, whole process)", human_bytes(summary["process_rss_bytes"]))]
     if "cuda_max_memory_allocated" in summary:
         rows.append(("torch.cuda.max_memory_allocated", human_bytes(summary["cuda_max_memory_allocated"])))
+    if "resumed_from" in summary:
+        rows.append(("resumed from", summary["resumed_from"]))
+        rows += [("  changed since", note) for note in summary["resume_changes"]]
     width = max(len(name) for name, _ in rows)
     return "\n".join(["swapkit train summary"] + [f"  {name.ljust(width)}  {value}" for name, value in rows])
 

@@ -1,0 +1,88 @@
+"""The config a checkpoint was written with, and what a resume may change.
+
+Note [Resume differences]
+A checkpoint stores the config of its run (:func:`config_record`). On resume the two are compared
+field by field:
+- fields that change the model or the data (every built-in model size, ``train.seed``,
+  ``batch_size``, ``gradient_accumulation_steps``, ``dtype``) would make the resumed run a different
+  run with the old weights: each difference is listed (old -> new) in one ConfigError;
+- optimizer hyper-parameters (``lr``, ``weight_decay``, ``grad_clip``) take the config's values —
+  the optimizer state's own copies are overwritten — and the summary says so;
+- everything else (swap, recompute, runtime, layout, device) does not change the math: allowed,
+  logged and listed in the summary.
+Run control (``steps``, ``save_dir``, ``save_interval``, ``resume``) is not compared.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any, Mapping
+
+from swapkit.config.errors import ConfigError, Problem, show
+from swapkit.config.types import Config
+
+logger = logging.getLogger(__name__)
+
+SECTIONS = {"model": "model.model_config", "parallel": "parallel_config", "recompute": "recompute_config",
+            "swap": "swap_config", "runtime": "runtime", "train": "train"}
+MODEL_OR_DATA = ("train.seed", "train.batch_size", "train.gradient_accumulation_steps", "train.dtype")
+OPTIMIZER = ("train.lr", "train.weight_decay", "train.grad_clip")
+NOT_COMPARED = ("train.steps", "train.save_dir", "train.save_interval", "train.resume")
+ABSENT = "(absent)"
+
+
+def config_record(config: Config) -> dict[str, dict[str, Any]]:
+    """The config as plain data (``torch.load(weights_only=True)`` reads it back), keyed by YAML section."""
+    return {name: _plain(dataclasses.asdict(getattr(config, field))) for field, name in SECTIONS.items()}
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def apply_resume_config(config: Config, stored: Any, path: Path) -> list[str]:
+    """Compare the stored config with ``config`` (Note [Resume differences]); returns the notes to report.
+
+    Raises:
+        ConfigError: the model or the data changed; every difference is listed.
+    """
+    if not isinstance(stored, Mapping):
+        logger.warning("train.resume: %s holds no config (written by an older swapkit); differences in the "
+                       "model or data cannot be checked", path)
+        return [f"{path.name} holds no config: differences were not checked"]
+    changes = differences(_flat(stored), _flat(config_record(config)))
+    fatal = [Problem(key, f"{show(old)} -> {show(new)} (changed since {path.name} was saved)")
+             for key, old, new in changes if _changes_math(key)]
+    if fatal:
+        head = Problem("train.resume", f"{path} does not fit model.model_config and train: the model or the data "
+                                       "changed since it was saved. Restore the old values, or start a new run "
+                                       "in another train.save_dir")
+        raise ConfigError([head, *fatal], config.source)
+    notes = [_note(key, old, new) for key, old, new in changes]
+    for note in notes:
+        logger.info("train.resume: %s", note)
+    return notes
+
+
+def differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
+    keys = [k for k in {**old, **new} if k not in NOT_COMPARED]
+    return [(k, old.get(k, ABSENT), new.get(k, ABSENT)) for k in keys if old.get(k, ABSENT) != new.get(k, ABSENT)]
+
+
+def _flat(record: Mapping[str, Any]) -> dict[str, Any]:
+    return {f"{section}.{key}": value for section, fields in record.items() if isinstance(fields, Mapping)
+            for key, value in fields.items()}
+
+
+def _changes_math(key: str) -> bool:
+    return key in MODEL_OR_DATA or (key.startswith("model.model_config.") and not key.endswith(".layers_path"))
+
+
+def _note(key: str, old: Any, new: Any) -> str:
+    why = "the config's value is used" if key in OPTIMIZER else "allowed: it does not change the math"
+    return f"{key}: {show(old)} -> {show(new)} ({why})"
