@@ -61,7 +61,8 @@ def test_module_without_scope_mapping_names_module_scopes():
     err = error({"recompute_granularity": "selective", "recompute_modules": ["moe_act"]})
     assert str(err.problems[0]) == (
         "recompute_config.recompute_modules: module 'moe_act' has no op scope in this model; add "
-        "recompute_config.module_scopes.moe_act: '<op pattern>' (mapped: core_attn, layernorm, mlp)")
+        "recompute_config.module_scopes.moe_act: '<op pattern>' (mapped: core_attn, layernorm, mlp), or set "
+            "model.model_config.preset to a model family that has it")
 
 
 def test_full_needs_method_and_num_layers():

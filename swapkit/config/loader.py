@@ -57,6 +57,15 @@ def warn_no_effect(config: Config) -> None:
         logger.warning("%s has no effect in PyTorch eager; accepted and ignored", path)
 
 
+def warn_inactive_swap(config: Config) -> None:
+    """Swap entries written while ``swap_config.swap`` is false are checked but do nothing: say so."""
+    written = [key for key in ("layer_swap", "op_swap") if getattr(config.swap, key) is not None]
+    if written and config.swap.swap is False:
+        logger.warning("swap_config.%s %s validated but inactive because swap_config.swap is false; set "
+                       "swap_config.swap: true to use %s", " and ".join(written), "are" if len(written) > 1 else "is",
+                       "them" if len(written) > 1 else "it")
+
+
 def read_yaml(path: Path) -> Any:
     """Read a YAML file, turning every way it can fail into a ConfigError."""
     if not path.exists():
@@ -161,7 +170,7 @@ def _read_config(raw: Any, problems: Problems, name: str | None) -> Config:
     model = _read_model(top["model"], problems, notices)
     parallel = ParallelConfig(**F.read_section(
         top["parallel_config"], "parallel_config", schema.PARALLEL_KEYS, problems, schema.PARALLEL_NO_EFFECT, notices))
-    recompute = _read_recompute(top["recompute_config"], problems, notices)
+    recompute = _read_recompute(top["recompute_config"], problems, notices, model.preset)
     swap = _read_swap(top["swap_config"], problems, model)
     _read_context(top["context"], problems, notices)  # before no_effect is frozen into the Config
     config = Config(
@@ -190,7 +199,7 @@ def _read_model(raw: Any, problems: Problems, notices: list[str]) -> ModelConfig
     return ModelConfig(**values)
 
 
-def _read_recompute(raw: Any, problems: Problems, notices: list[str]):
+def _read_recompute(raw: Any, problems: Problems, notices: list[str], preset: Any = None):
     values = F.read_section(raw, "recompute_config", schema.RECOMPUTE_KEYS, problems,
                             schema.RECOMPUTE_NO_EFFECT, notices)
     given = set(raw) if isinstance(raw, dict) else set()
@@ -201,7 +210,8 @@ def _read_recompute(raw: Any, problems: Problems, notices: list[str]):
                      f"Megatron keys ({', '.join(megatron)}); use one dialect per file")
         return MindFormersRecompute()
     if megatron:
-        return read_megatron(values, given, "recompute_config", problems, notices)
+        return read_megatron(values, given, "recompute_config", problems, notices,
+                             preset if isinstance(preset, str) else None)
     return MindFormersRecompute(**{k: values[k] for k in (*schema.MINDFORMERS_RECOMPUTE_KEYS, "use_reentrant")})
 
 

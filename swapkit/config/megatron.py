@@ -17,10 +17,12 @@ from swapkit.config.types import BUILTIN_MODULE_SCOPES, MEGATRON_MODULES, Megatr
 GRANULARITY_FIX = "set recompute_granularity: full (with recompute_method and recompute_num_layers) or selective"
 
 
-def read_megatron(values: dict, given: set[str], path: str, problems: Problems, notices: list[str]) -> MegatronRecompute:
+def read_megatron(values: dict, given: set[str], path: str, problems: Problems, notices: list[str],
+                  preset: str | None = None) -> MegatronRecompute:
     """Check the Megatron keys together (their rules depend on each other).
 
-    Any problem found here marks the result invalid, so the plan is not built from it.
+    Any problem found here marks the result invalid, so the plan is not built from it. With a model
+    ``preset`` the modules are mapped by the preset, and :func:`swapkit.plan.plan.check_plan` checks them.
     """
     before = len(problems)
     granularity = values["recompute_granularity"]
@@ -37,7 +39,8 @@ def read_megatron(values: dict, given: set[str], path: str, problems: Problems, 
             if key in given:
                 problems.add(join(path, key), f"has no meaning without recompute_granularity; {GRANULARITY_FIX}")
     elif granularity == "selective":
-        modules = _check_selective(values, given, modules or ("core_attn",), scopes, path, problems)
+        modules = _check_selective(values, given, modules or ("core_attn",), None if preset else scopes, path,
+                                   problems)
     elif granularity == "full":
         _check_full(values, given, path, problems)
     distribute = values["distribute_saved_activations"]
@@ -70,11 +73,12 @@ def _check_selective(values: dict, given: set[str], modules: Any, scopes: Any, p
     if unknown:
         problems.bad(join(path, "recompute_modules"), list(modules), "Megatron module names",
                      f"unknown {unknown}; valid modules: {', '.join(MEGATRON_MODULES)}")
-    elif scopes is not F.INVALID:
+    elif scopes is not F.INVALID and scopes is not None:
         unmapped = [m for m in modules if m not in scopes]
         for m in unmapped:
             problems.add(join(path, "recompute_modules"), f"module {m!r} has no op scope in this model; add "
-                         f"recompute_config.module_scopes.{m}: '<op pattern>' (mapped: {', '.join(scopes)})")
+                         f"recompute_config.module_scopes.{m}: '<op pattern>' (mapped: {', '.join(scopes)}), or set "
+                         "model.model_config.preset to a model family that has it")
     return modules
 
 
