@@ -42,7 +42,7 @@ def load_config(source: str | Path | Mapping[str, Any], overrides: Sequence[str]
     problems = Problems()
     config = read_config(source, overrides, problems)
     if config is not None and config.model.num_layers is not None:  # else the model counts them (apply)
-        check_plan(config, problems)
+        check_plan(config, problems, for_model=False)
     problems.raise_if_any(source_name(source))
     warn_no_effect(config)
     warn_inactive_swap(config)

@@ -170,7 +170,7 @@ def _read_config(raw: Any, problems: Problems, name: str | None) -> Config:
     model = _read_model(top["model"], problems, notices)
     parallel = ParallelConfig(**F.read_section(
         top["parallel_config"], "parallel_config", schema.PARALLEL_KEYS, problems, schema.PARALLEL_NO_EFFECT, notices))
-    recompute = _read_recompute(top["recompute_config"], problems, notices, model.preset)
+    recompute = _read_recompute(top["recompute_config"], problems, notices)
     swap = _read_swap(top["swap_config"], problems, model)
     _read_context(top["context"], problems, notices)  # before no_effect is frozen into the Config
     config = Config(
@@ -199,7 +199,7 @@ def _read_model(raw: Any, problems: Problems, notices: list[str]) -> ModelConfig
     return ModelConfig(**values)
 
 
-def _read_recompute(raw: Any, problems: Problems, notices: list[str], preset: Any = None):
+def _read_recompute(raw: Any, problems: Problems, notices: list[str]):
     values = F.read_section(raw, "recompute_config", schema.RECOMPUTE_KEYS, problems,
                             schema.RECOMPUTE_NO_EFFECT, notices)
     given = set(raw) if isinstance(raw, dict) else set()
@@ -210,8 +210,7 @@ def _read_recompute(raw: Any, problems: Problems, notices: list[str], preset: An
                      f"Megatron keys ({', '.join(megatron)}); use one dialect per file")
         return MindFormersRecompute()
     if megatron:
-        return read_megatron(values, given, "recompute_config", problems, notices,
-                             preset if isinstance(preset, str) else None)
+        return read_megatron(values, given, "recompute_config", problems, notices)
     return MindFormersRecompute(**{k: values[k] for k in (*schema.MINDFORMERS_RECOMPUTE_KEYS, "use_reentrant")})
 
 

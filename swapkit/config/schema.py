@@ -13,7 +13,7 @@ anything, boolean, mapping, string = F.anything, F.boolean, F.mapping, F.string
 integer, number, choice, optional = F.integer, F.number, F.choice, F.optional
 
 TOP_KEYS = {
-    "model": Key(anything, required=True),
+    "model": Key(anything),  # optional: a model given to apply() counts its layers
     "parallel_config": Key(anything),
     "recompute_config": Key(anything),
     "swap_config": Key(anything),
@@ -36,7 +36,7 @@ TOP_NO_EFFECT = {
     "eval_step_interval": integer(-1), "eval_epoch_interval": integer(-1), "metric": anything,
 }
 
-MODEL_KEYS = {"model_config": Key(mapping, required=True)}
+MODEL_KEYS = {"model_config": Key(mapping, None)}
 MODEL_NO_EFFECT = {"arch": mapping}
 
 MODEL_CONFIG_KEYS = {

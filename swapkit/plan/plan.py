@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from swapkit.plan import patterns
+from swapkit.config.megatron import unmapped_modules
 from swapkit.config.types import Config, MegatronRecompute, RuntimeConfig
 from swapkit.config.errors import Problems
 from swapkit.config.fields import INVALID
@@ -112,8 +113,13 @@ def build_plan(config: Config, preset: Preset | None = None) -> Plan:
     return plan
 
 
-def check_plan(config: Config, problems: Problems, preset: Preset | None = None) -> Plan | None:
-    """Build the plan, recording every semantic problem in ``problems`` (``None`` if there are any)."""
+def check_plan(config: Config, problems: Problems, preset: Preset | None = None, for_model: bool = True
+               ) -> Plan | None:
+    """Build the plan, recording every semantic problem in ``problems`` (``None`` if there are any).
+
+    ``for_model=False`` (``load_config``: no model yet) skips what only a model can settle: whether
+    each Megatron module has an op scope (the model's preset may map it).
+    """
     model, rc = config.model, config.recompute
     if model.num_layers is None:
         problems.add("model.model_config.num_layers", NUM_LAYERS_FIX)
@@ -125,7 +131,9 @@ def check_plan(config: Config, problems: Problems, preset: Preset | None = None)
     if layout is None or not valid(rc) or config.swap.swap is INVALID:
         return None
     if isinstance(rc, MegatronRecompute):
-        rc = _with_preset_scopes(rc, preset, problems)
+        rc = _with_preset_scopes(rc, preset, problems if for_model else Problems())
+        if rc is None:
+            return None
         decisions = megatron_layers(rc, layout)
         recompute: dict | None = megatron_formative(rc, layout, decisions)
     else:
@@ -159,16 +167,14 @@ def _preset(name: str | None, given: Preset | None, problems: Problems) -> Prese
         return None
 
 
-def _with_preset_scopes(rc: MegatronRecompute, preset: Preset | None, problems: Problems) -> MegatronRecompute:
-    """Megatron modules the preset maps (``moe_act``, ...) join the configured ``module_scopes``."""
-    if preset is None:
-        return rc
-    scopes = {**preset.module_scopes(), **rc.module_scopes}
-    for module in rc.recompute_modules or ():
-        if module not in scopes:
-            problems.add("recompute_config.recompute_modules", f"module {module!r} has no op scope in "
-                         f"{preset.name} models; add recompute_config.module_scopes.{module}: '<op pattern>'")
-    return replace(rc, module_scopes=scopes)
+def _with_preset_scopes(rc: MegatronRecompute, preset: Preset | None, problems: Problems) -> MegatronRecompute | None:
+    """Megatron modules the preset maps (``moe_act``, ...) join the configured ``module_scopes``;
+    ``None`` (and a problem) when a selected module has no scope."""
+    scopes = {**(preset.module_scopes() if preset else {}), **rc.module_scopes}
+    where = f"{preset.name} models" if preset else "this model"
+    before = len(problems)
+    unmapped_modules(rc.recompute_modules, scopes, "recompute_config", problems, where)
+    return replace(rc, module_scopes=scopes) if len(problems) == before else None
 
 
 def _translator(preset: Preset | None, notes: list[str]) -> Callable[[tuple[str, ...]], tuple[str, ...]]:
