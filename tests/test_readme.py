@@ -23,3 +23,13 @@ def test_ci_runs_the_readme_test_command():
     main_job, tests = blocks("bash")[:2]
     assert "swapkit train configs/" in main_job
     assert tests.strip() in (ROOT / ".ci" / "run").read_text()
+
+
+def test_configs_cite_only_sections_that_exist():
+    """A comment pointing at a document section must point at one this repository has."""
+    headings = set(re.findall(r"^#+ (.+)$", README, re.M))
+    for path in sorted((ROOT / "configs").glob("*.yaml")):
+        text = path.read_text()
+        assert "DESIGN" not in text and "§" not in text, path.name  # DESIGN.md is not shipped
+        for cited in re.findall(r'README "([^"]+)"', text):
+            assert cited in headings, (path.name, cited)
