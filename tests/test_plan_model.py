@@ -89,3 +89,23 @@ def test_help_texts_have_no_restructuredtext_backticks(capsys):
         with pytest.raises(SystemExit):
             main(argv)
         assert "``" not in capsys.readouterr().out
+
+
+def test_out_of_range_swap_mode_indices_load_are_kept_and_warned(capsys, tmp_path):
+    config = ("model: {model_config: {num_layers: 4}}\nswap_config: {swap: true}\n"
+              "recompute_config: {recompute: [0, 9, -1]}\n")
+    status, plan, err = plan_json(capsys, tmp_path, config=config)
+    assert status == 0, err
+    assert plan["formative"]["layer_recompute"] == [0, 9, -1]  # as written, as MindFormers keeps them
+    assert [layer["full"] for layer in plan["layers"]] == [True, False, False, False]
+    assert ("WARNING - recompute_config.recompute: layer indices [9, -1] match no layer (the model has layers 0-3); "
+            "kept as written, as MindFormers does, and they do nothing") in err.splitlines()
+
+
+def test_megatron_module_scope_that_binds_nowhere_is_an_error(capsys, tmp_path):
+    config = ("model: {model_config: {num_layers: 2}}\nrecompute_config: {recompute_granularity: selective, "
+              "recompute_modules: [mlp], module_scopes: {mlp: ffn}}\n")
+    status, _, err = plan_json(capsys, tmp_path, config=config)
+    assert status == 2
+    assert "recompute_config.module_scopes pattern 'ffn' matches no sub-module in any layer of LlamaModel.layers; its layers' " \
+           "children are: attention, attention_norm, feed_forward, ffn_norm, hidden_dropout" in err
