@@ -7,6 +7,12 @@ import pytest
 
 from swapkit.cli import main
 
+try:
+    import transformers  # noqa: F401
+    needs_hf = pytest.mark.skipif(False, reason="")
+except ImportError:
+    needs_hf = pytest.mark.skip(reason="needs transformers (pip install -e '.[hf]')")
+
 CONFIG = ("swap_config: {swap: true, op_swap: [{op_name: attention, backward_prefetch: 2, layers: true}]}\n"
           "recompute_config: {select_comm_recompute: [0]}\n")
 
@@ -27,6 +33,7 @@ def test_own_model_by_factory(capsys, tmp_path):
     assert plan["layers"][0]["comm"] == ["(ln_1|ln_2)"] and plan["layers"][1]["comm"] == []
 
 
+@needs_hf
 def test_hf_model_type(capsys, tmp_path):
     status, plan, err = plan_json(capsys, tmp_path, "--model", "hf:llama")
     assert status == 0, err
@@ -35,6 +42,7 @@ def test_hf_model_type(capsys, tmp_path):
     assert plan["layers"][0]["comm"] == ["(input_layernorm|post_attention_layernorm)"]
 
 
+@needs_hf
 def test_hf_config_json(capsys, tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"model_type": "gpt_neox", "hidden_size": 32, "num_hidden_layers": 3,
@@ -44,6 +52,7 @@ def test_hf_config_json(capsys, tmp_path):
     assert [layer["op_swap"] for layer in plan["layers"]] == [[["attention", 2]]] * 3
 
 
+@needs_hf
 def test_table_and_summary_name_the_preset(capsys, tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text(CONFIG)
@@ -63,7 +72,8 @@ def test_table_and_summary_name_the_preset(capsys, tmp_path):
                  "config.json>"),
     ("no_such_pkg:f", "--model 'no_such_pkg:f': cannot import no_such_pkg"),
     ("tests.user_models:nope", "--model 'tests.user_models:nope': tests.user_models has no attribute 'nope'"),
-    ("hf:not_a_model", "--model hf:not_a_model: not a transformers model_type or config.json path"),
+    pytest.param("hf:not_a_model", "--model hf:not_a_model: not a transformers model_type or config.json path",
+                 marks=needs_hf),
 ])
 def test_bad_model_specs_are_usage_errors(capsys, tmp_path, spec, message):
     status, _, err = plan_json(capsys, tmp_path, "--model", spec)
