@@ -38,7 +38,7 @@ def test_hf_model_type(capsys, tmp_path):
     status, plan, err = plan_json(capsys, tmp_path, "--model", "hf:llama")
     assert status == 0, err
     assert len(plan["layers"]) == 32  # Llama's default config, built on the meta device: no memory
-    assert plan["layers"][5]["op_swap"] == [["self_attn", 2]]
+    assert plan["preset"] == "llama" and plan["layers"][5]["op_swap"] == [["self_attn", 2]]
     assert plan["layers"][0]["comm"] == ["(input_layernorm|post_attention_layernorm)"]
 
 

@@ -79,6 +79,7 @@ class Plan:
         return {
             "dialect": self.dialect,
             "swap": self.swap,
+            "preset": self.preset,
             "layout": {
                 "num_layers": layout.num_layers, "pipeline_stage": layout.pipeline_stage,
                 "pp_interleave_num": layout.pp_interleave_num,

@@ -53,7 +53,6 @@ class Preset:
     model_types: tuple[str, ...]
     scopes: Mapping[str, tuple[str, ...]]
     why: Mapping[str, str] = field(default_factory=dict)
-    layers_path: str | None = None
 
     def role_of(self, pattern: str) -> str | None:
         return next((role for role, spellings in ALIASES.items() if pattern in spellings), None)
