@@ -54,7 +54,6 @@ def _more(rest: tuple[Problem, ...]) -> str:
     return f"{len(rest):,} more {kind} (fix the ones listed and run again)"
 
 
-
 def _short_repr() -> reprlib.Repr:
     """A ``repr`` that never walks more than a few items of a container, however large or deep.
 
@@ -68,6 +67,13 @@ def _short_repr() -> reprlib.Repr:
     limits.maxlevel, limits.maxlist, limits.maxtuple, limits.maxdict = 3, 8, 8, 6
     limits.maxstring, limits.maxother, limits.maxlong = 60, 60, 40
     return limits
+
+
+class BindError(ValueError):
+    """The model does not fit the plan (no layer container, wrong layer count, an op scope it lacks, ...).
+
+    Raised by :mod:`swapkit.runtime.binding`; defined here, with no torch import, so the CLI can catch it.
+    """
 
 
 def show(value: Any) -> str:

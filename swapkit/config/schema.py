@@ -26,7 +26,7 @@ LIMITS = {
 }
 
 TOP_KEYS = {
-    "model": Key(anything, required=True),
+    "model": Key(anything),  # optional: a model given to apply() counts its layers
     "parallel_config": Key(anything),
     "recompute_config": Key(anything),
     "swap_config": Key(anything),
@@ -49,11 +49,11 @@ TOP_NO_EFFECT = {
     "eval_step_interval": integer(-1), "eval_epoch_interval": integer(-1), "metric": anything,
 }
 
-MODEL_KEYS = {"model_config": Key(mapping, required=True)}
+MODEL_KEYS = {"model_config": Key(mapping, None)}
 MODEL_NO_EFFECT = {"arch": mapping}
 
 MODEL_CONFIG_KEYS = {
-    "num_layers": Key(integer(1, LIMITS["num_layers"]), required=True),
+    "num_layers": Key(optional(integer(1, LIMITS["num_layers"])), None),
     "offset": Key(anything, 0),
     "pp_interleave_num": Key(integer(1, LIMITS["pp_interleave_num"]), 1),
     "hidden_size": Key(integer(2, LIMITS["hidden_size"]), 64),
@@ -66,6 +66,7 @@ MODEL_CONFIG_KEYS = {
     "attention_dropout": Key(number(0, below=1), 0.0),
     "rope_theta": Key(number(positive=True, maximum=1e12), 10000.0),
     "layers_path": Key(optional(F.layer_paths), None),
+    "preset": Key(optional(string), None),
 }
 
 # MindFormers LlamaConfig keys that the built-in model does not use.

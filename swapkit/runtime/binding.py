@@ -21,15 +21,14 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from swapkit.config.errors import BindError
 from swapkit.plan.plan import LayerPlan, Plan
 from swapkit.plan.report import LayerScopes, resolve_layer
 
 
 logger = logging.getLogger(__name__)
 
-
-class BindError(ValueError):
-    """The model does not fit the plan (no layer container, wrong layer count, ...)."""
+__all__ = ["BindError", "Binding", "BoundLayer", "bind", "find_layers", "module_tree"]
 
 
 def module_tree(module: nn.Module) -> dict:
@@ -101,7 +100,7 @@ def describe(found: list[tuple[str, nn.Module]]) -> str:
 
 
 def find_containers(model: nn.Module, paths: str | Sequence[str] | None,
-                    expected: int) -> list[tuple[str, nn.Module]]:
+                    expected: int | None) -> list[tuple[str, nn.Module]]:
     """The named containers in order, or the one auto-detected container."""
     if paths is None or isinstance(paths, str):
         return [find_layers(model, paths, expected)]
@@ -111,7 +110,7 @@ def find_containers(model: nn.Module, paths: str | Sequence[str] | None,
     return [(path, _walk(model, path)) for path in paths]
 
 
-def find_layers(model: nn.Module, path: str | None, expected: int) -> tuple[str, nn.Module]:
+def find_layers(model: nn.Module, path: str | None, expected: int | None) -> tuple[str, nn.Module]:
     """The container at ``path``, or the only outermost list of repeated blocks.
 
     A list inside a layer of another candidate (a layer's experts) is not a candidate: it cannot

@@ -64,6 +64,7 @@ def train(config: Config | Mapping[str, Any] | str | Path, steps: int | None = N
         >>> result.losses  # doctest: +SKIP
     """
     config = config if isinstance(config, Config) else load_config(config)
+    swapkit.build_plan(config)  # the built-in model needs num_layers: a missing one is a ConfigError here
     device, total_steps = resolve_device(config, device), _resolve_steps(config, steps)
     _preflight(config, device, metrics_out)
     run = _start(config, device, total_steps, metrics_out)
