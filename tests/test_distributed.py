@@ -5,6 +5,8 @@ FSDP2 with ``reshard_after_forward`` True and False, against FSDP2 alone, over 3
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
@@ -124,6 +126,7 @@ def test_fsdp2_swap_and_recompute_bit_identical():
         single = rank_results.pop("single")
         moved = {key: rank_results.pop(key) for key in list(rank_results) if len(key) == 3}
         assert len(moved) == 4 and set(moved.values()) == {0}, moved
+        assert single["swap_and_recompute"].recomputed_output_bytes > 0  # the select recompute really ran
         for (reshard, name), (reference, *runs) in rank_results.items():
             for step, (ref, got) in enumerate((r, g) for swapped in runs for r, g in zip(reference, swapped)):
                 where = f"reshard_after_forward={reshard}, {name}, step {step}"
@@ -132,6 +135,8 @@ def test_fsdp2_swap_and_recompute_bit_identical():
                     assert torch.equal(grad, got["grads"][param]), f"{where}: grad of {param}"
                 stats = got["stats"]
                 assert stats.offloaded_bytes == single[name].offloaded_bytes > 0, where
+                assert stats.saved_bytes == single[name].saved_bytes, where  # no gathered weight counted
+                assert stats.recomputed_output_bytes == single[name].recomputed_output_bytes, where
                 assert stats.skipped.get("parameter", 0) == single[name].skipped.get("parameter", 0) > 0, where
 
 
@@ -192,19 +197,13 @@ def ddp_steps(ddp: DistributedDataParallel, rank: int, session) -> list:
         opt.zero_grad()
         for micro in range(2):
             batch = llama_batch(seed=100 * step + 10 * micro + rank, cfg=TINY)
-            context = ddp.no_sync() if micro == 0 else _nothing()
-            with context, (session if session is not None else _nothing()):
+            context = ddp.no_sync() if micro == 0 else contextlib.nullcontext()
+            with context, (session if session is not None else contextlib.nullcontext()):
                 llama_step(ddp, batch)
         grads = {n: p.grad.clone() for n, p in ddp.module.named_parameters()}
         out.append((grads, session.stats.offloaded_bytes if session is not None else 0))
         opt.step()
     return out
-
-
-def _nothing():
-    import contextlib
-
-    return contextlib.nullcontext()
 
 
 def test_ddp_no_sync_micro_batches_bit_identical():
