@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import contextlib
 
+import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
@@ -213,3 +213,14 @@ def test_ddp_no_sync_micro_batches_bit_identical():
                 assert offloaded > 0, (name, step)
                 for param, grad in ref.items():
                     assert torch.equal(grad, got[param]), f"{name}, step {step}: grad of {param}"
+
+
+def fail_on_rank_one(rank: int, world_size: int) -> int:
+    if rank == 1:
+        raise ValueError("rank one failed on purpose")
+    return rank
+
+
+def test_run_ranks_reports_the_failing_rank_with_its_traceback():
+    with pytest.raises(RuntimeError, match=r"(?s)rank 1:.*ValueError: rank one failed on purpose"):
+        run_ranks(fail_on_rank_one, 2, timeout_s=60)
