@@ -9,7 +9,7 @@ import contextlib
 
 import pytest
 import torch
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 import swapkit
@@ -44,10 +44,10 @@ def build(seed: int = 1) -> torch.nn.Module:
     return build_model(TINY, seed=seed)
 
 
-def shard(model: torch.nn.Module, reshard: bool) -> torch.nn.Module:
+def shard(model: torch.nn.Module, reshard: bool, **options) -> torch.nn.Module:
     for layer in model.layers:
-        fully_shard(layer, reshard_after_forward=reshard)
-    fully_shard(model, reshard_after_forward=reshard)
+        fully_shard(layer, reshard_after_forward=reshard, **options)
+    fully_shard(model, reshard_after_forward=reshard, **options)
     return model
 
 
@@ -138,6 +138,26 @@ def test_fsdp2_swap_and_recompute_bit_identical():
                 assert stats.saved_bytes == single[name].saved_bytes, where  # no gathered weight counted
                 assert stats.recomputed_output_bytes == single[name].recomputed_output_bytes, where
                 assert stats.skipped.get("parameter", 0) == single[name].skipped.get("parameter", 0) > 0, where
+
+
+def mixed_precision(rank: int, world_size: int) -> dict:
+    """bf16 parameters gathered for compute (``MixedPrecisionPolicy``): swapped vs FSDP2 alone."""
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    reference = train(shard(build(), True, mp_policy=policy), rank)
+    model = build()
+    session = swapkit.apply(model, toy_config(4, **CONFIGS["swap_and_recompute"]), layers="layers")
+    shard(model, True, mp_policy=policy)
+    install_engine(session, watch := ParameterWatch(model))
+    return {"runs": (reference, train(model, rank, session)), "parameter bytes": watch.parameter_bytes}
+
+
+def test_fsdp2_mixed_precision_bit_identical():
+    for result in run_ranks(mixed_precision, 2):
+        assert result["parameter bytes"] == 0
+        for step, (ref, got) in enumerate(zip(*result["runs"])):
+            assert got["stats"].offloaded_bytes > 0 and got["stats"].skipped["parameter"] > 0
+            for param, grad in ref["grads"].items():
+                assert torch.equal(grad, got["grads"][param]), f"step {step}: grad of {param}"
 
 
 RUNS = 20
