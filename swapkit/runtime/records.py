@@ -160,9 +160,10 @@ class SwapRecord:
 
     def release(self) -> None:
         """Drop every device reference; the copy has finished (Note [Version keepers])."""
-        self._check_source()
-        if self.step.verify:  # Note [Verify mode]
-            self.checksum = checksum(storage_bytes(self.source(), self.step.engine.device))
+        storage = self.source()  # alive: the keepers hold it until now
+        self._check_source(storage)
+        if self.step.verify and storage is not None:  # Note [Verify mode]
+            self.checksum = checksum(storage_bytes(storage, self.step.engine.device))
         for keeper in self.keepers:
             with torch.autograd._unsafe_preserve_version_counter(keeper):
                 keeper.set_()
@@ -170,9 +171,8 @@ class SwapRecord:
         self.released = True
         self._set_resident(False)
 
-    def _check_source(self) -> None:
+    def _check_source(self, storage: torch.UntypedStorage | None) -> None:
         """Note [Storages another component may resize]"""
-        storage = self.source()  # alive: the keepers hold it until this release
         if storage is not None and (storage.nbytes() != self.nbytes or storage.data_ptr() != self.data_ptr):
             raise storage_changed(self.nbytes, storage.nbytes(), self.frame.label)
 
