@@ -71,6 +71,8 @@ def test_several_containers_number_layers_in_the_order_given(caplog):
         bind(model, plan_for(4), ["heads", "transformer.h"])
     with pytest.raises(BindError, match=r"expected distinct container paths"):
         bind(model, plan, ["heads", "heads"])
+    with pytest.raises(BindError, match=r"layers=\[\]: expected distinct container paths"):
+        bind(model, plan, [])
 
 
 def test_auto_detection_ignores_lists_inside_a_layer():

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from swapkit.runtime.overrides import NO_GRAD, OTHER_HOOKS
+from swapkit.runtime.overrides import NO_GRAD, NOT_ENTERED, OTHER_HOOKS
 from torch import nn
 
 from tests.toys import Block, ToyNet, assert_grads_equal, grads, synced_session, toy_config
@@ -115,3 +115,24 @@ def test_a_scope_that_saves_nothing_is_reported_without_a_cause(caplog):
     assert session.stats.unused_swaps == ["layer 0: shift", "layer 1: shift", "layer 2: shift"]
     assert len(warnings_of(caplog)) == 3
     assert "nothing inside it saved a tensor through swapkit" in warnings_of(caplog)[0]
+
+
+class SkipsLastLayer(ToyNet):
+    """Layer 2 does not run (as a layer of another pipeline chunk); layer 1 never calls its ``act``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.layers[0](x)
+        return self.layers[1].lin(x)
+
+
+def test_scopes_of_layers_that_did_not_run_are_not_reported(caplog):
+    model = SkipsLastLayer(layers=3)
+    session = synced_session(model, op_swap("act"))
+    caplog.set_level(logging.WARNING, logger="swapkit")
+    run(model, session, steps=1)
+    assert session.stats.unused_swaps == []  # layer 1's act: layer 1's own hooks never ran either
+    model.forward = lambda x: model.layers[1](model.layers[0](x))
+    model.layers[1].forward = lambda x: model.layers[1].lin(x)  # layer 1 runs, its act does not
+    run(model, session, steps=1)
+    assert session.stats.unused_swaps == ["layer 1: act"]
+    assert NOT_ENTERED in warnings_of(caplog)[0]

@@ -76,7 +76,7 @@ def bind(model: nn.Module, plan: Plan, layers_path: str | Sequence[str] | None =
         BindError: a container cannot be found, the layer count differs from ``num_layers``, or a
             uniform recompute unit spans two containers.
     """
-    found = find_containers(model, layers_path or plan.layers_path, plan.layout.num_layers)
+    found = find_containers(model, plan.layers_path if layers_path is None else layers_path, plan.layout.num_layers)
     layers = [layer for _, container in found for layer in container]
     paths = tuple(path for path, _ in found)
     if len(layers) != plan.layout.num_layers:

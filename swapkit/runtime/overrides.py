@@ -11,9 +11,10 @@ scope that configures a swap: when one is entered in forward, it notes whether t
 hooks are the innermost ones and whether grad is enabled; every save marks its scope as having
 seen a tensor. When backward begins, a swap scope that saw no tensor is listed in
 ``SwapStats.unused_swaps`` and logged once per session as a WARNING naming layer and op, with the
-cause when it is known; a scope whose hooks never ran at all in a forward that saved tensors is
-reported too (``torch.compile`` reusing a graph traced before the hooks existed: Dynamo does not
-guard on module hooks by default). A layer swap around an HF-checkpointed layer is caught the same way
+cause when it is known. A swap scope whose hooks never ran although its layer ran is reported too
+(``torch.compile`` reusing a graph traced before the hooks existed: Dynamo does not guard on
+module hooks by default), and so is every swap when no hook ran at all in a forward that saved
+tensors; the layers of another pipeline chunk, which do not run in the step, are not. A layer swap around an HF-checkpointed layer is caught the same way
 (HF checkpoints ``forward``, so the layer's own hooks run outside the region and see nothing).
 """
 from __future__ import annotations
@@ -25,10 +26,10 @@ import torch
 OTHER_HOOKS = ("it ran inside another saved_tensors_hooks context (a non-reentrant checkpoint such as Hugging "
                "Face's gradient_checkpointing_enable() or torch.utils.checkpoint, or another offloading tool), "
                "which keeps its tensors from swapkit")
-NOT_ENTERED = ("its module hooks never ran in a forward that saved tensors (the module is not called, or it runs "
-               "in a graph torch.compile traced before swapkit.apply: Dynamo does not guard on module hooks by "
-               "default, torch._dynamo.config.skip_nnmodule_hook_guards; apply swapkit before the first compiled "
-               "call, or call torch._dynamo.reset() after applying it)")
+NOT_ENTERED = ("its module hooks never ran although its layer did (the module is not called in forward, or it "
+               "runs in a graph torch.compile traced before swapkit.apply: Dynamo does not guard on module hooks "
+               "by default, torch._dynamo.config.skip_nnmodule_hook_guards; apply swapkit before the first "
+               "compiled call, or call torch._dynamo.reset() after applying it)")
 NO_GRAD = ("it ran with grad disabled (inside a reentrant checkpoint, which recomputes it in backward, or under "
            "torch.no_grad)")
 

@@ -238,12 +238,15 @@ class Step:
             self._entered[key] = cause
 
     def unused_swaps(self) -> list[tuple[int, str, str | None]]:
-        """``(layer, op path, cause)`` of each swap scope no forward save reached, once a forward saved
-        anything; a scope whose hooks never ran gets the cause :data:`NOT_ENTERED`."""
+        """``(layer, op path, cause)`` of each swap scope no forward save reached, among the layers
+        that ran in this step (a layer of another pipeline chunk is not reported). A scope whose hooks
+        never ran gets the cause :data:`NOT_ENTERED`; when no hook ran at all in a forward that saved
+        tensors, every configured swap is reported that way."""
         if self.clock == 0:
             return []
+        ran = {layer for layer, _ in self._seen} | {layer for layer, _ in self._entered}
         return [(layer, path, self._entered.get((layer, path), NOT_ENTERED)) for layer, path in self.swap_scopes
-                if (layer, path) not in self._seen]
+                if (layer in ran or not ran) and (layer, path) not in self._seen]
 
     def finish_forward(self) -> None:
         """Forward ended without a backward yet: wait for copies, release what is due."""
