@@ -61,6 +61,9 @@ CASES = [
      [], 2, ["recompute_config.select_recompute", "does not compile"]),
     ("pattern-nested-repeats", "plan", BASE + "recompute_config:\n  select_recompute: "
      "['(?:(?:(?:a{65535}){65535}){65535})']\n", [], 2, ["does not compile: counted repetition up to"]),
+    ("too-many-patterns", "plan", BASE + "recompute_config:\n  select_recompute: {"
+     + ", ".join(f"'attention\\.x{i}': true" for i in range(100)) + "}\n", [], 2,
+     ["recompute_config.select_recompute: got", "expected at most 64 op patterns. It lists 100"]),
     ("pattern-2000-groups", "plan", BASE + f"recompute_config:\n  select_recompute: ['{'(' * 2000}a{')' * 2000}']\n",
      [], 2, ["recompute_config.select_recompute", "at most 200 characters"]),
     ("alias-bomb-num-layers", "plan", bomb() + BASE.replace("num_layers: 2", "num_layers: *l8"), [], 2,
@@ -171,7 +174,7 @@ def test_every_class_ends_in_one_clear_message(command, config, args, status, ex
 
 
 def test_the_table_covers_every_class_of_the_issue():
-    assert len(CASES) >= 42
+    assert len(CASES) >= 43
     assert {c[4] for c in CASES} == {2}  # every one of these is a config or usage problem
 
 

@@ -34,7 +34,10 @@ def read_swap_entries(
         values = F.read_section(item, join(path, index), keys, problems)
         if not F.any_invalid(values):
             entries.append(SwapEntry(values["backward_prefetch"], values["layers"], values.get("op_name", ())))
-    return tuple(entries) if len(entries) == len(value) else F.INVALID
+    if len(entries) != len(value):
+        return F.INVALID
+    names = {name for entry in entries for name in entry.op_names}
+    return tuple(entries) if F.few_patterns(len(names), value, path, problems) else F.INVALID
 
 
 def _layers(num_layers: int | None) -> F.Check:
