@@ -62,6 +62,10 @@ def layer_indices(value: Any, path: str, problems: Problems, num_layers: int | N
         upper = f" < num_layers ({num_layers})" if num_layers is not None else ""
         problems.bad(path, value, f"layer indices >= 0{upper}", f"out of range: {show(bad)}")
         return F.INVALID
+    if num_layers is not None and len(value) > num_layers:  # repeats only; bounds the per-layer lookups
+        problems.bad(path, value, f"at most num_layers ({num_layers}) layer indices",
+                     f"it lists {len(value):,}; list each layer once")
+        return F.INVALID
     return tuple(value)
 
 
