@@ -61,6 +61,12 @@ CASES = [
      [], 2, ["recompute_config.select_recompute", "does not compile"]),
     ("pattern-nested-repeats", "plan", BASE + "recompute_config:\n  select_recompute: "
      "['(?:(?:(?:a{65535}){65535}){65535})']\n", [], 2, ["does not compile: counted repetition up to"]),
+    ("too-many-patterns", "plan", BASE + "recompute_config:\n  select_recompute: {"
+     + ", ".join(f"'attention\\.x{i}': true" for i in range(100)) + "}\n", [], 2,
+     ["recompute_config.select_recompute: got", "expected at most 64 op patterns. It lists 100"]),
+    ("layer-list-longer-than-model", "plan", BASE + "swap_config:\n  swap: true\n  layer_swap: [{backward_prefetch: 1, "
+     "layers: [" + ", ".join(["0"] * 30_000) + "]}]\n", [], 2,
+     ["swap_config.layer_swap[0].layers: got [0, 0, 0", "at most num_layers (2) layer indices. It lists 30,000"]),
     ("pattern-2000-groups", "plan", BASE + f"recompute_config:\n  select_recompute: ['{'(' * 2000}a{')' * 2000}']\n",
      [], 2, ["recompute_config.select_recompute", "at most 200 characters"]),
     ("alias-bomb-num-layers", "plan", bomb() + BASE.replace("num_layers: 2", "num_layers: *l8"), [], 2,
@@ -171,7 +177,7 @@ def test_every_class_ends_in_one_clear_message(command, config, args, status, ex
 
 
 def test_the_table_covers_every_class_of_the_issue():
-    assert len(CASES) >= 42
+    assert len(CASES) >= 44
     assert {c[4] for c in CASES} == {2}  # every one of these is a config or usage problem
 
 
@@ -289,19 +295,38 @@ def test_close_does_not_wait_for_copies_sleeping_on_their_latency():
     engine.close()
 
 
+def test_leaving_a_block_on_ctrl_c_does_not_drain_the_emulated_link():
+    """The session's ``__exit__`` synchronizes while KeyboardInterrupt propagates: sleeping copies are cancelled."""
+    engine = ThreadCopyEngine("cpu", latency_s=1.0)
+    copies = [engine.offload(torch.ones(64), torch.empty(64)) for _ in range(10)]
+    start = time.perf_counter()
+    try:
+        raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        engine.synchronize()  # no CopyCancelled raised: cancelled copies are no failure
+    assert time.perf_counter() - start < 2  # not 10 x 1 s
+    assert sum(isinstance(c.error, CopyCancelled) for c in copies) >= 9
+    engine.latency_s = 0.0
+    dst = torch.empty(4)
+    engine.wait(engine.offload(torch.ones(4), dst))  # the next step copies normally
+    assert torch.equal(dst, torch.ones(4))
+    engine.close()
+
+
 def test_ctrl_c_with_a_slow_emulated_link_exits_at_once(tmp_path):
     """``latency_s`` at its bound (1 s per copy): Ctrl-C mid-step still ends the run within seconds."""
     import signal
     import subprocess
     import sys
 
-    config = _write(tmp_path, BASE + "  steps: 100\nswap_config:\n  swap: true\n  layer_swap: [{backward_prefetch: 2, "
-                    "layers: [0, 1]}]\nruntime:\n  min_offload_bytes: 0\n  engine_options: {latency_s: 1.0}\n")
+    text = BASE.replace("num_layers: 2", "num_layers: 4") + "  steps: 100\nswap_config:\n  swap: true\n"
+    text += "  layer_swap: [{backward_prefetch: 2, layers: true}]\nruntime:\n  min_offload_bytes: 0\n"
+    config = _write(tmp_path, text + "  engine_options: {latency_s: 1.0}\n")  # ~40 copies queued: 40 s to drain
     child = subprocess.Popen([sys.executable, "-m", "swapkit.cli", "train", str(config), "--no-progress"],
                              stderr=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
     try:
         for line in child.stderr:  # the plan is logged just before the first step
-            if "Set layer swap at layer 1" in line:
+            if "Set layer swap at layer 3" in line:
                 break
         time.sleep(1.5)  # copies are queued and sleeping on their latency
         start = time.perf_counter()
@@ -312,4 +337,4 @@ def test_ctrl_c_with_a_slow_emulated_link_exits_at_once(tmp_path):
         child.kill()
     assert child.returncode == 130, err
     assert "swapkit: interrupted" in err and "Traceback" not in err
-    assert seconds < 5, seconds
+    assert seconds < 8, seconds  # Note [Ctrl-C and the emulated link]: not the queue's 40 x 1 s

@@ -151,7 +151,7 @@ def string_list(value: Any, path: str, problems: Problems) -> Any:
     if isinstance(value, str):
         return (value,)
     if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) and v for v in value):
-        return tuple(value)
+        return tuple(value) if few_patterns(len(value), value, path, problems) else INVALID
     problems.bad(path, value, "a non-empty string or a non-empty list of strings")
     return INVALID
 
@@ -170,6 +170,18 @@ def layer_paths(value: Any, path: str, problems: Problems) -> Any:
 
 #: Longest op pattern accepted (MindFormers' longest is about 40 characters).
 MAX_PATTERN_CHARS = 200
+#: Op patterns one key may list (MindFormers configs list a handful). Plan and report work grows with
+#: patterns x patterns x layers: 100 x 100 patterns on 1024 layers took a minute before this limit.
+MAX_PATTERNS = 64
+
+
+def few_patterns(count: int, value: Any, path: str, problems: Problems) -> bool:
+    """At most ``MAX_PATTERNS`` names or patterns under one key."""
+    if count <= MAX_PATTERNS:
+        return True
+    problems.bad(path, value, f"at most {MAX_PATTERNS} op patterns", f"it lists {count:,}; merge them into "
+                 "fewer patterns (a component is a regular expression: 'w1|w2|w3')")
+    return False
 
 
 def pattern(value: Any, path: str, problems: Problems) -> Any:

@@ -34,7 +34,10 @@ def read_swap_entries(
         values = F.read_section(item, join(path, index), keys, problems)
         if not F.any_invalid(values):
             entries.append(SwapEntry(values["backward_prefetch"], values["layers"], values.get("op_name", ())))
-    return tuple(entries) if len(entries) == len(value) else F.INVALID
+    if len(entries) != len(value):
+        return F.INVALID
+    names = {name for entry in entries for name in entry.op_names}
+    return tuple(entries) if F.few_patterns(len(names), value, path, problems) else F.INVALID
 
 
 def _layers(num_layers: int | None) -> F.Check:
@@ -58,6 +61,10 @@ def layer_indices(value: Any, path: str, problems: Problems, num_layers: int | N
     if bad:
         upper = f" < num_layers ({num_layers})" if num_layers is not None else ""
         problems.bad(path, value, f"layer indices >= 0{upper}", f"out of range: {show(bad)}")
+        return F.INVALID
+    if num_layers is not None and len(value) > num_layers:  # repeats only; bounds the per-layer lookups
+        problems.bad(path, value, f"at most num_layers ({num_layers}) layer indices",
+                     f"it lists {len(value):,}; list each layer once")
         return F.INVALID
     return tuple(value)
 

@@ -14,6 +14,7 @@ worker: no thread outlives ``close``, and the late backward is still correct.
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import time
 from typing import Callable
@@ -24,7 +25,17 @@ from swapkit.engine.base import Waited, check_source
 
 
 class CopyCancelled(RuntimeError):
-    """A copy still waiting for its emulated delay when the engine was closed."""
+    """A copy still waiting for its emulated delay when the engine was closed or interrupted."""
+
+
+# Note [Ctrl-C and the emulated link]
+# With `latency_s` up to a second per copy, a queue of copies can take many seconds to drain, and
+# leaving a `with session:` block waits for it. When Ctrl-C arrives the work is being thrown away,
+# so the emulated delays are cancelled: a copy still sleeping on its delay ends at once with
+# CopyCancelled (its bytes never moved, so nothing reads them), which `synchronize` does not report
+# as a failure. This happens when KeyboardInterrupt interrupts `wait`, when `synchronize` runs while
+# a KeyboardInterrupt propagates (the session's `__exit__`), and in `close`. Only the sleep is
+# cancelled: a copy already moving bytes finishes.
 
 
 class ThreadCopy:
@@ -95,6 +106,9 @@ class ThreadCopyEngine:
                 try:
                     while not copy.done:  # checked under the lock: the worker signals after setting it
                         self._finished.wait()
+                except KeyboardInterrupt:
+                    self._closing.set()  # Note [Ctrl-C and the emulated link]
+                    raise
                 finally:  # a KeyboardInterrupt in wait() must not leave the counter raised
                     self._waiting -= 1
         if copy.error is not None:
@@ -109,8 +123,11 @@ class ThreadCopyEngine:
 
     def synchronize(self) -> None:
         """Wait for every queued copy; raise the first copy that failed since the last call."""
+        if isinstance(sys.exc_info()[1], KeyboardInterrupt):
+            self._closing.set()  # Note [Ctrl-C and the emulated link]
         if self._worker is not None:
             self.wait(self._submit(lambda: None))
+        self._closing.clear()
         error, self._error = self._error, None
         if error is not None:
             raise error
@@ -126,8 +143,6 @@ class ThreadCopyEngine:
             self._jobs.put(None)
             worker.join()
             self._closing.clear()
-            if isinstance(self._error, CopyCancelled):
-                self._error = None  # cancelled by this close: nothing a later use must hear about
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         delay = self.latency_s + (src.numel() / (self.bandwidth_gbps * 1e9) if self.bandwidth_gbps else 0.0)
@@ -156,7 +171,8 @@ class ThreadCopyEngine:
             job()
         except BaseException as err:  # noqa: BLE001 - handed to whoever asks about this copy
             copy.error = err
-            self._error = self._error or err
+            if not isinstance(err, CopyCancelled):  # a cancelled copy is no failure to report
+                self._error = self._error or err
         copy.done = True
 
     def _run(self) -> None:

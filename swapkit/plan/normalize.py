@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Callable, Mapping
 
 from swapkit.config import fields as F
@@ -36,7 +37,12 @@ class SwapRule:
     layers: bool | tuple[int, ...]
 
     def covers(self, layer: int) -> bool:
-        return self.layers is True or (not isinstance(self.layers, bool) and layer in self.layers)
+        return self.layers is True or layer in self._layer_set
+
+    @cached_property
+    def _layer_set(self) -> frozenset[int]:
+        """A set, so a long ``layers`` list is not scanned once per layer of the model."""
+        return frozenset(self.layers) if not isinstance(self.layers, bool) else frozenset()
 
     def as_dict(self) -> dict:
         layers = self.layers if self.layers is True else list(self.layers or ())
@@ -209,6 +215,8 @@ def normalize_select(
     else:
         spec = to_spec(value, path)
         return None if spec is None else {key: spec for key in defaults}
+    if not F.few_patterns(len(items), value, path, problems):
+        return None
     result, ok = {}, True
     for key, raw, key_path in items:
         spec = (to_dict_spec or to_spec)(raw, key_path) if isinstance(value, dict) else to_spec(raw, key_path)

@@ -7,6 +7,7 @@ beats swap, and every swap that a recompute decision makes pointless is listed i
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from typing import Any, Callable
 
 from swapkit.plan import patterns
@@ -243,8 +244,15 @@ def _overridden(full: bool, recomputed: tuple[str, ...], layer_swap: int | None,
     if full:
         return (("layer",) if layer_swap is not None else ()) + tuple(p for p, _ in op_swap)
     try:
-        return tuple(p for p, _ in op_swap if any(patterns.covers(r, p) for r in recomputed))
+        return _covered(recomputed, tuple(p for p, _ in op_swap))
     except patterns.PatternTooSlow as err:
         raise err.at("swap_config.op_swap") from None
+
+
+@lru_cache(maxsize=1024)
+def _covered(recomputed: tuple[str, ...], swapped: tuple[str, ...]) -> tuple[str, ...]:
+    """The swapped patterns a recomputed one covers. Layers share these tuples, so the pattern pairs
+    are compared once per distinct combination, not once per layer (1024 layers x 100 x 100 patterns)."""
+    return tuple(p for p in swapped if any(patterns.covers(r, p) for r in recomputed))
 
 
