@@ -67,7 +67,8 @@ class Preset:
             return (pattern,), None
         real = self.scopes.get(role, ())
         if not real:
-            return (), f"'{pattern}' has no module in {self.name} models: {self.why.get(role, 'not a module')}"
+            return (), (f"'{pattern}' has no module in {self.name} models: {self.why.get(role, 'not a module')}; "
+                        "it does nothing there")
         note = f"'{pattern}' -> {', '.join(_quoted(p) for p in real)}"
         if role == "core_attention":
             note += " (core attention is a function inside the attention module: the whole module is used)"
