@@ -36,6 +36,7 @@ class SwapStats:
     skipped: dict[str, int] = field(default_factory=dict)  # swap candidates kept, reason -> bytes
     offloaded_by_scope: dict[str, int] = field(default_factory=dict)  # "layer 0: attention" -> bytes
     aborted: bool = False  # the step ended with an exception
+    micro_steps: int = 0  # forwards counted here: 1 per step; per chunk and micro-batch in a pipeline stage
 
     @property
     def mean_prefetch_lead(self) -> float:
