@@ -20,6 +20,7 @@ from common import Setup, fresh_model, timed_step
 BASELINE = "baseline (no swapkit)"
 ACCOUNTING = "session, nothing configured"
 LAYER_SWAP = "swap layer (every layer)"
+LAYER_SWAP_VERIFY = "swap layer (every layer) + verify"
 FULL_RECOMPUTE = "recompute full"
 
 
@@ -64,6 +65,8 @@ def main_variants(setup: Setup, prefetch: int) -> list[Variant]:
                 note="MindFormers default strategy: op .*\\.flash_attention, default_prefetch 1"),
         Variant("swap op attention+feed_forward", {"swap_config": ops}),
         Variant(LAYER_SWAP, {"swap_config": layer_swap(prefetch)}),
+        Variant(LAYER_SWAP_VERIFY, {"swap_config": layer_swap(prefetch)}, {"verify": True},
+                note="runtime.verify: true, a checksum of every swapped storage at release and at first use"),
         Variant(FULL_RECOMPUTE, {"recompute_config": {"recompute": True}}, note="MindFormers recompute: true"),
         Variant("recompute selective core_attn", {"recompute_config": {**megatron, "recompute_modules": ["core_attn"]}},
                 note="Megatron dialect"),

@@ -15,7 +15,7 @@ from swapkit.plan.plan import Plan, build_plan
 from swapkit.runtime.recompute import Recompute
 from swapkit.plan.report import layer_lines, unmatched
 from swapkit.runtime.scope import ScopeTracker
-from swapkit.runtime.session import SwapSession
+from swapkit.runtime.session import AppliedMarker, SwapSession
 from swapkit.runtime.stage_binding import as_chunks, bind_stage
 from swapkit.runtime.stage_session import StageSession
 
@@ -73,7 +73,7 @@ def apply(model: nn.Module | Sequence[nn.Module], config: Config | Plan | Mappin
     else:
         session = StageSession(chunks, stage, binding.model, binding, plan, tracker, recompute)
     for chunk in chunks:
-        object.__setattr__(chunk, APPLIED, True)  # a plain attribute: no module, parameter or buffer
+        object.__setattr__(chunk, APPLIED, AppliedMarker(session))  # a plain attribute: no module, parameter or buffer
     return session
 
 

@@ -117,6 +117,7 @@ RUNTIME_KEYS = {
     "min_offload_bytes": Key(integer(0), 1024),
     "max_host_bytes": Key(optional(integer(1)), None),
     "skip_tail_offload": Key(boolean, True),
+    "verify": Key(boolean, False),
 }
 ENGINE_OPTION_KEYS = {
     "latency_s": Key(number(0), 0.0),

@@ -114,6 +114,7 @@ class RuntimeConfig:
     min_offload_bytes: int = 1024
     max_host_bytes: int | None = None
     skip_tail_offload: bool = True
+    verify: bool = False  # checksum each swapped storage when offloaded, check it when restored
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,28 @@ from typing import Any, Protocol
 import torch
 
 
+class StorageChangedError(RuntimeError):
+    """A storage queued for an asynchronous copy was resized or freed by another component first."""
+
+
+def storage_changed(expected_bytes: int, now_bytes: int, where: str = "") -> StorageChangedError:
+    """The error for a copy source whose storage changed (``swapkit.runtime.records``
+    Note [Storages another component may resize])."""
+    place = f" saved in {where}" if where else ""
+    return StorageChangedError(
+        f"swapkit: the storage of a swapped tensor{place} was resized or freed by another component while its "
+        f"copy to host was queued ({expected_bytes} bytes when saved, {now_bytes} now); its host copy cannot be "
+        "trusted. If that storage is a parameter (FSDP, a custom sharding wrapper), save the parameter itself or a "
+        "view of it so swapkit recognises it; otherwise keep the scope that saves it out of swap_config.")
+
+
+def check_source(src: torch.Tensor, data_ptr: int) -> None:
+    """Raise if the storage under the flat ``uint8`` copy source ``src`` is no longer the one queued."""
+    now = src.untyped_storage().nbytes()
+    if now != src.numel() or src.data_ptr() != data_ptr:
+        raise storage_changed(src.numel(), now)
+
+
 class Timing(Protocol):
     """How long compute waited for a copy; may be resolved lazily (CUDA events)."""
 

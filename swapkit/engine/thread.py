@@ -4,6 +4,12 @@ It stands in for the CUDA engine in CPU-only runs: completion flags play the rol
 ``latency_s`` / ``bandwidth_gbps`` make each copy take as long as it would over a slower link,
 which widens race windows in tests and emulates a PCIe-to-compute ratio in benchmarks. On CPU the
 "device" and the host share RAM; the memory the session reports is its own accounting.
+
+Note [Copies after close]
+A graph can outlive its session: ``session.remove()`` (which closes the engine) may run while a
+forward's graph still waits for its backward. That backward still needs its prefetches. A closed
+engine therefore runs each new copy inline on the caller's thread instead of starting a new
+worker: no thread outlives ``close``, and the late backward is still correct.
 """
 from __future__ import annotations
 
@@ -14,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from swapkit.engine.base import Waited
+from swapkit.engine.base import Waited, check_source
 
 
 class ThreadCopy:
@@ -49,12 +55,20 @@ class ThreadCopyEngine:
         self._finished = threading.Condition()  # signalled after a copy only while someone waits
         self._waiting = 0
         self._error: BaseException | None = None  # a failed copy nobody was told of yet
+        self._closed = False
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)
 
     def offload(self, src: torch.Tensor, dst: torch.Tensor) -> ThreadCopy:
-        return self._submit(lambda: self._copy(dst, src))
+        data_ptr = src.data_ptr()
+
+        def job() -> None:  # swapkit.runtime.records Note [Storages another component may resize]
+            check_source(src, data_ptr)
+            self._copy(dst, src)
+            check_source(src, data_ptr)
+
+        return self._submit(job)
 
     def prefetch(self, src: torch.Tensor) -> tuple[torch.Tensor, ThreadCopy]:
         dst = torch.empty(src.numel(), dtype=torch.uint8, device=self.device)
@@ -71,9 +85,11 @@ class ThreadCopyEngine:
         if not copy.done:
             with self._finished:
                 self._waiting += 1
-                while not copy.done:  # checked under the lock: the worker signals after setting it
-                    self._finished.wait()
-                self._waiting -= 1
+                try:
+                    while not copy.done:  # checked under the lock: the worker signals after setting it
+                        self._finished.wait()
+                finally:  # a KeyboardInterrupt in wait() must not leave the counter raised
+                    self._waiting -= 1
         if copy.error is not None:
             self._report(copy.error)
         return Waited(time.perf_counter() - start)
@@ -93,7 +109,9 @@ class ThreadCopyEngine:
             raise error
 
     def close(self) -> None:
+        """Finish queued copies and stop the worker; later copies run inline (Note [Copies after close])."""
         with self._start_lock:
+            self._closed = True
             worker, self._worker = self._worker, None
         if worker is not None:
             self._jobs.put(None)
@@ -106,17 +124,28 @@ class ThreadCopyEngine:
         dst.copy_(src)
 
     def _submit(self, job: Callable[[], None]) -> ThreadCopy:
-        if self._worker is None:
-            self._ensure_worker()
         copy = ThreadCopy()
+        if self._worker is None and not self._ensure_worker():
+            self._execute(job, copy)  # Note [Copies after close]
+            return copy
         self._jobs.put((job, copy))
         return copy
 
-    def _ensure_worker(self) -> None:
+    def _ensure_worker(self) -> bool:
+        """Start the worker if needed; False once the engine is closed."""
         with self._start_lock:
-            if self._worker is None:
+            if self._worker is None and not self._closed:
                 self._worker = threading.Thread(target=self._run, name="swapkit-copy", daemon=True)
                 self._worker.start()
+            return self._worker is not None
+
+    def _execute(self, job: Callable[[], None], copy: ThreadCopy) -> None:
+        try:
+            job()
+        except BaseException as err:  # noqa: BLE001 - handed to whoever asks about this copy
+            copy.error = err
+            self._error = self._error or err
+        copy.done = True
 
     def _run(self) -> None:
         while True:
@@ -124,12 +153,7 @@ class ThreadCopyEngine:
             if item is None:
                 return
             job, copy = item
-            try:
-                job()
-            except BaseException as err:  # noqa: BLE001 - handed to whoever asks about this copy
-                copy.error = err
-                self._error = self._error or err
-            copy.done = True
+            self._execute(job, copy)
             del item, job  # the copy's source and target must not outlive it here
             if self._waiting:
                 with self._finished:

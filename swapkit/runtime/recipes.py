@@ -14,6 +14,16 @@ device memory is held. The consumer's unpack in backward runs the recipe once un
 ``no_grad`` with the RNG and autocast state restored, and rebuilds the saved view on the result.
 The recomputed bytes are identical because the op, its inputs and its random state are.
 
+Note [Inputs changed in place after the scope ran]
+PyTorch allows writing in place to a tensor that no backward formula saved: a scope's input may
+be changed after the scope ran when nothing but the recipe needs its old values (an op that
+saves nothing, like ``x * 2``, whose checkpoint region is then never recomputed). A recipe needs
+them, so a save finds a recipe's output only while every input still has the version it had
+when the scope ran; otherwise the consumer keeps the output as usual (no error, nothing
+dropped). A write that comes *after* the consumer's save cannot be undone: the output is gone,
+so replaying raises an error that names the scope and says how to avoid it, rather than
+rebuilding the output from changed inputs.
+
 Note [Replay as in forward]
 A recipe replays with grad enabled and its inputs' ``requires_grad`` as in forward, and detaches
 the outputs: kernel choice may depend on it (on CUDA, ``scaled_dot_product_attention`` picks its
@@ -38,13 +48,14 @@ from swapkit.runtime.records import StepState, is_plain, rebuild
 class Recipe:
     """How to rebuild the outputs of one call of a recomputed scope."""
 
-    __slots__ = ("step", "function", "args", "kwargs", "unpack", "rng", "autocast", "outputs", "nbytes",
+    __slots__ = ("step", "function", "args", "kwargs", "unpack", "rng", "autocast", "outputs", "nbytes", "label",
                  "__weakref__")
 
     def __init__(self, step: StepState, function: Callable[..., Any], args: tuple, kwargs: dict,
-                 unpack: Callable[[Any], torch.Tensor], rng: tuple, autocast: tuple) -> None:
+                 unpack: Callable[[Any], torch.Tensor], rng: tuple, autocast: tuple,
+                 label: str = "a selected scope") -> None:
         self.step, self.function, self.args, self.kwargs = step, function, args, kwargs
-        self.unpack, self.rng, self.autocast = unpack, rng, autocast
+        self.unpack, self.rng, self.autocast, self.label = unpack, rng, autocast, label
         self.outputs: list[torch.Tensor] | None = None
         self.nbytes = 0
 
@@ -69,15 +80,34 @@ class Recipe:
         self.nbytes = sum(t.untyped_storage().nbytes() for t in self.outputs if is_plain(t))
         self.step.output_recomputed(self.nbytes)
 
+    def inputs_unchanged(self) -> bool:
+        """Every tensor input still holds the values the scope ran on (Note [Inputs changed in place ...])."""
+        return all(_unchanged(v) for v in (*self.args, *self.kwargs.values()) if isinstance(v, PackedInput))
+
     def _input(self, value: Any) -> Any:
         if not isinstance(value, PackedInput):
             return value
+        if not _unchanged(value):
+            raise _input_changed_error(self.label, value.saved)
         tensor = self.unpack(value.saved).detach()
         return tensor.requires_grad_() if value.requires_grad else tensor
 
     def __del__(self) -> None:
         if self.nbytes:
             self.step.device_bytes_freed(self.nbytes)
+
+
+def _unchanged(value: PackedInput) -> bool:
+    return value.saved.keeper._version == value.saved.version
+
+
+def _input_changed_error(label: str, saved: Any) -> RuntimeError:
+    """Note [Inputs changed in place after the scope ran]"""
+    return RuntimeError(
+        f"swapkit: an input of {label} was modified in place (version {saved.version} -> {saved.keeper._version}) "
+        "after a later op saved the scope's output for backward; swapkit dropped that output to recompute it from "
+        "the scope's inputs (MindFormers select_recompute semantics), which are gone now. Make the in-place "
+        "operation out-of-place, do it before the output is used, or remove the scope from select_recompute.")
 
 
 class PackedInput(NamedTuple):

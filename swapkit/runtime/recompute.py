@@ -79,6 +79,17 @@ class Recompute:
         self._restore.clear()
         self.wrapped.clear()
 
+    def detach_copies(self, memo: dict) -> None:
+        """Give deep copies of the wrapped modules their class's forward back (``memo`` maps ids to copies)."""
+        for module, previous in self._restore:
+            copy = memo.get(id(module))
+            if copy is None:
+                continue
+            if previous is not None:
+                raise RuntimeError(f"swapkit: cannot deep-copy {type(module).__name__}: it had its own forward "
+                                   "before swapkit wrapped it; call session.remove() before copying the model")
+            copy.__dict__.pop("forward", None)
+
     def _replace_forward(self, module: nn.Module, forward: Callable[..., Any], label: str) -> None:
         self._restore.append((module, module.__dict__.get("forward")))
         module.forward = forward
@@ -94,7 +105,7 @@ class Recompute:
             state = capture_state(args, kwargs) if sink is not None and sink.records_recipes() else None
             out = self._checkpoint(original, args, kwargs, label)
             if state is not None:
-                sink.record_recipe(original, args, kwargs, state, out)
+                sink.record_recipe(original, args, kwargs, state, out, label)
             return out
 
         self._replace_forward(module, forward, label)

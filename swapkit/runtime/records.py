@@ -10,9 +10,12 @@ large storage.
 
 Note [Version keepers]
 With saved-tensor hooks installed autograd no longer checks that a saved tensor was not modified
-in place. Each handle keeps the version the tensor had when saved and a *keeper*: the tensor
-itself for kept records, or ``tensor.detach()`` for swapped ones, which shares the version
-counter. When a swapped storage is released, its keepers are emptied with ``set_()`` under
+in place. Each handle keeps the version the tensor had when saved and a *keeper*: ``tensor.detach()``,
+which shares the tensor's storage and version counter but not its ``grad_fn``. Holding the
+tensor itself would tie a cycle for every op that saves its own output (output -> grad_fn ->
+saved variable -> handle -> output) through C++ autograd nodes, which Python's gc cannot see:
+a graph dropped without backward would then never be freed, with its records, host buffers
+and device memory. When a swapped storage is released, its keepers are emptied with ``set_()`` under
 ``_unsafe_preserve_version_counter``: they stop holding device memory but keep counting in-place
 writes, so unpack can still raise instead of returning stale data.
 
@@ -23,6 +26,32 @@ record's or a step's state (backward start, prefetch issue, host buffer return, 
 under the step's re-entrant lock; a restore takes the buffer and the copy handle under the lock
 and waits outside it, so one slow copy does not serialize the other threads' unpacks.
 
+Note [Storages another component may resize]
+Another component may resize or free a storage autograd saved: FSDP2 frees its all-gathered
+parameters with ``untyped_storage().resize_(0)`` after a layer's forward (``reshard_after_forward``)
+and re-gathers them before its backward. An asynchronous copy of such a storage would read freed
+memory: a crash on the thread engine, silent garbage on CUDA. swapkit never queues one for a
+parameter (Note [Parameters are recognised when saved] in ``swapkit.runtime.step``). For any
+other storage changed behind its back, the record remembers the storage's size and data pointer
+when it queued the copy; the thread engine checks both right before and right after copying,
+and the record checks them again when it releases the device copy (the CUDA engine's copy has
+finished by then, so this is where a resize during a CUDA copy is seen). A mismatch raises
+:class:`~swapkit.engine.base.StorageChangedError` naming the layer and op, never a copy the
+backward would trust. The one window no outside library can close is a resize that runs *during*
+the thread engine's memcpy; that is why recognising parameters, not this check, is the guarantee.
+
+Note [Verify mode]
+With ``runtime.verify: true`` a swapped record takes a checksum of its device storage when it is
+released: the copy to host has finished and the storage still holds the bytes autograd saved.
+When the prefetched copy is first used, after the engine's wait, the checksum of the restored
+buffer must match, or backward raises naming the layer, the op and the step. That covers the
+whole round trip (device-to-host copy, the pooled host buffer while it waits, host-to-device
+copy): a reload race such as NVIDIA/Megatron-LM#7398, which corrupted gradients while the loss
+still fell, fails loudly instead. The checksum is the wrapping sum of the storage read as 32-bit
+words (bytes when the size is not a multiple of 4): one memory-bound pass, run on the compute
+stream after the data is ready, and one host sync per restore to compare. It catches overwritten,
+stale or zeroed buffers; it cannot see two equal-sized words trading places.
+
 Note [Record lifetime]
 Records live exactly as long as the autograd graph holds their handles (plus, briefly, the
 schedule queues). When the last handle dies the record's ``__del__`` returns its host buffer to
@@ -30,9 +59,12 @@ the pool and takes its bytes off the device accounting: nothing is stashed acros
 """
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+
+from swapkit.engine.base import storage_changed
 
 if TYPE_CHECKING:
     import threading
@@ -48,6 +80,8 @@ class StepState(Protocol):
     way: step -> recipes -> records.
     """
 
+    number: int
+    verify: bool
     engine: CopyEngine
     pool: HostPool
     lock: threading.RLock
@@ -59,6 +93,8 @@ class StepState(Protocol):
     def prefetched(self, nbytes: int) -> None: ...
 
     def restored(self, lead: int, late_timing: Any) -> None: ...
+
+    def verified(self) -> None: ...
 
     def output_recomputed(self, nbytes: int) -> None: ...
 
@@ -96,7 +132,8 @@ class SwapRecord:
     """A storage copied to host memory, released from the device, and prefetched back."""
 
     __slots__ = ("step", "nbytes", "version", "frame", "horizon", "issued", "keepers", "host", "d2h", "released",
-                 "device_buffer", "h2d", "issued_at", "waited", "resident", "__weakref__")
+                 "device_buffer", "h2d", "issued_at", "waited", "resident", "source", "data_ptr", "checksum",
+                 "__weakref__")
     swapped = True
 
     def __init__(self, step: StepState, nbytes: int, version: int, frame: Frame, tick: int, host: torch.Tensor,
@@ -105,14 +142,17 @@ class SwapRecord:
         self.horizon = tick + frame.prefetch
         self.issued = issued  # copies finish in issue order (one FIFO queue per engine)
         self.keepers: list[torch.Tensor] = []
-        self.host: torch.Tensor | None = host
+        self.host: torch.Tensor | None = host  # back to the pool by __del__ even if the offload below fails
+        self.resident = False  # not counted in the step's device bytes until construction succeeded
+        self.source, self.data_ptr = weakref.ref(src.untyped_storage()), src.data_ptr()
+        self.checksum: torch.Tensor | None = None  # Note [Verify mode]
         self.d2h = step.engine.offload(src, host)
+        self.resident = True
         self.released = False
         self.device_buffer: torch.Tensor | None = None
         self.h2d: Any = None
         self.issued_at = -1  # the backward tick whose unpack issued the prefetch
         self.waited = False
-        self.resident = True  # counted in the step's device bytes
 
     def saved_again(self, tick: int) -> None:
         """A later save of this storage keeps it (or brings it back) until ``tick + k``."""
@@ -120,12 +160,21 @@ class SwapRecord:
 
     def release(self) -> None:
         """Drop every device reference; the copy has finished (Note [Version keepers])."""
+        self._check_source()
+        if self.step.verify:  # Note [Verify mode]
+            self.checksum = checksum(storage_bytes(self.source(), self.step.engine.device))
         for keeper in self.keepers:
             with torch.autograd._unsafe_preserve_version_counter(keeper):
                 keeper.set_()
         self.keepers.clear()
         self.released = True
         self._set_resident(False)
+
+    def _check_source(self) -> None:
+        """Note [Storages another component may resize]"""
+        storage = self.source()  # alive: the keepers hold it until this release
+        if storage is not None and (storage.nbytes() != self.nbytes or storage.data_ptr() != self.data_ptr):
+            raise storage_changed(self.nbytes, storage.nbytes(), self.frame.label)
 
     def fetch(self, tick: int) -> None:
         """Start the host-to-device copy (once) at backward tick ``tick``; the host buffer can go
@@ -153,7 +202,22 @@ class SwapRecord:
         timing = step.engine.wait(copy, timed=late and first)
         if first:
             step.restored(self.issued_at - tick, timing if late else None)
+            self._verify(buffer)
         return rebuild(buffer, meta)
+
+    def _verify(self, buffer: torch.Tensor) -> None:
+        """Note [Verify mode]"""
+        expected, self.checksum = self.checksum, None
+        if expected is None:
+            return
+        got = checksum(buffer)
+        if not torch.equal(got, expected):
+            raise RuntimeError(
+                f"swapkit verify: the bytes restored for a tensor saved in {self.frame.label} during step "
+                f"{self.step.number} differ from those offloaded (checksum {got.item()} != {expected.item()}, "
+                f"{self.nbytes} bytes); a device-to-host copy, its host buffer or the prefetch was corrupted. "
+                "Its gradients would be wrong.")
+        self.step.verified()
 
     def drop_host_copy(self) -> None:
         """Backward began before this storage was released: it is used from the device as is."""
@@ -169,11 +233,18 @@ class SwapRecord:
             else:
                 self.step.device_bytes_freed(self.nbytes)
 
-    def __del__(self) -> None:  # Note [Record lifetime]
-        if self.host is not None:
-            self.step.pool.release(self.host)
-        if self.resident:
+    def __del__(self) -> None:  # Note [Record lifetime]; slots a failed __init__ never set read as unset
+        host = getattr(self, "host", None)
+        if host is not None:
+            self.step.pool.release(host)
+        if getattr(self, "resident", False):
             self.step.device_bytes_freed(self.nbytes)
+
+
+def checksum(flat: torch.Tensor) -> torch.Tensor:
+    """Wrapping sum of a flat ``uint8`` buffer read as 32-bit words (Note [Verify mode])."""
+    words = flat.view(torch.int32) if flat.numel() % 4 == 0 else flat
+    return words.sum(dtype=torch.int64)
 
 
 def storage_bytes(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:

@@ -40,7 +40,7 @@ class ScopeTracker:
 
     def __init__(self) -> None:
         self.stack: list[Frame] = []
-        self._handles: list[RemovableHandle] = []
+        self._handles: list[tuple[nn.Module, RemovableHandle]] = []
 
     @property
     def top(self) -> Frame | None:
@@ -56,10 +56,18 @@ class ScopeTracker:
                     self._hook(layer.submodule(path), layer.index, path, prefetch)
 
     def remove(self) -> None:
-        for handle in self._handles:
+        for _, handle in self._handles:
             handle.remove()
         self._handles.clear()
         self.stack.clear()
+
+    def detach_copies(self, memo: dict) -> None:
+        """Remove the hooks from deep copies of the hooked modules (``memo`` maps ids to copies)."""
+        for module, handle in self._handles:
+            copy = memo.get(id(module))
+            if copy is not None:
+                for hooks in (copy._forward_pre_hooks, copy._forward_hooks, copy._forward_hooks_always_called):
+                    hooks.pop(handle.id, None)
 
     def reset(self) -> None:
         """Forget frames left behind by an interrupted forward."""
@@ -68,7 +76,9 @@ class ScopeTracker:
     def _hook(self, module: nn.Module, layer: int, path: str, prefetch: int | None) -> None:
         frames: dict[int | None, Frame] = {}  # by the prefetch in force; built once, not per call
 
-        def enter(_module: nn.Module, _args: Any) -> None:
+        def enter(called: nn.Module, _args: Any) -> None:
+            if called is not module:
+                raise _copy_error(called, layer, path)
             parent = self.top
             inherited = parent.prefetch if parent is not None and parent.layer == layer else None
             k = prefetch if prefetch is not None else inherited
@@ -84,5 +94,13 @@ class ScopeTracker:
                     del self.stack[depth:]
                     return
 
-        self._handles.append(module.register_forward_pre_hook(enter))
-        self._handles.append(module.register_forward_hook(leave, always_call=True))
+        self._handles.append((module, module.register_forward_pre_hook(enter)))
+        self._handles.append((module, module.register_forward_hook(leave, always_call=True)))
+
+
+def _copy_error(module: nn.Module, layer: int, path: str) -> RuntimeError:
+    """swapkit.runtime.session Note [Deep copies of a model swapkit was applied to]"""
+    where = f"layer {layer}" + (f" op {path}" if path else "")
+    return RuntimeError(f"swapkit: this {type(module).__name__} is a copy of {where} of a model swapkit was applied to, "
+                        "and it still carries that model's swapkit hooks and wrappers; deep-copy the whole model "
+                        "(swapkit removes itself from the copy) or call session.remove() before copying it")

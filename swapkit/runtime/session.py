@@ -9,6 +9,25 @@ A pack can run while autograd executes a backward (reentrant checkpointing recom
 with grad enabled; double backward saves again). Those tensors belong to the backward, not to
 the forward clock: they are kept as they are, get no tick, and cannot open a new step.
 
+Note [One session per thread, one thread per session]
+Saved-tensor hooks are thread-local and stack: the innermost pair wins. A second session entered
+on a thread where one is active would silently take over from the outer one, and one session
+entered from two threads at once would mix two forwards on one clock and one scope stack (and a
+race between two entries could leave a hook installed on a thread). Entering is therefore
+claimed atomically under a lock: a session already active anywhere, or another session active on
+this thread, raises instead.
+
+Note [Deep copies of a model swapkit was applied to]
+swapkit changes a model in place: recompute wrappers are instance ``forward`` attributes that
+close over the original modules, and scope hooks push frames onto this session's tracker.
+``copy.deepcopy`` copies functions by reference, so a copy would run the original's modules. The
+model's ``_swapkit_applied`` attribute is an :class:`AppliedMarker`, set after every module
+existed, so it is copied after every sub-module's copy is finished and recorded in deepcopy's
+memo; its ``__deepcopy__`` strips swapkit's wrappers and hooks from those copies and copies itself
+as ``None``. The copy is an independent plain model, to which swapkit can be applied again. A
+layer deep-copied on its own still carries the hooks; its scope hook sees a module it was not
+registered on and raises (``swapkit.runtime.scope``).
+
 Note [Backward after the with block]
 ``with session:`` must cover the forward; backward may run inside or after it. Unpack hooks are
 attached to each saved tensor, so they run after the block too; the block's exit only removes the
@@ -17,6 +36,7 @@ pack hooks and, if backward has not started yet, waits for the copies and releas
 from __future__ import annotations
 
 import logging
+import threading
 from itertools import chain
 from typing import Any
 
@@ -59,23 +79,51 @@ class SwapSession:
         self._forward_ticks: int | None = None  # forward length of the last step, for the tail
         self._hooks: Any = None
         self._removed = False
+        self._entry_lock = threading.Lock()
+        self._owner: int | None = None  # the thread inside the `with` block
         recompute.output_sink = self
+        if plan.runtime.verify and not any(layer.layer_swap is not None or layer.op_swap for layer in plan.layers):
+            logger.warning("runtime.verify: true has no effect: swap_config swaps nothing on this model; set "
+                           "swap_config.swap: true with a layer_swap or op_swap, or drop runtime.verify")
 
     # ------------------------------------------------------------------ context manager
 
     def __enter__(self) -> "SwapSession":
-        if self._removed:
-            raise RuntimeError("this SwapSession was removed; call swapkit.apply(model, config) again")
-        if self._hooks is not None:
-            raise RuntimeError("this SwapSession is already active; sessions do not nest")
-        self._ensure_engine()
-        self._start_step()
-        self.tracker.reset()
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._hooks.__enter__()
+        self._claim()
+        try:
+            self._ensure_engine()
+            self._start_step()
+            self.tracker.reset()
+            hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            hooks.__enter__()
+            self._hooks = hooks
+        except BaseException:
+            self._owner = None
+            raise
         return self
 
+    def _claim(self) -> None:
+        """Note [One session per thread, one thread per session]"""
+        other = active_session()
+        with self._entry_lock:
+            if self._removed:
+                raise RuntimeError("this SwapSession was removed; call swapkit.apply(model, config) again")
+            if self._owner is not None:
+                raise RuntimeError("this SwapSession is already active (sessions do not nest, and one session "
+                                   "serves one thread at a time); leave its `with` block first")
+            if other is not None:
+                raise RuntimeError(f"another swapkit session (on {type(other.model).__name__}) is already active "
+                                   "on this thread and would be silently replaced; leave its `with` block before "
+                                   "entering this one")
+            self._owner = threading.get_ident()
+
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        try:
+            self._leave(exc_type)
+        finally:
+            self._owner = None
+
+    def _leave(self, exc_type: Any) -> None:
         hooks, self._hooks = self._hooks, None
         hooks.__exit__(None, None, None)
         self.tracker.reset()
@@ -101,7 +149,7 @@ class SwapSession:
 
     def _pack(self, tensor: torch.Tensor) -> Saved:
         if torch._C._current_graph_task_id() != -1:  # Note [Packs during backward]
-            return Saved(tensor, tensor._version, None, -1, None, None, self.tracker.top)
+            return Saved(tensor.detach(), tensor._version, None, -1, None, None, self.tracker.top)
         step = self._step
         if step.backward_started:  # the next micro-batch's forward inside the same block
             step = self._start_step()
@@ -123,7 +171,8 @@ class SwapSession:
         """Recipes are recorded in forward while the session is active (Note [Output recompute])."""
         return self._hooks is not None and torch._C._current_graph_task_id() == -1
 
-    def record_recipe(self, function: Any, args: tuple, kwargs: dict, state: tuple, out: Any) -> None:
+    def record_recipe(self, function: Any, args: tuple, kwargs: dict, state: tuple, out: Any,
+                      label: str = "a selected scope") -> None:
         """After a selected scope ran: remember how to rebuild its outputs for their consumers."""
         def pack(value: Any) -> Any:
             if not isinstance(value, torch.Tensor):
@@ -134,7 +183,7 @@ class SwapSession:
                   and is_plain(v)}
         packed_args, packed_kwargs = tuple(pack(a) for a in args), {k: pack(v) for k, v in kwargs.items()}
         step = self._step  # _pack above opened a new step if this is the next micro-batch
-        recipe = Recipe(step, function, packed_args, packed_kwargs, self._unpack, *state)
+        recipe = Recipe(step, function, packed_args, packed_kwargs, self._unpack, *state, label=label)
         step.register_outputs(recipe, tensor_leaves(out), inputs)
 
     # ------------------------------------------------------------------ steps
@@ -173,6 +222,11 @@ class SwapSession:
     def active(self) -> bool:
         return self._hooks is not None
 
+    def detach_copies(self, memo: dict) -> None:
+        """Strip swapkit from the copies ``copy.deepcopy`` made (Note [Deep copies of a model ...])."""
+        self.tracker.detach_copies(memo)
+        self.recompute.detach_copies(memo)
+
     def remove(self) -> None:
         """Undo everything :func:`swapkit.apply` did: hooks, recompute wrappers, engine, pool."""
         if self._hooks is not None:
@@ -190,6 +244,26 @@ class SwapSession:
             self.pool.clear()
         self.model.__dict__.pop("_swapkit_applied", None)
         self._removed = True
+
+
+class AppliedMarker:
+    """A model's ``_swapkit_applied`` attribute (Note [Deep copies of a model swapkit was applied to])."""
+
+    __slots__ = ("session",)
+
+    def __init__(self, session: SwapSession) -> None:
+        self.session = session
+
+    def __deepcopy__(self, memo: dict) -> None:
+        self.session.detach_copies(memo)
+        return None
+
+
+def active_session() -> SwapSession | None:
+    """The swap session whose hooks are innermost on this thread, if any."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    owner = getattr(top[0], "__self__", None) if top else None
+    return owner if isinstance(owner, SwapSession) else None
 
 
 def _modified_error(saved: Saved) -> RuntimeError:

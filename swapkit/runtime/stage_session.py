@@ -84,11 +84,11 @@ class StageSession(SwapSession):
 
     def _pack(self, tensor: torch.Tensor) -> Saved:
         if torch._C._current_graph_task_id() != -1 or self._running is None:  # Note [Opening a micro-step ...]
-            return Saved(tensor, tensor._version, None, -1, None, None, self.tracker.top)
+            return Saved(tensor.detach(), tensor._version, None, -1, None, None, self.tracker.top)
         if self._current is None:
             if _in_metadata_inference():  # Note [Metadata inference is not a micro-step]
                 self._running = None
-                return Saved(tensor, tensor._version, None, -1, None, None, self.tracker.top)
+                return Saved(tensor.detach(), tensor._version, None, -1, None, None, self.tracker.top)
             self._current = self._step = self._group.open(self._running, self._new_micro_step)
         return self._current.save(tensor, self.tracker.top)
 
@@ -100,7 +100,7 @@ class StageSession(SwapSession):
 
     # ------------------------------------------------------------------ context manager
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+    def _leave(self, exc_type: Any) -> None:  # SwapSession.__exit__ calls it
         hooks, self._hooks = self._hooks, None
         hooks.__exit__(None, None, None)
         self.tracker.reset()

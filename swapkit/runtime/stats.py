@@ -27,6 +27,7 @@ class SwapStats:
     prefetch_lead_ticks: int = 0  # sum over prefetches of (issue tick - first-use tick)
     recomputed_output_bytes: int = 0  # saves of selected ops' outputs replaced by a recipe (not held)
     output_recomputes: int = 0  # recipes run in backward to rebuild those outputs
+    verified_tensors: int = 0  # restored storages whose checksum was checked (runtime.verify)
     late_fetches: int = 0  # unpacks that had to wait for (or issue) their copy
     wait_seconds: float = 0.0  # time those unpacks waited
     peak_device_bytes: int = 0

@@ -16,6 +16,20 @@ Records still unreleased when backward begins (their horizon lies beyond the las
 or their copy had not finished) are used from the device as they are: no round trip, and their
 host copies go straight back to the pool. The session remembers the forward length, and in later
 steps does not offload saves that would land in that tail (``runtime.skip_tail_offload``).
+
+Note [Parameters are recognised when saved]
+Parameter storages are never swapped (DESIGN §4). The set the session builds from
+``model.parameters()`` and ``model.buffers()`` when a step starts is not enough under FSDP2:
+``fully_shard`` replaces each parameter by a sharded DTensor, and in forward it registers an
+*unsharded* ``nn.Parameter`` on the module, built on an all-gather buffer that it frees again
+(``resize_(0)``) after the layer's forward. Linear layers save ``weight.t()``, a view of that
+unsharded parameter. So a saved tensor also counts as a parameter when it is an ``nn.Parameter``
+or a view whose ``_base`` is one: two attribute reads per new storage, no walk over the model.
+A storage recognised that way joins the step's set, so a later save of a detached alias of it is
+found by storage. What is still missed is a parameter's storage reached only through a detached
+alias or a non-view op (``weight.detach()`` saved by a custom function); if another component
+then resizes it, the copy fails loudly (Note [Storages another component may resize] in
+``swapkit.runtime.records``).
 """
 from __future__ import annotations
 
@@ -26,6 +40,7 @@ from collections import defaultdict
 from typing import Any, Callable
 
 import torch
+from torch import nn
 
 from swapkit.config.types import RuntimeConfig
 from swapkit.engine import CopyEngine, HostPool
@@ -48,6 +63,7 @@ class Step:
                  on_backward: Callable[["Step"], None]) -> None:
         self.number, self.engine, self.pool, self.runtime = number, engine, pool, runtime
         self.device = engine.device
+        self.verify = runtime.verify  # swapkit.runtime.records Note [Verify mode]
         self.param_storages = param_storages
         self.tail_ticks = tail_ticks if runtime.skip_tail_offload else None
         self._on_backward = on_backward
@@ -73,15 +89,16 @@ class Step:
         self.clock += 1
         self._advance(tick)
         if not is_plain(tensor):
-            return Saved(tensor, tensor._version, self, tick, None, None, frame)
+            return Saved(tensor.detach(), tensor._version, self, tick, None, None, frame)
         storage = tensor.untyped_storage()
         nbytes, key, swap_k = storage.nbytes(), id(storage), frame.prefetch if frame is not None else None
         version = tensor._version
-        if key in self.param_storages or tensor.device != self.device or nbytes == 0:
-            reason = "parameter" if key in self.param_storages else "not_on_device" if nbytes else None
+        parameter = self._is_parameter(tensor, key)
+        if parameter or tensor.device != self.device or nbytes == 0:
+            reason = "parameter" if parameter else "not_on_device" if nbytes else None
             if swap_k is not None and reason is not None:
                 self._skip(reason, key, nbytes)
-            return Saved(tensor, version, self, tick, None, None, frame)
+            return Saved(tensor.detach(), version, self, tick, None, None, frame)
         record = self._lookup(key, storage, version)
         if record is None:
             recomputed = self._recomputed(key, storage, version)
@@ -89,7 +106,7 @@ class Step:
                 return self._recomputed_handle(tensor, recomputed, tick, frame, version)
             record = self._new_record(tensor, storage, key, nbytes, tick, frame, version)
         if not record.swapped:
-            return Saved(tensor, version, self, tick, record, None, frame)
+            return Saved(tensor.detach(), version, self, tick, record, None, frame)
         record.saved_again(tick)
         keeper = tensor.detach()  # Note [Version keepers] in swapkit.runtime.records
         if record.released:  # the storage lives on elsewhere; its bytes are already on the host
@@ -99,6 +116,15 @@ class Step:
         else:
             record.keepers.append(keeper)
         return Saved(keeper, version, self, tick, record, view_meta(tensor), frame)
+
+    def _is_parameter(self, tensor: torch.Tensor, key: int) -> bool:
+        """Note [Parameters are recognised when saved]"""
+        if key in self.param_storages:
+            return True
+        if isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter):
+            self.param_storages.add(key)  # later saves of a detached alias are found by storage
+            return True
+        return False
 
     def _lookup(self, key: int, storage: torch.UntypedStorage, version: int) -> Any:
         found = self._index.get(key)
@@ -134,6 +160,8 @@ class Step:
         found = self._recomputable.get(key)
         if found is None or found[0]() is not storage or found[1].version != version:
             return None  # unknown, recycled id, or changed in place after the op produced it
+        if not found[1].recipe.inputs_unchanged():
+            return None  # swapkit.runtime.recipes Note [Inputs changed in place after the scope ran]
         return found[1]
 
     def _recomputed_handle(self, tensor: torch.Tensor, recomputed: RecomputedOutput, tick: int,
@@ -222,6 +250,10 @@ class Step:
     def prefetched(self, nbytes: int) -> None:
         self.stats.prefetched_tensors += 1
         self.stats.prefetched_bytes += nbytes
+
+    def verified(self) -> None:
+        with self.lock:
+            self.stats.verified_tensors += 1
 
     def restored(self, lead: int, late_timing: Any) -> None:
         """First use of a prefetched record: ``lead`` ticks after its copy was issued."""

@@ -1,0 +1,74 @@
+"""Multi-process test helpers: run a function on N ranks (gloo, CPU), collect what each rank returns.
+
+Ranks rendezvous through a ``FileStore`` in a temporary directory, so concurrent test runs on one
+machine never compete for a port. Each rank's return value is saved with ``torch.save`` and handed
+back to the parent in rank order; an exception on any rank fails the parent with that rank's
+traceback. The function must be importable (a module-level function of a test module or of this
+file): ranks are started with ``spawn``.
+
+Example:
+    >>> def work(rank, world_size, scale):
+    ...     t = torch.full((1,), float(rank + 1)) * scale
+    ...     dist.all_reduce(t)
+    ...     return t.item()
+    >>> run_ranks(work, 2, 10.0)  # doctest: +SKIP
+    [30.0, 30.0]
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+DEFAULT_TIMEOUT_S = 120.0
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout_s: float = DEFAULT_TIMEOUT_S) -> list:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return their results.
+
+    Raises:
+        RuntimeError: a rank raised (its traceback is in the message), died, or the run timed out.
+    """
+    with tempfile.TemporaryDirectory(prefix="swapkit-dist-") as tmp:
+        root = Path(tmp)
+        context = mp.start_processes(_rank_main, args=(world_size, str(root), fn, args), nprocs=world_size,
+                                     join=False, start_method="spawn")
+        _join(context, root, timeout_s)
+        return [torch.load(root / f"result{rank}.pt", weights_only=False) for rank in range(world_size)]
+
+
+def _join(context: Any, root: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not context.join(timeout=max(deadline - time.monotonic(), 0.01)):
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"ranks did not finish within {timeout_s:.0f} s")
+    except mp.ProcessRaisedException as err:
+        errors = sorted(root.glob("error*.txt"))
+        raise RuntimeError("\n".join(p.read_text() for p in errors) or str(err)) from None
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+
+
+def _rank_main(rank: int, world_size: int, root: str, fn: Callable[..., Any], args: tuple) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    store = dist.FileStore(os.path.join(root, "store"), world_size)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    try:
+        result = fn(rank, world_size, *args)
+        torch.save(result, os.path.join(root, f"result{rank}.pt"))
+    except BaseException:
+        Path(root, f"error{rank}.txt").write_text(f"rank {rank}:\n{traceback.format_exc()}")
+        raise
+    finally:
+        dist.destroy_process_group()

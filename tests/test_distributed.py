@@ -1,0 +1,192 @@
+"""swapkit under data parallelism: FSDP2 (``fully_shard``) and DDP on 2 gloo ranks (CPU).
+
+Each test starts one pair of processes (``tests.dist_utils.run_ranks``) and runs every case inside it:
+FSDP2 with ``reshard_after_forward`` True and False, against FSDP2 alone, over 3 optimizer steps.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+import swapkit
+from swapkit.config.types import ModelConfig
+from tests.dist_utils import run_ranks
+from tests.toys import llama_batch, llama_step, toy_config
+
+TINY = ModelConfig(num_layers=4, hidden_size=32, num_heads=2, intermediate_size=64, vocab_size=64, seq_length=16)
+STEPS = 3
+
+# Every mechanism on one model: layer 0 fully recomputed, layer 1 select recompute (MindFormers output
+# recompute) + an op swap, layer 2 a layer swap, layer 3 op swaps.
+CONFIGS = {
+    "swap_only": {"swap_config": {"swap": True, "layer_swap": [{"backward_prefetch": 1, "layers": [0, 2]}],
+                                  "op_swap": [{"op_name": "attention", "backward_prefetch": 2, "layers": [1, 3]},
+                                              {"op_name": "feed_forward", "backward_prefetch": 3, "layers": [3]}]},
+                  "runtime": {"min_offload_bytes": 0}},
+    "swap_and_recompute": {
+        "recompute_config": {"recompute": [0], "select_recompute": {r"feed_forward\.mul": [1]},
+                             "select_comm_recompute": {r"ffn_norm\.norm": [1]}},
+        "swap_config": {"swap": True, "layer_swap": [{"backward_prefetch": 1, "layers": [2]}],
+                        "op_swap": [{"op_name": "attention", "backward_prefetch": 2, "layers": [1, 3]},
+                                    {"op_name": "feed_forward", "backward_prefetch": 1, "layers": [3]}]},
+        "runtime": {"min_offload_bytes": 0}},
+}
+
+
+def build(seed: int = 1) -> torch.nn.Module:
+    from swapkit.train.model import build_model
+
+    return build_model(TINY, seed=seed)
+
+
+def shard(model: torch.nn.Module, reshard: bool) -> torch.nn.Module:
+    for layer in model.layers:
+        fully_shard(layer, reshard_after_forward=reshard)
+    fully_shard(model, reshard_after_forward=reshard)
+    return model
+
+
+def local_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.grad.to_local().clone() for name, p in model.named_parameters()}
+
+
+def train(model: torch.nn.Module, rank: int, session=None) -> list[dict]:
+    """3 SGD steps on rank-specific batches; the local gradient shards and stats of each step."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = []
+    for step in range(STEPS):
+        batch = llama_batch(seed=10 * step + rank, cfg=TINY)
+        opt.zero_grad()
+        if session is None:
+            loss = llama_step(model, batch)
+        else:
+            with session:
+                loss = llama_step(model, batch)
+        out.append({"loss": loss, "grads": local_grads(model), "stats": session.stats if session else None})
+        opt.step()
+    return out
+
+
+def single_process_stats(config: dict) -> object:
+    """The same config on an unsharded model: what swapkit moves without FSDP2."""
+    model = build()
+    session = swapkit.apply(model, toy_config(4, **config), layers="layers")
+    with session:
+        llama_step(model, llama_batch(seed=0, cfg=TINY))
+    session.remove()
+    return session.stats
+
+
+def fsdp_cases(rank: int, world_size: int) -> dict:
+    results = {}
+    for reshard in (True, False):
+        reference = train(shard(build(), reshard), rank)
+        for name, config in CONFIGS.items():
+            model = build()
+            session = swapkit.apply(model, toy_config(4, **config), layers="layers")
+            shard(model, reshard)
+            results[(reshard, name)] = (reference, train(model, rank, session))
+            session.remove()
+        model = shard(build(), reshard)  # the other order: swapkit applied to an already sharded model
+        session = swapkit.apply(model, toy_config(4, **CONFIGS["swap_and_recompute"]), layers="layers")
+        results[(reshard, "swap_and_recompute")] += (train(model, rank, session),)
+        session.remove()
+    results["single"] = {name: single_process_stats(config) for name, config in CONFIGS.items()}
+    return results
+
+
+def test_fsdp2_swap_and_recompute_bit_identical():
+    for rank_results in run_ranks(fsdp_cases, 2):
+        single = rank_results.pop("single")
+        for (reshard, name), (reference, *runs) in rank_results.items():
+            for step, (ref, got) in enumerate((r, g) for swapped in runs for r, g in zip(reference, swapped)):
+                where = f"reshard_after_forward={reshard}, {name}, step {step}"
+                assert torch.equal(ref["loss"], got["loss"]), where
+                for param, grad in ref["grads"].items():
+                    assert torch.equal(grad, got["grads"][param]), f"{where}: grad of {param}"
+                stats = got["stats"]
+                assert stats.offloaded_bytes == single[name].offloaded_bytes > 0, where
+                assert stats.skipped.get("parameter", 0) == single[name].skipped.get("parameter", 0) > 0, where
+
+
+RUNS = 20
+RACE = {"swap_config": {"swap": True, "layer_swap": [{"backward_prefetch": 1, "layers": True}],
+                        "op_swap": [{"op_name": "attention", "backward_prefetch": 1, "layers": True}]},
+        "runtime": {"min_offload_bytes": 0, "engine_options": {"latency_s": 0.0005}}}
+
+
+def repeated_runs(rank: int, world_size: int) -> dict:
+    """The case that crashed: resharded parameters swapped behind a slow copy queue, 20 times."""
+    batch = llama_batch(seed=rank, cfg=TINY)
+    reference = shard(build(), True)
+    llama_step(reference, batch)
+    expected = local_grads(reference)
+    model = build()
+    session = swapkit.apply(model, toy_config(4, **RACE), layers="layers")
+    shard(model, True)
+    identical, moved = 0, []
+    for _ in range(RUNS):
+        model.zero_grad()
+        with session:
+            llama_step(model, batch)
+        got = local_grads(model)
+        identical += all(torch.equal(got[name], grad) for name, grad in expected.items())
+        moved.append((session.stats.offloaded_bytes, session.stats.skipped.get("parameter", 0)))
+    session.remove()
+    return {"identical": identical, "moved": moved}
+
+
+def test_fsdp2_resharded_parameters_never_swapped_over_20_runs():
+    for result in run_ranks(repeated_runs, 2):
+        assert result["identical"] == RUNS
+        offloaded, parameter_bytes = result["moved"][0]
+        assert offloaded > 0 and parameter_bytes > 0
+        # every step moves the same bytes (step 1 on: minus the forward's tail, Note [The last k ticks ...])
+        assert len(set(result["moved"][1:])) == 1
+
+
+def ddp_cases(rank: int, world_size: int) -> dict:
+    """DDP with 2 micro-batches per step, the first under ``no_sync``: swapped vs plain."""
+    results = {}
+    for name, config in CONFIGS.items():
+        runs = []
+        for use_swap in (False, True):
+            model = build()
+            session = swapkit.apply(model, toy_config(4, **config), layers="layers") if use_swap else None
+            ddp = DistributedDataParallel(model)
+            runs.append(ddp_steps(ddp, rank, session))
+        results[name] = runs
+    return results
+
+
+def ddp_steps(ddp: DistributedDataParallel, rank: int, session) -> list:
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    out = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        for micro in range(2):
+            batch = llama_batch(seed=100 * step + 10 * micro + rank, cfg=TINY)
+            context = ddp.no_sync() if micro == 0 else _nothing()
+            with context, (session if session is not None else _nothing()):
+                llama_step(ddp, batch)
+        grads = {n: p.grad.clone() for n, p in ddp.module.named_parameters()}
+        out.append((grads, session.stats.offloaded_bytes if session is not None else 0))
+        opt.step()
+    return out
+
+
+def _nothing():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def test_ddp_no_sync_micro_batches_bit_identical():
+    for rank_results in run_ranks(ddp_cases, 2):
+        for name, (plain, swapped) in rank_results.items():
+            for step, ((ref, _), (got, offloaded)) in enumerate(zip(plain, swapped)):
+                assert offloaded > 0, (name, step)
+                for param, grad in ref.items():
+                    assert torch.equal(grad, got[param]), f"{name}, step {step}: grad of {param}"

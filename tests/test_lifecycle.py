@@ -1,0 +1,322 @@
+"""Lifecycle under fault injection: dropped graphs, threads, nested sessions, deep copies, remove()
+with a pending graph, interrupts, failed record construction, in-place writes and recompute."""
+from __future__ import annotations
+
+import copy
+import gc
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import swapkit
+from swapkit.engine import ThreadCopyEngine
+from swapkit.engine.base import StorageChangedError
+from swapkit.runtime.records import KeptRecord, Saved, SwapRecord
+from swapkit.train.model import lm_loss
+from tests.toys import (
+    GatedEngine, ToyNet, assert_grads_equal, grads, install_engine, layer_swap, llama, llama_batch, llama_step, toy_config,
+)
+
+
+def live_objects() -> tuple[int, int]:
+    gc.collect()
+    objects = gc.get_objects()
+    return (sum(type(o) in (SwapRecord, KeptRecord) for o in objects), sum(type(o) is Saved for o in objects))
+
+
+def no_hooks_on_this_thread() -> bool:
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
+
+def test_fifty_dropped_graphs_free_their_records_handles_and_host_buffers():
+    model = llama()
+    session = swapkit.apply(model, toy_config(4, **layer_swap(2)), layers="layers")
+    tokens, targets = llama_batch()
+
+    def dropped_graph():
+        with session:
+            lm_loss(model(tokens), targets)  # forward only: the graph dies here
+
+    dropped_graph()
+    records, handles = live_objects()
+    pool_bytes = session.pool.total_bytes
+    assert records > 0 and pool_bytes > 0  # the last graph's records wait in the schedule for a backward
+    for _ in range(50):
+        dropped_graph()
+    assert live_objects() == (records, handles)
+    assert session.pool.total_bytes == pool_bytes  # no host allocation beyond the first graph's
+    assert session.stats.offloaded_bytes > 0
+    session.remove()
+    assert live_objects() == (0, 0)
+
+
+def test_two_threads_entering_one_session_one_wins_the_other_raises():
+    model = ToyNet(layers=2)
+    session = swapkit.apply(model, toy_config(2, **layer_swap(1)), layers="layers")
+    for _ in range(100):
+        barrier, tried, outcomes, leftovers = threading.Barrier(2), threading.Event(), [], []
+
+        def enter() -> None:
+            barrier.wait()
+            try:
+                session.__enter__()
+            except RuntimeError as err:
+                outcomes.append(str(err))
+                leftovers.append(not no_hooks_on_this_thread())
+                tried.set()
+                return
+            outcomes.append("entered")
+            tried.wait(timeout=5)  # stay inside until the other thread has tried
+            session.__exit__(None, None, None)
+            leftovers.append(not no_hooks_on_this_thread())
+
+        threads = [threading.Thread(target=enter) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert sorted(o == "entered" for o in outcomes) == [False, True], outcomes
+        assert any("already active" in o for o in outcomes)
+        assert leftovers == [False, False]  # no thread keeps a saved-tensor hook
+    assert not session.active
+
+
+def test_a_second_session_active_at_once_raises_instead_of_disabling_the_first():
+    outer_model, inner_model = ToyNet(layers=2), ToyNet(layers=2)
+    outer = swapkit.apply(outer_model, toy_config(2, **layer_swap(1)), layers="layers")
+    inner = swapkit.apply(inner_model, toy_config(2, **layer_swap(1)), layers="layers")
+    x = torch.randn(8, 16)
+    with outer:
+        with pytest.raises(RuntimeError, match="another swapkit session .*ToyNet.* already active on this thread"):
+            with inner:
+                pass
+        outer_model(x).sum().backward()  # the outer session still swaps
+    assert outer.stats.offloaded_bytes > 0 and not inner.active
+    with inner:  # and the inner one works once the outer block is left
+        inner_model(x).sum().backward()
+    assert inner.stats.offloaded_bytes > 0
+
+
+def test_deepcopy_after_apply_is_an_independent_plain_model():
+    config = toy_config(4, recompute_config={"recompute": [0], "select_recompute": {r"feed_forward\.mul": [1]}},
+                        swap_config={"swap": True, "layer_swap": [{"backward_prefetch": 1, "layers": [2, 3]}]},
+                        runtime={"min_offload_bytes": 0})
+    model = llama()
+    session = swapkit.apply(model, config, layers="layers")
+    clone = copy.deepcopy(model)
+    with torch.no_grad():
+        for param in clone.parameters():
+            param.mul_(1.5)  # the copy must compute with its own weights
+    plain = llama()
+    plain.load_state_dict(clone.state_dict())
+    batch = llama_batch()
+    assert torch.equal(llama_step(clone, batch), llama_step(plain, batch))
+    assert_grads_equal(grads(clone), grads(plain))
+    assert "forward" not in clone.layers[0].__dict__  # no recompute wrapper was copied
+    assert all(not m._forward_pre_hooks for m in clone.modules())
+    with session:  # the original keeps working, and the copy's forward left its tracker alone
+        llama_step(model, batch)
+    assert session.stats.offloaded_bytes > 0 and session.tracker.stack == []
+    clone_session = swapkit.apply(clone, config, layers="layers")  # swapkit can be applied to the copy
+    with clone_session:
+        llama_step(clone, batch)
+    assert clone_session.stats.offloaded_bytes == session.stats.offloaded_bytes
+
+
+def test_a_layer_copied_alone_raises_a_clear_error():
+    model = ToyNet(layers=2)
+    swapkit.apply(model, toy_config(2, **layer_swap(1)), layers="layers")
+    layer = copy.deepcopy(model.layers[0])
+    with pytest.raises(RuntimeError, match="copy of layer 0 of a model swapkit was applied to"):
+        layer(torch.randn(2, 16))
+
+
+def copy_threads() -> int:
+    return sum(t.name == "swapkit-copy" and t.is_alive() for t in threading.enumerate())
+
+
+def test_remove_while_a_graph_is_pending_leaks_no_thread_and_backward_still_works():
+    model, ref = ToyNet(layers=3), ToyNet(layers=3)
+    ref.load_state_dict(model.state_dict())
+    before = copy_threads()
+    session = swapkit.apply(model, toy_config(3, **layer_swap(1)), layers="layers")
+    x = torch.randn(8, 16)
+    losses = []
+    for _ in range(3):
+        with session:
+            losses.append(model(x).sum())  # backward pending
+    assert copy_threads() == before + 1
+    session.remove()
+    assert copy_threads() == before
+    for loss in losses:
+        loss.backward()  # prefetches of the last graph run inline on the closed engine
+    for _ in range(3):
+        ref(x).sum().backward()
+    assert_grads_equal(grads(model), grads(ref))
+    assert copy_threads() == before
+
+
+class InterruptingCondition:
+    """Stands in for the engine's condition variable: ``wait`` raises KeyboardInterrupt once."""
+
+    def __init__(self):
+        self._inner = threading.Condition()
+        self.fired = False
+
+    def __enter__(self):
+        return self._inner.__enter__()
+
+    def __exit__(self, *exc):
+        return self._inner.__exit__(*exc)
+
+    def wait(self, timeout=None):
+        if not self.fired:
+            self.fired = True
+            raise KeyboardInterrupt
+        return self._inner.wait(timeout)
+
+    def notify_all(self):
+        self._inner.notify_all()
+
+
+def test_ctrl_c_inside_wait_leaves_no_waiter_counted():
+    engine = ThreadCopyEngine("cpu", latency_s=0.05)
+    engine._finished = InterruptingCondition()
+    copy_ = engine.offload(torch.ones(64, dtype=torch.uint8), torch.empty(64, dtype=torch.uint8))
+    with pytest.raises(KeyboardInterrupt):
+        engine.wait(copy_)
+    assert engine._waiting == 0
+    engine.wait(copy_)  # a later wait still works
+    engine.close()
+
+
+class OffloadFails(ThreadCopyEngine):
+    def offload(self, src, dst):
+        raise RuntimeError("offload refused")
+
+
+def test_a_record_whose_construction_failed_is_deleted_quietly(monkeypatch):
+    unraisable = []
+    monkeypatch.setattr("sys.unraisablehook", unraisable.append)
+    model = ToyNet(layers=2)
+    session = swapkit.apply(model, toy_config(2, **layer_swap(1)), layers="layers")
+    install_engine(session, OffloadFails("cpu"))
+    with pytest.raises(RuntimeError, match="offload refused"):
+        with session:
+            model(torch.randn(8, 16)).sum().backward()
+    gc.collect()
+    assert unraisable == []
+    assert session.pool.free_bytes == session.pool.total_bytes > 0  # the failed record gave its buffer back
+    assert session._step.device_bytes == 0
+
+
+class InPlaceAfterScope(nn.Module):
+    """``z = 2 * y`` (saves nothing) is the selected scope; ``y`` is changed in place afterwards."""
+
+    def __init__(self, dim: int, when: str):
+        super().__init__()
+        self.lin, self.out, self.when = nn.Linear(dim, dim), nn.Linear(dim, dim), when
+        self.scaled = Twice()
+
+    def forward(self, x):
+        y = self.lin(x)
+        z = self.scaled(y)
+        if self.when == "before_consumer":
+            y.add_(1)
+        out = self.out(z)  # saves z
+        if self.when == "after_consumer":
+            y.add_(1)
+        return out
+
+
+class Twice(nn.Module):
+    def forward(self, y):
+        return y * 2.0
+
+
+@pytest.mark.parametrize("when", ["before_consumer", "after_consumer"])
+def test_select_recompute_scope_input_changed_in_place_after_the_scope(when):
+    """Legal in PyTorch (nothing autograd saved reads ``y``). Before the consumer's save swapkit keeps the
+    output and is exact; after it, the dropped output cannot be rebuilt and backward says why."""
+    torch.manual_seed(0)
+    model = ToyNet(layers=2, block=lambda dim: InPlaceAfterScope(dim, when))
+    ref = copy.deepcopy(model)
+    x = torch.randn(4, 16)
+    ref(x).sum().backward()
+    session = swapkit.apply(model, toy_config(2, recompute_config={"select_recompute": {"scaled": True}}),
+                            layers="layers")
+    if when == "before_consumer":
+        with session:
+            model(x).sum().backward()
+        assert_grads_equal(grads(model), grads(ref))
+        assert session.stats.recomputed_output_bytes == 0  # the changed scope's output was kept
+        return
+    with pytest.raises(RuntimeError, match=r"an input of layer \d: scaled was modified in place .* out-of-place"):
+        with session:
+            model(x).sum().backward()
+
+
+class InPlaceInside(nn.Module):
+    """Writes in place to a tensor ``sigmoid`` saved: autograd raises without recompute."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        y = torch.sigmoid(self.lin(x))
+        z = y * 3
+        y.mul_(2)
+        return z + y
+
+
+def test_inplace_write_inside_a_fully_recomputed_layer_is_not_detected():
+    """Documented limit (README "In-place writes"): like torch.utils.checkpoint, a fully recomputed layer
+    replays the write, and backward uses the overwritten saved tensor without an error."""
+    torch.manual_seed(0)
+    model = ToyNet(layers=2, block=InPlaceInside)
+    x = torch.randn(4, 16)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        copy.deepcopy(model)(x).sum().backward()  # plain autograd catches it
+    session = swapkit.apply(model, toy_config(2, recompute_config={"recompute": True}), layers="layers")
+    with session:
+        model(x).sum().backward()  # no error: the gradients are silently those of the overwritten values
+    assert session.stats.saved_bytes > 0
+
+
+class FreedByAnother(nn.Module):
+    """Saves ``sigmoid(x)``, then frees that storage the way FSDP2 frees gathered weights (``resize_(0)``)."""
+
+    def __init__(self, dim: int, before_free=lambda: None):
+        super().__init__()
+        self.lin, self.before_free = nn.Linear(dim, dim), before_free
+
+    def forward(self, x):
+        y = torch.sigmoid(self.lin(x))
+        out = y * 1.0
+        self.before_free()
+        y.untyped_storage().resize_(0)
+        return out * x  # a save at the next tick: the released-at-horizon check runs here
+
+
+def test_a_storage_freed_before_its_copy_ran_raises_instead_of_crashing():
+    engine = GatedEngine()
+    model = ToyNet(layers=1, block=FreedByAnother)
+    session = swapkit.apply(model, toy_config(1, **layer_swap(1)), layers="layers")
+    install_engine(session, engine)
+    with pytest.raises(StorageChangedError, match="resized or freed by another component"):
+        with session:
+            model(torch.randn(4, 16)).sum()
+            engine.gate.set()  # the queued copies run now, after the storage was freed
+    assert session.stats.aborted
+
+
+def test_a_storage_freed_after_its_copy_raises_naming_the_layer_at_release():
+    model = ToyNet(layers=1, block=FreedByAnother)
+    session = swapkit.apply(model, toy_config(1, **layer_swap(1)), layers="layers")
+    model.layers[0].before_free = lambda: session.engine.synchronize()  # the copy to host has finished
+    with pytest.raises(StorageChangedError, match="saved in layer 0 was resized or freed"):
+        with session:
+            model(torch.randn(4, 16)).sum()

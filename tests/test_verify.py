@@ -1,0 +1,90 @@
+"""Verify mode (``runtime.verify``): checksums of swapped storages, checked when they come back."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import swapkit
+from swapkit.config.errors import ConfigError
+from swapkit.engine import ThreadCopyEngine
+from tests.toys import assert_grads_equal, grads, install_engine, llama, llama_batch, llama_step, toy_config
+
+ATTENTION_SWAP = {"swap_config": {"swap": True, "op_swap": [
+    {"op_name": "attention", "backward_prefetch": 1, "layers": [1]}]}}
+
+
+def config(verify: bool) -> dict:
+    return toy_config(4, **ATTENTION_SWAP, runtime={"min_offload_bytes": 0, "verify": verify})
+
+
+class CorruptingEngine(ThreadCopyEngine):
+    """After the first device-to-host copy, one byte of its host buffer is overwritten (a reload race)."""
+
+    def __init__(self):
+        super().__init__("cpu")
+        self.offloads = 0
+
+    def offload(self, src, dst):
+        copy = super().offload(src, dst)
+        self.offloads += 1
+        if self.offloads == 1:
+            self._submit(lambda: dst[:1].add_(1))  # runs after the copy: one FIFO queue
+        return copy
+
+
+def reference(batch):
+    model = llama()
+    loss = llama_step(model, batch)
+    return loss, grads(model)
+
+
+def test_verify_is_a_runtime_key_validated_as_a_bool():
+    assert swapkit.load_config(config(True)).runtime.verify is True
+    assert swapkit.load_config(toy_config(4)).runtime.verify is False
+    with pytest.raises(ConfigError, match=r"runtime\.verify"):
+        swapkit.load_config(toy_config(4, runtime={"verify": "yes"}))
+
+
+def test_verify_checks_every_restored_storage_and_changes_nothing():
+    batch = llama_batch()
+    ref_loss, ref_grads = reference(batch)
+    model = llama()
+    session = swapkit.apply(model, config(True), layers="layers")
+    for _ in range(2):
+        model.zero_grad()
+        with session:
+            loss = llama_step(model, batch)
+        assert torch.equal(loss, ref_loss)
+        assert_grads_equal(grads(model), ref_grads)
+        stats = session.stats
+        assert stats.verified_tensors == stats.prefetched_tensors > 0
+
+
+def test_a_corrupted_host_copy_raises_naming_layer_op_and_step():
+    batch = llama_batch()
+    model = llama()
+    session = swapkit.apply(model, config(True), layers="layers")
+    install_engine(session, CorruptingEngine())
+    with pytest.raises(RuntimeError, match=r"swapkit verify: .* saved in layer 1: attention during step 1 differ"):
+        with session:
+            llama_step(model, batch)
+
+
+def test_without_verify_the_same_corruption_gives_wrong_gradients_silently():
+    batch = llama_batch()
+    _, ref_grads = reference(batch)
+    model = llama()
+    session = swapkit.apply(model, config(False), layers="layers")
+    install_engine(session, CorruptingEngine())
+    with session:
+        llama_step(model, batch)
+    assert session.stats.verified_tensors == 0
+    assert any(not torch.equal(grads(model)[name], grad) for name, grad in ref_grads.items())
+
+
+def test_verify_without_any_swap_warns(caplog):
+    with caplog.at_level(logging.WARNING, logger="swapkit"):
+        swapkit.apply(llama(), toy_config(4, runtime={"verify": True}), layers="layers")
+    assert "runtime.verify: true has no effect" in caplog.text
