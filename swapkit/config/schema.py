@@ -71,10 +71,15 @@ MODEL_CONFIG_NO_EFFECT = {
     "num_blocks": integer(1), "qkv_has_bias": boolean, "user_pretrained": anything,
 }
 
-PARALLEL_KEYS = {"pipeline_stage": Key(integer(1, 4096), 1)}
+PARALLEL_KEYS = {
+    "pipeline_stage": Key(integer(1, 4096), 1),
+    "data_parallel": Key(integer(1), 1),  # swapkit train: FSDP2 over this many replicas of each stage
+    "micro_batch_num": Key(optional(integer(1)), None),  # swapkit train: micro-batches per step (default: P)
+    "pipeline_schedule": Key(optional(choice("gpipe", "1f1b", "interleaved_1f1b")), None),  # swapkit's own key
+}
 PARALLEL_NO_EFFECT = {
-    "data_parallel": integer(1), "model_parallel": integer(1), "context_parallel": integer(1),
-    "expert_parallel": integer(1), "micro_batch_num": integer(1), "vocab_emb_dp": boolean,
+    "model_parallel": integer(1), "context_parallel": integer(1),
+    "expert_parallel": integer(1), "vocab_emb_dp": boolean,
     "use_seq_parallel": boolean, "gradient_aggregation_group": integer(1), "optimizer_shard": boolean,
     "micro_batch_interleave_num": integer(1),
 }
@@ -137,6 +142,7 @@ TRAIN_KEYS = {
     "save_dir": Key(optional(string), None),
     "save_interval": Key(optional(integer(1)), None),
     "resume": Key(boolean, False),
+    "collective_timeout_s": Key(number(positive=True), 300.0),  # several ranks: a stuck peer fails, never hangs
 }
 
 # MindSpore `context` settings: none of them has a PyTorch eager equivalent.

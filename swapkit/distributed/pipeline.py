@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from swapkit.config.types import ModelConfig
+from swapkit.config.types import Config, ModelConfig
 from swapkit.plan.plan import Plan
 from swapkit.train.model import LlamaModel, build_model, rotary_tables
 
@@ -93,6 +93,11 @@ def _init_like_single_process(meta: LlamaModel, chunks: list[PipelineChunk], see
         for chunk in chunks:
             chunk.rope_cos.copy_(cos)
             chunk.rope_sin.copy_(sin)
+
+
+def micro_batches(config: Config) -> int:
+    """``parallel_config.micro_batch_num``, by default one per pipeline stage."""
+    return config.parallel.micro_batch_num or config.parallel.pipeline_stage
 
 
 def pipeline_stages(chunks: list[nn.Module], stage: int, pipeline_stage: int, device: torch.device,

@@ -83,14 +83,22 @@ class StageSession(SwapSession):
         return hook
 
     def _pack(self, tensor: torch.Tensor) -> Saved:
-        if torch._C._current_graph_task_id() != -1 or self._running is None:  # Note [Opening a micro-step ...]
+        if torch._C._current_graph_task_id() != -1 or self._open() is None:  # Note [Opening a micro-step ...]
             return Saved(tensor.detach(), tensor._version, None, -1, None, None, self.tracker.top)
-        if self._current is None:
+        return self._current.save(tensor, self.tracker.top)
+
+    def _open(self) -> MicroStep | None:
+        """The running chunk forward's micro-step, opened now if needed; ``None`` outside one."""
+        if self._current is None and self._running is not None:
             if _in_metadata_inference():  # Note [Metadata inference is not a micro-step]
                 self._running = None
-                return Saved(tensor.detach(), tensor._version, None, -1, None, None, self.tracker.top)
-            self._current = self._step = self._group.open(self._running, self._new_micro_step)
-        return self._current.save(tensor, self.tracker.top)
+            else:
+                self._current = self._step = self._group.open(self._running, self._new_micro_step)
+        return self._current
+
+    def record_recipe(self, *args: Any, **kwargs: Any) -> None:
+        if self._open() is not None:  # outside a micro-step the outputs are simply kept
+            super().record_recipe(*args, **kwargs)
 
     def _new_micro_step(self, key: Key, tail_ticks: int | None) -> MicroStep:
         self._steps += 1

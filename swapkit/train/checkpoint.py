@@ -55,7 +55,12 @@ def resume(run: RunState) -> None:
     if path is None:
         logger.warning("train.resume: no checkpoint in %s; starting from step 0", run.config.train.save_dir)
         return
-    state = torch.load(path, map_location=run.device, weights_only=True)
+    try:
+        state = torch.load(path, map_location=run.device, weights_only=True)
+    except Exception as err:  # a truncated or foreign file: say which one, not how unpickling failed
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError([Problem("train.resume", f"cannot read checkpoint {path} ({first_line}); delete it to "
+                                   "resume from the previous one")]) from None
     try:
         run.model.load_state_dict(state["model"])
     except RuntimeError as err:

@@ -56,7 +56,7 @@ def train(config: Config | Mapping[str, Any] | str | Path, steps: int | None = N
         >>> result.losses  # doctest: +SKIP
     """
     config = config if isinstance(config, Config) else load_config(config)
-    run = _start(config, resolve_device(config, device), _resolve_steps(config, steps), metrics_out)
+    run = _start(config, resolve_device(config, device), resolve_steps(config, steps), metrics_out)
     try:
         _loop(run, progress)
     except BaseException as err:
@@ -84,7 +84,8 @@ def resolve_device(config: Config, override: str | None = None) -> torch.device:
     return torch.device(name)
 
 
-def _resolve_steps(config: Config, steps: int | None) -> int:
+def resolve_steps(config: Config, steps: int | None) -> int:
+    """``--steps`` or ``train.steps``, checked (and ``train.resume`` needs ``train.save_dir``)."""
     if steps is not None and steps < 1:
         raise ConfigError([Problem("--steps", f"got {steps}; expected an integer >= 1")], config.source)
     if config.train.resume and not config.train.save_dir:
