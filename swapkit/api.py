@@ -2,40 +2,48 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from torch import nn
 
 from swapkit.runtime.binding import BindError, bind, module_tree
 from swapkit.config.types import Config
 from swapkit.load import load_config
-from swapkit.plan.plan import Plan
+from swapkit.plan.plan import Plan, build_plan
 from swapkit.runtime.recompute import Recompute
 from swapkit.plan.report import layer_lines, unmatched, unmatched_errors
 from swapkit.runtime.resolve import resolve_plan
 from swapkit.runtime.scope import ScopeTracker
 from swapkit.runtime.session import AppliedMarker, SwapSession
+from swapkit.runtime.stage_binding import as_chunks, bind_stage
+from swapkit.runtime.stage_session import StageSession
 
 logger = logging.getLogger(__name__)
 APPLIED = "_swapkit_applied"
 
 
-def apply(model: nn.Module, config: Config | Plan | Mapping[str, Any] | str | Path,
-          layers: str | Sequence[str] | None = None) -> SwapSession:
+def apply(model: nn.Module | Sequence[nn.Module], config: Config | Plan | Mapping[str, Any] | str | Path,
+          layers: str | Sequence[str] | None = None, stage: int | None = None) -> SwapSession:
     """Apply the config's recompute and swap strategy to ``model``.
 
     Args:
         model: the model; its layer container must hold ``num_layers`` layers (when the config gives
             none, they are counted). A transformers model gets its family's preset
-            (:mod:`swapkit.plan.presets`) unless ``model_config.preset`` names one.
+            (:mod:`swapkit.plan.presets`) unless ``model_config.preset`` names one. With ``stage``:
+            the stage's chunk module, or a list of its ``pp_interleave_num`` chunk modules, each
+            holding exactly that chunk's layers (``Plan.stage_layers(stage)``).
         config: a :class:`Config`, a :class:`Plan`, a dict in the YAML layout, or a YAML path.
         layers: dotted path of the layer container (``"layers"``, ``"model.layers"``,
             ``"transformer.h"``), or a list of containers numbered globally in the order given
             (``["encoder.block", "decoder.block"]``, ``swapkit.runtime.binding.Note [Several layer
             containers]``); ``None`` uses ``model_config.layers_path`` or auto-detects the one
             container of repeated layers (an error lists the candidates when there are several).
+        stage: the pipeline stage these modules are (``0 .. pipeline_stage - 1``); ``None``: the
+            whole model in one process. A stage session is a
+            :class:`~swapkit.runtime.stage_session.StageSession`: one micro-step per chunk forward,
+            one ``with session:`` around ``schedule.step(...)`` per optimizer step.
 
     Returns:
         A :class:`SwapSession`; use ``with session:`` around the forward (backward inside or
@@ -52,18 +60,30 @@ def apply(model: nn.Module, config: Config | Plan | Mapping[str, Any] | str | Pa
         >>> with session:  # doctest: +SKIP
         ...     model(tokens).sum().backward()
     """
-    if getattr(model, APPLIED, None) is not None:
-        raise BindError(f"swapkit is already applied to this {type(model).__name__}; call remove() on its "
-                        "SwapSession before applying another config")
-    plan = config if isinstance(config, Plan) else resolve_plan(model, as_config(config), layers)
-    binding = bind(model, plan, layers)
+    if stage is None and not isinstance(model, nn.Module):
+        raise BindError(f"got {type(model).__name__} of chunk modules without stage=; pass stage=<pipeline stage> "
+                        "for a pipeline stage's chunks, or one nn.Module")
+    if isinstance(config, Plan):
+        plan = config
+    else:  # a stage holds some of the layers: nothing to count them from
+        plan = resolve_plan(model, as_config(config), layers) if stage is None else build_plan(as_config(config))
+    chunks = [model] if stage is None else as_chunks(model, plan, stage)
+    for chunk in chunks:
+        if getattr(chunk, APPLIED, None) is not None:
+            raise BindError(f"swapkit is already applied to this {type(chunk).__name__}; call remove() on its "
+                            "SwapSession before applying another config")
+    binding = bind(model, plan, layers) if stage is None else bind_stage(chunks, plan, layers, stage)
     _log(plan, binding)
     recompute = Recompute(binding, plan.use_reentrant, recompute_outputs=plan.dialect == "mindformers")
     recompute.apply()
     tracker = ScopeTracker()
     tracker.install(binding)
-    session = SwapSession(model, binding, plan, tracker, recompute)
-    object.__setattr__(model, APPLIED, AppliedMarker(session))  # a plain attribute: no module, parameter or buffer
+    if stage is None:
+        session = SwapSession(model, binding, plan, tracker, recompute)
+    else:
+        session = StageSession(chunks, stage, binding.model, binding, plan, tracker, recompute)
+    for chunk in chunks:
+        object.__setattr__(chunk, APPLIED, AppliedMarker(session))  # a plain attribute: no module, parameter or buffer
     return session
 
 
@@ -73,8 +93,9 @@ def as_config(config: Config | Mapping[str, Any] | str | Path) -> Config:
 
 def _log(plan: Plan, binding: Any) -> None:
     """Log the plan as MindFormers does; a pattern that binds nowhere is an error, not a log line."""
+    bound = replace(plan, layers=tuple(layer.plan for layer in binding.layers))  # a stage binds some layers
     trees = [module_tree(layer.module) for layer in binding.layers]
-    errors = unmatched_errors(plan, trees, f"{type(binding.model).__name__}.{binding.layers_path}")
+    errors = unmatched_errors(bound, trees, f"{type(binding.model).__name__}.{binding.layers_path}")
     if errors:
         raise BindError("the config names op scopes this model does not have:\n  - " + "\n  - ".join(errors))
     for line in plan.log_lines() + list(plan.notes):
@@ -84,5 +105,5 @@ def _log(plan: Plan, binding: Any) -> None:
     for layer in binding.layers:
         for level, message in layer_lines(plan, layer.plan, layer.scopes):
             logger.log(logging.getLevelName(level), message)
-    for message in unmatched(plan, trees):
+    for message in unmatched(bound, trees):
         logger.warning(message)

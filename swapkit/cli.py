@@ -161,11 +161,22 @@ def run_train(args: argparse.Namespace) -> int:
     from swapkit.load import load_config
 
     config = load_config(args.config, args.overrides)  # before importing torch: a bad config fails fast
+    from swapkit.distributed.launch import RankFailed, launch, world_size
     from swapkit.train import format_summary, train
+    from swapkit.train.loop import resolve_device, resolve_steps
 
-    result = train(config, steps=args.steps, device=args.device, metrics_out=args.metrics_out,
-                   progress=not args.no_progress)
-    print(format_summary(result.summary))
+    if world_size(config) == 1:
+        result = train(config, steps=args.steps, device=args.device, metrics_out=args.metrics_out,
+                       progress=not args.no_progress)
+    else:  # pipeline and/or data parallel: one process per rank
+        try:
+            result = launch(config, resolve_device(config, args.device), steps=resolve_steps(config, args.steps),
+                            metrics_out=args.metrics_out, progress=not args.no_progress)
+        except RankFailed as err:
+            print(f"swapkit: {err}", file=sys.stderr)
+            return EXIT_FAILED
+    if result is not None:  # under torchrun only rank 0 has the result
+        print(format_summary(result.summary))
     return EXIT_OK
 
 

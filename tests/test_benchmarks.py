@@ -65,3 +65,21 @@ def test_loaded_machine_and_impossible_speedups_mark_the_report():
         "recompute): noise dominates; more --reps or an idle machine"]
     quiet = {**env, "load_average_at_start": (1.0, 1.0, 1.0)}
     assert report.hygiene_warnings(quiet, rows[:2] + rows[3:]) == []
+
+
+def test_quick_pipeline_benchmark_has_a_row_per_schedule_variant_and_stage(tmp_path):
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "pipeline.py"), "--quick", "--reps", "1",
+                             "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    data = json.loads((tmp_path / "pipeline.json").read_text())
+    assert (tmp_path / "pipeline.md").stat().st_size > 0
+    rows = {(r["schedule"], r["variant"], r["stage"]): r for r in data["rows"]}
+    assert set(rows) == {(s, v, st) for s in ("gpipe", "1f1b") for v in ("keep", "swap", "recompute") for st in (0, 1)}
+    for (schedule, variant, stage), row in rows.items():
+        assert row["micro_steps"] == 4
+        if variant == "keep":
+            assert row["memory_ratio"] == 1.0 and row["moved_bytes"] == 0
+        if variant == "swap":
+            assert row["grads_equal"] and row["moved_bytes"] > 0
+        if variant == "recompute":
+            assert row["grads_close"] and row["memory_ratio"] < 0.5

@@ -111,7 +111,7 @@ NO_EFFECT = {
 }
 NO_EFFECT_PATHS = [
     "seed", "trainer", "model.model_config.use_flash_attention", "model.model_config.compute_dtype", "model.arch",
-    "parallel_config.data_parallel", "parallel_config.model_parallel", "parallel_config.use_seq_parallel",
+    "parallel_config.model_parallel", "parallel_config.use_seq_parallel",
     "recompute_config.mp_comm_recompute", "recompute_config.parallel_optimizer_comm_recompute",
     "recompute_config.recompute_slice_activation", "context.memory_optimize_level", "context.mode",
     "context.device_target",

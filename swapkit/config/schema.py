@@ -23,6 +23,7 @@ LIMITS = {
     "hidden_size": 65_536, "num_heads": 1024, "intermediate_size": 262_144, "vocab_size": 1_048_576,
     "seq_length": 1_048_576, "steps": 10**9, "batch_size": 65_536, "gradient_accumulation_steps": 65_536,
     "lr": 10.0, "weight_decay": 10.0, "seed": 2**63 - 1, "latency_s": 1.0, "bandwidth_gbps": (1e-3, 1e5),
+    "data_parallel": 65_536, "micro_batch_num": 65_536,
 }
 
 TOP_KEYS = {
@@ -85,10 +86,15 @@ MODEL_CONFIG_NO_EFFECT = {
     "num_blocks": integer(1), "qkv_has_bias": boolean, "user_pretrained": anything,
 }
 
-PARALLEL_KEYS = {"pipeline_stage": Key(integer(1, LIMITS["pipeline_stage"]), 1)}
+PARALLEL_KEYS = {
+    "pipeline_stage": Key(integer(1, LIMITS["pipeline_stage"]), 1),
+    "data_parallel": Key(integer(1, LIMITS["data_parallel"]), 1),  # swapkit train: FSDP2 over this many replicas
+    "micro_batch_num": Key(optional(integer(1, LIMITS["micro_batch_num"])), None),  # swapkit train (default: P)
+    "pipeline_schedule": Key(optional(choice("gpipe", "1f1b", "interleaved_1f1b")), None),  # swapkit's own key
+}
 PARALLEL_NO_EFFECT = {
-    "data_parallel": integer(1), "model_parallel": integer(1), "context_parallel": integer(1),
-    "expert_parallel": integer(1), "micro_batch_num": integer(1), "vocab_emb_dp": boolean,
+    "model_parallel": integer(1), "context_parallel": integer(1),
+    "expert_parallel": integer(1), "vocab_emb_dp": boolean,
     "use_seq_parallel": boolean, "gradient_aggregation_group": integer(1), "optimizer_shard": boolean,
     "micro_batch_interleave_num": integer(1),
 }
@@ -151,6 +157,7 @@ TRAIN_KEYS = {
     "save_dir": Key(optional(string), None),
     "save_interval": Key(optional(integer(1, LIMITS["steps"])), None),
     "resume": Key(boolean, False),
+    "collective_timeout_s": Key(number(positive=True, maximum=86_400.0), 300.0),  # several ranks: a stuck peer fails, never hangs
 }
 
 # MindSpore `context` settings: none of them has a PyTorch eager equivalent.

@@ -49,9 +49,14 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """``parallel_config``: only the pipeline layout matters in a single process."""
+    """``parallel_config``: the pipeline layout; ``swapkit train`` also runs ``pipeline_stage x data_parallel``
+    ranks with ``micro_batch_num`` micro-batches (default ``pipeline_stage``) on ``pipeline_schedule``
+    (default ``1f1b``, ``interleaved_1f1b`` when ``pp_interleave_num > 1``)."""
 
     pipeline_stage: int = 1
+    data_parallel: int = 1
+    micro_batch_num: int | None = None
+    pipeline_schedule: str | None = None
 
 
 @dataclass(frozen=True)
@@ -139,6 +144,7 @@ class TrainConfig:
     save_dir: str | None = None
     save_interval: int | None = None
     resume: bool = False
+    collective_timeout_s: float = 300.0
 
 
 @dataclass(frozen=True)

@@ -75,6 +75,28 @@ class Plan:
         lines = self.layout.log_lines() + self.formative.log_lines(self.swap)
         return lines + ([self.summary] if self.summary else [])
 
+    def stage_layers(self, stage: int) -> list[list[int]]:
+        """Global layer ids of each interleave chunk of pipeline stage ``stage``.
+
+        Chunk ``v`` of stage ``s`` is torch's pipeline stage index ``v * P + s``
+        (``torch.distributed.pipelining`` numbers the chunks of an interleaved schedule that way).
+
+        Raises:
+            ValueError: ``stage`` is not in ``range(pipeline_stage)``.
+
+        Example:
+            >>> from swapkit import load_config
+            >>> plan = build_plan(load_config({"model": {"model_config": {"num_layers": 4, "pp_interleave_num": 2}},
+            ...                                "parallel_config": {"pipeline_stage": 2}}))
+            >>> plan.stage_layers(1)
+            [[1], [3]]
+        """
+        layout = self.layout
+        if not isinstance(stage, int) or isinstance(stage, bool) or not 0 <= stage < layout.pipeline_stage:
+            raise ValueError(f"stage={stage!r} is not a pipeline stage of this plan; expected an integer in "
+                             f"0..{layout.pipeline_stage - 1} (parallel_config.pipeline_stage: {layout.pipeline_stage})")
+        return [list(layout.chunk_layers(v, stage)) for v in range(layout.pp_interleave_num)]
+
     def to_json(self) -> dict[str, Any]:
         layout = self.layout
         return {

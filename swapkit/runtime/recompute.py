@@ -72,7 +72,7 @@ class Recompute:
                 if first == last:
                     self._wrap(layer.module, f"layer {layer.index}")
                 elif layer.index == first:
-                    self._wrap_unit(self.binding.layers[first:last + 1])
+                    self._wrap_unit([b for b in self.binding.layers if first <= b.index <= last])  # global ids
                 continue
             for path in outermost(layer.scopes.select + layer.scopes.comm):  # Note [Outermost scope wins]
                 self._wrap(layer.submodule(path), f"layer {layer.index}: {path}", self.recompute_outputs)

@@ -40,6 +40,7 @@ class SwapStats:
     # swap scopes entered in forward under which no tensor reached the session ("layer 1: self_attn"):
     # something else checkpoints them (swapkit.runtime.overrides Note [Swaps nobody reports])
     unused_swaps: list[str] = field(default_factory=list)
+    micro_steps: int = 0  # forwards counted here: 1 per step; per chunk and micro-batch in a pipeline stage
 
     @property
     def mean_prefetch_lead(self) -> float:

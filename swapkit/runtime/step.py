@@ -315,6 +315,6 @@ class Step:
             **vars(stats), "ticks": self.clock, "wait_seconds": seconds, "resident_bytes": self.device_bytes,
             "host_pool_bytes": self.pool.total_bytes, "host_allocations": self.pool.allocations
             - self._allocations_at_start, "skipped": dict(stats.skipped),
-            "offloaded_by_scope": dict(stats.offloaded_by_scope), "aborted": self.aborted,
+            "offloaded_by_scope": dict(stats.offloaded_by_scope), "aborted": self.aborted, "micro_steps": 1,
             "unused_swaps": [scope_label(layer, path) for layer, path, _ in self.unused_swaps()],
         })

@@ -65,7 +65,7 @@ def train(config: Config | Mapping[str, Any] | str | Path, steps: int | None = N
     """
     config = config if isinstance(config, Config) else load_config(config)
     swapkit.build_plan(config)  # the built-in model needs num_layers: a missing one is a ConfigError here
-    device, total_steps = resolve_device(config, device), _resolve_steps(config, steps)
+    device, total_steps = resolve_device(config, device), resolve_steps(config, steps)
     _preflight(config, device, metrics_out)
     run = _start(config, device, total_steps, metrics_out)
     try:
@@ -95,7 +95,8 @@ def resolve_device(config: Config, override: str | None = None) -> torch.device:
     return torch.device(name)
 
 
-def _resolve_steps(config: Config, steps: int | None) -> int:
+def resolve_steps(config: Config, steps: int | None) -> int:
+    """``--steps`` or ``train.steps``, checked (and ``train.resume`` needs ``train.save_dir``)."""
     if steps is not None and not 1 <= steps <= LIMITS["steps"]:
         bound = ">= 1" if steps < 1 else f"<= {LIMITS['steps']:,}"
         raise ConfigError([Problem("--steps", f"got {show(steps)}; expected an integer {bound}")], config.source)

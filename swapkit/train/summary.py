@@ -30,6 +30,15 @@ def step_record(step: int, loss: float, seconds: float, stats: list[SwapStats]) 
     return record
 
 
+STAGE_STATS = ("peak_device_bytes", "saved_bytes", "offloaded_bytes", "prefetched_bytes", "late_fetches",
+               "wait_seconds", "micro_steps")
+
+
+def stage_rows(per_stage: list[tuple[int, SwapStats]]) -> list[dict[str, Any]]:
+    """One entry per pipeline stage for ``metrics["steps"][i]["stages"]``."""
+    return [{"stage": stage, **{key: getattr(stats, key) for key in STAGE_STATS}} for stage, stats in per_stage]
+
+
 def write_metrics(run: RunState) -> None:
     """Rewrite ``--metrics-out`` atomically, so an interrupted run keeps every finished step."""
     if run.metrics_out is None:
@@ -55,9 +64,22 @@ def summarize(run: RunState) -> dict[str, Any]:
     summary.update({f"{key}_per_step": statistics.median(column[key])
                     for key in ("saved_bytes", "offloaded_bytes", "prefetched_bytes")})
     summary["process_rss_bytes"] = psutil.Process().memory_info().rss  # the whole process, for scale
+    if "stages" in run.records[0]:
+        summary["stages"] = _stage_summary([r["stages"] for r in run.records])
     if run.device.type == "cuda":
         summary["cuda_max_memory_allocated"] = torch.cuda.max_memory_allocated(run.device)
     return summary
+
+
+def _stage_summary(steps: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per pipeline stage over the steps: peak of peaks, median bytes, total late fetches."""
+    rows = []
+    for stage_steps in zip(*steps):
+        rows.append({"stage": stage_steps[0]["stage"], "micro_steps": stage_steps[-1]["micro_steps"],
+                     "peak_device_bytes": max(s["peak_device_bytes"] for s in stage_steps),
+                     "offloaded_bytes_per_step": statistics.median(s["offloaded_bytes"] for s in stage_steps),
+                     "late_fetches": sum(s["late_fetches"] for s in stage_steps)})
+    return rows
 
 
 def format_summary(summary: Mapping[str, Any]) -> str:
@@ -80,6 +102,10 @@ def format_summary(summary: Mapping[str, Any]) -> str:
     if "resumed_from" in summary:
         rows.append(("resumed from", summary["resumed_from"]))
         rows += [("  changed since", note) for note in summary["resume_changes"]]
+    for stage in summary.get("stages", ()):
+        rows.append((f"stage {stage['stage']}: peak / swapped per step / late",
+                     f"{human_bytes(stage['peak_device_bytes'])} / {human_bytes(stage['offloaded_bytes_per_step'])} / "
+                     f"{stage['late_fetches']} ({stage['micro_steps']} micro-steps per step)"))
     width = max(len(name) for name, _ in rows)
     return "\n".join(["swapkit train summary"] + [f"  {name.ljust(width)}  {value}" for name, value in rows])
 

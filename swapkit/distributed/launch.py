@@ -1,0 +1,142 @@
+"""Starting the ranks of ``swapkit train`` when ``parallel_config`` asks for several.
+
+Note [Who starts the ranks]
+Under ``torchrun`` (``RANK`` and ``WORLD_SIZE`` in the environment) every process is already a rank:
+it joins the process group through ``env://`` and runs its part. Otherwise ``swapkit train``
+spawns ``pipeline_stage x data_parallel`` processes itself (``torch.multiprocessing``, spawn start
+method) that meet at a ``FileStore`` in a temporary folder, so one command trains on one CPU box.
+Rank 0 hands its :class:`TrainResult` back to the parent through a file. When a rank raises,
+``torch.multiprocessing`` stops the others and the parent raises :class:`RankFailed` with that
+rank's traceback; a rank stuck in a collective gives up after ``train.collective_timeout_s``.
+Backend: ``gloo`` on CPU, ``nccl`` on CUDA (one GPU per rank).
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from swapkit.config.errors import ConfigError, Problem
+from swapkit.config.types import Config
+from swapkit.distributed.pipeline import micro_batches
+from swapkit.train.state import TrainResult
+
+logger = logging.getLogger(__name__)
+
+
+class RankFailed(RuntimeError):
+    """A rank of a multi-process ``swapkit train`` raised; the message holds its error."""
+
+
+def world_size(config: Config) -> int:
+    """How many processes the config's ``parallel_config`` asks ``swapkit train`` for."""
+    return config.parallel.pipeline_stage * config.parallel.data_parallel
+
+
+def check(config: Config, device: torch.device) -> None:
+    """Problems a multi-process run would only meet inside its ranks, raised before any starts.
+
+    Raises:
+        ConfigError: every problem, with its key path.
+    """
+    problems, parallel = [], config.parallel
+    chunks = config.model.pp_interleave_num
+    if config.train.gradient_accumulation_steps != 1:
+        problems.append(Problem("train.gradient_accumulation_steps", f"got {config.train.gradient_accumulation_steps}"
+                                "; with several ranks the micro-batches are parallel_config.micro_batch_num, set "
+                                "gradient_accumulation_steps to 1"))
+    if parallel.pipeline_schedule in ("gpipe", "1f1b") and chunks > 1:
+        problems.append(Problem("parallel_config.pipeline_schedule", f"got {parallel.pipeline_schedule!r} but "
+                                f"model.model_config.pp_interleave_num is {chunks}; use interleaved_1f1b"))
+    micro = micro_batches(config)
+    if micro % parallel.pipeline_stage:
+        problems.append(Problem("parallel_config.micro_batch_num", f"got {micro}; expected a multiple of "
+                                f"pipeline_stage ({parallel.pipeline_stage})"))
+    if device.type == "cuda" and "RANK" not in os.environ and torch.cuda.device_count() < world_size(config):
+        problems.append(Problem("parallel_config", f"asks for {world_size(config)} ranks but only "
+                                f"{torch.cuda.device_count()} GPU(s) are visible; one rank per GPU"))
+    if problems:
+        raise ConfigError(problems, config.source)
+
+
+def launch(config: Config, device: torch.device, **options: Any) -> TrainResult | None:
+    """Run every rank (Note [Who starts the ranks]); rank 0's result, ``None`` on other torchrun ranks.
+
+    Raises:
+        RankFailed: a rank raised (its traceback is in the message).
+    """
+    check(config, device)
+    world = world_size(config)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return _torchrun_rank(config, device, world, options)
+    with tempfile.TemporaryDirectory(prefix="swapkit-ranks-") as folder:
+        result = Path(folder) / "result.pt"
+        try:
+            mp.start_processes(_spawned_rank, args=(world, config, device.type, folder, logger_level(), options),
+                               nprocs=world, join=True, start_method="spawn")
+        except mp.ProcessRaisedException as err:
+            raise RankFailed(f"rank {err.error_index} failed:\n{err}") from None
+        except mp.ProcessExitedException as err:
+            raise RankFailed(f"rank {err.error_index} exited with code {err.exit_code}") from None
+        return torch.load(result, weights_only=False)
+
+
+def logger_level() -> int:
+    return logging.getLogger("swapkit").getEffectiveLevel()
+
+
+def _torchrun_rank(config: Config, device: torch.device, world: int, options: dict) -> TrainResult | None:
+    if int(os.environ["WORLD_SIZE"]) != world:
+        raise ConfigError([Problem("parallel_config", f"pipeline_stage x data_parallel = {world} but torchrun "
+                                   f"started WORLD_SIZE={os.environ['WORLD_SIZE']} processes; make them agree")],
+                          config.source)
+    rank = int(os.environ["RANK"])
+    _configure_child_logging(rank, logger_level())
+    _init(config, device, rank, world, "env://")
+    return _run(config, device, rank, world, options)
+
+
+def _spawned_rank(rank: int, world: int, config: Config, device_type: str, folder: str, level: int,
+                  options: dict) -> None:
+    _configure_child_logging(rank, level)
+    device = torch.device(device_type)
+    _init(config, device, rank, world, Path(folder, "store").as_uri())
+    result = _run(config, device, rank, world, options)
+    if rank == 0:
+        torch.save(result, Path(folder) / "result.pt")
+
+
+def _init(config: Config, device: torch.device, rank: int, world: int, init_method: str) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=init_method, rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=config.train.collective_timeout_s))
+
+
+def _run(config: Config, device: torch.device, rank: int, world: int, options: dict) -> TrainResult | None:
+    from swapkit.distributed.train import train_rank  # torch.distributed.fsdp and pipelining load in the ranks only
+
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    try:
+        return train_rank(config, device, rank, world, **options)
+    finally:
+        dist.destroy_process_group()
+
+
+def _configure_child_logging(rank: int, level: int) -> None:
+    """Spawned ranks log like the CLI, prefixed with their rank; only rank 0 logs below WARNING."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"[rank {rank}] %(levelname)s - %(message)s"))
+    swapkit_logger = logging.getLogger("swapkit")
+    swapkit_logger.handlers[:] = [handler]
+    swapkit_logger.setLevel(level if rank == 0 else max(level, logging.WARNING))
+    swapkit_logger.propagate = False

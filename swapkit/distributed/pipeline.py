@@ -1,0 +1,125 @@
+"""A pipeline stage of the built-in model on ``torch.distributed.pipelining``.
+
+Each rank materializes only its own chunks: the full model is built on the ``meta`` device, the
+stage's chunks take their modules from it and are then allocated on the real device, and the
+weights are drawn from the same seeded stream as :meth:`LlamaModel.reset_parameters` (the other
+stages' draws are generated and dropped), so a pipeline starts from exactly the weights of the
+single-process model.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+from swapkit.config.types import Config, ModelConfig
+from swapkit.plan.plan import Plan
+from swapkit.train.model import LlamaModel, build_model, rotary_tables
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
+
+
+class PipelineChunk(nn.Module):
+    """Consecutive layers of the built-in model; the first chunk embeds, the last one projects.
+
+    The layer container is ``layers`` and holds exactly the chunk's layers, in global order.
+    """
+
+    layers_path = "layers"
+
+    def __init__(self, model: LlamaModel, layer_ids: list[int], first: bool, last: bool) -> None:
+        super().__init__()
+        self.layer_ids = list(layer_ids)
+        self.tok_embeddings = model.tok_embeddings if first else None
+        self.layers = nn.ModuleList(model.layers[i] for i in layer_ids)
+        self.norm_out = model.norm_out if last else None
+        self.lm_head = model.lm_head if last else None
+        self.register_buffer("rope_cos", model.rope_cos, persistent=False)
+        self.register_buffer("rope_sin", model.rope_sin, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
+        seq = h.shape[1]
+        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.lm_head(self.norm_out(h)) if self.lm_head is not None else h
+
+    def global_names(self) -> dict[str, str]:
+        """Parameter name in this chunk -> name in the single-process :class:`LlamaModel`."""
+        names = {}
+        for name, _ in self.named_parameters():
+            head, _, rest = name.partition(".")
+            if head == "layers":
+                index, _, tail = rest.partition(".")
+                names[name] = f"layers.{self.layer_ids[int(index)]}.{tail}"
+            else:
+                names[name] = name
+        return names
+
+
+def build_stage_chunks(cfg: ModelConfig, plan: Plan, stage: int, seed: int,
+                       device: torch.device | str = "cpu") -> list[PipelineChunk]:
+    """The ``pp_interleave_num`` chunks of pipeline stage ``stage``, with the single-process weights."""
+    meta = build_model(cfg, device="meta")
+    last_chunk = plan.layout.pp_interleave_num - 1
+    last_stage = plan.layout.pipeline_stage - 1
+    chunks = [PipelineChunk(meta, ids, first=(v, stage) == (0, 0), last=(v, stage) == (last_chunk, last_stage))
+              for v, ids in enumerate(plan.stage_layers(stage))]
+    for chunk in chunks:
+        chunk.to_empty(device=device)
+    _init_like_single_process(meta, chunks, seed, cfg.num_layers)
+    return chunks
+
+
+def _init_like_single_process(meta: LlamaModel, chunks: list[PipelineChunk], seed: int, num_layers: int) -> None:
+    """Same draws, in the same order, as :meth:`LlamaModel.reset_parameters` (other stages' are dropped)."""
+    by_name = {chunk.global_names()[n]: p for chunk in chunks for n, p in chunk.named_parameters()}
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in meta.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("norm_out.weight"):
+                if name in by_name:
+                    nn.init.ones_(by_name[name])
+                continue
+            std = 0.02 / math.sqrt(2 * num_layers) if name.endswith(("wo.weight", "w2.weight")) else 0.02
+            values = torch.randn(param.shape, generator=gen) * std
+            if name in by_name:
+                by_name[name].copy_(values)
+        cos, sin = rotary_tables(meta.config)
+        for chunk in chunks:
+            chunk.rope_cos.copy_(cos)
+            chunk.rope_sin.copy_(sin)
+
+
+def micro_batches(config: Config) -> int:
+    """``parallel_config.micro_batch_num``, by default one per pipeline stage."""
+    return config.parallel.micro_batch_num or config.parallel.pipeline_stage
+
+
+def pipeline_stages(chunks: list[nn.Module], stage: int, pipeline_stage: int, device: torch.device,
+                    group: torch.distributed.ProcessGroup | None = None) -> list[PipelineStage]:
+    """One ``PipelineStage`` per chunk; chunk ``v`` of stage ``s`` is torch stage ``v * P + s``."""
+    total = pipeline_stage * len(chunks)
+    return [PipelineStage(chunk, v * pipeline_stage + stage, total, device, group=group)
+            for v, chunk in enumerate(chunks)]
+
+
+def make_schedule(name: str, stages: list[PipelineStage], micro_batches: int,
+                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> object:
+    """The torch schedule ``name`` (``gpipe``, ``1f1b``, ``interleaved_1f1b``) over the stage's chunks.
+
+    Raises:
+        ValueError: an unknown name, or a single-chunk schedule with several chunks.
+    """
+    if name not in SCHEDULES:
+        raise ValueError(f"schedule {name!r} is not one of {sorted(SCHEDULES)}")
+    if name != "interleaved_1f1b":
+        if len(stages) != 1:
+            raise ValueError(f"schedule {name!r} runs one chunk per stage but this stage has {len(stages)} "
+                             "(pp_interleave_num > 1); use interleaved_1f1b")
+        return SCHEDULES[name](stages[0], micro_batches, loss_fn=loss_fn)
+    return ScheduleInterleaved1F1B(stages, micro_batches, loss_fn=loss_fn)

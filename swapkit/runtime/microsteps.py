@@ -1,0 +1,217 @@
+"""Micro-steps: one :class:`~swapkit.runtime.step.Step` per forward of a pipeline chunk for one micro-batch.
+
+A pipeline schedule (``torch.distributed.pipelining``) runs, inside one optimizer step, the forwards
+and backwards of several micro-batches in an order of its own (GPipe: all forwards, then all
+backwards; 1F1B and Interleaved1F1B: interleaved). Each forward of a chunk is a :class:`MicroStep`
+with its own clock, release queue and prefetch queue; :class:`MicroSteps` is the optimizer step
+that holds them and adds up what they did.
+
+Note [Micro-steps are independent clocks]
+A micro-step's ticks, horizons and prefetch distances count only its own saves. A later forward
+never closes, advances or drains an earlier micro-step's queues: the earlier one keeps its records
+until its own backward unpacks them, and its backward prefetches them by its own clock. The only
+thing micro-steps share is the device-bytes counter of their optimizer step, whose maximum is the
+step's ``peak_device_bytes`` (the bytes resident across all live micro-steps at once).
+
+Note [Micro-step tails]
+In a single step the last ``k`` ticks of forward stay on the device because backward starts right
+after them (``swapkit.runtime.step.Note [The last k ticks stay on the device]``). In a pipeline that
+is only true of a micro-step whose backward directly follows its own forward. So when a new forward
+opens, every earlier micro-step still waiting for its backward releases its tail (each record once
+its copy has finished; waiting ones are polled at every later save), except the one expected to run
+backward next, whose tail is about to be used. "Expected next" is the order the previous optimizer
+step ran its backwards in (schedules repeat themselves), or the oldest waiting micro-step in the
+first step (GPipe and 1F1B run backwards in forward order). Skipping the offload of the tail
+(``runtime.skip_tail_offload``) is applied only to micro-steps whose backward directly followed
+their forward in the previous optimizer step, with that micro-step's own forward length.
+
+Note [Looking ahead into the next micro-step]
+Backward of micro-step ``m`` at its tick ``t`` prefetches its own records due by ``t``; the
+micro-step ``p`` expected to run backward next is treated as if its ticks continued below ``m``'s
+tick 0: a record of ``p`` with horizon ``h`` is due once ``t <= h - p.clock``. So the first-needed
+records of ``p`` are on their way while ``m``'s last ``k`` ticks are computed. A wrong guess only
+brings bytes back early; correctness never depends on it (an unpack waits for its copy).
+"""
+from __future__ import annotations
+
+import sys
+import threading
+from collections import defaultdict
+from dataclasses import dataclass, fields
+from typing import Callable
+
+from swapkit.runtime.step import Step
+from swapkit.runtime.stats import SwapStats
+
+Key = tuple[int, int]  # (chunk index in the stage, micro-batch ordinal of that chunk in the step)
+
+
+class MicroStep(Step):
+    """One forward of one chunk for one micro-batch, and its backward (Note [Micro-steps are independent clocks])."""
+
+    def __init__(self, group: "MicroSteps", key: Key, number: int, *args, **kwargs) -> None:
+        self.group, self.key = group, key
+        super().__init__(number, *args, on_backward=group.backward_began, **kwargs)
+        self.forward_done = self.direct = self.tail_released = False
+
+    def save(self, tensor, frame):  # noqa: ANN001, ANN201 - Step.save's signature
+        self.group.poll(self)
+        return super().save(tensor, frame)
+
+    def release_tail(self) -> None:
+        """Every record is due now; each is released once its copy finished (Note [Micro-step tails])."""
+        self.tail_released = True
+        self._advance(sys.maxsize)
+
+    def poll(self) -> None:
+        """Release the due records whose copies have finished since the last look."""
+        self._advance(-1)
+
+    def unpacked(self, tick: int) -> None:
+        super().unpacked(tick)
+        self.group.look_ahead(self, tick)
+
+    def prefetch_from(self, bound: int) -> None:
+        """Issue the prefetch of every released record with horizon ``>= bound`` (Note [Looking ahead ...])."""
+        with self.lock:
+            for record in self._prefetch.pop_due(bound):
+                record.fetch(bound)
+
+    def device_bytes_added(self, nbytes: int) -> None:
+        super().device_bytes_added(nbytes)
+        self.group.bytes_changed(nbytes)
+
+    def device_bytes_freed(self, nbytes: int) -> None:
+        super().device_bytes_freed(nbytes)
+        self.group.bytes_changed(-nbytes)
+
+
+@dataclass(frozen=True)
+class MicroStepStats:
+    """What one micro-step did: its chunk (index within the stage), micro-batch ordinal and counters."""
+
+    chunk: int
+    micro_batch: int
+    stats: SwapStats
+
+
+class MicroSteps:
+    """The micro-steps of one optimizer step (one ``with session:`` block) and their shared accounting."""
+
+    def __init__(self, number: int, host_allocations: int, previous: "MicroSteps | None") -> None:
+        self.number = number
+        self.steps: list[MicroStep] = []
+        self.backward_order: list[Key] = []
+        self._learned = previous.backward_order if previous is not None else None
+        self._tails = previous.direct_lengths() if previous is not None else {}
+        self._opened: dict[int, int] = defaultdict(int)
+        self._last_opened: MicroStep | None = None
+        self._allocations_at_start = host_allocations
+        self.device_bytes = self.peak_device_bytes = 0
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ forward
+
+    def open(self, chunk: int, make: Callable[[Key, int | None], MicroStep]) -> MicroStep:
+        """A new forward of ``chunk`` saved its first tensor: open its micro-step."""
+        key = (chunk, self._opened[chunk])
+        self._opened[chunk] += 1
+        expected = self.expected_next()
+        for waiting in self._waiting():
+            if waiting is not expected and not waiting.tail_released:  # Note [Micro-step tails]
+                waiting.release_tail()
+        step = make(key, self._tails.get(key))
+        self.steps.append(step)
+        self._last_opened = step
+        return step
+
+    def forward_ended(self, step: MicroStep) -> None:
+        step.forward_done = True
+
+    def poll(self, current: MicroStep) -> None:
+        for waiting in self._waiting():
+            if waiting is not current:
+                waiting.poll()
+
+    # ------------------------------------------------------------------ backward
+
+    def backward_began(self, step: Step) -> None:
+        assert isinstance(step, MicroStep)
+        step.direct = step is self._last_opened
+        self.backward_order.append(step.key)
+
+    def look_ahead(self, step: MicroStep, tick: int) -> None:
+        """Note [Looking ahead into the next micro-step]"""
+        following = self.expected_next()
+        if following is not None and following is not step:
+            following.prefetch_from(tick + following.clock)
+
+    def expected_next(self) -> MicroStep | None:
+        """The waiting micro-step expected to run backward next (Note [Micro-step tails])."""
+        waiting = self._waiting()
+        if not waiting:
+            return None
+        if self._learned is None:
+            return waiting[0]
+        begun = set(self.backward_order)
+        key = next((k for k in self._learned if k not in begun), None)
+        return next((s for s in waiting if s.key == key), None)
+
+    def _waiting(self) -> list[MicroStep]:
+        return [s for s in self.steps if s.forward_done and not s.backward_started]
+
+    def direct_lengths(self) -> dict[Key, int]:
+        """Forward lengths of the micro-steps whose backward directly followed their forward."""
+        return {s.key: s.clock for s in self.steps if s.direct}
+
+    # ------------------------------------------------------------------ accounting and end
+
+    def bytes_changed(self, delta: int) -> None:
+        with self._lock:
+            self.device_bytes += delta
+            self.peak_device_bytes = max(self.peak_device_bytes, self.device_bytes)
+
+    def finish(self) -> None:
+        """The block ended: forwards without a backward yet wait for their copies (eval, or backward later)."""
+        for step in self.steps:
+            if not step.backward_started:
+                step.finish_forward()
+        if self.steps:
+            self.steps[0].engine.synchronize()
+
+    def close(self, aborted: bool = False) -> None:
+        for step in self.steps:
+            step.close(aborted)
+
+    def per_micro_step(self) -> list[MicroStepStats]:
+        return [MicroStepStats(s.key[0], s.key[1], s.snapshot()) for s in self.steps]
+
+    def snapshot(self, host_allocations: int) -> SwapStats:
+        """The micro-steps' counters added up; the peak is the peak of their sum."""
+        total = SwapStats(step=self.number, skipped=defaultdict(int), offloaded_by_scope=defaultdict(int))
+        parts = [s.snapshot() for s in self.steps]
+        for part in parts:
+            _add(total, part)
+        total.skipped, total.offloaded_by_scope = dict(total.skipped), dict(total.offloaded_by_scope)
+        total.peak_device_bytes, total.resident_bytes = self.peak_device_bytes, self.device_bytes
+        total.host_pool_bytes = parts[-1].host_pool_bytes if parts else 0
+        total.host_allocations = host_allocations - self._allocations_at_start
+        total.micro_steps = len(parts)
+        return total
+
+
+_NOT_SUMMED = {"step", "peak_device_bytes", "resident_bytes", "host_pool_bytes", "host_allocations", "micro_steps"}
+
+
+def _add(total: SwapStats, part: SwapStats) -> None:
+    for f in fields(SwapStats):
+        value = getattr(part, f.name)
+        if f.name in _NOT_SUMMED:
+            continue
+        if isinstance(value, dict):
+            for key, nbytes in value.items():
+                getattr(total, f.name)[key] += nbytes
+        elif isinstance(value, bool):
+            setattr(total, f.name, getattr(total, f.name) or value)
+        else:
+            setattr(total, f.name, getattr(total, f.name) + value)

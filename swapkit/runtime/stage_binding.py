@@ -1,0 +1,53 @@
+"""Binding a plan to one pipeline stage: the stage's chunk modules, each holding its chunk's layers.
+
+The plan is the whole model's plan. A stage owns ``V`` chunks (``Plan.stage_layers``); chunk ``v``
+of the stage holds, at the same dotted path, exactly the global layers ``stage_layers(s)[v]`` in
+order. Every :class:`~swapkit.runtime.binding.BoundLayer` keeps its *global* index, so decisions,
+log lines, scope labels and stats read as they do for the single-process model.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from swapkit.plan.plan import Plan
+from swapkit.plan.report import resolve_layer
+from swapkit.runtime.binding import Binding, BindError, BoundLayer, find_layers, module_tree
+
+
+def as_chunks(modules: nn.Module | list[nn.Module] | tuple[nn.Module, ...], plan: Plan, stage: int) -> list[nn.Module]:
+    """The chunk modules of ``stage`` as a list, checked against the plan's interleave count.
+
+    Raises:
+        BindError: not modules, or not one module per interleave chunk.
+    """
+    chunks = [modules] if isinstance(modules, nn.Module) else list(modules)
+    expected = plan.stage_layers(stage)
+    if not all(isinstance(m, nn.Module) for m in chunks):
+        raise BindError(f"stage {stage}: expected an nn.Module or a list of nn.Module chunks, got "
+                        f"{[type(m).__name__ for m in chunks]}")
+    if len(chunks) != len(expected):
+        raise BindError(f"stage {stage}: got {len(chunks)} chunk module(s) but the config has "
+                        f"model.model_config.pp_interleave_num: {len(expected)}; pass one module per chunk "
+                        f"(global layers {expected})")
+    return chunks
+
+
+def bind_stage(chunks: list[nn.Module], plan: Plan, layers_path: str | None, stage: int) -> Binding:
+    """Bind the plan's layers of pipeline stage ``stage`` to its chunk modules (global layer ids).
+
+    Raises:
+        BindError: a chunk's layer container is missing or does not hold that chunk's layers.
+    """
+    bound: list[BoundLayer] = []
+    path = layers_path or plan.layers_path
+    for v, (chunk, ids) in enumerate(zip(chunks, plan.stage_layers(stage))):
+        path, container = find_layers(chunk, path, len(ids))
+        layers = list(container)
+        if len(layers) != len(ids):
+            raise BindError(f"stage {stage} chunk {v} (torch pipeline stage {v * plan.layout.pipeline_stage + stage})"
+                            f": {type(chunk).__name__}.{path} holds {len(layers)} layers but this chunk owns "
+                            f"global layers {ids} ({len(ids)} layers) under the config's layout; build the chunk "
+                            "with exactly those layers, in order")
+        bound += [BoundLayer(i, layer, plan.layers[i], resolve_layer(plan.layers[i], module_tree(layer)))
+                  for i, layer in zip(ids, layers)]
+    return Binding(nn.ModuleList(chunks), path, bound)

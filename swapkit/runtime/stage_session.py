@@ -1,0 +1,165 @@
+"""The swap session of one pipeline stage: its chunk modules, one micro-step per chunk forward.
+
+``swapkit.apply(modules, config, stage=s)`` returns a :class:`StageSession`. It is a
+:class:`~swapkit.runtime.session.SwapSession` whose packs go to the micro-step of the chunk forward
+that is running (``swapkit.runtime.microsteps``); one ``with session:`` block around
+``schedule.step(...)`` is one optimizer step.
+
+Note [Opening a micro-step lazily]
+A forward pre-hook on each chunk module marks "a forward of chunk v is running"; the micro-step
+itself opens at the first tensor saved after it, and the forward hook (``always_call``) ends its
+forward. So ``PipelineStage``'s shape-inference forward, which runs under ``torch.no_grad()`` and
+saves nothing, opens nothing. Tensors saved outside any chunk forward (a loss function on the last
+stage) are kept as they are and not counted, like packs during backward
+(``swapkit.runtime.session.Note [Packs during backward]``).
+
+Note [Metadata inference is not a micro-step]
+``PipelineStage`` without static shapes infers them on its first use by running a real forward
+(with grad, when the schedule has a backward) and a real ``torch.autograd.grad`` of each chunk, on
+throw-away inputs. That pass is not a micro-batch: the session recognises it by the frame of
+torch's ``_forward_metadata_inference`` on the stack when its first tensor is saved, and keeps its
+tensors as they are, uncounted, like packs outside a chunk. Passing ``input_args``/``output_args``
+to ``PipelineStage`` skips the pass altogether.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+from itertools import chain
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from swapkit.runtime.microsteps import Key, MicroStep, MicroSteps, MicroStepStats
+from swapkit.runtime.records import Saved
+from swapkit.runtime.session import SwapSession
+from swapkit.runtime.stats import SwapStats
+
+logger = logging.getLogger(__name__)
+
+
+class StageSession(SwapSession):
+    """Swap and recompute on the chunks of one pipeline stage. Create it with ``swapkit.apply(..., stage=s)``.
+
+    Example:
+        >>> session = swapkit.apply([chunk], config, layers="layers", stage=rank)  # doctest: +SKIP
+        >>> with session:  # one optimizer step
+        ...     schedule.step(x) if rank == 0 else schedule.step(target=y, losses=losses)
+        >>> session.stats.micro_steps, session.stats.peak_device_bytes  # doctest: +SKIP
+    """
+
+    def __init__(self, chunks: list[nn.Module], stage: int, *args: Any) -> None:
+        super().__init__(*args)
+        self.chunks, self.stage = chunks, stage
+        self._group: MicroSteps | None = None
+        self._groups = 0
+        self._running: int | None = None  # chunk whose forward is running (Note [Opening a micro-step lazily])
+        self._current: MicroStep | None = None
+        self._chunk_hooks: list[RemovableHandle] = []
+        for v, chunk in enumerate(chunks):
+            self._chunk_hooks.append(chunk.register_forward_pre_hook(self._chunk_hook(v)))
+            self._chunk_hooks.append(chunk.register_forward_hook(self._chunk_hook(None), always_call=True))
+
+    # ------------------------------------------------------------------ micro-steps
+
+    def _start_step(self) -> None:  # called by __enter__: a new optimizer step
+        previous = self._group
+        if previous is not None:
+            previous.close()
+        self._groups += 1
+        self._group = MicroSteps(self._groups, self.pool.allocations, previous)
+        self._running = self._current = self._step = None
+
+    def _chunk_hook(self, chunk: int | None) -> Any:
+        def hook(_module: nn.Module, *_: Any) -> None:
+            if self._hooks is None:
+                return
+            if chunk is None and self._current is not None:
+                self._group.forward_ended(self._current)
+            self._running, self._current = chunk, None
+
+        return hook
+
+    def _pack(self, tensor: torch.Tensor) -> Saved:
+        if torch._C._current_graph_task_id() != -1 or self._open() is None:  # Note [Opening a micro-step ...]
+            return Saved(tensor.detach(), tensor._version, None, -1, None, None, self.tracker.top)
+        return self._current.save(tensor, self.tracker.top)
+
+    def _open(self) -> MicroStep | None:
+        """The running chunk forward's micro-step, opened now if needed; ``None`` outside one."""
+        if self._current is None and self._running is not None:
+            if _in_metadata_inference():  # Note [Metadata inference is not a micro-step]
+                self._running = None
+            else:
+                self._current = self._step = self._group.open(self._running, self._new_micro_step)
+        return self._current
+
+    def record_recipe(self, *args: Any, **kwargs: Any) -> None:
+        if self._open() is not None:  # outside a micro-step the outputs are simply kept
+            super().record_recipe(*args, **kwargs)
+
+    def _new_micro_step(self, key: Key, tail_ticks: int | None) -> MicroStep:
+        self._steps += 1
+        params = {id(t.untyped_storage()) for t in chain(self.model.parameters(), self.model.buffers())}
+        return MicroStep(self._group, key, self._steps, self.engine, self.pool, self.plan.runtime, params,
+                         tail_ticks)
+
+    # ------------------------------------------------------------------ context manager
+
+    def _leave(self, exc_type: Any) -> None:  # SwapSession.__exit__ calls it
+        hooks, self._hooks = self._hooks, None
+        hooks.__exit__(None, None, None)
+        self.tracker.reset()
+        self._running = self._current = None
+        group = self._group
+        try:
+            if exc_type is None:
+                group.finish()
+            else:
+                self.engine.synchronize()
+        except BaseException:
+            group.close(aborted=True)
+            if exc_type is None:
+                raise
+            logger.warning("swapkit: a copy also failed while leaving the block after an error", exc_info=True)
+        if exc_type is not None:
+            group.close(aborted=True)
+
+    # ------------------------------------------------------------------ public
+
+    @property
+    def stats(self) -> SwapStats:
+        """The last optimizer step's micro-steps added up (``micro_steps``, bytes summed, peak of the sum)."""
+        return self._group.snapshot(self.pool.allocations) if self._group is not None else SwapStats()
+
+    @property
+    def micro_step_stats(self) -> list[MicroStepStats]:
+        """Per micro-step counters of the last optimizer step, in the order their forwards opened."""
+        return self._group.per_micro_step() if self._group is not None else []
+
+    def remove(self) -> None:
+        """Undo everything ``swapkit.apply`` did to the stage's chunks."""
+        if self._hooks is None and not self._removed:
+            for handle in self._chunk_hooks:
+                handle.remove()
+            self._chunk_hooks.clear()
+            if self._group is not None:
+                self._group.close()
+            for chunk in self.chunks:
+                chunk.__dict__.pop("_swapkit_applied", None)
+        super().remove()
+
+
+_INFERENCE_FRAMES = frozenset({"_forward_metadata_inference", "_shape_inference"})
+
+
+def _in_metadata_inference() -> bool:
+    """Is ``torch.distributed.pipelining`` inferring shapes (Note [Metadata inference is not a micro-step])?"""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name in _INFERENCE_FRAMES and "pipelining" in frame.f_code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
