@@ -33,7 +33,9 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from swapkit.runtime.microsteps import Key, MicroStep, MicroSteps, MicroStepStats
+from swapkit.runtime.overrides import entry_cause
 from swapkit.runtime.records import Saved
+from swapkit.runtime.scope import Frame
 from swapkit.runtime.session import SwapSession
 from swapkit.runtime.stats import SwapStats
 
@@ -96,6 +98,14 @@ class StageSession(SwapSession):
                 self._current = self._step = self._group.open(self._running, self._new_micro_step)
         return self._current
 
+    def _swap_scope_entered(self, frame: Frame) -> None:
+        """swapkit.runtime.overrides Note [Swaps nobody reports], per micro-step. A grad-disabled
+        forward (shape inference) saves nothing and so opens no micro-step (Note [Opening a ...])."""
+        if self._hooks is None or torch._C._current_graph_task_id() != -1 or not torch.is_grad_enabled():
+            return
+        if self._open() is not None:
+            self._current.scope_entered(frame, entry_cause(self._pack))
+
     def record_recipe(self, *args: Any, **kwargs: Any) -> None:
         if self._open() is not None:  # outside a micro-step the outputs are simply kept
             super().record_recipe(*args, **kwargs)
@@ -104,7 +114,7 @@ class StageSession(SwapSession):
         self._steps += 1
         params = {id(t.untyped_storage()) for t in chain(self.model.parameters(), self.model.buffers())}
         return MicroStep(self._group, key, self._steps, self.engine, self.pool, self.plan.runtime, params,
-                         tail_ticks)
+                         tail_ticks, swap_scopes=tuple(self.tracker.swap_scopes))
 
     # ------------------------------------------------------------------ context manager
 
@@ -117,6 +127,8 @@ class StageSession(SwapSession):
         try:
             if exc_type is None:
                 group.finish()
+                for step in group.steps:  # swaps that saw no tensor in any micro-step's forward
+                    self._report_unused(step)
             else:
                 self.engine.synchronize()
         except BaseException:
