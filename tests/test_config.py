@@ -146,8 +146,10 @@ def test_seed_config_with_context_warns_once(caplog):
      "context.memory_optimize_level: got 'O3'; expected one of 'O0', 'O1'"),
     (with_sections(recompute_config={"mp_comm_recompute": 1}),
      "recompute_config.mp_comm_recompute: got 1; expected true or false"),
+    (with_sections(parallel_config={"model_parallel": 0}),  # data_parallel is swapkit's own key now (FSDP2)
+     "parallel_config.model_parallel: got 0; expected an integer >= 1"),
     (with_sections(parallel_config={"data_parallel": 0}),
-     "parallel_config.data_parallel: got 0; expected an integer >= 1"),
+     "parallel_config.data_parallel: got 0; expected an integer from 1 to 65536"),
     (with_sections(seed=-1), "seed: got -1; expected an integer >= 0"),
     (with_sections(context=["O0"]), "context: got ['O0']; expected a mapping of keys to values"),
 ])

@@ -33,9 +33,9 @@ class CopyCancelled(RuntimeError):
 # leaving a `with session:` block waits for it. When Ctrl-C arrives the work is being thrown away,
 # so the emulated delays are cancelled: a copy still sleeping on its delay ends at once with
 # CopyCancelled (its bytes never moved, so nothing reads them), which `synchronize` does not report
-# as a failure. This happens when KeyboardInterrupt interrupts `wait`, when `synchronize` runs while
-# a KeyboardInterrupt propagates (the session's `__exit__`), and in `close`. Only the sleep is
-# cancelled: a copy already moving bytes finishes.
+# as a failure. This happens when `synchronize` runs while a KeyboardInterrupt propagates (the
+# session's `__exit__`) and in `close`. A Ctrl-C that only interrupts one `wait` cancels nothing:
+# the caller may catch it and go on, and its later copies must still arrive.
 
 
 class ThreadCopy:
@@ -106,9 +106,6 @@ class ThreadCopyEngine:
                 try:
                     while not copy.done:  # checked under the lock: the worker signals after setting it
                         self._finished.wait()
-                except KeyboardInterrupt:
-                    self._closing.set()  # Note [Ctrl-C and the emulated link]
-                    raise
                 finally:  # a KeyboardInterrupt in wait() must not leave the counter raised
                     self._waiting -= 1
         if copy.error is not None:
