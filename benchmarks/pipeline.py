@@ -3,8 +3,8 @@
 Each rank builds its stage of the built-in model (``swapkit.distributed.pipeline``) three times, one
 per variant, each with a swapkit session on its chunk: ``keep`` (no swap, no recompute: the session
 only accounts), ``swap`` (layer swap of every layer) and ``recompute`` (every layer fully
-recomputed). The variants' optimizer-free steps are interleaved (keep, swap, recompute, keep, ...)
-on each schedule, so load drifts hit all of them alike; medians are reported. Gradients are
+recomputed). The variants' optimizer-free steps are interleaved, in a rotating order, on each
+schedule, so load drifts hit all of them alike; medians are reported. Gradients are
 compared with ``keep``'s: ``torch.equal`` for swap, ``assert_close`` for recompute. Memory is the
 session's accounting of device-resident saved bytes per stage (on CPU not the RSS).
 
@@ -96,8 +96,8 @@ def measure(rank: int, schedule: str, model: dict, reps: int) -> list[dict]:
         variant.step(x, y)
     for variant in variants:
         variant.times.clear()
-    for _ in range(reps):
-        for variant in variants:
+    for rep in range(reps):  # rotate the order too: no variant always runs first after the others
+        for variant in variants[rep % 3:] + variants[:rep % 3]:
             variant.step(x, y)
     keep = variants[0]
     return [row(rank, schedule, v, keep) for v in variants]

@@ -170,3 +170,25 @@ def test_a_later_forward_leaves_earlier_micro_steps_alone():
     assert per[0].stats.prefetched_bytes == per[0].stats.offloaded_bytes  # its tail was released, then fetched
     assert stats.late_fetches == 0 and stats.resident_bytes == 0
     assert stats.peak_device_bytes < per[0].stats.saved_bytes
+
+
+@pytest.mark.cuda
+def test_micro_steps_with_the_cuda_engine_keep_gradients_bit_identical():
+    """F0 F1 B0 B1 by hand on a GPU: the CUDA engine's streams under micro-steps."""
+    swap = {"swap_config": {"swap": True, "layer_swap": {"backward_prefetch": 2, "layers": True}},
+            "runtime": {"min_offload_bytes": 0}}
+    config = pipeline_config("1f1b", **swap)
+    plan = swapkit.build_plan(swapkit.load_config(config))
+    model = swapkit.load_config(config).model
+    ref, = build_stage_chunks(model, plan, 1, seed=1, device="cuda")
+    chunk, = build_stage_chunks(model, plan, 1, seed=1, device="cuda")
+    session = swapkit.apply(chunk, config, layers="layers", stage=1)
+    xs = [torch.randn(2, 16, 32, device="cuda", generator=torch.Generator("cuda").manual_seed(i)) for i in range(2)]
+    for loss in [_forward(ref, x) for x in xs]:
+        loss.backward()
+    with session:
+        for loss in [_forward(chunk, x) for x in xs]:
+            loss.backward()
+    assert session.stats.micro_steps == 2 and session.stats.offloaded_bytes > 0
+    for (name, a), (_, b) in zip(ref.named_parameters(), chunk.named_parameters()):
+        assert torch.equal(a.grad, b.grad), name

@@ -9,6 +9,11 @@ Rank 0 hands its :class:`TrainResult` back to the parent through a file. When a 
 ``torch.multiprocessing`` stops the others and the parent raises :class:`RankFailed` with that
 rank's traceback; a rank stuck in a collective gives up after ``train.collective_timeout_s``.
 Backend: ``gloo`` on CPU, ``nccl`` on CUDA (one GPU per rank).
+
+Note [The first failure is the cause]
+When one rank raises, its peers soon fail too: their collectives see the connection drop. Which
+of those failures ``torch.multiprocessing`` notices first is a race, so each spawned rank writes
+its traceback and the time it failed to the run's folder, and the parent reports the earliest.
 """
 from __future__ import annotations
 
@@ -17,6 +22,8 @@ import logging
 import os
 import sys
 import tempfile
+import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -83,10 +90,21 @@ def launch(config: Config, device: torch.device, **options: Any) -> TrainResult 
             mp.start_processes(_spawned_rank, args=(world, config, device.type, folder, logger_level(), options),
                                nprocs=world, join=True, start_method="spawn")
         except mp.ProcessRaisedException as err:
-            raise RankFailed(f"rank {err.error_index} failed:\n{err}") from None
+            raise RankFailed(_first_failure(Path(folder), err.error_index, str(err))) from None
         except mp.ProcessExitedException as err:
             raise RankFailed(f"rank {err.error_index} exited with code {err.exit_code}") from None
         return torch.load(result, weights_only=False)
+
+
+def _first_failure(folder: Path, noticed: int, message: str) -> str:
+    """Note [The first failure is the cause]"""
+    failures = sorted((float(path.read_text().split("\n", 1)[0]), int(path.stem[len("failed"):]), path)
+                      for path in folder.glob("failed*.txt"))
+    if not failures:
+        return f"rank {noticed} failed:\n{message}"
+    _, rank, path = failures[0]
+    others = f" ({len(failures) - 1} other rank(s) failed after it)" if len(failures) > 1 else ""
+    return f"rank {rank} failed{others}:\n{path.read_text().split(chr(10), 1)[1]}"
 
 
 def logger_level() -> int:
@@ -109,7 +127,11 @@ def _spawned_rank(rank: int, world: int, config: Config, device_type: str, folde
     _configure_child_logging(rank, level)
     device = torch.device(device_type)
     _init(config, device, rank, world, Path(folder, "store").as_uri())
-    result = _run(config, device, rank, world, options)
+    try:
+        result = _run(config, device, rank, world, options)
+    except BaseException:
+        Path(folder, f"failed{rank}.txt").write_text(f"{time.time()}\n{traceback.format_exc()}")
+        raise
     if rank == 0:
         torch.save(result, Path(folder) / "result.pt")
 

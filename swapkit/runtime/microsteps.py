@@ -38,8 +38,12 @@ import sys
 import threading
 from collections import defaultdict
 from dataclasses import dataclass, fields
-from typing import Callable
+from typing import Any, Callable
 
+import torch
+
+from swapkit.runtime.records import Saved
+from swapkit.runtime.scope import Frame
 from swapkit.runtime.step import Step
 from swapkit.runtime.stats import SwapStats
 
@@ -49,12 +53,14 @@ Key = tuple[int, int]  # (chunk index in the stage, micro-batch ordinal of that 
 class MicroStep(Step):
     """One forward of one chunk for one micro-batch, and its backward (Note [Micro-steps are independent clocks])."""
 
-    def __init__(self, group: "MicroSteps", key: Key, number: int, *args, **kwargs) -> None:
+    def __init__(self, group: "MicroSteps", key: Key, number: int, *step_args: Any) -> None:
+        """``step_args``: :class:`Step`'s engine, pool, runtime, parameter storages and tail length."""
         self.group, self.key = group, key
-        super().__init__(number, *args, on_backward=group.backward_began, **kwargs)
+        super().__init__(number, *step_args, on_backward=group.backward_began)
         self.forward_done = self.direct = self.tail_released = False
 
-    def save(self, tensor, frame):  # noqa: ANN001, ANN201 - Step.save's signature
+    def save(self, tensor: torch.Tensor, frame: Frame | None) -> Saved:
+        """Pack one tensor; first release what earlier micro-steps' finished copies allow."""
         self.group.poll(self)
         return super().save(tensor, frame)
 

@@ -64,6 +64,7 @@ def train(config: Config | Mapping[str, Any] | str | Path, steps: int | None = N
         >>> result.losses  # doctest: +SKIP
     """
     config = config if isinstance(config, Config) else load_config(config)
+    _warn_single_process(config)
     swapkit.build_plan(config)  # the built-in model needs num_layers: a missing one is a ConfigError here
     device, total_steps = resolve_device(config, device), resolve_steps(config, steps)
     _preflight(config, device, metrics_out)
@@ -78,6 +79,15 @@ def train(config: Config | Mapping[str, Any] | str | Path, steps: int | None = N
 
 
 # ---------------------------------------------------------------------- setup
+
+def _warn_single_process(config: Config) -> None:
+    parallel = config.parallel
+    if parallel.pipeline_stage * parallel.data_parallel > 1:
+        logger.warning("parallel_config asks for %d x %d ranks but train() runs the whole model in this process "
+                       "(micro_batch_num, data_parallel and pipeline_schedule unused); run `swapkit train CONFIG` "
+                       "or swapkit.distributed.launch.launch for pipeline / data parallel",
+                       parallel.pipeline_stage, parallel.data_parallel)
+
 
 def resolve_device(config: Config, override: str | None = None) -> torch.device:
     """The device to train on; for CUDA also the allocator setting (before any CUDA allocation).
