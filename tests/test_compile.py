@@ -27,6 +27,15 @@ VARIANTS = {
 }
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matrices: one intra-op thread is as fast and does not fight the other tests for cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(autouse=True)
 def fresh_dynamo():
     """Dynamo's cache is per code object, shared by every model instance: start each test clean."""

@@ -22,6 +22,15 @@ from tests.toys import ReadyWhenDone, assert_grads_equal, grads, install_engine 
 CACHE_WARNING = "a key/value cache cannot be updated inside a recomputed region"
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matrices: one intra-op thread is as fast and does not fight the other tests for cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def config(family: Family, **sections) -> dict:
     return {"model": {"model_config": {"num_layers": family.num_layers}}, "runtime": {"min_offload_bytes": 0},
             **sections}
@@ -44,12 +53,12 @@ def train(model, family: Family, session=None, steps: int = 2) -> tuple[list[tor
     return losses, outputs
 
 
-def reference_and_applied(name: str, cfg: dict):
+def reference_and_applied(name: str, cfg: dict, steps: int = 2):
     family = FAMILIES[name]
     model = family.build()
     reference = copy.deepcopy(model)
     reference.calls = count_calls(reference, family)  # module calls inside the attention scopes
-    ref_losses, _ = train(reference, family)
+    ref_losses, _ = train(reference, family, steps=steps)
     session = swapkit.apply(model, cfg(family) if callable(cfg) else cfg, layers=family.layers)
     return family, model, reference, ref_losses, session
 
@@ -95,10 +104,11 @@ def count_calls(model, family: Family) -> list[int]:
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_full_recompute_with_default_use_cache(name, caplog):
-    family, model, reference, ref_losses, session = reference_and_applied(name, recompute_config)
+    # one step: the single warning below is still one per session, not one per recomputed layer
+    family, model, reference, ref_losses, session = reference_and_applied(name, recompute_config, steps=1)
     calls = count_calls(model, family)
     caplog.set_level(logging.WARNING, logger="swapkit")
-    losses, outputs = train(model, family, session)
+    losses, outputs = train(model, family, session, steps=1)
     assert calls[0] == 2 * reference.calls[0]  # forward + replay of every layer
     torch.testing.assert_close(losses, ref_losses, rtol=0, atol=0)
     assert_grads_equal(grads(model), grads(reference))
@@ -114,10 +124,10 @@ def test_full_recompute_with_default_use_cache(name, caplog):
 @pytest.mark.parametrize("name", ["llama", "mistral", "gemma2", "falcon", "t5"])
 def test_select_recompute_of_attention_with_default_use_cache(name, caplog):
     cfg = lambda family: config(family, recompute_config={"select_recompute": {family.attention: True}})  # noqa: E731
-    family, model, reference, ref_losses, session = reference_and_applied(name, cfg)
+    family, model, reference, ref_losses, session = reference_and_applied(name, cfg, steps=1)
     calls = count_calls(model, family)
     caplog.set_level(logging.WARNING, logger="swapkit")
-    losses, _ = train(model, family, session)
+    losses, _ = train(model, family, session, steps=1)
     # the forward and the checkpoint's replay (which stops early once it has recomputed what it needs)
     assert calls[0] > reference.calls[0]
     torch.testing.assert_close(losses, ref_losses, rtol=0, atol=0)
