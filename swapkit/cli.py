@@ -11,7 +11,7 @@ import logging
 import sys
 from typing import Sequence
 
-from swapkit.config.errors import ConfigError
+from swapkit.config.errors import ConfigError, Problem
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 logger = logging.getLogger("swapkit")
@@ -41,6 +41,10 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print the plan as one JSON document on stdout")
     plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                       help="override a config value, e.g. --set swap_config.swap=true (repeatable)")
+    plan.add_argument("--budget", metavar="SIZE", help="measure a step and plan swap/recompute so the peak of "
+                      "device-resident saved bytes fits SIZE (64MiB, 1.5GiB, bytes)")
+    plan.add_argument("--out", metavar="FILE", help="with --budget: write the planned YAML config here")
+    plan.add_argument("--device", choices=("cpu", "cuda"), help="with --budget: override train.device")
     plan.set_defaults(run=run_plan)
 
     train = sub.add_parser("train", help="train the built-in model as the config says")
@@ -51,6 +55,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="override a config value, e.g. --set train.lr=1e-3 (repeatable)")
     train.add_argument("--metrics-out", metavar="FILE", help="write per-step metrics and a summary as JSON")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.add_argument("--budget", metavar="SIZE", help="plan under this memory budget first (as swapkit plan "
+                       "--budget) and train with the planned config")
     train.set_defaults(run=run_train)
     return parser
 
@@ -64,6 +70,11 @@ def _configure_logging(verbose: bool) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    if args.budget is not None:
+        return run_budget_plan(args)
+    if args.out is not None or args.device is not None:
+        raise ConfigError([Problem("--out" if args.out is not None else "--device",
+                                   "only works with --budget SIZE; add --budget or drop it")])
     from swapkit.load import load_config
     from swapkit.plan.plan import build_plan
     from swapkit.plan.report import plan_report, table, with_exact_overridden
@@ -86,13 +97,54 @@ def run_plan(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def run_budget_plan(args: argparse.Namespace) -> int:
+    """``swapkit plan --budget``: the report (or JSON) on stdout, the YAML to --out or stdout."""
+    from swapkit.plan.planner import BudgetError
+    from swapkit.planner.command import budget_plan, write
+
+    try:
+        plan = budget_plan(args.config, args.overrides, args.budget, args.device)
+    except BudgetError as err:
+        print(f"swapkit: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    write(plan, args.out)
+    if args.json:
+        print(json.dumps(plan.document, indent=2))
+    else:
+        print(plan.report)
+        if args.out is None:
+            print(plan.yaml())
+    return EXIT_OK
+
+
 def run_train(args: argparse.Namespace) -> int:
     """Run ``swapkit train``; a bad config or device raises :class:`ConfigError` (exit 2)."""
     from swapkit.load import load_config
     from swapkit.train import format_summary, train
 
+    if args.budget is not None:
+        return run_budget_train(args)
     config = load_config(args.config, args.overrides)
     result = train(config, steps=args.steps, device=args.device, metrics_out=args.metrics_out,
+                   progress=not args.no_progress)
+    print(format_summary(result.summary))
+    return EXIT_OK
+
+
+def run_budget_train(args: argparse.Namespace) -> int:
+    """``swapkit train --budget``: plan first (report to stderr), then train the planned config."""
+    from swapkit.plan.planner import BudgetError
+    from swapkit.planner.command import budget_plan, write
+    from swapkit.train import format_summary, train
+
+    try:
+        plan = budget_plan(args.config, args.overrides, args.budget, args.device)
+    except BudgetError as err:
+        print(f"swapkit: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    write(plan, None)
+    print(plan.report, file=sys.stderr)
+    result = train(plan.config, steps=args.steps, device=args.device, metrics_out=args.metrics_out,
                    progress=not args.no_progress)
     print(format_summary(result.summary))
     return EXIT_OK

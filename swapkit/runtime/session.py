@@ -59,6 +59,7 @@ class SwapSession:
         self._forward_ticks: int | None = None  # forward length of the last step, for the tail
         self._hooks: Any = None
         self._removed = False
+        self.observer: Any = None  # sees every forward save and backward unpack (swapkit.planner.measure)
         recompute.output_sink = self
 
     # ------------------------------------------------------------------ context manager
@@ -105,13 +106,18 @@ class SwapSession:
         step = self._step
         if step.backward_started:  # the next micro-batch's forward inside the same block
             step = self._start_step()
-        return step.save(tensor, self.tracker.top)
+        saved = step.save(tensor, self.tracker.top)
+        if self.observer is not None:
+            self.observer.saved(saved)
+        return saved
 
     def _unpack(self, saved: Saved) -> torch.Tensor:
         if saved.keeper._version != saved.version:
             raise _modified_error(saved)
         if saved.step is not None:
             saved.step.unpacked(saved.tick)
+            if self.observer is not None:
+                self.observer.unpacked(saved)
         record = saved.record
         if record is None or not record.swapped or not record.released:
             return saved.keeper

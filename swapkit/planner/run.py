@@ -1,0 +1,122 @@
+"""``plan_for_budget``: measure the configured model's step, measure the link, choose a plan.
+
+This is the torch side of ``swapkit plan CONFIG --budget SIZE``; the choice itself is pure
+(:mod:`swapkit.plan.planner`) and so is the YAML it becomes (:mod:`swapkit.plan.emit`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from swapkit.config.errors import ConfigError, Problem
+from swapkit.config.types import Config
+from swapkit.engine import make_engine
+from swapkit.plan.plan import build_plan
+from swapkit.plan.planner import Planned, Planner, plan_budget, useful_scopes
+from swapkit.plan.simulate import Links
+from swapkit.plan.trace import KEEP, RECOMPUTE, Trace
+from swapkit.planner.link import measure_link
+from swapkit.planner.measure import (PROBE, Tracer, build_trace, candidate_scopes, mode_config, release_lag,
+                                     to_segments)
+from swapkit.train.loop import _start, _train_step, resolve_device
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What the planner measured: the step in both modes, the link, the candidate scopes."""
+
+    trace: Trace
+    links: Links
+    scopes: list[list[str]]
+    device: str
+
+
+def measure(config: Config, device: str | None = None, steps: int = 3, warmup: int = 2) -> Measured:
+    """Measure ``steps`` training steps (after ``warmup``) of the configured built-in model kept and
+    fully recomputed (``swapkit.planner.measure.Note [Measuring in two modes]``), and the link.
+
+    Raises:
+        ConfigError: ``gradient_accumulation_steps`` is not 1, or the device is unavailable.
+    """
+    if config.train.gradient_accumulation_steps != 1:
+        raise ConfigError([Problem("train.gradient_accumulation_steps",
+                                   f"got {config.train.gradient_accumulation_steps}; the budget planner measures "
+                                   "one micro-batch per step: set it to 1 (or plan without --budget)")],
+                          config.source)
+    where = resolve_device(config, device)
+    patterns = _config_patterns(config)
+    runs, scope_seconds, scopes = {}, {}, []
+    for mode in (KEEP, RECOMPUTE):
+        runs[mode], seconds, scopes, _ = _measure_mode(mode_config(config, mode), where, patterns, steps, warmup)
+        if mode == KEEP:
+            scope_seconds = seconds
+    trace = build_trace(config.model.num_layers, runs, scope_seconds)
+    engine = make_engine(config.runtime, where)
+    try:
+        links = measure_link(engine, _largest_storage(trace))
+    finally:
+        engine.close()
+    *_, copies = _measure_mode(mode_config(config, PROBE), where, patterns, steps, warmup)
+    links = dataclasses.replace(links, release_lag_s=max(release_lag(c, links, end) for c, end in copies))
+    useful = [useful_scopes(trace, i, scopes[i], config.runtime.min_offload_bytes) for i in range(len(scopes))]
+    return Measured(trace, links, useful, str(where))
+
+
+def plan_for_budget(config: Config, budget: int, measured: Measured | None = None,
+                    device: str | None = None) -> Planned:
+    """Measure (unless given) and choose a plan whose predicted peak fits ``budget`` bytes.
+
+    Raises:
+        BudgetError: the budget is below the smallest reachable peak.
+    """
+    measured = measured or measure(config, device)
+    planner = Planner(measured.trace, measured.links, measured.scopes, config.runtime.min_offload_bytes)
+    return plan_budget(planner, budget)
+
+
+def _measure_mode(config: Config, device: torch.device, patterns: list[tuple[str, ...]], steps: int,
+                  warmup: int) -> tuple[tuple[list, list, float], dict, list[list[str]], list]:
+    run = _start(config, device, warmup + steps, None)
+    layers = [bound.module for bound in run.session.binding.layers]
+    scopes = [candidate_scopes(layer, patterns[i]) for i, layer in enumerate(layers)]
+    tracer = Tracer(layers, scopes)
+    run.session.observer = tracer
+    segments, orders, others, copies = [], [], [], []
+    try:
+        for number in range(warmup + steps):
+            tracer.start_step()
+            _train_step(run, number + 1)
+            end = time.perf_counter()
+            if number >= warmup:
+                step, order = to_segments(tracer.saves, tracer.events, tracer.start, len(layers))
+                segments.append(step)
+                orders.append(order)
+                others.append(end - _last_time(tracer))
+                copies.append((tracer.copy_times(), tracer.saves[-1][4] if tracer.saves else end))
+    finally:
+        tracer.remove()
+        run.session.remove()
+    seconds = {key: statistics.median(values) for key, values in tracer.scope_seconds.items()}
+    return (segments, orders[-1], statistics.median(others)), seconds, scopes, copies
+
+
+def _last_time(tracer: Tracer) -> float:
+    return tracer.events[-1][2] if tracer.events else tracer.saves[-1][4] if tracer.saves else tracer.start
+
+
+def _config_patterns(config: Config) -> list[tuple[str, ...]]:
+    """Per layer, the op patterns the config names (swapped or recomputed scopes)."""
+    plan = build_plan(config)
+    return [tuple(p for p, _ in layer.op_swap) + layer.select + layer.comm for layer in plan.layers]
+
+
+def _largest_storage(trace: Trace) -> int:
+    sizes = [save.nbytes for segment in trace.modes[KEEP].values() for save in segment.forward]
+    return max(sizes, default=1 << 20)
