@@ -12,6 +12,12 @@ true``), one run each; the planner composes a candidate plan from these segments
 Note [Composing a planned step from measured segments]). Every event's time is the median over the
 measured steps (after warm-up steps), so a slow outlier step does not skew one layer.
 
+Note [Tracing overhead]
+The tracer's hooks and callbacks cost time the planned run will not spend. Traced and untraced
+steps alternate, and every traced time is scaled by the ratio of their median step times (at most
+1): the overhead is assumed spread evenly over the step, which it roughly is (a few microseconds per
+save and per module call).
+
 Note [Release lag]
 The session releases a swapped storage at a save only if its copy is seen finished then. How late
 that is depends on more than the link: on the thread engine the worker needs the interpreter lock
@@ -107,7 +113,13 @@ class Tracer:
         return name, record.nbytes
 
     def _watch_copies(self, record: Any, now: float) -> None:
-        """At every save, as the session does, note which offloads are seen finished (Note [Release lag])."""
+        """At every save, as the session does, note which offloads are seen finished (Note [Tracing overhead]
+The tracer's hooks and callbacks cost time the planned run will not spend. Traced and untraced
+steps alternate, and every traced time is scaled by the ratio of their median step times (at most
+1): the overhead is assumed spread evenly over the step, which it roughly is (a few microseconds per
+save and per module call).
+
+Note [Release lag])."""
         for copy in self._copies:
             if copy[2] is None and copy[0] is not None and copy[0].step.engine.ready(copy[0].d2h):
                 copy[2], copy[0] = now, None
@@ -192,6 +204,21 @@ def _median_events(runs: list[tuple]) -> tuple:
                  for events in zip(*runs))
 
 
+def tracing_factor(traced: list[float], plain: list[float]) -> float:
+    """Untraced over traced median step time, within [0.2, 1] (Note [Tracing overhead])."""
+    if not traced or not plain:
+        return 1.0
+    return min(max(statistics.median(plain) / statistics.median(traced), 0.2), 1.0)
+
+
+def scale_segments(segments: dict[int, Segment], factor: float) -> dict[int, Segment]:
+    """Every event's seconds times ``factor``."""
+    def scale(events: tuple) -> tuple:
+        return tuple(dataclasses.replace(e, seconds=e.seconds * factor) for e in events)
+
+    return {k: Segment(scale(seg.forward), scale(seg.backward)) for k, seg in segments.items()}
+
+
 def mode_config(config: Config, mode: str) -> Config:
     """The config a measurement run uses: every layer kept, recomputed, or (``PROBE``) swapped with
     distance 1 to see when copies are seen finished."""
@@ -204,7 +231,13 @@ def mode_config(config: Config, mode: str) -> Config:
 def release_lag(copies: list[tuple[float, float | None, int]], links: Links, end: float,
                 quantile: float = 0.9) -> float:
     """The ``quantile`` of how much later than the link predicts an offload was seen finished
-    (Note [Release lag]); a copy never seen finished in forward counts as seen at ``end``."""
+    (Note [Tracing overhead]
+The tracer's hooks and callbacks cost time the planned run will not spend. Traced and untraced
+steps alternate, and every traced time is scaled by the ratio of their median step times (at most
+1): the overhead is assumed spread evenly over the step, which it roughly is (a few microseconds per
+save and per module call).
+
+Note [Release lag]); a copy never seen finished in forward counts as seen at ``end``."""
     lags, queue_free = [], 0.0
     for issued, seen, nbytes in sorted(copies):
         queue_free = max(issued, queue_free) + links.d2h.seconds(nbytes)

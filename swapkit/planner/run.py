@@ -10,6 +10,7 @@ import logging
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -22,7 +23,7 @@ from swapkit.plan.simulate import Links
 from swapkit.plan.trace import KEEP, RECOMPUTE, Trace
 from swapkit.planner.link import measure_link
 from swapkit.planner.measure import (PROBE, Tracer, build_trace, candidate_scopes, mode_config, release_lag,
-                                     to_segments)
+                                     scale_segments, to_segments, tracing_factor)
 from swapkit.train.loop import _start, _train_step, resolve_device
 
 logger = logging.getLogger(__name__)
@@ -38,7 +39,7 @@ class Measured:
     device: str
 
 
-def measure(config: Config, device: str | None = None, steps: int = 3, warmup: int = 2) -> Measured:
+def measure(config: Config, device: str | None = None, steps: int = 3, warmup: int = 1) -> Measured:
     """Measure ``steps`` training steps (after ``warmup``) of the configured built-in model kept and
     fully recomputed (``swapkit.planner.measure.Note [Measuring in two modes]``), and the link.
 
@@ -83,28 +84,49 @@ def plan_for_budget(config: Config, budget: int, measured: Measured | None = Non
 
 def _measure_mode(config: Config, device: torch.device, patterns: list[tuple[str, ...]], steps: int,
                   warmup: int) -> tuple[tuple[list, list, float], dict, list[list[str]], list]:
-    run = _start(config, device, warmup + steps, None)
+    """Alternate traced and untraced steps; scale the traced times to the untraced step time
+    (``swapkit.planner.measure`` Note [Tracing overhead])."""
+    run = _start(config, device, 2 * (warmup + steps), None)
     layers = [bound.module for bound in run.session.binding.layers]
     scopes = [candidate_scopes(layer, patterns[i]) for i, layer in enumerate(layers)]
-    tracer = Tracer(layers, scopes)
-    run.session.observer = tracer
-    segments, orders, others, copies = [], [], [], []
+    samples: dict[str, list] = {"segments": [], "orders": [], "others": [], "copies": [], "traced": [], "plain": []}
+    scope_seconds: dict[tuple[int, str], list[float]] = {}
     try:
         for number in range(warmup + steps):
-            tracer.start_step()
-            _train_step(run, number + 1)
-            end = time.perf_counter()
+            tracer = _traced_step(run, layers, scopes, 2 * number + 1, samples if number >= warmup else None)
+            for key, values in tracer.scope_seconds.items():
+                scope_seconds.setdefault(key, []).extend(values)
+            start = time.perf_counter()
+            _train_step(run, 2 * number + 2)
             if number >= warmup:
-                step, order = to_segments(tracer.saves, tracer.events, tracer.start, len(layers))
-                segments.append(step)
-                orders.append(order)
-                others.append(end - _last_time(tracer))
-                copies.append((tracer.copy_times(), tracer.saves[-1][4] if tracer.saves else end))
+                samples["plain"].append(time.perf_counter() - start)
+    finally:
+        run.session.remove()
+    factor = tracing_factor(samples["traced"], samples["plain"])
+    seconds = {key: statistics.median(values) * factor for key, values in scope_seconds.items()}
+    segments = [scale_segments(step, factor) for step in samples["segments"]]
+    other = statistics.median(samples["others"]) * factor
+    return (segments, samples["orders"][-1], other), seconds, scopes, samples["copies"]
+
+
+def _traced_step(run: Any, layers: list, scopes: list[list[str]], number: int, samples: dict | None) -> Tracer:
+    tracer = Tracer(layers, scopes)
+    run.session.observer = tracer
+    try:
+        start = time.perf_counter()
+        _train_step(run, number)
+        end = time.perf_counter()
     finally:
         tracer.remove()
-        run.session.remove()
-    seconds = {key: statistics.median(values) for key, values in tracer.scope_seconds.items()}
-    return (segments, orders[-1], statistics.median(others)), seconds, scopes, copies
+        run.session.observer = None
+    if samples is not None:
+        step, order = to_segments(tracer.saves, tracer.events, tracer.start, len(layers))
+        samples["segments"].append(step)
+        samples["orders"].append(order)
+        samples["others"].append(end - _last_time(tracer))
+        samples["copies"].append((tracer.copy_times(), tracer.saves[-1][4] if tracer.saves else end))
+        samples["traced"].append(end - start)
+    return tracer
 
 
 def _last_time(tracer: Tracer) -> float:
