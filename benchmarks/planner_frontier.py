@@ -135,7 +135,8 @@ def _compare(plan: dict[str, Any], rows: dict[str, dict[str, Any]]) -> dict[str,
 def markdown(results: dict[str, Any]) -> str:
     env = results["env"]
     lines = ["# Budget planner: predicted vs measured, planned vs fixed strategies", "",
-             f"{env['cpu']}, {env['cpu_count']} cores, torch {env['torch']}, load average at start "
+             f"{env['cpu']}, {env['cpu_count']} cores ({env['torch_threads']} torch threads), torch {env['torch']}, "
+             "load average at start "
              f"{env['load_start']}, at end {env['load_end']}; model {env['model']}, batch {env['batch']}; "
              f"{env['reps']} interleaved timed steps after {env['warmup']} warm-up steps per variant. "
              "Memory is the session's accounting of device-resident saved bytes (CPU: not RSS).", ""]
@@ -192,11 +193,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small model, few repetitions")
     parser.add_argument("--reps", type=int, help="timed interleaved steps per variant (default 15, quick 3)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: a core stays free for "
+                        "the copy thread, as a GPU's copy engine leaves the SMs alone)")
     args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.WARNING)
     model, batch = (QUICK_MODEL, QUICK_BATCH) if args.quick else (DEFAULT_MODEL, DEFAULT_BATCH)
     reps, warmup = args.reps or (3 if args.quick else 15), 2
-    env = {"cpu": cpu_model(), "cpu_count": os.cpu_count(), "torch": torch.__version__, "model": model,
+    env = {"cpu": cpu_model(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
+           "torch_threads": torch.get_num_threads(), "model": model,
            "batch": batch, "reps": reps, "warmup": warmup, "load_start": os.getloadavg()}
     links = [one_link(name, link, model, batch, reps, warmup) for name, link in LINKS.items()]
     env["load_end"] = os.getloadavg()

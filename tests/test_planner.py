@@ -124,3 +124,33 @@ def test_bad_budget_arguments_are_clean_errors(config_file, capsys, argv):
     assert main(["plan", str(config_file), *argv]) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and ("--budget" in err or "--out" in err)
+
+
+@pytest.mark.cuda
+def test_cuda_link_is_measured_per_direction():
+    import torch
+
+    from swapkit.engine.cuda import CudaCopyEngine
+    from swapkit.planner.link import measure_link
+
+    engine = CudaCopyEngine(torch.device("cuda"))
+    try:
+        links = measure_link(engine, 64 << 20)
+    finally:
+        engine.close()
+    for link in (links.d2h, links.h2d):  # pinned copies over PCIe or NVLink: GB/s, microseconds
+        assert link.bytes_per_s > 1e9 and link.latency_s < 1e-3
+
+
+@pytest.mark.cuda
+def test_cuda_plan_runs_within_5_percent_of_its_predicted_peak(tmp_path):
+    config = {**CONFIG, "runtime": {"engine": "cuda"}, "train": {**CONFIG["train"], "device": "cuda"}}
+    measured_cuda = measure(load_config(config), steps=2, warmup=1)
+    cuda_planner = Planner(measured_cuda.trace, measured_cuda.links, measured_cuda.scopes, 1024)
+    budget = cuda_planner.predict((KEEP,) * 3).peak_device_bytes // 2
+    planned = plan_budget(cuda_planner, budget)
+    path = tmp_path / "planned.yaml"
+    path.write_text(yaml.safe_dump(planned_config(config, planned.choices)), encoding="utf-8")
+    for step in steady(train(load_config(path), progress=False)):
+        assert step["peak_device_bytes"] <= budget
+        assert abs(step["peak_device_bytes"] - planned.predicted.peak_device_bytes) <= 0.05 * budget

@@ -16,8 +16,8 @@ What the planner predicts, and where it is wrong:
 - Copies run one at a time in issue order on one queue (the thread engine's worker; the CUDA
   engine's side stream). A copy takes ``latency + bytes / bandwidth`` of its direction, measured on
   the engine (:mod:`swapkit.planner.link`) and starts when issued or when the previous copy ends.
-- A release is predicted only ``release_lag_s`` after its copy's predicted end: the 90th percentile
-  of how late a copy is seen finished while the forward keeps the host thread busy (on the thread
+- A release is predicted only ``release_lag_s`` after its copy's predicted end: the largest delay
+  measured (``swapkit.planner.measure`` Note [Release lag]) in how late a copy is seen finished while the forward keeps the host thread busy (on the thread
   engine the worker waits for the interpreter lock and a core; up to the 5 ms switch interval on an
   idle machine, tens of ms on an overloaded one). Budgets are hard limits, so the peak is predicted
   for a late copy: a plan whose peak needs copies to finish just in time is not chosen.

@@ -18,13 +18,19 @@ steps alternate, and every traced time is scaled by the ratio of their median st
 1): the overhead is assumed spread evenly over the step, which it roughly is (a few microseconds per
 save and per module call).
 
+Note [Clocks on CUDA]
+Kernels run asynchronously: the host clock at a save says when it was launched, not when the GPU
+got there. When tracing a CUDA model the tracer waits for the compute stream before reading the
+clock, so event times are GPU times (the waits are tracing overhead, scaled away with the rest;
+Note [Tracing overhead]). The copy stream is not waited for.
+
 Note [Release lag]
 The session releases a swapped storage at a save only if its copy is seen finished then. How late
 that is depends on more than the link: on the thread engine the worker needs the interpreter lock
 and a core while the forward runs (up to the 5 ms switch interval, far more on a loaded machine).
 A third, short run swaps every layer with distance 1 (``PROBE``) and notes, at every save as the
-session does, when each offload is first seen finished; the lag past the link's prediction (90th
-percentile) goes into the planner's release rule (``swapkit.plan.simulate`` Note [Cost model]).
+session does, when each offload is first seen finished; the largest lag past the link's prediction
+(a budget is a hard limit, so not a typical lag) goes into the planner's release rule (``swapkit.plan.simulate`` Note [Cost model]).
 """
 from __future__ import annotations
 
@@ -54,8 +60,9 @@ class Tracer:
         scopes: per layer, the candidate scope paths to tell apart (``""`` is the layer itself).
     """
 
-    def __init__(self, layers: list[nn.Module], scopes: list[list[str]]) -> None:
+    def __init__(self, layers: list[nn.Module], scopes: list[list[str]], device: torch.device | None = None) -> None:
         self.num_layers = len(layers)
+        self._cuda = device is not None and device.type == "cuda"
         self._stack: list[tuple[int, str]] = []
         self._handles: list[Any] = []
         self.scope_seconds: dict[tuple[int, str], list[float]] = {}
@@ -85,7 +92,7 @@ class Tracer:
 
     def saved(self, saved: Any) -> None:
         """A forward save (``SwapSession.observer``)."""
-        now = time.perf_counter()
+        now = self._now()
         self._watch_copies(saved.record, now)
         segment = self._stack[-1][0] if self._stack else (self.num_layers if self._entered else PRE)
         scope = self._stack[-1][1] if self._stack else None
@@ -99,7 +106,13 @@ class Tracer:
         """A backward unpack (``SwapSession.observer``)."""
         where = self._where.get(id(saved))
         if where is not None:
-            self.events.append(("u", where, time.perf_counter()))
+            self.events.append(("u", where, self._now()))
+
+    def _now(self) -> float:
+        """The clock at an event; on CUDA after the queued kernels ran (Note [Clocks on CUDA])."""
+        if self._cuda:
+            torch.cuda.current_stream().synchronize()
+        return time.perf_counter()
 
     def _storage(self, record: Any, segment: int) -> tuple[tuple[int, int] | None, int]:
         if record is None:
@@ -118,6 +131,12 @@ The tracer's hooks and callbacks cost time the planned run will not spend. Trace
 steps alternate, and every traced time is scaled by the ratio of their median step times (at most
 1): the overhead is assumed spread evenly over the step, which it roughly is (a few microseconds per
 save and per module call).
+
+Note [Clocks on CUDA]
+Kernels run asynchronously: the host clock at a save says when it was launched, not when the GPU
+got there. When tracing a CUDA model the tracer waits for the compute stream before reading the
+clock, so event times are GPU times (the waits are tracing overhead, scaled away with the rest;
+Note [Tracing overhead]). The copy stream is not waited for.
 
 Note [Release lag])."""
         for copy in self._copies:
@@ -229,13 +248,19 @@ def mode_config(config: Config, mode: str) -> Config:
 
 
 def release_lag(copies: list[tuple[float, float | None, int]], links: Links, end: float,
-                quantile: float = 0.9) -> float:
+                quantile: float = 1.0) -> float:
     """The ``quantile`` of how much later than the link predicts an offload was seen finished
     (Note [Tracing overhead]
 The tracer's hooks and callbacks cost time the planned run will not spend. Traced and untraced
 steps alternate, and every traced time is scaled by the ratio of their median step times (at most
 1): the overhead is assumed spread evenly over the step, which it roughly is (a few microseconds per
 save and per module call).
+
+Note [Clocks on CUDA]
+Kernels run asynchronously: the host clock at a save says when it was launched, not when the GPU
+got there. When tracing a CUDA model the tracer waits for the compute stream before reading the
+clock, so event times are GPU times (the waits are tracing overhead, scaled away with the rest;
+Note [Tracing overhead]). The copy stream is not waited for.
 
 Note [Release lag]); a copy never seen finished in forward counts as seen at ``end``."""
     lags, queue_free = [], 0.0

@@ -110,7 +110,7 @@ def _measure_mode(config: Config, device: torch.device, patterns: list[tuple[str
 
 
 def _traced_step(run: Any, layers: list, scopes: list[list[str]], number: int, samples: dict | None) -> Tracer:
-    tracer = Tracer(layers, scopes)
+    tracer = Tracer(layers, scopes, run.device)
     run.session.observer = tracer
     try:
         start = time.perf_counter()
