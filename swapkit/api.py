@@ -10,9 +10,10 @@ from torch import nn
 from swapkit.runtime.binding import BindError, bind, module_tree
 from swapkit.config.types import Config
 from swapkit.load import load_config
-from swapkit.plan.plan import Plan, build_plan
+from swapkit.plan.plan import Plan
 from swapkit.runtime.recompute import Recompute
-from swapkit.plan.report import layer_lines, unmatched
+from swapkit.plan.report import layer_lines, unmatched, unmatched_errors
+from swapkit.runtime.resolve import resolve_plan
 from swapkit.runtime.scope import ScopeTracker
 from swapkit.runtime.session import SwapSession
 
@@ -25,7 +26,9 @@ def apply(model: nn.Module, config: Config | Plan | Mapping[str, Any] | str | Pa
     """Apply the config's recompute and swap strategy to ``model``.
 
     Args:
-        model: the model; its layer container must hold ``num_layers`` layers.
+        model: the model; its layer container must hold ``num_layers`` layers (when the config gives
+            none, they are counted). A transformers model gets its family's preset
+            (:mod:`swapkit.plan.presets`) unless ``model_config.preset`` names one.
         config: a :class:`Config`, a :class:`Plan`, a dict in the YAML layout, or a YAML path.
         layers: dotted path of the layer container (``"layers"``, ``"model.layers"``,
             ``"transformer.h"``); ``None`` uses ``model_config.layers_path`` or auto-detects.
@@ -36,7 +39,8 @@ def apply(model: nn.Module, config: Config | Plan | Mapping[str, Any] | str | Pa
 
     Raises:
         ConfigError: the config is invalid.
-        BindError: the model does not fit the plan.
+        BindError: the model does not fit the plan, or an op pattern matches no sub-module in any
+            layer (the message suggests the closest real names).
 
     Example:
         >>> session = swapkit.apply(model, {"model": {"model_config": {"num_layers": 2}},
@@ -47,7 +51,7 @@ def apply(model: nn.Module, config: Config | Plan | Mapping[str, Any] | str | Pa
     if getattr(model, APPLIED, None) is not None:
         raise BindError(f"swapkit is already applied to this {type(model).__name__}; call remove() on its "
                         "SwapSession before applying another config")
-    plan = as_plan(config)
+    plan = config if isinstance(config, Plan) else resolve_plan(model, as_config(config), layers)
     binding = bind(model, plan, layers)
     _log(plan, binding)
     recompute = Recompute(binding, plan.use_reentrant, recompute_outputs=plan.dialect == "mindformers")
@@ -59,19 +63,22 @@ def apply(model: nn.Module, config: Config | Plan | Mapping[str, Any] | str | Pa
     return session
 
 
-def as_plan(config: Config | Plan | Mapping[str, Any] | str | Path) -> Plan:
-    if isinstance(config, Plan):
-        return config
-    if not isinstance(config, Config):
-        config = load_config(config)
-    return build_plan(config)
+def as_config(config: Config | Mapping[str, Any] | str | Path) -> Config:
+    return config if isinstance(config, Config) else load_config(config)
 
 
 def _log(plan: Plan, binding: Any) -> None:
-    for line in plan.log_lines():
+    """Log the plan as MindFormers does; a pattern that binds nowhere is an error, not a log line."""
+    trees = [module_tree(layer.module) for layer in binding.layers]
+    errors = unmatched_errors(plan, trees, f"{type(binding.model).__name__}.{binding.layers_path}")
+    if errors:
+        raise BindError("the config names op scopes this model does not have:\n  - " + "\n  - ".join(errors))
+    for line in plan.log_lines() + list(plan.notes):
         logger.info(line)
+    for message in plan.warnings:
+        logger.warning(message)
     for layer in binding.layers:
         for level, message in layer_lines(plan, layer.plan, layer.scopes):
             logger.log(logging.getLevelName(level), message)
-    for message in unmatched(plan, [module_tree(layer.module) for layer in binding.layers]):
+    for message in unmatched(plan, trees):
         logger.warning(message)

@@ -11,7 +11,7 @@ import logging
 import sys
 from typing import Sequence
 
-from swapkit.config.errors import ConfigError, Problem
+from swapkit.config.errors import BindError, ConfigError, Problem
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 logger = logging.getLogger("swapkit")
@@ -23,7 +23,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _configure_logging(args.verbose)
     try:
         return args.run(args)
-    except ConfigError as err:
+    except (ConfigError, BindError) as err:
         print(f"swapkit: {err}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
@@ -31,14 +31,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_INTERRUPTED
 
 
+DESCRIPTION = ("Activation memory per layer and per operator (swap, recompute or keep), driven by "
+               "MindFormers-style YAML: 'swapkit plan CONFIG' shows what a config does, 'swapkit train CONFIG' "
+               "trains the built-in model with it.")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="swapkit", description=__doc__.splitlines()[0])
+    from swapkit import __version__
+
+    parser = argparse.ArgumentParser(prog="swapkit", description=DESCRIPTION)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action="version", version=f"swapkit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    plan = sub.add_parser("plan", help="print the normalized strategy and the per-layer plan")
+    plan = sub.add_parser("plan", help="print the per-layer plan and a summary (MindFormers' log lines with --log)",
+                          description="Print the per-layer plan of a config and a short summary; warnings go to "
+                                      "stderr, MindFormers' log lines too with --log.")
     plan.add_argument("config", help="YAML config file")
     plan.add_argument("--json", action="store_true", help="print the plan as one JSON document on stdout")
+    plan.add_argument("--log", action="store_true",
+                      help="also print MindFormers' log lines (Formative ..., Set ...) on stderr")
+    plan.add_argument("--model", metavar="SPEC",
+                      help="resolve against this model, built on the meta device: pkg.module:factory, "
+                           "hf:<model_type> or hf:<path to config.json> (default: the built-in model)")
+    plan.add_argument("--layers", metavar="PATH", help="dotted path of the model's layer container, e.g. model.layers")
     plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                       help="override a config value, e.g. --set swap_config.swap=true (repeatable)")
     plan.add_argument("--budget", metavar="SIZE", help="measure a step and plan swap/recompute so the peak of "
@@ -47,7 +63,9 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--device", choices=("cpu", "cuda"), help="with --budget: override train.device")
     plan.set_defaults(run=run_plan)
 
-    train = sub.add_parser("train", help="train the built-in model as the config says")
+    train = sub.add_parser("train", help="train the built-in model as the config says",
+                           description="Train the built-in Llama-style model with the config's swap and recompute "
+                                       "strategy and print a summary.")
     train.add_argument("config", help="YAML config file")
     train.add_argument("--steps", type=int, help="override train.steps")
     train.add_argument("--device", choices=("cpu", "cuda"), help="override train.device")
@@ -70,30 +88,33 @@ def _configure_logging(verbose: bool) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    """Run ``swapkit plan``: the table and a summary on stdout (or JSON), warnings on stderr."""
     if args.budget is not None:
         return run_budget_plan(args)
     if args.out is not None or args.device is not None:
         raise ConfigError([Problem("--out" if args.out is not None else "--device",
                                    "only works with --budget SIZE; add --budget or drop it")])
     from swapkit.load import load_config
-    from swapkit.plan.plan import build_plan
-    from swapkit.plan.report import plan_report, table, with_exact_overridden
-    from swapkit.runtime.binding import module_tree
-    from swapkit.train.model import build_model
+    from swapkit.plan.report import plan_report, summary, table, unmatched_errors, with_exact_overridden
+    from swapkit.runtime.binding import bind, module_tree
 
+    if not (args.log or args.verbose):
+        logger.setLevel(logging.WARNING)
     config = load_config(args.config, args.overrides)
-    plan = build_plan(config)
-    for line in plan.log_lines():
+    model, plan = _plan_model(args, config)
+    for line in plan.log_lines() + list(plan.notes):
         logger.info(line)
-    model = build_model(config.model, device="meta")  # op paths of the built-in model, no memory
-    trees = [module_tree(layer) for layer in model.layers]
+    for message in plan.warnings:
+        logger.warning(message)
+    binding = bind(model, plan, args.layers)
+    trees = [module_tree(layer.module) for layer in binding.layers]
+    errors = unmatched_errors(plan, trees, f"{type(model).__name__}.{binding.layers_path}")
+    if errors:
+        raise ConfigError([Problem("", message) for message in errors], config.source)
     for level, message in plan_report(plan, trees):
         logger.log(logging.getLevelName(level), message)
     plan = with_exact_overridden(plan, trees)
-    if args.json:
-        print(json.dumps(plan.to_json(), indent=2))
-    else:
-        print(table(plan))
+    print(json.dumps(plan.to_json(), indent=2) if args.json else table(plan) + "\n\n" + "\n".join(summary(plan)))
     return EXIT_OK
 
 
@@ -115,6 +136,26 @@ def run_budget_plan(args: argparse.Namespace) -> int:
         if args.out is None:
             print(plan.yaml())
     return EXIT_OK
+
+
+def _plan_model(args: argparse.Namespace, config):
+    """The model ``swapkit plan`` resolves against (meta device) and the plan for it."""
+    from swapkit.config.errors import Problem
+    from swapkit.plan.plan import build_plan
+    from swapkit.runtime.resolve import resolve_plan
+
+    if args.model is None:
+        from swapkit.train.model import build_model
+
+        plan = build_plan(config)  # the built-in model needs num_layers from the config
+        return build_model(config.model, device="meta"), plan  # op paths of the built-in model, no memory
+    from swapkit.integrations.models import build_meta_model
+
+    try:
+        model = build_meta_model(args.model)
+    except ValueError as err:
+        raise ConfigError([Problem("--model", str(err))]) from None
+    return model, resolve_plan(model, config, args.layers)
 
 
 def run_train(args: argparse.Namespace) -> int:

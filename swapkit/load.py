@@ -10,9 +10,15 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from swapkit.config.errors import Problems
-from swapkit.config.loader import read_config, source_name, warn_no_effect
+import logging
+
+from swapkit.config.loader import read_config, source_name, warn_inactive_swap, warn_no_effect
 from swapkit.config.types import Config
 from swapkit.plan.plan import check_plan
+from swapkit.plan.readings import flip_warnings
+
+logger = logging.getLogger(__name__)
+SWAP_KEY = "swap_config.swap"
 
 
 def load_config(source: str | Path | Mapping[str, Any], overrides: Sequence[str] = ()) -> Config:
@@ -35,8 +41,21 @@ def load_config(source: str | Path | Mapping[str, Any], overrides: Sequence[str]
     """
     problems = Problems()
     config = read_config(source, overrides, problems)
-    if config is not None:
-        check_plan(config, problems)
+    if config is not None and config.model.num_layers is not None:  # else the model counts them (apply)
+        check_plan(config, problems, for_model=False)
     problems.raise_if_any(source_name(source))
     warn_no_effect(config)
+    warn_inactive_swap(config)
+    if any(item.partition("=")[0].strip() == SWAP_KEY for item in overrides):
+        _warn_flipped(source, overrides, config)
     return config
+
+
+def _warn_flipped(source: str | Path | Mapping[str, Any], overrides: Sequence[str], config: Config) -> None:
+    """The override of ``swap_config.swap`` changed what the recompute lists mean: show both readings."""
+    rest = [item for item in overrides if item.partition("=")[0].strip() != SWAP_KEY]
+    file_config = read_config(source, rest, Problems())
+    if file_config is None:
+        return
+    for message in flip_warnings(config, file_config.swap.swap):
+        logger.warning(message)

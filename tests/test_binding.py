@@ -65,13 +65,43 @@ def test_apply_logs_with_real_op_paths(caplog):
     assert "Set op_swap at layer 2: attention.flash_attention, value=10" in [r.getMessage() for r in caplog.records]
 
 
-def test_pattern_matching_nothing_is_warned_once(caplog):
-    caplog.set_level(logging.INFO, logger="swapkit")
+def test_pattern_matching_nothing_in_any_layer_is_an_error():
     config = toy_config(4, swap_config={"swap": True, "op_swap": [
         {"op_name": "no_such_op", "backward_prefetch": 2, "layers": True}]})
-    swapkit.apply(llama(), config, layers="layers")
+    model = llama()
+    with pytest.raises(swapkit.BindError) as info:
+        swapkit.apply(model, config, layers="layers")
+    assert str(info.value) == (
+        "the config names op scopes this model does not have:\n  - op_swap pattern 'no_such_op' matches no "
+        "sub-module in any layer of LlamaModel.layers; its layers' children are: attention, attention_norm, "
+        "feed_forward, ffn_norm, hidden_dropout")
+    assert not hasattr(model, "_swapkit_applied")  # nothing was installed: apply again works
+    swapkit.apply(model, toy_config(4), layers="layers").remove()
+
+
+@pytest.mark.parametrize("written, hint", [
+    ("atention", "did you mean 'attention',"),
+    ("attention.wq", r"Components of a pattern are separated by the two characters \. (a bare '.' is a regex "
+                     r"wildcard inside one name): write 'attention\.wq'"),
+])
+def test_unmatched_pattern_error_suggests_real_names(written, hint):
+    config = toy_config(4, recompute_config={"select_recompute": [written]})
+    with pytest.raises(swapkit.BindError) as info:
+        swapkit.apply(llama(), config, layers="layers")
+    assert f"select_recompute pattern '{written}' matches no sub-module in any layer of LlamaModel.layers" \
+        in str(info.value)
+    assert hint in str(info.value)
+
+
+def test_pattern_matching_some_layers_is_warned_once(caplog):
+    caplog.set_level(logging.INFO, logger="swapkit")
+    model = llama()
+    del model.layers[2].feed_forward.w1  # layer 2 lacks the scope, the others have it
+    config = toy_config(4, swap_config={"swap": True, "op_swap": [
+        {"op_name": r"feed_forward\.w1", "backward_prefetch": 2, "layers": True}]})
+    swapkit.apply(model, config, layers="layers")
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert warnings == ["op_swap pattern 'no_such_op' matches no sub-module in layer(s) [0, 1, 2, 3]; "
+    assert warnings == ["op_swap pattern " + repr(r"feed_forward\.w1") + " matches no sub-module in layer(s) [2]; "
                         "it has no effect there"]
 
 

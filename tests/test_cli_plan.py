@@ -78,7 +78,7 @@ SEED_CASES = {
 
 @pytest.mark.parametrize("name", sorted(SEED_CASES))
 def test_seed001_swap_case_lines(capsys, name):
-    status, out, err = run_main(capsys, CONFIGS / name)
+    status, out, err = run_main(capsys, "--log", CONFIGS / name)
     assert status == 0
     set_lines = [line for line in info_lines(err) if line.startswith("Set ")]
     assert set_lines == SEED_CASES[name]  # exactly the seed's lines, in the seed's order
@@ -88,7 +88,7 @@ def test_seed001_swap_case_lines(capsys, name):
 
 
 def test_seed001_swap_case_formative_swap_lines(capsys):
-    _, _, err = run_main(capsys, CONFIGS / "seed001_swap_op.yaml")
+    _, _, err = run_main(capsys, "--log", CONFIGS / "seed001_swap_op.yaml")
     lines = info_lines(err)
     assert "Formative layer swap: []" in lines
     assert ("Formative op swap: {'attention': [{'backward_prefetch': 20, 'layers': [0, 1, 2]}, "
@@ -109,7 +109,7 @@ SEED_FORMATIVE = [
 
 
 def test_seed001_recompute_formative_lines(capsys):
-    status, _, err = run_main(capsys, CONFIGS / "seed001_recompute_pp.yaml")
+    status, _, err = run_main(capsys, "--log", CONFIGS / "seed001_recompute_pp.yaml")
     assert status == 0
     lines = info_lines(err)
     assert lines[0] == "num_layers per stage: [[4, 5, 5, 5, 5], [5, 5, 5, 5, 4]]"
@@ -131,7 +131,10 @@ def test_every_shipped_config_plans_with_exit_0(capsys, path):
     status, out, err = run_main(capsys, path)
     assert status == 0
     assert "Traceback" not in err
-    assert len(out.strip().splitlines()) == 1 + load_config(path).model.num_layers  # header + one row per layer
+    table, summary = out.strip().split("\n\n")
+    assert len(table.splitlines()) == 1 + load_config(path).model.num_layers  # header + one row per layer
+    assert summary.splitlines()[0].startswith(f"{load_config(path).model.num_layers} layers, ")
+    assert "INFO" not in err  # MindFormers' log lines only with --log
 
 
 # ---------------------------------------------------------------- --json
@@ -140,7 +143,7 @@ LAYER_KEYS = {"layer", "stage", "chunk", "full", "select", "comm", "layer_swap",
 
 
 def test_json_is_one_document_on_stdout(capsys):
-    status, out, err = run_main(capsys, "--json", CONFIGS / "seed001_swap_recompute.yaml")
+    status, out, err = run_main(capsys, "--log", "--json", CONFIGS / "seed001_swap_recompute.yaml")
     assert status == 0
     data = json.loads(out)  # raises on anything but exactly one JSON document
     assert set(data["layout"]) >= {"layer_list", "layer_accu", "pp_ids", "interleave_ids"}
@@ -180,19 +183,21 @@ def test_set_override_on_the_command_line(capsys):
     assert "Set op_swap" not in err
 
 
-def test_unmatched_pattern_is_a_warning(capsys, tmp_path):
+def test_unmatched_pattern_is_an_error(capsys, tmp_path):
     path = tmp_path / "typo.yaml"
     path.write_text("model: {model_config: {num_layers: 2}}\nrecompute_config: {select_recompute: [atention]}\n")
-    status, _, err = run_main(capsys, path)
-    assert status == 0
-    assert ("WARNING - select_recompute pattern 'atention' matches no sub-module in layer(s) [0, 1]; "
-            "it has no effect there") in err.splitlines()
+    status, out, err = run_main(capsys, path)
+    assert status == 2 and out == ""
+    assert "Traceback" not in err
+    assert err.startswith(f"swapkit: invalid swapkit config in {path} (1 problem):\n  - select_recompute pattern "
+                          "'atention' matches no sub-module in any layer of LlamaModel.layers; did you mean "
+                          "'attention',")
 
 
 # ---------------------------------------------------------------- subprocess, as a user runs it
 
 def test_subprocess_seed_case_and_json():
-    result = run_subprocess(CONFIGS / "seed001_swap_op.yaml", "--json")
+    result = run_subprocess(CONFIGS / "seed001_swap_op.yaml", "--json", "--log")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["layers"][1]["op_swap"] == [["attention", 20], ["feed_forward", 15]]
     assert "INFO - Set op_swap at layer 1: .attention, value=20, .feed_forward, value=15" in result.stderr.splitlines()

@@ -200,13 +200,22 @@ def test_invalid_no_effect_key_is_not_listed():
     (with_sections(swap_config=[1]), "swap_config: got [1]; expected a mapping of keys to values"),
     ({"model": {"model_config": None}}, "model.model_config: got null; expected a mapping"),
     ({"model": {"model_config": 3}}, "model.model_config: got 3; expected a mapping"),
-    ({"train": {}}, "model: is required"),
-    ({"model": {}}, "model.model_config: is required"),
-    ({"model": {"model_config": {}}}, "model.model_config.num_layers: is required"),
 ])
 def test_wrong_types(raw, expected):
     problems = problems_of(raw)
     assert any(p.startswith(expected) for p in problems), problems
+
+
+def test_num_layers_is_optional_at_load_and_required_to_plan():
+    # a model given to apply() or `swapkit plan --model` counts its layers; without one the plan needs it
+    config = load_config({"model": {"model_config": {}}, "swap_config": {"swap": True}})
+    assert config.model.num_layers is None
+    for short in ({"swap_config": {"swap": True}}, {"model": {}, "swap_config": {"swap": True}}):
+        assert load_config(short) == config  # the model section may be left out altogether
+    with pytest.raises(ConfigError) as info:
+        build_plan(config)
+    assert "model.model_config.num_layers: missing; give the layer count, or pass the model to swapkit.apply" \
+        in str(info.value)
 
 
 def test_long_values_are_shortened():

@@ -316,9 +316,9 @@ def test_swap_mode_recompute_indices():
 
 
 def test_swap_mode_select_dict_and_defaults():
-    result = formative(num_layers=4, recompute={"select_recompute": {"feed_forward": [0, 3], "attention": True},
+    result = formative(num_layers=4, recompute={"select_recompute": {"feed_forward": [0, 3], "attention": [1]},
                                                 "select_comm_recompute": [1]}, swap=SWAP_ON)
-    assert result.select_recompute == {"feed_forward": (0, 3), "attention": True}
+    assert result.select_recompute == {"feed_forward": (0, 3), "attention": (1,)}
     assert result.select_comm_recompute == {r".*\.norm": (1,)}
     assert formative(recompute={"select_recompute": False}, swap=SWAP_ON).select_recompute == {
         r"feed_forward\.mul": (), r"feed_forward\.w1\.activation\.silu": ()}
@@ -340,17 +340,29 @@ def test_swap_mode_two_dimensional_lists_are_errors(key, value, path):
     assert "a flat list of global layer indices; 2-D lists are not allowed here" in message
 
 
-@pytest.mark.parametrize("value", [2, "attention", None, 1.5])
-def test_swap_mode_non_list_dict_values_are_errors(value):
-    message = error(num_layers=4, recompute={"select_recompute": {"feed_forward": value}}, swap=SWAP_ON)
-    assert "recompute_config.select_recompute.feed_forward: got " in message
-    assert "expected true, false or a list of layer indices" in message
+@pytest.mark.parametrize("key", ["select_recompute", "select_comm_recompute"])
+@pytest.mark.parametrize("value", [2, "attention", None, 1.5, True, False])
+def test_swap_mode_non_list_dict_values_are_errors(key, value):
+    # MindFormers' check_rules: "Layer info of select_recompute must be list when enabling swap"
+    message = error(num_layers=4, recompute={key: {"feed_forward": value}}, swap=SWAP_ON)
+    assert f"recompute_config.{key}.feed_forward: got " in message
+    assert f"expected a list of layer indices. MindFormers: Layer info of {key} must be list when enabling swap" \
+        in message
 
 
-def test_swap_mode_out_of_range_indices():
-    message = error(num_layers=4, recompute={"recompute": [0, 4, -1]}, swap=SWAP_ON)
-    assert "recompute_config.recompute: got [0, 4, -1]; expected layer indices >= 0 < num_layers (4)" in message
-    assert "Out of range: [4, -1]" in message
+def test_swap_mode_out_of_range_indices_are_kept_and_warned():
+    # MindFormers keeps them in its Formative lines and they match no layer: a MindFormers file must load.
+    plan = build_plan(load_config(raw_config(num_layers=4, recompute={
+        "recompute": [0, 4, -1], "select_recompute": {"feed_forward": [7, 1]}}, swap=SWAP_ON)))
+    assert plan.formative.layer_recompute == (0, 4, -1)
+    assert plan.formative.to_json()["select_recompute"] == {"feed_forward": [7, 1]}
+    assert [layer.full for layer in plan.layers] == [True, False, False, False]
+    assert [layer.select for layer in plan.layers] == [(), ("feed_forward",), (), ()]
+    assert plan.warnings == (
+        "recompute_config.recompute: layer indices [4, -1] match no layer (the model has layers 0-3); kept as "
+        "written, as MindFormers does, and they do nothing",
+        "recompute_config.select_recompute.feed_forward: layer indices [7] match no layer (the model has layers "
+        "0-3); kept as written, as MindFormers does, and they do nothing")
 
 
 def test_swap_mode_bools_are_not_indices():

@@ -20,8 +20,10 @@ ALLOWED = {
     "runtime": {"config", "plan", "engine"},
     "api": {"config", "plan", "load", "runtime"},
     "train": {"__init__", "api", "config", "plan", "load", "runtime", "engine"},
-    "planner": {"config", "plan", "load", "runtime", "engine", "train"},  # measures by training: at the edge
-    "cli": {"config", "plan", "load", "runtime", "train", "planner"},
+    "integrations": {"__init__", "config", "plan", "load", "api", "runtime"},  # the edge: others never import it
+    # measures by training (the built-in model, or a user's model from integrations): at the edge too
+    "planner": {"config", "plan", "load", "runtime", "engine", "train", "integrations"},
+    "cli": {"__init__", "config", "plan", "load", "runtime", "train", "integrations", "planner"},
     "__init__": {"config", "plan", "load", "api", "runtime"},
 }
 
@@ -113,3 +115,17 @@ def test_torch_side_names_stay_public():
 
     for name in swapkit.__all__:
         assert getattr(swapkit, name) is not None
+
+
+def test_only_integrations_import_transformers():
+    """Integrations live at the edge: the core (presets included) never imports transformers."""
+    def imports_transformers(path: Path) -> bool:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            if any(name.split(".")[0] in ("transformers", "accelerate") for name in names):
+                return True
+        return False
+
+    users = sorted(name for name, path in all_modules().items() if imports_transformers(path))
+    assert users == ["swapkit.integrations.transformers"]

@@ -8,7 +8,7 @@ import pytest
 
 from swapkit import ConfigError, build_plan, load_config
 from swapkit.config.types import Config, ModelConfig, SwapConfig, SwapEntry
-from swapkit.plan.report import layer_lines, plan_report, resolve_layer, table, unmatched
+from swapkit.plan.report import layer_lines, plan_report, resolve_layer, table, unmatched, unmatched_errors
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 SEED_OFFSET = [[0, 1, 1, 1, 1], [1, 1, 1, 1, 0]]
@@ -271,8 +271,13 @@ def test_overridden_swaps_are_warned_per_layer():
 
 def test_unmatched_patterns_are_reported_once():
     plan = plan_of(3, recompute={"select_recompute": ["missing_op", "attention"]})
-    assert unmatched(plan, [LLAMA_LAYER] * 3) == [
-        "select_recompute pattern 'missing_op' matches no sub-module in layer(s) [0, 1, 2]; it has no effect there"]
+    assert unmatched(plan, [LLAMA_LAYER] * 3) == []  # nowhere: an error, below
+    assert unmatched_errors(plan, [LLAMA_LAYER] * 3) == [
+        "select_recompute pattern 'missing_op' matches no sub-module in any layer of the model; its layers' "
+        "children are: attention, attention_norm, feed_forward, ffn_norm"]
+    partial = [LLAMA_LAYER, {"mlp": {}}, LLAMA_LAYER]
+    assert unmatched(plan, partial) == [
+        "select_recompute pattern 'attention' matches no sub-module in layer(s) [1]; it has no effect there"]
 
 
 def test_table_has_one_row_per_layer():

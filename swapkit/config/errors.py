@@ -36,6 +36,13 @@ class ConfigError(ValueError):
         super().__init__("\n".join(lines))
 
 
+class BindError(ValueError):
+    """The model does not fit the plan (no layer container, wrong layer count, an op scope it lacks, ...).
+
+    Raised by :mod:`swapkit.runtime.binding`; defined here, with no torch import, so the CLI can catch it.
+    """
+
+
 def show(value: Any) -> str:
     """Render a user value the way they wrote it (YAML-ish), short enough for one line."""
     if value is True:

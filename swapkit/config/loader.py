@@ -57,6 +57,15 @@ def warn_no_effect(config: Config) -> None:
         logger.warning("%s has no effect in PyTorch eager; accepted and ignored", path)
 
 
+def warn_inactive_swap(config: Config) -> None:
+    """Swap entries written while ``swap_config.swap`` is false are checked but do nothing: say so."""
+    written = [key for key in ("layer_swap", "op_swap") if getattr(config.swap, key) is not None]
+    if written and config.swap.swap is False:
+        logger.warning("swap_config.%s %s validated but inactive because swap_config.swap is false; set "
+                       "swap_config.swap: true to use %s", " and ".join(written), "are" if len(written) > 1 else "is",
+                       "them" if len(written) > 1 else "it")
+
+
 def read_yaml(path: Path) -> Any:
     """Read a YAML file, turning every way it can fail into a ConfigError."""
     if not path.exists():

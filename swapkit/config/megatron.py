@@ -20,7 +20,9 @@ GRANULARITY_FIX = "set recompute_granularity: full (with recompute_method and re
 def read_megatron(values: dict, given: set[str], path: str, problems: Problems, notices: list[str]) -> MegatronRecompute:
     """Check the Megatron keys together (their rules depend on each other).
 
-    Any problem found here marks the result invalid, so the plan is not built from it.
+    Any problem found here marks the result invalid, so the plan is not built from it. Whether each
+    module has an op scope depends on the model (its preset may map ``moe_act``, ...), so
+    :func:`swapkit.plan.plan.build_plan` checks that (:func:`unmapped_modules`).
     """
     before = len(problems)
     granularity = values["recompute_granularity"]
@@ -37,7 +39,7 @@ def read_megatron(values: dict, given: set[str], path: str, problems: Problems, 
             if key in given:
                 problems.add(join(path, key), f"has no meaning without recompute_granularity; {GRANULARITY_FIX}")
     elif granularity == "selective":
-        modules = _check_selective(values, given, modules or ("core_attn",), scopes, path, problems)
+        modules = _check_selective(values, given, modules or ("core_attn",), path, problems)
     elif granularity == "full":
         _check_full(values, given, path, problems)
     distribute = values["distribute_saved_activations"]
@@ -57,7 +59,7 @@ def read_megatron(values: dict, given: set[str], path: str, problems: Problems, 
     )
 
 
-def _check_selective(values: dict, given: set[str], modules: Any, scopes: Any, path: str, problems: Problems) -> Any:
+def _check_selective(values: dict, given: set[str], modules: Any, path: str, problems: Problems) -> Any:
     if "recompute_method" in given and values["recompute_method"] is not None:
         problems.add(join(path, "recompute_method"), "is not supported with recompute_granularity: selective "
                      "(Megatron rule); remove it, or use recompute_granularity: full")
@@ -70,12 +72,15 @@ def _check_selective(values: dict, given: set[str], modules: Any, scopes: Any, p
     if unknown:
         problems.bad(join(path, "recompute_modules"), list(modules), "Megatron module names",
                      f"unknown {unknown}; valid modules: {', '.join(MEGATRON_MODULES)}")
-    elif scopes is not F.INVALID:
-        unmapped = [m for m in modules if m not in scopes]
-        for m in unmapped:
-            problems.add(join(path, "recompute_modules"), f"module {m!r} has no op scope in this model; add "
-                         f"recompute_config.module_scopes.{m}: '<op pattern>' (mapped: {', '.join(scopes)})")
     return modules
+
+
+def unmapped_modules(modules: Any, scopes: Any, path: str, problems: Problems, where: str = "this model") -> None:
+    """Each selected module needs an op scope (from ``module_scopes`` or the model's preset)."""
+    for m in [m for m in modules or () if m not in scopes]:
+        problems.add(join(path, "recompute_modules"), f"module {m!r} has no op scope in {where}; add "
+                     f"recompute_config.module_scopes.{m}: '<op pattern>' (mapped: {', '.join(scopes)}), or set "
+                     "model.model_config.preset to a model family that has it")
 
 
 def _check_full(values: dict, given: set[str], path: str, problems: Problems) -> None:

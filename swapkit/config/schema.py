@@ -13,7 +13,7 @@ anything, boolean, mapping, string = F.anything, F.boolean, F.mapping, F.string
 integer, number, choice, optional = F.integer, F.number, F.choice, F.optional
 
 TOP_KEYS = {
-    "model": Key(anything, required=True),
+    "model": Key(anything),  # optional: a model given to apply() counts its layers
     "parallel_config": Key(anything),
     "recompute_config": Key(anything),
     "swap_config": Key(anything),
@@ -36,11 +36,11 @@ TOP_NO_EFFECT = {
     "eval_step_interval": integer(-1), "eval_epoch_interval": integer(-1), "metric": anything,
 }
 
-MODEL_KEYS = {"model_config": Key(mapping, required=True)}
+MODEL_KEYS = {"model_config": Key(mapping, None)}
 MODEL_NO_EFFECT = {"arch": mapping}
 
 MODEL_CONFIG_KEYS = {
-    "num_layers": Key(integer(1, 100_000), required=True),
+    "num_layers": Key(optional(integer(1, 100_000)), None),
     "offset": Key(anything, 0),
     "pp_interleave_num": Key(integer(1, 1024), 1),
     "hidden_size": Key(integer(2), 64),
@@ -53,6 +53,7 @@ MODEL_CONFIG_KEYS = {
     "attention_dropout": Key(number(0, below=1), 0.0),
     "rope_theta": Key(number(positive=True), 10000.0),
     "layers_path": Key(optional(string), None),
+    "preset": Key(optional(string), None),
 }
 
 # MindFormers LlamaConfig keys that the built-in model does not use.

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from swapkit.config import fields as F
-from swapkit.config.types import SwapEntry
+from swapkit.config.types import SwapConfig, SwapEntry
 from swapkit.config.errors import Problems, join
 from swapkit.config.fields import Key
 
@@ -68,3 +68,19 @@ def _op_names(value: Any, path: str, problems: Problems) -> Any:
         return names
     checked = [F.pattern(name, path, problems) for name in names]
     return F.INVALID if F.INVALID in checked else names
+
+
+def check_swap_layers(swap: SwapConfig, num_layers: int, problems: Problems) -> None:
+    """Layer indices of ``layer_swap`` / ``op_swap`` entries must be ``< num_layers``.
+
+    The loader checks this when ``num_layers`` is written; when the model counts the layers
+    (``swapkit.apply``), this runs once the count is known.
+    """
+    for key in ("layer_swap", "op_swap"):
+        for index, entry in enumerate(getattr(swap, key) or ()):
+            if entry.layers is True or entry.layers is False:
+                continue
+            bad = [v for v in entry.layers if v >= num_layers]
+            if bad:
+                problems.bad(join(join(join("swap_config", key), index), "layers"), list(entry.layers),
+                             f"layer indices >= 0 < num_layers ({num_layers})", f"out of range: {bad}")

@@ -24,9 +24,14 @@ MEGATRON_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """``model.model_config``: layer count and layout (MindFormers names) and built-in model sizes."""
+    """``model.model_config``: layer count and layout (MindFormers names) and built-in model sizes.
 
-    num_layers: int
+    ``num_layers`` may be ``None`` when a model is given to ``swapkit.apply`` (or ``swapkit plan --model``):
+    it is then counted from the bound layer container. ``preset`` names a model family of
+    :mod:`swapkit.plan.presets` (auto-detected for transformers models when not given).
+    """
+
+    num_layers: int | None = None
     offset: Any = 0
     pp_interleave_num: int = 1
     hidden_size: int = 64
@@ -39,6 +44,7 @@ class ModelConfig:
     attention_dropout: float = 0.0
     rope_theta: float = 10000.0
     layers_path: str | None = None
+    preset: str | None = None
 
 
 @dataclass(frozen=True)

@@ -152,23 +152,55 @@ def _negative(values: Any, path: str, problems: Problems) -> bool:
 
 # ---------------------------------------------------------------- swap mode (global indices)
 
-def normalize_indices(value: Any, num_layers: int, path: str, problems: Problems) -> Spec | None:
-    """Swap mode: ``True`` stays ``True``, ``False`` -> ``()``, a list -> tuple of layer indices."""
+def normalize_indices(value: Any, path: str, problems: Problems) -> Spec | None:
+    """Swap mode: ``True`` stays ``True``, ``False`` -> ``()``, a list -> tuple of layer indices.
+
+    Indices are kept as written, out-of-range and negative ones included: MindFormers keeps them in
+    its ``Formative ...`` lines and they simply match no layer (:func:`swap_mode_warnings` says so).
+    """
     if value is False:
         return ()
-    result = layer_indices(value, path, problems, num_layers, SWAP_MODE_FIX)
+    if isinstance(value, (list, tuple)) and all(F.is_int(v) for v in value):
+        return tuple(value)
+    result = layer_indices(value, path, problems, None, SWAP_MODE_FIX)
     return None if result is F.INVALID else result
+
+
+def normalize_layer_list(value: Any, path: str, problems: Problems) -> Spec | None:
+    """Swap mode, a value of a ``select_*`` dict: MindFormers' check_rules demands a list."""
+    if not isinstance(value, (list, tuple)):
+        key = path.split(".")[1] if path.count(".") >= 2 else path
+        problems.bad(path, value, "a list of layer indices", f"MindFormers: Layer info of {key} must be list when "
+                     "enabling swap; write [0, 3] (or [] for none)")
+        return None
+    return normalize_indices(value, path, problems)
+
+
+def swap_mode_warnings(formative: Formative, num_layers: int) -> list[str]:
+    """One warning per swap-mode recompute setting whose indices match no layer (kept as written)."""
+    items = [("recompute_config.recompute", formative.layer_recompute)]
+    for key in ("select_recompute", "select_comm_recompute"):
+        items += [(f"recompute_config.{key}.{p}", v) for p, v in getattr(formative, key).items()]
+    warnings = []
+    for path, spec in items:
+        outside = [i for i in spec if i < 0 or i >= num_layers] if isinstance(spec, tuple) else []
+        if outside:
+            warnings.append(f"{path}: layer indices {outside} match no layer (the model has layers 0-"
+                            f"{num_layers - 1}); kept as written, as MindFormers does, and they do nothing")
+    return warnings
 
 
 # ---------------------------------------------------------------- pattern dicts
 
 def normalize_select(
-    value: Any, defaults: tuple[str, ...], to_spec: Callable[[Any, str], Spec | None], path: str, problems: Problems
+    value: Any, defaults: tuple[str, ...], to_spec: Callable[[Any, str], Spec | None], path: str, problems: Problems,
+    to_dict_spec: Callable[[Any, str], Spec | None] | None = None,
 ) -> dict[str, Spec] | None:
     """``select_*`` value -> ordered ``{pattern: spec}``.
 
-    A dict maps each key; a list of strings names patterns that apply to all layers; anything
-    else applies the same counts to each default pattern.
+    A dict maps each key (its values read by ``to_dict_spec``, default ``to_spec``); a list of
+    strings names patterns that apply to all layers; anything else applies the same counts to each
+    default pattern.
     """
     if isinstance(value, dict):
         items = [(key, v, join(path, key)) for key, v in value.items()]
@@ -179,7 +211,7 @@ def normalize_select(
         return None if spec is None else {key: spec for key in defaults}
     result, ok = {}, True
     for key, raw, key_path in items:
-        spec = to_spec(raw, key_path)
+        spec = (to_dict_spec or to_spec)(raw, key_path) if isinstance(value, dict) else to_spec(raw, key_path)
         if F.pattern(key, key_path, problems) is F.INVALID or spec is None:
             ok = False
         result[key] = spec
@@ -204,16 +236,21 @@ def normalize_recompute(
         return normalize_counts(value, layout, path, problems)
 
     def indices(value: Any, path: str) -> Spec | None:
-        return normalize_indices(value, layout.num_layers, path, problems)
+        return normalize_indices(value, path, problems)
+
+    def layer_list(value: Any, path: str) -> Spec | None:
+        return normalize_layer_list(value, path, problems)
 
     spec = indices if swap_mode else counts
+    dict_spec = layer_list if swap_mode else counts
     base = "recompute_config"
     out = {"layer_recompute": spec(recompute.recompute, join(base, "recompute"))}
     for key, defaults, to_spec in (
         ("select_recompute", DEFAULT_SELECT, spec), ("select_comm_recompute", DEFAULT_COMM, spec),
         ("select_recompute_exclude", (), counts), ("select_comm_recompute_exclude", (), counts),
     ):
-        out[key] = normalize_select(getattr(recompute, key), defaults, to_spec, join(base, key), problems)
+        out[key] = normalize_select(getattr(recompute, key), defaults, to_spec, join(base, key), problems,
+                                    dict_spec if to_spec is spec else None)
     if any(v is None for v in out.values()):
         return None
     out["select_recompute"] = exclude(out["select_recompute"], out["select_recompute_exclude"], "select_recompute")

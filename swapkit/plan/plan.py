@@ -6,16 +6,21 @@ beats swap, and every swap that a recompute decision makes pointless is listed i
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, Callable
 
 from swapkit.plan import patterns
+from swapkit.config.megatron import unmapped_modules
 from swapkit.config.types import Config, MegatronRecompute, RuntimeConfig
 from swapkit.config.errors import Problems
 from swapkit.config.fields import INVALID
 from swapkit.plan.layout import Layout, build_layout
 from swapkit.plan.megatron import describe, megatron_formative, megatron_layers
-from swapkit.plan.normalize import Formative, normalize_recompute, normalize_swap
+from swapkit.plan.normalize import Formative, normalize_recompute, normalize_swap, swap_mode_warnings
+from swapkit.plan.presets import Preset, preset_named
+
+NUM_LAYERS_FIX = ("missing; give the layer count, or pass the model to swapkit.apply (or `swapkit plan --model`), "
+                  "which counts the layers of its layer container")
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,9 @@ class Plan:
     runtime: RuntimeConfig
     layers_path: str | None = None
     summary: str | None = None  # one line describing a Megatron strategy
+    preset: str | None = None  # the model family whose names the patterns were translated to
+    notes: tuple[str, ...] = ()  # how the preset translated MindFormers / Megatron names (INFO lines)
+    warnings: tuple[str, ...] = ()  # settings that are accepted but (partly) do nothing
 
     def log_lines(self) -> list[str]:
         """Layout and "Formative ..." lines exactly as MindFormers logs them."""
@@ -82,8 +90,12 @@ class Plan:
         }
 
 
-def build_plan(config: Config) -> Plan:
+def build_plan(config: Config, preset: Preset | None = None) -> Plan:
     """Resolve a config into per-layer decisions.
+
+    Args:
+        config: a loaded config (``model_config.num_layers`` must be known here).
+        preset: the model family to translate scope names to; ``model_config.preset`` wins over it.
 
     Raises:
         ConfigError: if the config is inconsistent (a hand-built ``Config`` is checked here too).
@@ -96,20 +108,32 @@ def build_plan(config: Config) -> Plan:
         [True, True]
     """
     problems = Problems()
-    plan = check_plan(config, problems)
+    plan = check_plan(config, problems, preset)
     problems.raise_if_any(config.source)
     return plan
 
 
-def check_plan(config: Config, problems: Problems) -> Plan | None:
-    """Build the plan, recording every semantic problem in ``problems`` (``None`` if there are any)."""
+def check_plan(config: Config, problems: Problems, preset: Preset | None = None, for_model: bool = True
+               ) -> Plan | None:
+    """Build the plan, recording every semantic problem in ``problems`` (``None`` if there are any).
+
+    ``for_model=False`` (``load_config``: no model yet) skips what only a model can settle: whether
+    each Megatron module has an op scope (the model's preset may map it).
+    """
     model, rc = config.model, config.recompute
+    if model.num_layers is None:
+        problems.add("model.model_config.num_layers", NUM_LAYERS_FIX)
+        return None
+    preset = _preset(model.preset, preset, problems)
     layout = build_layout(model.num_layers, config.parallel.pipeline_stage, model.pp_interleave_num,
                           model.offset, problems) if valid(model, config.parallel) else None
     swaps = normalize_swap(config.swap, problems) if valid(config.swap) else None
     if layout is None or not valid(rc) or config.swap.swap is INVALID:
         return None
     if isinstance(rc, MegatronRecompute):
+        rc = _with_preset_scopes(rc, preset, problems if for_model else Problems())
+        if rc is None:
+            return None
         decisions = megatron_layers(rc, layout)
         recompute: dict | None = megatron_formative(rc, layout, decisions)
     else:
@@ -118,13 +142,55 @@ def check_plan(config: Config, problems: Problems) -> Plan | None:
         return None
     layer_rules, op_rules = swaps if config.swap.swap else ((), {})
     formative = Formative(**recompute, layer_swap=layer_rules, op_swap=op_rules)
+    notes: list[str] = []
+    translate = _translator(preset, notes)
     layers = tuple(
         _layer_plan(i, layout, formative, decisions[i] if isinstance(rc, MegatronRecompute) else None,
-                    config.swap.swap)
+                    config.swap.swap, translate)
         for i in range(layout.num_layers)
     )
+    swap_mode = config.swap.swap and rc.dialect == "mindformers"
+    warnings = swap_mode_warnings(formative, layout.num_layers) if swap_mode else ()
     return Plan(layout, formative, layers, rc.dialect, config.swap.swap, rc.use_reentrant, config.runtime,
-                model.layers_path, describe(rc) if isinstance(rc, MegatronRecompute) else None)
+                model.layers_path, describe(rc) if isinstance(rc, MegatronRecompute) else None,
+                preset.name if preset else None, tuple(notes), tuple(warnings))
+
+
+def _preset(name: str | None, given: Preset | None, problems: Problems) -> Preset | None:
+    """``model_config.preset`` if written (it wins over a detected one), else ``given``."""
+    if name is None:
+        return given
+    try:
+        return preset_named(name)
+    except ValueError as err:
+        problems.add("model.model_config.preset", str(err))
+        return None
+
+
+def _with_preset_scopes(rc: MegatronRecompute, preset: Preset | None, problems: Problems) -> MegatronRecompute | None:
+    """Megatron modules the preset maps (``moe_act``, ...) join the configured ``module_scopes``;
+    ``None`` (and a problem) when a selected module has no scope."""
+    scopes = {**(preset.module_scopes() if preset else {}), **rc.module_scopes}
+    where = f"{preset.name} models" if preset else "this model"
+    before = len(problems)
+    unmapped_modules(rc.recompute_modules, scopes, "recompute_config", problems, where)
+    return replace(rc, module_scopes=scopes) if len(problems) == before else None
+
+
+def _translator(preset: Preset | None, notes: list[str]) -> Callable[[tuple[str, ...]], tuple[str, ...]]:
+    """Maps written patterns to the preset's real ones, recording each translation once in ``notes``."""
+    def translate(written: tuple[str, ...]) -> tuple[str, ...]:
+        if preset is None:
+            return written
+        out: list[str] = []
+        for pattern in written:
+            real, note = preset.translate(pattern)
+            if note and note not in notes:
+                notes.append(note)
+            out += [p for p in real if p not in out]
+        return tuple(out)
+
+    return translate
 
 
 def valid(*sections: Any) -> bool:
@@ -132,7 +198,8 @@ def valid(*sections: Any) -> bool:
     return not any(value is INVALID for section in sections for value in vars(section).values())
 
 
-def _layer_plan(i: int, layout: Layout, formative: Formative, megatron: Any, swap_mode: bool) -> LayerPlan:
+def _layer_plan(i: int, layout: Layout, formative: Formative, megatron: Any, swap_mode: bool,
+                translate: Callable[[tuple[str, ...]], tuple[str, ...]]) -> LayerPlan:
     if megatron is not None:
         full, unit, select, comm = megatron.full, megatron.unit, megatron.select, ()
     else:
@@ -143,11 +210,13 @@ def _layer_plan(i: int, layout: Layout, formative: Formative, megatron: Any, swa
         unit = (i, i) if full else None
         select = () if full else tuple(p for p, spec in formative.select_recompute.items() if chosen(spec))
         comm = () if full else tuple(p for p, spec in formative.select_comm_recompute.items() if chosen(spec))
+    select, comm = translate(select), translate(comm)
     layer_swap = next((r.backward_prefetch for r in formative.layer_swap if r.covers(i)), None)
     op_swap = tuple(
-        (pattern, rule.backward_prefetch)
+        (real, rule.backward_prefetch)
         for pattern, rules in formative.op_swap.items()
         for rule in [next((r for r in rules if r.covers(i)), None)] if rule is not None
+        for real in translate((pattern,))
     )
     overridden = _overridden(full, select + comm, layer_swap, op_swap)
     return LayerPlan(i, layout.pp_ids[i], layout.interleave_ids[i], full, unit, select, comm, layer_swap, op_swap,

@@ -10,12 +10,11 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from swapkit.config.errors import BindError
 from swapkit.plan.plan import LayerPlan, Plan
 from swapkit.plan.report import LayerScopes, resolve_layer
 
-
-class BindError(ValueError):
-    """The model does not fit the plan (no layer container, wrong layer count, ...)."""
+__all__ = ["BindError", "Binding", "BoundLayer", "bind", "find_layers", "module_tree"]
 
 
 def module_tree(module: nn.Module) -> dict:
@@ -60,7 +59,7 @@ def bind(model: nn.Module, plan: Plan, layers_path: str | None = None) -> Bindin
     return Binding(model, path, bound)
 
 
-def find_layers(model: nn.Module, path: str | None, expected: int) -> tuple[str, nn.Module]:
+def find_layers(model: nn.Module, path: str | None, expected: int | None) -> tuple[str, nn.Module]:
     if path:
         return path, _walk(model, path)
     candidates = [(name, module) for name, module in model.named_modules() if _is_block_list(module)]

@@ -62,6 +62,17 @@ class SwapSession:
         self.observer: Any = None  # sees every forward save and backward unpack (swapkit.planner.measure)
         recompute.output_sink = self
 
+    def __repr__(self) -> str:
+        state = "removed" if self._removed else "active" if self._hooks is not None else "ready"
+        engine = type(self.engine).__name__ if self.engine is not None else "not started"
+        plan = self.plan
+        swapped = sum(layer.layer_swap is not None or bool(layer.op_swap) for layer in plan.layers)
+        recomputed = sum(layer.full or bool(layer.select or layer.comm) for layer in plan.layers)
+        preset = f", preset={plan.preset}" if plan.preset else ""
+        return (f"SwapSession({type(self.model).__name__}.{self.binding.layers_path}: {len(plan.layers)} layers"
+                f"{preset}, swap on {swapped}, recompute on {recomputed}, engine={engine}, steps={self._steps}, "
+                f"{state})")
+
     # ------------------------------------------------------------------ context manager
 
     def __enter__(self) -> "SwapSession":

@@ -46,3 +46,33 @@ class SwapStats:
     def memory_saved_bytes(self) -> int:
         """Saved bytes that did not sit on the device at the peak, relative to keeping all."""
         return max(self.saved_bytes - self.peak_device_bytes, 0)
+
+    def __str__(self) -> str:
+        """A small table in MiB (``print(session.stats)``); see the README for every field."""
+        return format_stats(self)
+
+
+MIB = float(1 << 20)
+
+
+def format_stats(stats: SwapStats) -> str:
+    """``SwapStats`` as aligned ``name  value`` rows, bytes in MiB."""
+    rows = [
+        ("saved (device-resident, peak)", f"{_mib(stats.peak_device_bytes)} of {_mib(stats.saved_bytes)} saved"),
+        ("offloaded", f"{_mib(stats.offloaded_bytes)} in {stats.offloaded_tensors} tensors"),
+        ("released after copy", _mib(stats.released_bytes)),
+        ("prefetched", f"{_mib(stats.prefetched_bytes)} in {stats.prefetched_tensors} tensors"),
+        ("tail (used in place)", _mib(stats.tail_bytes)),
+        ("late fetches", f"{stats.late_fetches} (waited {stats.wait_seconds * 1e3:.2f} ms)"),
+        ("mean prefetch lead", f"{stats.mean_prefetch_lead:.1f} ticks of {stats.ticks}"),
+        ("recomputed outputs", f"{_mib(stats.recomputed_output_bytes)} ({stats.output_recomputes} recipes)"),
+        ("host pool", f"{_mib(stats.host_pool_bytes)} ({stats.host_allocations} new buffers)"),
+    ]
+    rows += [(f"kept: {reason}", _mib(size)) for reason, size in sorted(stats.skipped.items())]
+    width = max(len(name) for name, _ in rows)
+    title = f"swapkit step {stats.step}{' (aborted)' if stats.aborted else ''}: session accounting, not RSS"
+    return "\n".join([title] + [f"  {name.ljust(width)}  {value}" for name, value in rows])
+
+
+def _mib(size: int) -> str:
+    return f"{size / MIB:.2f} MiB"

@@ -1,0 +1,68 @@
+"""From a model and a config to a plan: count the layers, pick the model preset.
+
+``model.model_config.num_layers`` may be left out when there is a model: the bound layer container
+says how many layers there are (and when it is written, binding checks that they agree). The
+preset comes from ``model.model_config.preset`` or, for a transformers model, from its
+``config.model_type`` (read as plain attributes: the core never imports transformers).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+from torch import nn
+
+from swapkit.config.errors import Problems
+from swapkit.config.swap_entries import check_swap_layers
+from swapkit.config.types import Config
+from swapkit.plan.plan import Plan, build_plan
+from swapkit.plan.presets import PRESETS, Preset, preset_for_model_type
+from swapkit.runtime.binding import find_layers
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_plan(model: nn.Module, config: Config, layers: str | None = None) -> Plan:
+    """The plan for this model: layer count inferred if not given, scope names through its preset.
+
+    Raises:
+        ConfigError: the config does not fit (e.g. a swap entry names a layer the model lacks).
+        BindError: no layer container could be found to count.
+    """
+    config = with_num_layers(model, config, layers)
+    return build_plan(config, detect_preset(model, config))
+
+
+def with_num_layers(model: nn.Module, config: Config, layers: str | None = None) -> Config:
+    """``config`` with ``num_layers`` counted from the model's layer container when it is not written."""
+    if config.model.num_layers is not None:
+        return config
+    path, container = find_layers(model, layers or config.model.layers_path, None)
+    count = len(container)
+    logger.info("model.model_config.num_layers not given: %s.%s holds %d layers", type(model).__name__, path, count)
+    problems = Problems()
+    check_swap_layers(config.swap, count, problems)
+    problems.raise_if_any(config.source)
+    return replace(config, model=replace(config.model, num_layers=count))
+
+
+def model_type(model: nn.Module) -> str | None:
+    """A transformers model's ``config.model_type`` (``"llama"``, ...), else ``None``."""
+    value = getattr(getattr(model, "config", None), "model_type", None)
+    return value if isinstance(value, str) else None
+
+
+def detect_preset(model: nn.Module, config: Config) -> Preset | None:
+    """The preset for ``model``, logged; ``None`` when the config names one (it wins) or none fits."""
+    if config.model.preset is not None:
+        logger.info("model preset %s (model.model_config.preset)", config.model.preset)
+        return None
+    kind = model_type(model)
+    preset = preset_for_model_type(kind) if kind else None
+    if preset is not None:
+        logger.info("model preset %s, auto-detected from %s.config.model_type %r", preset.name,
+                    type(model).__name__, kind)
+    elif kind:
+        logger.info("no swapkit preset for model_type %r: op patterns are used as written (presets: %s; set "
+                    "model.model_config.preset to use one)", kind, ", ".join(p.name for p in PRESETS))
+    return preset

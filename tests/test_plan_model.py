@@ -1,0 +1,91 @@
+"""`swapkit plan CONFIG --model ...`: resolve a config against a model built on the meta device."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from swapkit.cli import main
+
+CONFIG = ("swap_config: {swap: true, op_swap: [{op_name: attention, backward_prefetch: 2, layers: true}]}\n"
+          "recompute_config: {select_comm_recompute: [0]}\n")
+
+
+def plan_json(capsys, tmp_path, *argv, config=CONFIG):
+    path = tmp_path / "c.yaml"
+    path.write_text(config)
+    status = main(["plan", str(path), "--json", *argv])
+    out, err = capsys.readouterr()
+    return status, (json.loads(out) if status == 0 else None), err
+
+
+def test_own_model_by_factory(capsys, tmp_path):
+    config = "model: {model_config: {preset: gpt2}}\n" + CONFIG
+    status, plan, err = plan_json(capsys, tmp_path, "--model", "tests.user_models:tiny_gpt", config=config)
+    assert status == 0, err
+    assert [layer["op_swap"] for layer in plan["layers"]] == [[["attn", 2]]] * 3  # counted: 3 layers
+    assert plan["layers"][0]["comm"] == ["(ln_1|ln_2)"] and plan["layers"][1]["comm"] == []
+
+
+def test_hf_model_type(capsys, tmp_path):
+    status, plan, err = plan_json(capsys, tmp_path, "--model", "hf:llama")
+    assert status == 0, err
+    assert len(plan["layers"]) == 32  # Llama's default config, built on the meta device: no memory
+    assert plan["layers"][5]["op_swap"] == [["self_attn", 2]]
+    assert plan["layers"][0]["comm"] == ["(input_layernorm|post_attention_layernorm)"]
+
+
+def test_hf_config_json(capsys, tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "gpt_neox", "hidden_size": 32, "num_hidden_layers": 3,
+                                "num_attention_heads": 4, "intermediate_size": 64, "vocab_size": 64}))
+    status, plan, err = plan_json(capsys, tmp_path, "--model", f"hf:{path}")
+    assert status == 0, err
+    assert [layer["op_swap"] for layer in plan["layers"]] == [[["attention", 2]]] * 3
+
+
+def test_table_and_summary_name_the_preset(capsys, tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(CONFIG)
+    assert main(["plan", str(path), "--model", "hf:gpt2"]) == 0
+    out = capsys.readouterr().out
+    table, summary = out.strip().split("\n\n")
+    assert len(table.splitlines()) == 13
+    assert summary.splitlines()[:3] == [
+        "12 layers, 1 pipeline stage(s) x 1 chunk(s); recompute dialect mindformers; swap on; model preset gpt2",
+        "full recompute: none", "comm recompute (ln_1|ln_2): layers 0"]
+    assert "op swap attn: layers 0-11" in summary
+    assert "note: preset gpt2: 'attention' -> 'attn'" in summary
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("nomodule", "--model: --model 'nomodule': expected pkg.module:factory, hf:<model_type> or hf:<path to "
+                 "config.json>"),
+    ("no_such_pkg:f", "--model 'no_such_pkg:f': cannot import no_such_pkg"),
+    ("tests.user_models:nope", "--model 'tests.user_models:nope': tests.user_models has no attribute 'nope'"),
+    ("hf:not_a_model", "--model hf:not_a_model: not a transformers model_type or config.json path"),
+])
+def test_bad_model_specs_are_usage_errors(capsys, tmp_path, spec, message):
+    status, _, err = plan_json(capsys, tmp_path, "--model", spec)
+    assert status == 2
+    assert "Traceback" not in err and message in err
+
+
+def test_without_model_num_layers_is_required(capsys, tmp_path):
+    status, _, err = plan_json(capsys, tmp_path)
+    assert status == 2
+    assert "model.model_config.num_layers: missing; give the layer count, or pass the model" in err
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.strip() == "swapkit 0.1.0"
+
+
+def test_help_texts_have_no_restructuredtext_backticks(capsys):
+    for argv in (["--help"], ["plan", "--help"], ["train", "--help"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert "``" not in capsys.readouterr().out

@@ -1,0 +1,43 @@
+"""What a user reads: SwapStats as a MiB table, SwapSession's repr."""
+from __future__ import annotations
+
+import torch
+
+import swapkit
+from swapkit.runtime.stats import SwapStats
+from tests.user_models import TinyGPT
+
+CONFIG = {"model": {"model_config": {"preset": "gpt2"}}, "runtime": {"min_offload_bytes": 0},
+          "swap_config": {"swap": True, "layer_swap": [{"backward_prefetch": 2, "layers": [0, 1]}]}}
+
+
+def test_stats_print_as_a_mib_table():
+    stats = SwapStats(step=3, ticks=40, saved_bytes=8 << 20, offloaded_tensors=5, offloaded_bytes=3 << 20,
+                      released_bytes=2 << 20, prefetched_tensors=4, prefetched_bytes=2 << 20, tail_bytes=1 << 20,
+                      prefetch_lead_ticks=10, late_fetches=1, wait_seconds=0.0025, peak_device_bytes=5 << 20,
+                      host_pool_bytes=4 << 20, host_allocations=2, skipped={"parameter": 1 << 19})
+    assert str(stats).splitlines() == [
+        "swapkit step 3: session accounting, not RSS",
+        "  saved (device-resident, peak)  5.00 MiB of 8.00 MiB saved",
+        "  offloaded                      3.00 MiB in 5 tensors",
+        "  released after copy            2.00 MiB",
+        "  prefetched                     2.00 MiB in 4 tensors",
+        "  tail (used in place)           1.00 MiB",
+        "  late fetches                   1 (waited 2.50 ms)",
+        "  mean prefetch lead             2.5 ticks of 40",
+        "  recomputed outputs             0.00 MiB (0 recipes)",
+        "  host pool                      4.00 MiB (2 new buffers)",
+        "  kept: parameter                0.50 MiB",
+    ]
+
+
+def test_session_repr_says_what_it_is():
+    model = TinyGPT()
+    session = swapkit.apply(model, CONFIG)
+    assert repr(session) == ("SwapSession(TinyGPT.blocks: 3 layers, preset=gpt2, swap on 2, recompute on 0, "
+                             "engine=not started, steps=0, ready)")
+    with session:
+        model(torch.randint(0, 64, (2, 8))).sum().backward()
+        assert repr(session).endswith("engine=ThreadCopyEngine, steps=1, active)")
+    session.remove()
+    assert repr(session).endswith("removed)")
