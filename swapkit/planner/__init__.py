@@ -2,5 +2,6 @@
 from __future__ import annotations
 
 from swapkit.planner.run import Measured, measure, plan_for_budget
+from swapkit.planner.steps import ModelSource, ModelSteps
 
-__all__ = ["Measured", "measure", "plan_for_budget"]
+__all__ = ["Measured", "ModelSource", "ModelSteps", "measure", "plan_for_budget"]

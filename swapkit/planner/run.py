@@ -24,7 +24,9 @@ from swapkit.plan.trace import KEEP, RECOMPUTE, Trace
 from swapkit.planner.link import measure_link
 from swapkit.planner.measure import (PROBE, Tracer, build_trace, candidate_scopes, mode_config, release_lag,
                                      scale_segments, to_segments, tracing_factor)
-from swapkit.train.loop import _start, _train_step, resolve_device
+from swapkit.planner.steps import BuiltinSteps, ModelSource, ModelSteps
+from swapkit.runtime.resolve import with_num_layers
+from swapkit.train.loop import resolve_device
 
 logger = logging.getLogger(__name__)
 
@@ -39,9 +41,11 @@ class Measured:
     device: str
 
 
-def measure(config: Config, device: str | None = None, steps: int = 3, warmup: int = 1) -> Measured:
-    """Measure ``steps`` training steps (after ``warmup``) of the configured built-in model kept and
-    fully recomputed (``swapkit.planner.measure.Note [Measuring in two modes]``), and the link.
+def measure(config: Config, device: str | None = None, steps: int = 3, warmup: int = 1,
+            model: ModelSource | None = None) -> Measured:
+    """Measure ``steps`` training steps (after ``warmup``) of the configured built-in model, or of
+    ``model``, kept and fully recomputed (``swapkit.planner.measure.Note [Measuring in two modes]``),
+    the link, and a swap probe.
 
     Raises:
         ConfigError: ``gradient_accumulation_steps`` is not 1, or the device is unavailable.
@@ -52,10 +56,13 @@ def measure(config: Config, device: str | None = None, steps: int = 3, warmup: i
                                    "one micro-batch per step: set it to 1 (or plan without --budget)")],
                           config.source)
     where = resolve_device(config, device)
+    if model is not None:
+        config = with_num_layers(model.factory(), config, model.layers)
     patterns = _config_patterns(config)
     runs, scope_seconds, scopes = {}, {}, []
     for mode in (KEEP, RECOMPUTE):
-        runs[mode], seconds, scopes, _ = _measure_mode(mode_config(config, mode), where, patterns, steps, warmup)
+        runs[mode], seconds, scopes, _ = _measure_mode(mode_config(config, mode), where, patterns, steps, warmup,
+                                                       model)
         if mode == KEEP:
             scope_seconds = seconds
     trace = build_trace(config.model.num_layers, runs, scope_seconds)
@@ -64,29 +71,29 @@ def measure(config: Config, device: str | None = None, steps: int = 3, warmup: i
         links = measure_link(engine, _largest_storage(trace))
     finally:
         engine.close()
-    *_, copies = _measure_mode(mode_config(config, PROBE), where, patterns, steps, warmup)
+    *_, copies = _measure_mode(mode_config(config, PROBE), where, patterns, steps, warmup, model)
     links = dataclasses.replace(links, release_lag_s=max(release_lag(c, links, end) for c, end in copies))
     useful = [useful_scopes(trace, i, scopes[i], config.runtime.min_offload_bytes) for i in range(len(scopes))]
     return Measured(trace, links, useful, str(where))
 
 
 def plan_for_budget(config: Config, budget: int, measured: Measured | None = None,
-                    device: str | None = None) -> Planned:
+                    device: str | None = None, model: ModelSource | None = None) -> Planned:
     """Measure (unless given) and choose a plan whose predicted peak fits ``budget`` bytes.
 
     Raises:
         BudgetError: the budget is below the smallest reachable peak.
     """
-    measured = measured or measure(config, device)
+    measured = measured or measure(config, device, model=model)
     planner = Planner(measured.trace, measured.links, measured.scopes, config.runtime.min_offload_bytes)
     return plan_budget(planner, budget)
 
 
 def _measure_mode(config: Config, device: torch.device, patterns: list[tuple[str, ...]], steps: int,
-                  warmup: int) -> tuple[tuple[list, list, float], dict, list[list[str]], list]:
+                  warmup: int, model: ModelSource | None) -> tuple[tuple[list, list, float], dict, list[list[str]], list]:
     """Alternate traced and untraced steps; scale the traced times to the untraced step time
     (``swapkit.planner.measure`` Note [Tracing overhead])."""
-    run = _start(config, device, 2 * (warmup + steps), None)
+    run = BuiltinSteps(config, device) if model is None else ModelSteps(config, model, device)
     layers = [bound.module for bound in run.session.binding.layers]
     scopes = [candidate_scopes(layer, patterns[i]) for i, layer in enumerate(layers)]
     samples: dict[str, list] = {"segments": [], "orders": [], "others": [], "copies": [], "traced": [], "plain": []}
@@ -97,11 +104,11 @@ def _measure_mode(config: Config, device: torch.device, patterns: list[tuple[str
             for key, values in tracer.scope_seconds.items():
                 scope_seconds.setdefault(key, []).extend(values)
             start = time.perf_counter()
-            _train_step(run, 2 * number + 2)
+            run.step(2 * number + 2)
             if number >= warmup:
                 samples["plain"].append(time.perf_counter() - start)
     finally:
-        run.session.remove()
+        run.close()
     factor = tracing_factor(samples["traced"], samples["plain"])
     seconds = {key: statistics.median(values) * factor for key, values in scope_seconds.items()}
     segments = [scale_segments(step, factor) for step in samples["segments"]]
@@ -114,7 +121,7 @@ def _traced_step(run: Any, layers: list, scopes: list[list[str]], number: int, s
     run.session.observer = tracer
     try:
         start = time.perf_counter()
-        _train_step(run, number)
+        run.step(number)
         end = time.perf_counter()
     finally:
         tracer.remove()
