@@ -124,7 +124,7 @@ def run_budget_plan(args: argparse.Namespace) -> int:
     from swapkit.planner.command import budget_plan, write
 
     try:
-        plan = budget_plan(args.config, args.overrides, args.budget, args.device)
+        plan = budget_plan(args.config, args.overrides, args.budget, args.device, args.model, args.layers)
     except BudgetError as err:
         print(f"swapkit: {err}", file=sys.stderr)
         return EXIT_USAGE

@@ -69,3 +69,35 @@ def test_hf_llama_planned_yaml_runs_within_5_percent_and_under_budget(planner, t
                 assert abs(peak - planned.predicted.peak_device_bytes) <= 0.05 * planned.predicted.peak_device_bytes
     finally:
         steps.close()
+
+
+def test_cli_plans_an_hf_config_json_under_budget(tmp_path, capsys):
+    import json
+
+    from swapkit.cli import main
+
+    model_json = tmp_path / "config.json"
+    model_json.write_text(json.dumps({"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
+                                      "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                      "vocab_size": 64, "max_position_embeddings": 64}))
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({"model": {"model_config": {"seq_length": 16}}, "train": {"batch_size": 2}}))
+    argv = ["plan", str(config), "--model", f"hf:{model_json}", "--layers", "model.layers", "--json", "--budget"]
+    assert main([*argv, "1GiB"]) == 0
+    baseline = json.loads(capsys.readouterr().out)["baseline"]["peak_device_bytes"]
+    out = tmp_path / "planned.yaml"
+    assert main([*argv, str(baseline // 2), "--out", str(out)]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["predicted"]["peak_device_bytes"] <= baseline // 2
+    assert {row["decision"] for row in document["layers"]} != {"keep"}
+    assert load_config(out).swap.swap is True or load_config(out).recompute.recompute
+
+
+def test_cli_budget_with_a_factory_model_is_a_clean_error(tmp_path, capsys):
+    from swapkit.cli import main
+
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({"model": {"model_config": {"num_layers": 2}}}))
+    assert main(["plan", str(config), "--model", "mypkg.models:build", "--budget", "1MiB"]) == 2
+    err = capsys.readouterr().err
+    assert "--model" in err and "ModelSource" in err and "Traceback" not in err

@@ -15,6 +15,7 @@ from swapkit.plan.emit import layer_rows, planned_config, planned_sections, tabl
 from swapkit.plan.planner import Planned
 from swapkit.plan.size import parse_size
 from swapkit.planner.run import measure, plan_for_budget
+from swapkit.planner.sources import source_from_spec
 
 logger = logging.getLogger(__name__)
 
@@ -32,8 +33,10 @@ class BudgetPlan:
         return yaml.safe_dump(self.config, sort_keys=False)
 
 
-def budget_plan(path: str, overrides: Sequence[str], budget_text: str, device: str | None = None) -> BudgetPlan:
-    """Measure the configured model, plan under the budget, build the planned config.
+def budget_plan(path: str, overrides: Sequence[str], budget_text: str, device: str | None = None,
+                model: str | None = None, layers: str | None = None) -> BudgetPlan:
+    """Measure the configured model (the built-in one, or ``--model hf:...``), plan under the
+    budget, build the planned config.
 
     Raises:
         ConfigError: a bad config or ``--budget``.
@@ -43,11 +46,12 @@ def budget_plan(path: str, overrides: Sequence[str], budget_text: str, device: s
     config = load_config(path, overrides)
     problems = Problems()
     raw = apply_overrides(read_yaml(Path(path)), overrides, problems)
-    measured = measure(config, device)
+    source = source_from_spec(model, config, layers) if model is not None else None
+    measured = measure(config, device, model=source)
     logger.info("measured on %s: link d2h %.2f GB/s + %.1f us, h2d %.2f GB/s + %.1f us", measured.device,
                 measured.links.d2h.bytes_per_s / 1e9, measured.links.d2h.latency_s * 1e6,
                 measured.links.h2d.bytes_per_s / 1e9, measured.links.h2d.latency_s * 1e6)
-    planned = plan_for_budget(config, budget, measured)
+    planned = plan_for_budget(config, budget, measured, model=source)
     rows = layer_rows(measured.trace, planned, config.runtime.min_offload_bytes)
     use_reentrant = bool(getattr(config.recompute, "use_reentrant", False))
     document = to_json(planned_sections(planned.choices, use_reentrant), rows, planned, budget)
