@@ -29,25 +29,17 @@ def source_from_spec(spec: str, config: Config, layers: str | None) -> ModelSour
                                               "hf:<config.json> models itself; for your own factory call "
                                               "swapkit.planner.measure(config, model=ModelSource(...)) from Python")])
     try:
+        from swapkit.integrations.transformers import random_model
+
         model_config = build_meta_model(spec).config
-    except ValueError as err:
+    except (ImportError, ValueError) as err:
         raise ConfigError([Problem("--model", str(err))]) from None
     vocab = int(getattr(model_config, "vocab_size", 0) or 0)
     if vocab < 2:
         raise ConfigError([Problem("--model", f"{spec}: the planner feeds random token ids and needs a vocab_size")])
     seed, shape = config.train.seed, (config.train.batch_size, config.model.seq_length)
-    return ModelSource(lambda: _build(model_config, seed), lambda step: _tokens(vocab, shape, seed + step),
+    return ModelSource(lambda: random_model(spec[len("hf:"):], seed), lambda step: _tokens(vocab, shape, seed + step),
                        _loss, layers)
-
-
-def _build(model_config, seed: int) -> nn.Module:
-    from transformers import AutoModel, AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    try:
-        return AutoModelForCausalLM.from_config(model_config)
-    except ValueError:  # a family without a causal-LM head
-        return AutoModel.from_config(model_config)
 
 
 def _tokens(vocab: int, shape: tuple[int, int], seed: int) -> dict[str, torch.Tensor]:
