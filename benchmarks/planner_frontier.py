@@ -46,6 +46,7 @@ DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "planner"
 FRACTIONS = (0.8, 0.5, 0.25)
 LINKS = {"free": {}, "slow": {"latency_s": 0.0005, "bandwidth_gbps": 1.0}}
 MIB = 2**20
+QUICK_VARIANTS = ("keep (session, nothing configured)", "swap layer k=8", "recompute full")
 
 
 def fixed_variants(num_layers: int) -> dict[str, dict[str, Any]]:
@@ -91,12 +92,16 @@ def run_interleaved(configs: dict[str, dict], reps: int, warmup: int) -> dict[st
                    "moved_bytes": None} for name in runs}
 
 
-def one_link(name: str, link: dict, model: dict, batch: int, reps: int, warmup: int) -> dict[str, Any]:
+def one_link(name: str, link: dict, model: dict, batch: int, reps: int, warmup: int,
+             quick: bool = False) -> dict[str, Any]:
     base = base_config(model, batch, link)
-    measured = measure(load_config(base))
+    measured = measure(load_config(base), steps=2 if quick else 3)
     planner = Planner(measured.trace, measured.links, measured.scopes, 1024)
     baseline = planner.predict((KEEP,) * model["num_layers"])
-    configs = {v: {**base, **sections} for v, sections in fixed_variants(model["num_layers"]).items()}
+    fixed = fixed_variants(model["num_layers"])
+    if quick:  # a smoke run: three fixed variants
+        fixed = {k: v for k, v in fixed.items() if k in (QUICK_VARIANTS)}
+    configs = {v: {**base, **sections} for v, sections in fixed.items()}
     plans = {}
     for fraction in FRACTIONS:
         budget = int(baseline.peak_device_bytes * fraction)
@@ -193,17 +198,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small model, few repetitions")
     parser.add_argument("--reps", type=int, help="timed interleaved steps per variant (default 15, quick 3)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--links", nargs="+", choices=sorted(LINKS), default=list(LINKS), help="emulated links")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: a core stays free for "
                         "the copy thread, as a GPU's copy engine leaves the SMs alone)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.WARNING)
     model, batch = (QUICK_MODEL, QUICK_BATCH) if args.quick else (DEFAULT_MODEL, DEFAULT_BATCH)
-    reps, warmup = args.reps or (3 if args.quick else 15), 2
+    reps, warmup = args.reps or (3 if args.quick else 15), 1 if args.quick else 2
     env = {"cpu": cpu_model(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
            "torch_threads": torch.get_num_threads(), "model": model,
            "batch": batch, "reps": reps, "warmup": warmup, "load_start": os.getloadavg()}
-    links = [one_link(name, link, model, batch, reps, warmup) for name, link in LINKS.items()]
+    links = [one_link(name, link, model, batch, reps, warmup, args.quick) for name, link in LINKS.items()
+             if name in args.links]
     env["load_end"] = os.getloadavg()
     results = {"env": env, "links": links}
     args.out.mkdir(parents=True, exist_ok=True)

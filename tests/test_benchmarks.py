@@ -32,3 +32,17 @@ def test_quick_benchmark_writes_results_and_checks_hold(tmp_path):
     assert layer["moved_bytes"] > 0 and layer["memory_ratio"] < 0.5
     assert variants["recompute select silu+mul (MindFormers)"]["memory_ratio"] < 1.0
     assert data["sweep"] and data["microbench"]
+
+
+def test_planner_frontier_quick_run_writes_results(tmp_path):
+    out = tmp_path / "planner"
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "planner_frontier.py"), "--quick", "--reps",
+                             "1", "--links", "free", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    for name in ("results.json", "results.md", "planner_tradeoff.png"):
+        assert (out / name).stat().st_size > 0, name
+    data = json.loads((out / "results.json").read_text())
+    assert [link["link"] for link in data["links"]] == ["free"]
+    for link in data["links"]:
+        for plan in link["plans"].values():
+            assert "error" in plan or plan["measured"]["peak_device_bytes"] > 0

@@ -154,3 +154,20 @@ def test_cuda_plan_runs_within_5_percent_of_its_predicted_peak(tmp_path):
     for step in steady(train(load_config(path), progress=False)):
         assert step["peak_device_bytes"] <= budget
         assert abs(step["peak_device_bytes"] - planned.predicted.peak_device_bytes) <= 0.05 * budget
+
+
+def test_release_lag_is_the_largest_delay_past_the_links_prediction():
+    from swapkit.plan.simulate import Link, Links
+    from swapkit.planner.measure import release_lag
+
+    links = Links(Link(0.001, 1e9), Link(0.001, 1e9))  # 1 ms per copy (size negligible)
+    copies = [(0.0, 0.001, 1), (0.0, 0.005, 1), (0.010, 0.011, 1)]  # the 2nd queues behind the 1st: due at 2 ms
+    assert release_lag(copies, links, end=1.0) == pytest.approx(0.003)
+    assert release_lag([(0.0, None, 1)], links, end=0.5) == pytest.approx(0.499)  # never seen: until the end
+
+
+def test_traced_times_are_scaled_to_the_untraced_step():
+    from swapkit.planner.measure import tracing_factor
+
+    assert tracing_factor([2.0, 2.0, 2.2], [1.0, 1.1, 1.0]) == pytest.approx(0.5)
+    assert tracing_factor([1.0], [1.5]) == 1.0  # noise never inflates the trace
