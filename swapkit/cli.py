@@ -123,6 +123,8 @@ def run_budget_plan(args: argparse.Namespace) -> int:
     from swapkit.plan.planner import BudgetError
     from swapkit.planner.command import budget_plan, write
 
+    if not (args.log or args.verbose):  # as plain `swapkit plan`: the measurement runs' log lines with --log
+        logger.setLevel(logging.WARNING)
     try:
         plan = budget_plan(args.config, args.overrides, args.budget, args.device, args.model, args.layers)
     except BudgetError as err:
