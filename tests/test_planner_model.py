@@ -6,8 +6,9 @@ import yaml
 
 from swapkit.config.errors import ConfigError
 from swapkit.load import load_config
-from swapkit.plan.emit import op_pattern, planned_config, planned_sections
-from swapkit.plan.planner import KEEP, RECOMPUTE, BudgetError, Choice, Planner, plan_budget, reachable_peak, useful_scopes
+from swapkit.plan.emit import layer_rows, op_pattern, planned_config, planned_sections
+from swapkit.plan.planner import (KEEP, RECOMPUTE, BudgetError, Choice, Planned, Planner, plan_budget, reachable_peak,
+                                  useful_scopes)
 from swapkit.plan.simulate import Link, Links, simulate
 from swapkit.plan.size import parse_size
 from swapkit.plan.trace import PRE, FlatSave, FlatStep, Free, Save, Segment, Trace, Unpack, compose
@@ -91,7 +92,8 @@ def synthetic_trace(layers: int = 3, saves: int = 4, nbytes: int = 1 << 20, reco
     post = Segment((Save(None, 0, None, 1e-3),), ())
     keep[layers] = recompute[layers] = post
     order = (layers, *reversed(range(layers)), PRE)
-    return Trace(layers, {"keep": keep, "recompute": recompute}, order, {"keep": 0.01, "recompute": 0.01})
+    return Trace(layers, {"keep": keep, "recompute": recompute}, order, {"keep": 0.01, "recompute": 0.01},
+                 {(s, ""): 4e-3 for s in range(layers)})
 
 
 def planner_for(trace: Trace, links: Links = FAST) -> Planner:
@@ -147,6 +149,21 @@ def test_below_the_reachable_minimum_the_error_names_it():
         plan_budget(planner, lowest - 1)
     assert err.value.reachable == lowest
     assert f"smallest reachable peak_device_bytes is {lowest} bytes" in str(err.value)
+
+
+def test_layer_rows_charge_recompute_time_and_exposed_waits_to_their_layer():
+    slow = Links(Link(0.0, 1e15), Link(0.0, 1e8))  # prompt offloads, 10 ms per MiB back
+    trace = synthetic_trace()
+    planner = planner_for(trace, slow)
+    choices = (Choice("swap", ("",), 1), RECOMPUTE, KEEP)
+    predicted = planner.predict(choices)
+    rows = layer_rows(trace, Planned(choices, predicted, planner.predict((KEEP,) * 3)), 1024)
+    waits = dict(predicted.layer_wait)
+    assert waits[0] > 0 and set(waits) == {0}  # only layer 0 swaps
+    assert rows[0]["predicted_cost_seconds"] == pytest.approx(waits[0])
+    assert rows[1]["predicted_cost_seconds"] == pytest.approx(4e-3)  # its forward, run again in backward
+    assert (rows[2]["predicted_cost_seconds"], rows[2]["swapped_bytes"]) == (0.0, 0)
+    assert rows[0]["swapped_bytes"] == 4 << 20 and rows[0]["swapped_scopes"] == [""]
 
 
 # ---------------------------------------------------------------------- emitted YAML and sizes

@@ -52,12 +52,18 @@ def planned_config(raw: dict[str, Any], choices: tuple[Choice, ...], use_reentra
 
 
 def layer_rows(trace: Trace, planned: Planned, min_offload_bytes: int) -> list[dict[str, Any]]:
-    """Per layer: decision, saved bytes when kept, bytes it moves, its recompute cost (seconds)."""
+    """Per layer: decision, saved bytes when kept, bytes it moves, and its predicted cost: the
+    layer's forward time if recomputed, plus the exposed wait for its swapped storages."""
+    waits = dict(planned.predicted.layer_wait)
     rows = []
     for layer, choice in enumerate(planned.choices):
         saved, swapped = _layer_bytes(trace, layer, choice, min_offload_bytes)
-        rows.append({"layer": layer, "decision": choice.describe(), "saved_bytes": saved,
-                     "swapped_bytes": swapped, "recompute_seconds": trace.scope_seconds.get((layer, ""), 0.0)})
+        forward = trace.scope_seconds.get((layer, ""), 0.0)
+        cost = (forward if choice.action == "recompute" else 0.0) + waits.get(layer, 0.0)
+        rows.append({"layer": layer, "decision": choice.describe(), "action": choice.action,
+                     "swapped_scopes": list(choice.scopes), "backward_prefetch": choice.prefetch,
+                     "saved_bytes": saved, "swapped_bytes": swapped, "forward_seconds": forward,
+                     "predicted_cost_seconds": cost})
     return rows
 
 
@@ -76,10 +82,12 @@ def _layer_bytes(trace: Trace, layer: int, choice: Choice, min_offload_bytes: in
 
 def table(rows: list[dict[str, Any]], planned: Planned) -> str:
     """The per-layer report and the predicted totals, as text."""
-    lines = [f"{'layer':<6} {'decision':<46} {'saved MiB':>9} {'swapped MiB':>11} {'recompute ms':>12}"]
+    lines = [f"{'layer':<6} {'decision':<46} {'saved MiB':>9} {'swapped MiB':>11} {'forward ms':>10} "
+             f"{'predicted cost ms':>17}"]
     for row in rows:
         lines.append(f"{row['layer']:<6} {row['decision']:<46} {row['saved_bytes'] / 2**20:>9.3f} "
-                     f"{row['swapped_bytes'] / 2**20:>11.3f} {row['recompute_seconds'] * 1e3:>12.2f}")
+                     f"{row['swapped_bytes'] / 2**20:>11.3f} {row['forward_seconds'] * 1e3:>10.2f} "
+                     f"{row['predicted_cost_seconds'] * 1e3:>17.2f}")
     p, b = planned.predicted, planned.baseline
     lines.append(f"predicted: peak_device_bytes {p.peak_device_bytes} (keep all: {b.peak_device_bytes}), "
                  f"step {p.step_seconds * 1e3:.1f} ms (keep all: {b.step_seconds * 1e3:.1f} ms), "

@@ -73,6 +73,7 @@ class Prediction:
     wait_seconds: float
     late_fetches: int
     peak_if_prompt: int = 0  # the peak if every copy were seen finished on time (no release lag)
+    layer_wait: tuple[tuple[int | None, float], ...] = ()  # exposed wait by layer (None: outside layers)
 
     @property
     def uncertain_bytes(self) -> int:
@@ -85,10 +86,10 @@ class Prediction:
 
 
 class _Record:
-    __slots__ = ("nbytes", "horizon", "k", "d2h_end", "h2d_end", "released", "fetched", "resident", "issued")
+    __slots__ = ("nbytes", "horizon", "k", "d2h_end", "h2d_end", "released", "fetched", "resident", "issued", "layer")
 
-    def __init__(self, nbytes: int, tick: int, k: int | None) -> None:
-        self.nbytes, self.k, self.horizon = nbytes, k, tick + (k or 0)
+    def __init__(self, nbytes: int, tick: int, k: int | None, layer: int | None) -> None:
+        self.nbytes, self.k, self.horizon, self.layer = nbytes, k, tick + (k or 0), layer
         self.d2h_end = self.h2d_end = 0.0
         self.released = self.fetched = False
         self.resident = True
@@ -106,6 +107,7 @@ class _Replay:
         self.due: list[tuple[int, int, _Record]] = []  # (horizon, issue order, record) still to release
         self.pending: list[_Record] = []  # due, copy maybe unfinished; issue order
         self.issued = 0
+        self.layer_wait: dict[int | None, float] = {}  # exposed wait by the layer whose storage was late
 
     def _copy(self, link: Link, nbytes: int) -> float:
         start = max(self.now, self.queue_free)
@@ -134,7 +136,7 @@ class _Replay:
         k = self.swap_k(save.layer, save.scope)
         if k is not None and (save.nbytes < self.min_bytes or tick + k >= last + 1):
             k = None  # kept: too small, or in the forward's tail
-        record = self.records[save.storage] = _Record(save.nbytes, tick, k)
+        record = self.records[save.storage] = _Record(save.nbytes, tick, k, save.layer)
         self._add(save.nbytes)
         if k is not None:
             record.d2h_end = self._copy(self.links.d2h, save.nbytes)
@@ -179,6 +181,7 @@ class _Replay:
             return
         self.late += 1
         self.wait += record.h2d_end - self.now
+        self.layer_wait[record.layer] = self.layer_wait.get(record.layer, 0.0) + record.h2d_end - self.now
         self.now = record.h2d_end
         record.h2d_end = 0.0  # waited once; later unpacks of the storage find it there
 
@@ -209,4 +212,5 @@ def simulate(step: FlatStep, swap_k: Callable[[int | None, str | None], int | No
         prompt_replay.forward()
         prompt_replay.backward()
         prompt = prompt_replay.peak
-    return Prediction(replay.peak, replay.now + step.other_seconds, replay.moved, replay.wait, replay.late, prompt)
+    return Prediction(replay.peak, replay.now + step.other_seconds, replay.moved, replay.wait, replay.late, prompt,
+                      tuple(sorted(replay.layer_wait.items(), key=lambda item: (item[0] is None, item[0] or 0))))
