@@ -80,7 +80,7 @@ def test_planned_yaml_runs_within_5_percent_of_its_predicted_peak_and_under_budg
         assert step["peak_device_bytes"] <= budget
         assert abs(step["peak_device_bytes"] - predicted) <= 0.05 * predicted
     moved = sum(step["offloaded_bytes"] for step in steady(result)) / len(steady(result))
-    assert any(c.action != "keep" for c in planned.choices)
+    assert any(not c.keeps_all for c in planned.choices)
     assert (moved > 0) == (planned.predicted.moved_bytes_per_step > 0)
 
 
@@ -171,3 +171,20 @@ def test_traced_times_are_scaled_to_the_untraced_step():
 
     assert tracing_factor([2.0, 2.0, 2.2], [1.0, 1.1, 1.0]) == pytest.approx(0.5)
     assert tracing_factor([1.0], [1.5]) == 1.0  # noise never inflates the trace
+
+
+def test_select_recompute_of_an_op_scope_is_measured_and_predicted(measured, planner, tmp_path):
+    from swapkit.plan.planner import Choice
+
+    assert set(planner.selects) == {"attention", "feed_forward"}  # the two children owning the most bytes
+    choices = (Choice(select="feed_forward"),) * 3
+    predicted = planner.predict(choices).peak_device_bytes
+    assert predicted < planner.predict((KEEP,) * 3).peak_device_bytes
+    path = tmp_path / "select.yaml"
+    path.write_text(yaml.safe_dump(planned_config(CONFIG, choices)), encoding="utf-8")
+    config = load_config(path)
+    assert config.recompute.select_recompute == {"feed_forward": [0, 1, 2]}
+    result = train(config, progress=False)
+    assert result.summary is not None
+    for step in steady(result):
+        assert abs(step["peak_device_bytes"] - predicted) <= 0.05 * predicted

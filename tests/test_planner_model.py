@@ -179,6 +179,20 @@ def test_planned_sections_load_unchanged_with_global_indices():
     assert load_config(yaml.safe_load(text)).train.steps == 2
 
 
+def test_select_recompute_is_written_in_swap_mode_and_wins_over_swaps_inside_it():
+    from swapkit.plan.planner import with_select
+
+    choice = with_select(Choice("swap", ("feed_forward.w1", "attention"), 4), "feed_forward")
+    assert choice == Choice("swap", ("attention",), 4, "feed_forward")
+    assert with_select(Choice("swap", ("feed_forward",), 2), "feed_forward") == Choice("keep", select="feed_forward")
+    choices = (choice, Choice(select="feed_forward"), RECOMPUTE)
+    plan = __import__("swapkit").build_plan(load_config({"model": {"model_config": {"num_layers": 3}},
+                                                         **planned_sections(choices)}))
+    assert [layer.select for layer in plan.layers] == [("feed_forward",), ("feed_forward",), ()]
+    assert plan.layers[0].op_swap == (("attention", 4),) and plan.layers[2].full
+    assert choice.mode == "select:feed_forward" and choice.describe() == "swap attention k=4; recompute feed_forward"
+
+
 def test_keeping_everything_is_written_without_swap():
     sections = planned_sections((KEEP, KEEP))
     assert sections["swap_config"] == {"swap": False}

@@ -21,11 +21,15 @@ def op_pattern(path: str) -> str:
 def planned_sections(choices: tuple[Choice, ...], use_reentrant: bool = False) -> dict[str, Any]:
     """``recompute_config`` and ``swap_config`` for the choices (global layer indices); keeping
     everything is written as ``swap: false`` and ``recompute: false``."""
-    if all(c.action == "keep" for c in choices):
+    if all(c.keeps_all for c in choices):
         return {"recompute_config": {"recompute": False, "select_recompute": False, "select_comm_recompute": False},
                 "swap_config": {"swap": False}}
     recomputed = [i for i, c in enumerate(choices) if c.action == "recompute"]
-    recompute: dict[str, Any] = {"recompute": recomputed or False, "select_recompute": False,
+    selected: dict[str, list[int]] = {}
+    for i, choice in enumerate(choices):
+        if choice.select is not None:
+            selected.setdefault(op_pattern(choice.select), []).append(i)
+    recompute: dict[str, Any] = {"recompute": recomputed or False, "select_recompute": selected or False,
                                  "select_comm_recompute": False}
     if use_reentrant:
         recompute["use_reentrant"] = True
@@ -59,9 +63,11 @@ def layer_rows(trace: Trace, planned: Planned, min_offload_bytes: int) -> list[d
     for layer, choice in enumerate(planned.choices):
         saved, swapped = _layer_bytes(trace, layer, choice, min_offload_bytes)
         forward = trace.scope_seconds.get((layer, ""), 0.0)
-        cost = (forward if choice.action == "recompute" else 0.0) + waits.get(layer, 0.0)
+        recompute = forward if choice.action == "recompute" else trace.scope_seconds.get((layer, choice.select), 0.0)
+        cost = (recompute if choice.action == "recompute" or choice.select else 0.0) + waits.get(layer, 0.0)
         rows.append({"layer": layer, "decision": choice.describe(), "action": choice.action,
                      "swapped_scopes": list(choice.scopes), "backward_prefetch": choice.prefetch,
+                     "select_recompute": choice.select,
                      "saved_bytes": saved, "swapped_bytes": swapped, "forward_seconds": forward,
                      "predicted_cost_seconds": cost})
     return rows

@@ -4,8 +4,9 @@ Note [Greedy planning]
 The search starts from keeping everything. While the predicted peak (``swapkit.plan.simulate``
 Note [Cost model]) is above the target, it takes the move with the lowest predicted extra step
 time per byte of peak removed (ties: the larger reduction), where a move changes one layer:
-swap one more scope (or the whole layer) with a distance ``k``, change the layer's ``k``, or
-recompute the layer. Once under the target it tries, layer by layer, cheaper choices that still fit
+swap one more scope (or the whole layer) with a distance ``k``, change the layer's ``k``,
+recompute one measured op scope (``select_recompute``; swaps inside it are dropped), or recompute
+the layer. Once under the target it tries, layer by layer, cheaper choices that still fit
 (fewer swapped scopes, another ``k``, keep), so an early large move does not stay when a later one
 made it unnecessary. A second search starts from recomputing every layer and trims the same way
 (a descent can stop where no single move helps, e.g. when recomputing a late layer shortens the
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from swapkit.plan.simulate import Links, Prediction, simulate
-from swapkit.plan.trace import FlatStep, Trace, compose
+from swapkit.plan.trace import SELECT, FlatStep, Trace, compose
 
 PREFETCH_CHOICES = (1, 2, 4, 8)
 UNCERTAIN_TOLERANCE = 0.03
@@ -43,11 +44,22 @@ class BudgetError(ValueError):
 
 @dataclass(frozen=True)
 class Choice:
-    """What one layer does: ``keep``, ``recompute``, or ``swap`` of ``scopes`` (``""``: the layer)."""
+    """What one layer does: ``keep``, ``recompute``, or ``swap`` of ``scopes`` (``""``: the layer);
+    besides keep or swap, ``select`` names one op scope recomputed (MindFormers ``select_recompute``)."""
 
     action: str = "keep"
     scopes: tuple[str, ...] = ()
     prefetch: int | None = None
+    select: str | None = None
+
+    @property
+    def mode(self) -> str:
+        """The measured mode of this layer's segment (``swapkit.plan.trace``)."""
+        return "recompute" if self.action == "recompute" else f"{SELECT}{self.select}" if self.select else "keep"
+
+    @property
+    def keeps_all(self) -> bool:
+        return self.action == "keep" and self.select is None
 
     def swap_k(self, scope: str | None) -> int | None:
         if self.action != "swap" or scope is None:
@@ -55,13 +67,22 @@ class Choice:
         return self.prefetch if any(inside(scope, s) for s in self.scopes) else None
 
     def describe(self) -> str:
+        select = f"recompute {self.select}" if self.select else ""
         if self.action != "swap":
-            return self.action
-        return f"swap {', '.join(s or '(layer)' for s in self.scopes)} k={self.prefetch}"
+            return select or self.action
+        swap = f"swap {', '.join(s or '(layer)' for s in self.scopes)} k={self.prefetch}"
+        return f"{swap}; {select}" if select else swap
 
 
 KEEP = Choice()
 RECOMPUTE = Choice("recompute")
+
+
+def with_select(choice: Choice, select: str) -> Choice:
+    """``choice`` with ``select`` recomputed; swaps of that scope (or inside it) dropped: recompute
+    wins over swap there (DESIGN §4)."""
+    scopes = tuple(s for s in choice.scopes if not inside(s, select))
+    return Choice("swap", scopes, choice.prefetch, select) if scopes else Choice("keep", select=select)
 
 
 def inside(scope: str, outer: str) -> bool:
@@ -92,17 +113,18 @@ class Planner:
                  prefetches: tuple[int, ...] = PREFETCH_CHOICES) -> None:
         self.trace, self.links, self.scopes, self.min_bytes = trace, links, scopes, min_offload_bytes
         self.prefetches = prefetches
-        self._steps: dict[frozenset[int], FlatStep] = {}
+        self._steps: dict[tuple[str, ...], FlatStep] = {}
+        self.selects = sorted(m[len(SELECT):] for m in trace.modes if m.startswith(SELECT))
         self._cache: dict[tuple[Choice, ...], Prediction] = {}
 
     def predict(self, choices: tuple[Choice, ...]) -> Prediction:
         """The prediction for one choice per layer."""
         found = self._cache.get(choices)
         if found is None:
-            recomputed = frozenset(i for i, c in enumerate(choices) if c.action == "recompute")
-            step = self._steps.get(recomputed)
+            modes = tuple(c.mode for c in choices)
+            step = self._steps.get(modes)
             if step is None:
-                step = self._steps[recomputed] = compose(self.trace, recomputed)
+                step = self._steps[modes] = compose(self.trace, modes=modes)
             found = self._cache[choices] = simulate(step, lambda layer, scope: None if layer is None else
                                                     choices[layer].swap_k(scope), self.links, self.min_bytes)
         return found
@@ -119,24 +141,29 @@ class Planner:
         yield RECOMPUTE
         ks = self.prefetches if choice.action == "keep" else (choice.prefetch,)
         for scope in self.scopes[layer]:
-            if any(inside(scope, s) for s in choice.scopes):
+            if any(inside(scope, s) for s in choice.scopes) or (choice.select and inside(scope, choice.select)):
                 continue
             kept = tuple(s for s in choice.scopes if not inside(s, scope))
             for k in ks:
-                yield Choice("swap", tuple(sorted(kept + (scope,))), k)
+                yield Choice("swap", tuple(sorted(kept + (scope,))), k, choice.select)
         for k in self.prefetches if choice.action == "swap" else ():
             if k != choice.prefetch:
-                yield Choice("swap", choice.scopes, k)
+                yield Choice("swap", choice.scopes, k, choice.select)
+        for select in self.selects:
+            if select != choice.select:
+                yield with_select(choice, select)
 
     def cheaper(self, layer: int, choice: Choice) -> Iterator[Choice]:
         """Choices of one layer that undo part of ``choice``."""
         yield KEEP
+        if choice.select is not None:
+            yield Choice(choice.action, choice.scopes, choice.prefetch)
         if choice.action == "swap":
             for scope in choice.scopes if len(choice.scopes) > 1 else ():
-                yield Choice("swap", tuple(s for s in choice.scopes if s != scope), choice.prefetch)
+                yield Choice("swap", tuple(s for s in choice.scopes if s != scope), choice.prefetch, choice.select)
             for k in self.prefetches:
                 if k != choice.prefetch:
-                    yield Choice("swap", choice.scopes, k)
+                    yield Choice("swap", choice.scopes, k, choice.select)
         for scope in self.scopes[layer] if choice.action == "recompute" else ():
             for k in self.prefetches:
                 yield Choice("swap", (scope,), k)
@@ -209,6 +236,24 @@ def _trim(planner: Planner, choices: tuple[Choice, ...], target: int) -> tuple[C
                     choices, current, improved = candidate, result, True
                     break
     return choices
+
+
+def select_candidates(trace: Trace, candidates: list[str], min_offload_bytes: int, limit: int = 2) -> list[str]:
+    """The children of layer 0 (among ``candidates``) owning the most saved bytes: the op scopes the
+    planner measures select-recomputed (one measurement run each)."""
+    children = [c for c in useful_scopes(trace, 0, candidates, min_offload_bytes) if c and "." not in c]
+    owned = {c: _owned_bytes(trace, 0, c) for c in children}
+    return sorted(children, key=lambda c: -owned[c])[:limit]
+
+
+def _owned_bytes(trace: Trace, layer: int, scope: str) -> int:
+    seen: set = set()
+    total = 0
+    for save in trace.modes["keep"][layer].forward:
+        if save.storage is not None and save.storage not in seen and save.scope is not None and inside(save.scope, scope):
+            total += save.nbytes
+        seen.add(save.storage)
+    return total
 
 
 def useful_scopes(trace: Trace, layer: int, candidates: list[str], min_offload_bytes: int) -> list[str]:

@@ -164,6 +164,10 @@ class _Replay:
             if event[0] == "f":
                 self._free(event[1])
                 continue
+            if event[0] == "a":  # a recipe rebuilt a selected op's outputs
+                self.records[event[1]] = _Record(event[2], 0, None, None)
+                self._add(event[2])
+                continue
             tick = event[1]
             while cursor < len(released) and released[cursor].horizon >= tick:
                 self._fetch(released[cursor])

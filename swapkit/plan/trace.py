@@ -4,6 +4,10 @@ Pure Python (no torch): :mod:`swapkit.planner.measure` records the traces on the
 :mod:`swapkit.plan.simulate` replays a composed one under a candidate plan.
 
 Note [Composing a planned step from measured segments]
+Selected (op-level) recompute of one scope is a third kind of mode, ``select:<scope>``: the scope
+is a checkpoint region and its outputs are rebuilt by recipes in backward (``Alloc`` events).
+The time outside session events is taken from the ``keep`` run for every plan.
+
 A step is cut into segments: the code before the first layer (``PRE``), each layer, and the code
 after the last one (``post``, index ``num_layers``). Each segment is measured once per *mode*: ``keep``
 (the session saves every tensor the layer saves) and ``recompute`` (the layer is a checkpoint region,
@@ -22,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 PRE = -1
-KEEP, RECOMPUTE = "keep", "recompute"
+KEEP, RECOMPUTE, SELECT = "keep", "recompute", "select:"
 
 
 @dataclass(frozen=True)
@@ -59,11 +63,21 @@ class Free:
 
 
 @dataclass(frozen=True)
+class Alloc:
+    """A recipe rebuilt a selected op's outputs in backward: ``nbytes`` more on the device until
+    the recipe dies (a :class:`Free` of the same ``name``)."""
+
+    name: tuple
+    nbytes: int
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
 class Segment:
     """A segment's events in one mode: forward saves in order, then its share of the backward."""
 
     forward: tuple[Save, ...]
-    backward: tuple[Unpack | Free, ...]
+    backward: tuple[Unpack | Free | Alloc, ...]
 
 
 @dataclass(frozen=True)
@@ -108,15 +122,17 @@ class FlatStep:
     other_seconds: float
 
 
-def compose(trace: Trace, recomputed: frozenset[int] = frozenset()) -> FlatStep:
-    """The step the session will see when the layers in ``recomputed`` are checkpointed
+def compose(trace: Trace, recomputed: frozenset[int] = frozenset(), modes: tuple[str, ...] | None = None) -> FlatStep:
+    """The step the session will see when the layers in ``recomputed`` are checkpointed, or when
+    layer ``i`` runs as measured in ``modes[i]`` (``keep``, ``recompute``, ``select:<scope>``)
     (Note [Composing a planned step from measured segments])."""
-    mode_of = {s: RECOMPUTE if s in recomputed else KEEP for s in trace.segments()}
+    if modes is None:
+        modes = tuple(RECOMPUTE if i in recomputed else KEEP for i in range(trace.num_layers))
+    mode_of = {s: modes[s] if 0 <= s < trace.num_layers else KEEP for s in trace.segments()}
     forward, offsets = _forward(trace, mode_of)
     backward = tuple(event for s in trace.backward_order
                      for event in _backward(trace.modes[mode_of[s]][s], offsets, mode_of, s))
-    other = trace.other_seconds[RECOMPUTE if recomputed else KEEP]
-    return FlatStep(tuple(forward), backward, other)
+    return FlatStep(tuple(forward), backward, trace.other_seconds[KEEP])
 
 
 def _forward(trace: Trace, mode_of: dict[int, str]) -> tuple[list[FlatSave], dict[int, int]]:
@@ -146,6 +162,8 @@ def _backward(segment: Segment, offsets: dict[int, int], mode_of: dict[int, str]
         if isinstance(event, Unpack):
             save = segment_save(event, offsets)
             events.append(("u", save, event.seconds))
+        elif isinstance(event, Alloc):
+            events.append(("a", (*event.name, mode), event.nbytes, event.seconds))
         else:
             events.append(("f", (*event.storage, mode), event.seconds))
     return events

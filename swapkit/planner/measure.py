@@ -29,8 +29,9 @@ The session releases a swapped storage at a save only if its copy is seen finish
 that is depends on more than the link: on the thread engine the worker needs the interpreter lock
 and a core while the forward runs (up to the 5 ms switch interval, far more on a loaded machine).
 A third, short run swaps every layer with distance 1 (``PROBE``) and notes, at every save as the
-session does, when each offload is first seen finished; the largest lag past the link's prediction
-(a budget is a hard limit, so not a typical lag) goes into the planner's release rule (``swapkit.plan.simulate`` Note [Cost model]).
+session does, when each offload is first seen finished; twice the largest lag past the link's
+prediction (a budget is a hard limit, and a busy machine's lag varies from run to run) goes into
+the planner's release rule (``swapkit.plan.simulate`` Note [Cost model]).
 """
 from __future__ import annotations
 
@@ -46,7 +47,8 @@ from torch import nn
 from swapkit.config.types import Config, MindFormersRecompute, SwapConfig, SwapEntry
 from swapkit.plan import patterns
 from swapkit.plan.simulate import Links
-from swapkit.plan.trace import KEEP, PRE, RECOMPUTE, Free, Save, Segment, Trace, Unpack
+from swapkit.plan.emit import op_pattern
+from swapkit.plan.trace import KEEP, PRE, RECOMPUTE, SELECT, Alloc, Free, Save, Segment, Trace, Unpack
 from swapkit.runtime.binding import module_tree
 
 PROBE = "probe"
@@ -103,10 +105,17 @@ class Tracer:
         self.saves.append((segment, name, nbytes, scope, now))
 
     def unpacked(self, saved: Any) -> None:
-        """A backward unpack (``SwapSession.observer``)."""
+        """A backward unpack, after its restore (``SwapSession.observer``)."""
         where = self._where.get(id(saved))
-        if where is not None:
-            self.events.append(("u", where, self._now()))
+        if where is None:
+            return
+        now = self._now()
+        self.events.append(("u", where, now))
+        recipe = getattr(saved.record, "recipe", None)  # a selected op's output, rebuilt by its recipe
+        if recipe is not None and recipe.nbytes and id(recipe) not in self._names:
+            name = self._names[id(recipe)] = (where[0], "recipe", len(self._names))
+            self.events.append(("a", (name, recipe.nbytes), now))
+            weakref.finalize(recipe, self._freed, name)
 
     def _now(self) -> float:
         """The clock at an event; on CUDA after the queued kernels ran (Note [Clocks on CUDA])."""
@@ -115,7 +124,7 @@ class Tracer:
         return time.perf_counter()
 
     def _storage(self, record: Any, segment: int) -> tuple[tuple[int, int] | None, int]:
-        if record is None:
+        if record is None or hasattr(record, "recipe"):  # a recomputed output holds nothing in forward
             return None, 0
         name = self._names.get(id(record))
         if name is None:
@@ -142,7 +151,7 @@ Note [Release lag])."""
         for copy in self._copies:
             if copy[2] is None and copy[0] is not None and copy[0].step.engine.ready(copy[0].d2h):
                 copy[2], copy[0] = now, None
-        if record is not None and getattr(record, "swapped", False) and id(record) not in self._names:
+        if record is not None and hasattr(record, "d2h") and id(record) not in self._names:
             self._copies.append([record, now, None, record.nbytes])
 
     def copy_times(self) -> list[tuple[float, float | None, int]]:
@@ -200,6 +209,8 @@ def to_segments(saves: list, events: list, start: float, num_layers: int) -> tup
             backward[current].append(Unpack(what[0], what[1], at - last))
             if current not in order:
                 order.append(current)
+        elif kind == "a":
+            backward[current].append(Alloc(what[0], what[1], at - last))
         else:
             backward[current].append(Free(what, at - last))
         last = at
@@ -239,9 +250,10 @@ def scale_segments(segments: dict[int, Segment], factor: float) -> dict[int, Seg
 
 
 def mode_config(config: Config, mode: str) -> Config:
-    """The config a measurement run uses: every layer kept, recomputed, or (``PROBE``) swapped with
-    distance 1 to see when copies are seen finished."""
-    recompute = MindFormersRecompute(recompute=mode == RECOMPUTE)
+    """The config a measurement run uses: every layer kept, recomputed, one scope select-recomputed
+    (``select:<scope>``), or (``PROBE``) swapped with distance 1 to see when copies are seen finished."""
+    select = {op_pattern(mode[len(SELECT):]): True} if mode.startswith(SELECT) else False
+    recompute = MindFormersRecompute(recompute=mode == RECOMPUTE, select_recompute=select)
     swap = SwapConfig(swap=mode == PROBE, layer_swap=(SwapEntry(1, True),) if mode == PROBE else None)
     train = dataclasses.replace(config.train, resume=False, save_dir=None, save_interval=None)
     return dataclasses.replace(config, recompute=recompute, swap=swap, train=train)

@@ -18,9 +18,9 @@ from swapkit.config.errors import ConfigError, Problem
 from swapkit.config.types import Config
 from swapkit.engine import make_engine
 from swapkit.plan.plan import build_plan
-from swapkit.plan.planner import Planned, Planner, plan_budget, useful_scopes
+from swapkit.plan.planner import Planned, Planner, plan_budget, select_candidates, useful_scopes
 from swapkit.plan.simulate import Links
-from swapkit.plan.trace import KEEP, RECOMPUTE, Trace
+from swapkit.plan.trace import KEEP, RECOMPUTE, SELECT, Trace
 from swapkit.planner.link import measure_link
 from swapkit.planner.measure import (PROBE, Tracer, build_trace, candidate_scopes, mode_config, release_lag,
                                      scale_segments, to_segments, tracing_factor)
@@ -29,6 +29,7 @@ from swapkit.runtime.resolve import with_num_layers
 from swapkit.train.loop import resolve_device
 
 logger = logging.getLogger(__name__)
+LAG_SAFETY = 2.0  # the planner assumes copies may be seen finished twice as late as the probe saw
 
 
 @dataclass(frozen=True)
@@ -42,10 +43,11 @@ class Measured:
 
 
 def measure(config: Config, device: str | None = None, steps: int = 3, warmup: int = 1,
-            model: ModelSource | None = None) -> Measured:
+            model: ModelSource | None = None, select: bool = True) -> Measured:
     """Measure ``steps`` training steps (after ``warmup``) of the configured built-in model, or of
     ``model``, kept and fully recomputed (``swapkit.planner.measure.Note [Measuring in two modes]``),
-    the link, and a swap probe.
+    the link, and a swap probe; with ``select`` also the two children of a layer that own the most
+    bytes select-recomputed, one run each.
 
     Raises:
         ConfigError: ``gradient_accumulation_steps`` is not 1, or the device is unavailable.
@@ -65,6 +67,10 @@ def measure(config: Config, device: str | None = None, steps: int = 3, warmup: i
                                                        model)
         if mode == KEEP:
             scope_seconds = seconds
+    keep_only = build_trace(config.model.num_layers, runs, scope_seconds)
+    for scope in select_candidates(keep_only, scopes[0], config.runtime.min_offload_bytes) if select else ():
+        runs[SELECT + scope], *_ = _measure_mode(mode_config(config, SELECT + scope), where, patterns, steps, warmup,
+                                                 model)
     trace = build_trace(config.model.num_layers, runs, scope_seconds)
     engine = make_engine(config.runtime, where)
     try:
@@ -72,7 +78,8 @@ def measure(config: Config, device: str | None = None, steps: int = 3, warmup: i
     finally:
         engine.close()
     *_, copies = _measure_mode(mode_config(config, PROBE), where, patterns, steps, warmup, model)
-    links = dataclasses.replace(links, release_lag_s=max(release_lag(c, links, end) for c, end in copies))
+    lag = max(release_lag(c, links, end) for c, end in copies)
+    links = dataclasses.replace(links, release_lag_s=LAG_SAFETY * lag)  # Note [Release lag]
     useful = [useful_scopes(trace, i, scopes[i], config.runtime.min_offload_bytes) for i in range(len(scopes))]
     return Measured(trace, links, useful, str(where))
 

@@ -127,12 +127,14 @@ class SwapSession:
             raise _modified_error(saved)
         if saved.step is not None:
             saved.step.unpacked(saved.tick)
-            if self.observer is not None:
-                self.observer.unpacked(saved)
         record = saved.record
         if record is None or not record.swapped or not record.released:
-            return saved.keeper
-        return record.restore(saved.meta, saved.tick)
+            tensor = saved.keeper
+        else:
+            tensor = record.restore(saved.meta, saved.tick)
+        if self.observer is not None and saved.step is not None:
+            self.observer.unpacked(saved)  # after the restore: a recipe it ran has its bytes counted
+        return tensor
 
     # ------------------------------------------------------------------ output recompute
 
