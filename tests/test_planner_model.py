@@ -190,7 +190,7 @@ def test_select_recompute_is_written_in_swap_mode_and_wins_over_swaps_inside_it(
                                                          **planned_sections(choices)}))
     assert [layer.select for layer in plan.layers] == [("feed_forward",), ("feed_forward",), ()]
     assert plan.layers[0].op_swap == (("attention", 4),) and plan.layers[2].full
-    assert choice.mode == "select:feed_forward" and choice.describe() == "swap attention k=4; recompute feed_forward"
+    assert choice.mode == "select:feed_forward" and choice.describe() == "swap attention k=4 + recompute feed_forward"
 
 
 def test_keeping_everything_is_written_without_swap():

@@ -10,11 +10,12 @@ the layer. Once under the target it tries, layer by layer, cheaper choices that 
 (fewer swapped scopes, another ``k``, keep), so an early large move does not stay when a later one
 made it unnecessary. A second search starts from recomputing every layer and trims the same way
 (a descent can stop where no single move helps, e.g. when recomputing a late layer shortens the
-time an earlier layer's copies have to finish); the faster fitting plan wins. Every candidate is replayed in full, so the interplay of layers through the
-single copy queue is seen. The search is greedy: it is not guaranteed optimal. The target is the
-budget less a small margin (``margin``) because a release near the end of forward depends on copy
-timing. When no move lowers the peak any more above the target, the budget cannot be met and the
-lowest peak any move sequence reached (also searched for greedily, by peak alone) is reported.
+time an earlier layer's copies have to finish); the faster fitting plan wins. Every candidate
+is replayed in full, so the interplay of layers through the single copy queue is seen. The search
+is greedy: it is not guaranteed optimal. The target is the budget less a small margin
+(``margin``) because a release near the end of forward depends on copy timing. When no move
+lowers the peak any more above the target, the budget cannot be met and the lowest peak any move
+sequence reached (also searched for greedily, by peak alone) is reported.
 A plan fits when its peak, predicted with copies seen finished late (``release_lag_s``), is under
 the target *and* at most ``UNCERTAIN_TOLERANCE`` of that peak depends on copy timing (the peak with
 prompt copies is not lower by more): the search counts both as excess, so it prefers plans whose
@@ -71,7 +72,7 @@ class Choice:
         if self.action != "swap":
             return select or self.action
         swap = f"swap {', '.join(s or '(layer)' for s in self.scopes)} k={self.prefetch}"
-        return f"{swap}; {select}" if select else swap
+        return f"{swap} + {select}" if select else swap
 
 
 KEEP = Choice()
@@ -250,7 +251,8 @@ def _owned_bytes(trace: Trace, layer: int, scope: str) -> int:
     seen: set = set()
     total = 0
     for save in trace.modes["keep"][layer].forward:
-        if save.storage is not None and save.storage not in seen and save.scope is not None and inside(save.scope, scope):
+        new = save.storage is not None and save.storage not in seen
+        if new and save.scope is not None and inside(save.scope, scope):
             total += save.nbytes
         seen.add(save.storage)
     return total

@@ -12,14 +12,16 @@ What the planner predicts, and where it is wrong:
   on the device] in ``swapkit.runtime.step``) is released at the first save at or after its horizon
   whose time is past the end of its device-to-host copy, and is added back when backward first
   unpacks a tick ``<=`` its horizon. Recompute is a different measured segment (the layer's saves
-  replaced by its checkpoint inputs).
+  replaced by its checkpoint inputs; for a select-recomputed op, its region's inputs and, in
+  backward, the bytes its recipe rebuilds until the recipe dies).
 - Copies run one at a time in issue order on one queue (the thread engine's worker; the CUDA
   engine's side stream). A copy takes ``latency + bytes / bandwidth`` of its direction, measured on
   the engine (:mod:`swapkit.planner.link`) and starts when issued or when the previous copy ends.
-- A release is predicted only ``release_lag_s`` after its copy's predicted end: the largest delay
-  measured (``swapkit.planner.measure`` Note [Release lag]) in how late a copy is seen finished while the forward keeps the host thread busy (on the thread
-  engine the worker waits for the interpreter lock and a core; up to the 5 ms switch interval on an
-  idle machine, tens of ms on an overloaded one). Budgets are hard limits, so the peak is predicted
+- A release is predicted only ``release_lag_s`` after its copy's predicted end: twice the largest
+  delay measured (``swapkit.planner.measure`` Note [Release lag]) in how late a copy is seen
+  finished while the forward keeps the host thread busy (on the thread engine the worker waits for
+  the interpreter lock and a core; up to the 5 ms switch interval on an idle machine, tens of ms on
+  an overloaded one). Budgets are hard limits, so the peak is predicted
   for a late copy: a plan whose peak needs copies to finish just in time is not chosen.
 - Time is the measured compute between session events (median of the measured steps), plus the
   time a restore waits for its host-to-device copy (exposed wait: it delays everything after it),

@@ -8,7 +8,8 @@ moments are the session's ticks.
 
 Note [Measuring in two modes]
 Each layer is measured kept (``swap: false``, no recompute) and fully recomputed (``recompute:
-true``), one run each; the planner composes a candidate plan from these segments (``swapkit.plan.trace``
+true``), one run each (plus one run per op scope measured select-recomputed, ``select:<scope>``);
+the planner composes a candidate plan from these segments (``swapkit.plan.trace``
 Note [Composing a planned step from measured segments]). Every event's time is the median over the
 measured steps (after warm-up steps), so a slow outlier step does not skew one layer.
 
@@ -135,19 +136,7 @@ class Tracer:
         return name, record.nbytes
 
     def _watch_copies(self, record: Any, now: float) -> None:
-        """At every save, as the session does, note which offloads are seen finished (Note [Tracing overhead]
-The tracer's hooks and callbacks cost time the planned run will not spend. Traced and untraced
-steps alternate, and every traced time is scaled by the ratio of their median step times (at most
-1): the overhead is assumed spread evenly over the step, which it roughly is (a few microseconds per
-save and per module call).
-
-Note [Clocks on CUDA]
-Kernels run asynchronously: the host clock at a save says when it was launched, not when the GPU
-got there. When tracing a CUDA model the tracer waits for the compute stream before reading the
-clock, so event times are GPU times (the waits are tracing overhead, scaled away with the rest;
-Note [Tracing overhead]). The copy stream is not waited for.
-
-Note [Release lag])."""
+        """At every save, as the session does, note which offloads are seen finished (Note [Release lag])."""
         for copy in self._copies:
             if copy[2] is None and copy[0] is not None and copy[0].step.engine.ready(copy[0].d2h):
                 copy[2], copy[0] = now, None
@@ -262,19 +251,7 @@ def mode_config(config: Config, mode: str) -> Config:
 def release_lag(copies: list[tuple[float, float | None, int]], links: Links, end: float,
                 quantile: float = 1.0) -> float:
     """The ``quantile`` of how much later than the link predicts an offload was seen finished
-    (Note [Tracing overhead]
-The tracer's hooks and callbacks cost time the planned run will not spend. Traced and untraced
-steps alternate, and every traced time is scaled by the ratio of their median step times (at most
-1): the overhead is assumed spread evenly over the step, which it roughly is (a few microseconds per
-save and per module call).
-
-Note [Clocks on CUDA]
-Kernels run asynchronously: the host clock at a save says when it was launched, not when the GPU
-got there. When tracing a CUDA model the tracer waits for the compute stream before reading the
-clock, so event times are GPU times (the waits are tracing overhead, scaled away with the rest;
-Note [Tracing overhead]). The copy stream is not waited for.
-
-Note [Release lag]); a copy never seen finished in forward counts as seen at ``end``."""
+    (Note [Release lag]); a copy never seen finished in forward counts as seen at ``end``."""
     lags, queue_free = [], 0.0
     for issued, seen, nbytes in sorted(copies):
         queue_free = max(issued, queue_free) + links.d2h.seconds(nbytes)

@@ -97,7 +97,7 @@ def plan_for_budget(config: Config, budget: int, measured: Measured | None = Non
 
 
 def _measure_mode(config: Config, device: torch.device, patterns: list[tuple[str, ...]], steps: int,
-                  warmup: int, model: ModelSource | None) -> tuple[tuple[list, list, float], dict, list[list[str]], list]:
+                  warmup: int, model: ModelSource | None) -> tuple[tuple, dict, list[list[str]], list]:
     """Alternate traced and untraced steps; scale the traced times to the untraced step time
     (``swapkit.planner.measure`` Note [Tracing overhead])."""
     run = BuiltinSteps(config, device) if model is None else ModelSteps(config, model, device)
