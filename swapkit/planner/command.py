@@ -9,7 +9,8 @@ from typing import Any, Sequence
 import yaml
 
 from swapkit.config.errors import Problems
-from swapkit.config.loader import apply_overrides, read_yaml
+from swapkit.config.loader import apply_overrides
+from swapkit.config.yaml_reader import read_yaml_file
 from swapkit.load import load_config
 from swapkit.plan.emit import layer_rows, planned_config, planned_sections, table, to_json
 from swapkit.plan.planner import Planned
@@ -45,7 +46,7 @@ def budget_plan(path: str, overrides: Sequence[str], budget_text: str, device: s
     budget = parse_size(budget_text)
     config = load_config(path, overrides)
     problems = Problems()
-    raw = apply_overrides(read_yaml(Path(path)), overrides, problems)
+    raw = apply_overrides(read_yaml_file(Path(path)), overrides, problems)
     source = source_from_spec(model, config, layers) if model is not None else None
     measured = measure(config, device, model=source)
     logger.info("measured on %s: link d2h %.2f GB/s + %.1f us, h2d %.2f GB/s + %.1f us", measured.device,
