@@ -53,10 +53,11 @@ Key = tuple[int, int]  # (chunk index in the stage, micro-batch ordinal of that 
 class MicroStep(Step):
     """One forward of one chunk for one micro-batch, and its backward (Note [Micro-steps are independent clocks])."""
 
-    def __init__(self, group: "MicroSteps", key: Key, number: int, *step_args: Any) -> None:
+    def __init__(self, group: "MicroSteps", key: Key, number: int, *step_args: Any,
+                 swap_scopes: tuple[tuple[int, str], ...] = ()) -> None:
         """``step_args``: :class:`Step`'s engine, pool, runtime, parameter storages and tail length."""
         self.group, self.key = group, key
-        super().__init__(number, *step_args, on_backward=group.backward_began)
+        super().__init__(number, *step_args, on_backward=group.backward_began, swap_scopes=swap_scopes)
         self.forward_done = self.direct = self.tail_released = False
 
     def save(self, tensor: torch.Tensor, frame: Frame | None) -> Saved:
