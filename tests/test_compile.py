@@ -28,12 +28,8 @@ VARIANTS = {
 
 
 @pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matrices: one intra-op thread is as fast and does not fight the other tests for cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread_here(one_thread):
+    """Tiny matrices in this file (conftest's ``one_thread``)."""
 
 
 @pytest.fixture(autouse=True)

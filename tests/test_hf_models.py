@@ -23,12 +23,8 @@ CACHE_WARNING = "a key/value cache cannot be updated inside a recomputed region"
 
 
 @pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matrices: one intra-op thread is as fast and does not fight the other tests for cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread_here(one_thread):
+    """Tiny matrices in this file (conftest's ``one_thread``)."""
 
 
 def config(family: Family, **sections) -> dict:
