@@ -20,10 +20,17 @@ from tests.toys import (
 )
 
 
-def live_objects() -> tuple[int, int]:
+def live_objects(session) -> tuple[int, int]:
+    """This session's live storage records and saved-tensor handles (other tests' leftovers, which the
+    collector may free at any time, are not counted)."""
     gc.collect()
     objects = gc.get_objects()
-    return (sum(type(o) in (SwapRecord, KeptRecord) for o in objects), sum(type(o) is Saved for o in objects))
+
+    def mine(o) -> bool:
+        return getattr(o.step, "pool", None) is session.pool
+
+    return (sum(type(o) in (SwapRecord, KeptRecord) and mine(o) for o in objects),
+            sum(type(o) is Saved and mine(o) for o in objects))
 
 
 def no_hooks_on_this_thread() -> bool:
@@ -40,16 +47,16 @@ def test_fifty_dropped_graphs_free_their_records_handles_and_host_buffers():
             lm_loss(model(tokens), targets)  # forward only: the graph dies here
 
     dropped_graph()
-    records, handles = live_objects()
+    records, handles = live_objects(session)
     pool_bytes = session.pool.total_bytes
     assert records > 0 and pool_bytes > 0  # the last graph's records wait in the schedule for a backward
     for _ in range(50):
         dropped_graph()
-    assert live_objects() == (records, handles)
+    assert live_objects(session) == (records, handles)
     assert session.pool.total_bytes == pool_bytes  # no host allocation beyond the first graph's
     assert session.stats.offloaded_bytes > 0
     session.remove()
-    assert live_objects() == (0, 0)
+    assert live_objects(session) == (0, 0)
 
 
 def test_two_threads_entering_one_session_one_wins_the_other_raises():
