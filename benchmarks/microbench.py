@@ -26,6 +26,7 @@ from torch import nn
 
 import swapkit
 from swapkit.engine import ThreadCopyEngine
+from swapkit.runtime.records import checksum
 
 from common import synchronize
 
@@ -118,17 +119,22 @@ def _summary(times: dict[str, list[float]], saved: int, length: int, width: int,
 
 
 def engine_copy_gbps(nbytes: int, reps: int = 10) -> dict[str, float]:
-    """GB/s of the CPU thread engine copying ``nbytes``: into a reused buffer and into a new one."""
+    """GB/s of the CPU thread engine copying ``nbytes`` (into a reused buffer and into a new one), and
+    of verify mode's checksum of as many bytes (``runtime.verify``: two per round trip)."""
     engine = ThreadCopyEngine("cpu")
     src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
-    reused, fresh = [], []
+    reused, fresh, summed = [], [], []
     for _ in range(reps + 1):
-        start = time.perf_counter()
-        engine.wait(engine.offload(src, dst))
-        reused.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        engine.wait(engine.prefetch(src)[1])
-        fresh.append(time.perf_counter() - start)
+        reused.append(_timed(lambda: engine.wait(engine.offload(src, dst))))
+        fresh.append(_timed(lambda: engine.wait(engine.prefetch(src)[1])))
+        summed.append(_timed(lambda: checksum(src)))
     engine.close()
     return {"bytes": nbytes, "reused_buffer_gbps": nbytes / statistics.median(reused[1:]) / 1e9,
-            "fresh_buffer_gbps": nbytes / statistics.median(fresh[1:]) / 1e9}
+            "fresh_buffer_gbps": nbytes / statistics.median(fresh[1:]) / 1e9,
+            "verify_checksum_gbps": nbytes / statistics.median(summed[1:]) / 1e9}
+
+
+def _timed(work: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    work()
+    return time.perf_counter() - start

@@ -175,7 +175,15 @@ def overhead_section(estimate: dict[str, Any] | None, env: dict[str, Any]) -> li
             f"{_ms(estimate['main_thread_cpu_extra_s'])} ms per step (hooks, and compute slowed by the copy thread's "
             f"memory traffic); the other {_ms(estimate['main_thread_off_cpu_extra_s'])} ms it was off the CPU: "
             "waiting for a core (the copy thread's memcpy takes one of the cores the compute threads use) or for "
-            "the GIL (the copy thread runs Python around every copy)."]
+            "the GIL (the copy thread runs Python around every copy)."
+            + _verify_note(copy)]
+
+
+def _verify_note(copy: dict[str, Any]) -> str:
+    if "verify_checksum_gbps" not in copy:
+        return ""
+    return (f" Verify mode adds two checksums per round trip, on the main thread, at "
+            f"{copy['verify_checksum_gbps']:.1f} GB/s for the same tensor (one pass over the bytes at memory speed).")
 
 
 def _core_note(env: dict[str, Any]) -> str:

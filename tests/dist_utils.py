@@ -34,7 +34,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout_s
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return their results.
 
     Raises:
-        RuntimeError: a rank raised (its traceback is in the message), died, or the run timed out.
+        RuntimeError: a rank raised (its traceback is in the message), died (the signal is named), or the
+            run timed out.
     """
     with tempfile.TemporaryDirectory(prefix="swapkit-dist-") as tmp:
         root = Path(tmp)
@@ -50,7 +51,7 @@ def _join(context: Any, root: Path, timeout_s: float) -> None:
         while not context.join(timeout=max(deadline - time.monotonic(), 0.01)):
             if time.monotonic() >= deadline:
                 raise RuntimeError(f"ranks did not finish within {timeout_s:.0f} s")
-    except mp.ProcessRaisedException as err:
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:  # a rank raised, or died (a signal)
         errors = sorted(root.glob("error*.txt"))
         raise RuntimeError("\n".join(p.read_text() for p in errors) or str(err)) from None
     finally:

@@ -109,3 +109,19 @@ def test_cpu_tensors_in_a_cuda_forward_are_not_swapped():
     with session:
         model(torch.randn(8, 16, device="cuda")).sum().backward()
     assert session.stats.skipped["not_on_device"] == 2 * 256 * 4
+
+
+def test_cuda_verify_checks_every_restored_storage():
+    """runtime.verify on the CUDA engine: checksums on the compute stream, gradients unchanged."""
+    ref, model = build_model(SMALL, seed=1, device="cuda"), build_model(SMALL, seed=1, device="cuda")
+    batch = llama_batch()
+    cuda_step(ref, batch)
+    config = toy_config(4, **layer_swap(1, verify=True))
+    session = swapkit.apply(model, config, layers="layers")
+    tokens, targets = (t.cuda() for t in batch)
+    with session:
+        loss = lm_loss(model(tokens), targets)
+    loss.backward()  # after the block: leaving it waited for the copies and released what was due
+    assert session.stats.verified_tensors == session.stats.prefetched_tensors > 0
+    for key, value in grads(ref).items():
+        assert torch.equal(grads(model)[key], value), key

@@ -5,15 +5,18 @@ FSDP2 with ``reshard_after_forward`` True and False, against FSDP2 alone, over 3
 """
 from __future__ import annotations
 
+import contextlib
+
+import pytest
 import torch
-import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 import swapkit
 from swapkit.config.types import ModelConfig
+from swapkit.engine import ThreadCopyEngine
 from tests.dist_utils import run_ranks
-from tests.toys import llama_batch, llama_step, toy_config
+from tests.toys import install_engine, llama_batch, llama_step, toy_config
 
 TINY = ModelConfig(num_layers=4, hidden_size=32, num_heads=2, intermediate_size=64, vocab_size=64, seq_length=16)
 STEPS = 3
@@ -41,11 +44,30 @@ def build(seed: int = 1) -> torch.nn.Module:
     return build_model(TINY, seed=seed)
 
 
-def shard(model: torch.nn.Module, reshard: bool) -> torch.nn.Module:
+def shard(model: torch.nn.Module, reshard: bool, **options) -> torch.nn.Module:
     for layer in model.layers:
-        fully_shard(layer, reshard_after_forward=reshard)
-    fully_shard(model, reshard_after_forward=reshard)
+        fully_shard(layer, reshard_after_forward=reshard, **options)
+    fully_shard(model, reshard_after_forward=reshard, **options)
     return model
+
+
+class ParameterWatch(ThreadCopyEngine):
+    """Counts the bytes of copies whose source is the storage of a parameter the model holds right now
+    (during forward FSDP2 registers its unsharded parameters on the modules)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__("cpu")
+        self.model, self.parameter_bytes = model, 0
+
+    def offload(self, src, dst):
+        pointers = {_local(p).untyped_storage().data_ptr() for p in self.model.parameters()}
+        if src.untyped_storage().data_ptr() in pointers - {0}:
+            self.parameter_bytes += src.numel()
+        return super().offload(src, dst)
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    return param.to_local() if hasattr(param, "to_local") else param
 
 
 def local_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -87,7 +109,9 @@ def fsdp_cases(rank: int, world_size: int) -> dict:
             model = build()
             session = swapkit.apply(model, toy_config(4, **config), layers="layers")
             shard(model, reshard)
+            install_engine(session, watch := ParameterWatch(model))
             results[(reshard, name)] = (reference, train(model, rank, session))
+            results[(reshard, name, "parameter bytes moved")] = watch.parameter_bytes
             session.remove()
         model = shard(build(), reshard)  # the other order: swapkit applied to an already sharded model
         session = swapkit.apply(model, toy_config(4, **CONFIGS["swap_and_recompute"]), layers="layers")
@@ -100,6 +124,9 @@ def fsdp_cases(rank: int, world_size: int) -> dict:
 def test_fsdp2_swap_and_recompute_bit_identical():
     for rank_results in run_ranks(fsdp_cases, 2):
         single = rank_results.pop("single")
+        moved = {key: rank_results.pop(key) for key in list(rank_results) if len(key) == 3}
+        assert len(moved) == 4 and set(moved.values()) == {0}, moved
+        assert single["swap_and_recompute"].recomputed_output_bytes > 0  # the select recompute really ran
         for (reshard, name), (reference, *runs) in rank_results.items():
             for step, (ref, got) in enumerate((r, g) for swapped in runs for r, g in zip(reference, swapped)):
                 where = f"reshard_after_forward={reshard}, {name}, step {step}"
@@ -108,7 +135,29 @@ def test_fsdp2_swap_and_recompute_bit_identical():
                     assert torch.equal(grad, got["grads"][param]), f"{where}: grad of {param}"
                 stats = got["stats"]
                 assert stats.offloaded_bytes == single[name].offloaded_bytes > 0, where
+                assert stats.saved_bytes == single[name].saved_bytes, where  # no gathered weight counted
+                assert stats.recomputed_output_bytes == single[name].recomputed_output_bytes, where
                 assert stats.skipped.get("parameter", 0) == single[name].skipped.get("parameter", 0) > 0, where
+
+
+def mixed_precision(rank: int, world_size: int) -> dict:
+    """bf16 parameters gathered for compute (``MixedPrecisionPolicy``): swapped vs FSDP2 alone."""
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    reference = train(shard(build(), True, mp_policy=policy), rank)
+    model = build()
+    session = swapkit.apply(model, toy_config(4, **CONFIGS["swap_and_recompute"]), layers="layers")
+    shard(model, True, mp_policy=policy)
+    install_engine(session, watch := ParameterWatch(model))
+    return {"runs": (reference, train(model, rank, session)), "parameter bytes": watch.parameter_bytes}
+
+
+def test_fsdp2_mixed_precision_bit_identical():
+    for result in run_ranks(mixed_precision, 2):
+        assert result["parameter bytes"] == 0
+        for step, (ref, got) in enumerate(zip(*result["runs"])):
+            assert got["stats"].offloaded_bytes > 0 and got["stats"].skipped["parameter"] > 0
+            for param, grad in ref["grads"].items():
+                assert torch.equal(grad, got["grads"][param]), f"step {step}: grad of {param}"
 
 
 RUNS = 20
@@ -168,19 +217,13 @@ def ddp_steps(ddp: DistributedDataParallel, rank: int, session) -> list:
         opt.zero_grad()
         for micro in range(2):
             batch = llama_batch(seed=100 * step + 10 * micro + rank, cfg=TINY)
-            context = ddp.no_sync() if micro == 0 else _nothing()
-            with context, (session if session is not None else _nothing()):
+            context = ddp.no_sync() if micro == 0 else contextlib.nullcontext()
+            with context, (session if session is not None else contextlib.nullcontext()):
                 llama_step(ddp, batch)
         grads = {n: p.grad.clone() for n, p in ddp.module.named_parameters()}
         out.append((grads, session.stats.offloaded_bytes if session is not None else 0))
         opt.step()
     return out
-
-
-def _nothing():
-    import contextlib
-
-    return contextlib.nullcontext()
 
 
 def test_ddp_no_sync_micro_batches_bit_identical():
@@ -190,3 +233,14 @@ def test_ddp_no_sync_micro_batches_bit_identical():
                 assert offloaded > 0, (name, step)
                 for param, grad in ref.items():
                     assert torch.equal(grad, got[param]), f"{name}, step {step}: grad of {param}"
+
+
+def fail_on_rank_one(rank: int, world_size: int) -> int:
+    if rank == 1:
+        raise ValueError("rank one failed on purpose")
+    return rank
+
+
+def test_run_ranks_reports_the_failing_rank_with_its_traceback():
+    with pytest.raises(RuntimeError, match=r"(?s)rank 1:.*ValueError: rank one failed on purpose"):
+        run_ranks(fail_on_rank_one, 2, timeout_s=60)

@@ -18,6 +18,11 @@ event has completed. Without it, a storage record that dies early (its graph fre
 or a branch whose backward never runs) could return memory to the allocator while the side
 stream still reads or writes it. This replaces ``record_stream``, which would delay the reuse of
 *every* freed block until all later side-stream work finished.
+Holding the source keeps its storage object alive, not its memory: a component that calls
+``resize_(0)`` on it (FSDP2 resharding) frees the block anyway, and the queued copy would read
+whatever the allocator puts there next. Parameters are therefore never queued, and a size or
+address change is caught when the record releases the device copy (``swapkit.runtime.records``
+Note [Storages another component may resize]).
 
 Note [A prefetched buffer used on another stream]
 A prefetched buffer belongs to the stream that was current when the prefetch was issued. If a

@@ -258,6 +258,9 @@ class AppliedMarker:
         self.session.detach_copies(memo)
         return None
 
+    def __reduce__(self) -> tuple:
+        return type(None), ()  # pickled as None: the session (threads, hooks) never travels
+
 
 def active_session() -> SwapSession | None:
     """The swap session whose hooks are innermost on this thread, if any."""
