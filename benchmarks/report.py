@@ -52,9 +52,27 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return lines + ["| " + " | ".join(row) + " |" for row in rows]
 
 
+def hygiene_warnings(env: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
+    """Reasons to distrust this run: a loaded machine, or a variant that adds work measured faster."""
+    warnings = []
+    cores = env["cpu_count"] or 1
+    loads = [max(env["load_average_at_start"]), max(env.get("load_average_at_end") or (0,))]
+    if max(loads) > cores:
+        warnings.append(f"the machine was loaded (load average up to {max(loads):.2f} on {cores} cores): other "
+                        "processes shared the cores, so step times are noisy; rerun on an idle machine")
+    faster = [r for r in rows if r["name"] not in (BASELINE, ACCOUNTING) and r["time_ratio"] is not None
+              and r["time_ratio"] < 1]
+    for r in faster:
+        warnings.append(f"{r['name']} measured faster than the baseline (time ratio {r['time_ratio']:.3f}) although "
+                        "it adds work (copies or recompute): noise dominates; more --reps or an idle machine")
+    return warnings
+
+
 def render_markdown(results: dict[str, Any]) -> str:
     env = results["env"]
-    lines = ["# swapkit benchmark: swap vs recompute", "", f"**Hardware/versions:** {hardware_line(env)}", "",
+    marks = [f"> **WARNING:** {w}" for w in results.get("warnings", ())]
+    lines = ["# swapkit benchmark: swap vs recompute", "", *marks, *([""] if marks else []),
+             f"**Hardware/versions:** {hardware_line(env)}", "",
              _setup_line(results), "", MEMORY_NOTE, "", "## Variants", ""]
     lines += variant_table(results["variants"], env["device"].startswith("cuda"))
     lines += ["", *_notes(results["variants"]), "", "## Checks", ""] + check_table(results["variants"])
@@ -213,45 +231,45 @@ def micro_section(micro: dict[str, Any]) -> list[str]:
 
 
 def plot_tradeoff(rows: list[dict[str, Any]], path: Path) -> None:
-    """Memory ratio against time ratio, one labelled point per variant (CUDA: the allocator's peak,
-    so that the peers, which have no session, sit on the same axis)."""
-    fig, ax = plt.subplots(figsize=(8, 5.5))
-    key = "cuda_memory_ratio" if rows[0].get("cuda_memory_ratio") is not None else "memory_ratio"
-    shown = [r for r in rows if r["name"] != ACCOUNTING and r[key] is not None]
-    middle = (min(r["time_ratio"] for r in shown) + max(r["time_ratio"] for r in shown)) / 2
+    """Memory against time, one marker per variant, named in a legend beside the axes (no labels on the
+    plot, so none can overlap). Memory is the independent live-bytes probe's step peak (on CUDA the
+    allocator's peak): it sees what recompute re-materializes, which the session accounting does not."""
+    fig, ax = plt.subplots(figsize=(10, 5.5))
+    key = "cuda_memory_ratio" if rows[0].get("cuda_memory_ratio") is not None else "probe_peak_ratio"
+    shown = [r for r in rows if r["name"] != ACCOUNTING and r.get(key) is not None]
+    markers = "osD^vP*Xhp<>"
     for i, r in enumerate(shown):
-        right = r["time_ratio"] > middle  # labels of the right half point leftwards, inside the axes
-        ax.scatter(r["time_ratio"], r[key], s=40)
-        ax.annotate(r["name"], (r["time_ratio"], r[key]), textcoords="offset points", fontsize=8,
-                    xytext=(-6 if right else 6, 4 if i % 2 else -11), ha="right" if right else "left")
-    ax.axvline(1.05, color="grey", linestyle=":", linewidth=1)
-    ax.axhline(0.25, color="grey", linestyle=":", linewidth=1)
+        ax.scatter(r["time_ratio"], r[key], s=50, marker=markers[i % len(markers)], label=r["name"], zorder=3)
+    ax.axvline(1.05, color="grey", linestyle=":", linewidth=1, label="target: step time <= 1.05 x baseline")
+    ax.axhline(0.25, color="grey", linestyle="--", linewidth=1, label="target: memory <= 0.25 x baseline (75% cut)")
     ax.set_xlabel(f"step time / {BASELINE} (median of pairwise ratios)")
     ax.set_ylabel("torch.cuda.max_memory_allocated / baseline" if key == "cuda_memory_ratio" else
-                  "peak device-resident saved bytes / baseline (session accounting)")
+                  "step-peak live activation bytes / baseline (independent probe)")
     ax.set_title("swap vs recompute: memory against time (lower left is better)")
     ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
 def plot_sweep(rows: list[dict[str, Any]], path: Path) -> None:
-    """Exposed wait and late fetches (left), peak bytes and time ratio (right) per distance."""
+    """Per distance, one quantity (one unit) per panel: exposed wait (ms), late fetches (count), ratios."""
     ks = [r["backward_prefetch"] for r in rows]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
-    left.plot(ks, [r["wait_seconds"] * 1e3 for r in rows], "o-", label="exposed wait (ms/step)")
-    left.plot(ks, [r["late_fetches"] for r in rows], "s--", label="late fetches (per step)")
-    right.plot(ks, [r["memory_ratio"] for r in rows], "o-", label="peak saved bytes / baseline")
-    right.plot(ks, [r["time_ratio"] for r in rows], "s--", label="step time / baseline")
-    for ax in (left, right):
+    fig, (wait, late, ratio) = plt.subplots(1, 3, figsize=(13, 4.2))
+    wait.plot(ks, [r["wait_seconds"] * 1e3 for r in rows], "o-")
+    wait.set(title="exposed wait", ylabel="ms per step")
+    late.plot(ks, [r["late_fetches"] for r in rows], "s-", color="tab:orange")
+    late.set(title="late fetches", ylabel="fetches per step")
+    ratio.plot(ks, [r["memory_ratio"] for r in rows], "o-", label="peak saved bytes")
+    ratio.plot(ks, [r["time_ratio"] for r in rows], "s--", label="step time")
+    ratio.set(title="memory held and step time", ylabel="ratio to baseline")
+    ratio.legend(fontsize=8)
+    for ax in (wait, late, ratio):
         ax.set_xscale("log", base=2)
         ax.set_xticks(ks, [str(k) for k in ks])
         ax.set_xlabel("backward_prefetch (ticks)")
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
-    left.set_title("prefetch: exposed wait and late fetches")
-    right.set_title("memory held and step time")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

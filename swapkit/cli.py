@@ -9,9 +9,13 @@ import argparse
 import json
 import logging
 import sys
-from typing import Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from swapkit.config.errors import BindError, ConfigError, Problem
+
+if TYPE_CHECKING:
+    from swapkit.config.types import Config
+    from swapkit.plan.plan import Plan
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 logger = logging.getLogger("swapkit")
@@ -140,7 +144,7 @@ def run_budget_plan(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _plan_model(args: argparse.Namespace, config):
+def _plan_model(args: argparse.Namespace, config: Config) -> tuple[Any, Plan]:
     """The model ``swapkit plan`` resolves against (meta device) and the plan for it."""
     from swapkit.config.errors import Problem
     from swapkit.plan.plan import build_plan

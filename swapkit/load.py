@@ -6,12 +6,11 @@ Neither package imports torch.
 """
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from swapkit.config.errors import Problems
-import logging
-
 from swapkit.config.loader import read_config, source_name, warn_inactive_swap, warn_no_effect
 from swapkit.config.types import Config
 from swapkit.plan.plan import check_plan

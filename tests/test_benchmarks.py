@@ -32,6 +32,39 @@ def test_quick_benchmark_writes_results_and_checks_hold(tmp_path):
     assert layer["moved_bytes"] > 0 and layer["memory_ratio"] < 0.5
     assert variants["recompute select silu+mul (MindFormers)"]["memory_ratio"] < 1.0
     assert data["sweep"] and data["microbench"]
+    assert isinstance(data["warnings"], list) and data["env"]["wall_seconds"] > 0
+    markdown = (out / "results.md").read_text()
+    assert all(f"> **WARNING:** {w}" in markdown for w in data["warnings"])  # the report is marked
+
+
+def _bench_module(name: str):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.pop(0)
+
+
+def test_default_output_is_not_the_committed_results():
+    args = _bench_module("swap_vs_recompute").parse_args([])
+    assert args.out == Path("bench-out")  # git-ignored; benchmarks/results/ only with an explicit --out
+    assert "bench-out/" in (ROOT / ".gitignore").read_text().splitlines()
+
+
+def test_loaded_machine_and_impossible_speedups_mark_the_report():
+    report = _bench_module("report")
+    env = {"cpu_count": 2, "load_average_at_start": (3.5, 2.0, 1.0), "load_average_at_end": (1.0, 1.0, 1.0)}
+    rows = [{"name": "baseline (no swapkit)", "time_ratio": 1.0}, {"name": "session, nothing configured",
+                                                                   "time_ratio": 0.97},
+            {"name": "recompute full", "time_ratio": 0.98}, {"name": "swap layer (every layer)", "time_ratio": 1.2}]
+    warnings = report.hygiene_warnings(env, rows)
+    assert warnings == [
+        "the machine was loaded (load average up to 3.50 on 2 cores): other processes shared the cores, so step "
+        "times are noisy; rerun on an idle machine",
+        "recompute full measured faster than the baseline (time ratio 0.980) although it adds work (copies or "
+        "recompute): noise dominates; more --reps or an idle machine"]
+    quiet = {**env, "load_average_at_start": (1.0, 1.0, 1.0)}
+    assert report.hygiene_warnings(quiet, rows[:2] + rows[3:]) == []
 
 
 def test_planner_frontier_quick_run_writes_results(tmp_path):

@@ -69,8 +69,8 @@ def test_mindformers_names_map_onto_the_family(model_type, caplog):
         torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-6)
     assert any(key.startswith("layer 0: ") and key != f"layer 0: {preset.scopes['attention'][0]}"
                for key in session.stats.offloaded_by_scope)  # the MLP of layer 0 moved too
-    messages = "\n".join(r.getMessage() for r in caplog.records)
-    assert rf"'feed_forward\.mul' has no module in {preset.name} models" in messages
+    warnings = "\n".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    assert rf"'feed_forward\.mul' has no module in {preset.name} models" in warnings  # that setting does nothing
     session.remove()
 
 

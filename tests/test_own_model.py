@@ -67,3 +67,14 @@ def test_flipping_swap_on_the_command_line_shows_both_readings(caplog, tmp_path)
     caplog.clear()
     swapkit.load_config(path, ["swap_config.swap=false"])  # no flip: no warning
     assert caplog.records == []
+
+
+def test_swapkit_train_needs_num_layers_for_the_builtin_model(tmp_path, capsys):
+    from swapkit.cli import main
+
+    path = tmp_path / "c.yaml"
+    path.write_text("swap_config: {swap: true}\n")
+    assert main(["train", str(path), "--steps", "1", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert "model.model_config.num_layers: missing; give the layer count" in err

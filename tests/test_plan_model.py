@@ -7,6 +7,12 @@ import pytest
 
 from swapkit.cli import main
 
+try:
+    import transformers  # noqa: F401
+    needs_hf = pytest.mark.skipif(False, reason="")
+except ImportError:
+    needs_hf = pytest.mark.skip(reason="needs transformers (pip install -e '.[hf]')")
+
 CONFIG = ("swap_config: {swap: true, op_swap: [{op_name: attention, backward_prefetch: 2, layers: true}]}\n"
           "recompute_config: {select_comm_recompute: [0]}\n")
 
@@ -27,14 +33,16 @@ def test_own_model_by_factory(capsys, tmp_path):
     assert plan["layers"][0]["comm"] == ["(ln_1|ln_2)"] and plan["layers"][1]["comm"] == []
 
 
+@needs_hf
 def test_hf_model_type(capsys, tmp_path):
     status, plan, err = plan_json(capsys, tmp_path, "--model", "hf:llama")
     assert status == 0, err
     assert len(plan["layers"]) == 32  # Llama's default config, built on the meta device: no memory
-    assert plan["layers"][5]["op_swap"] == [["self_attn", 2]]
+    assert plan["preset"] == "llama" and plan["layers"][5]["op_swap"] == [["self_attn", 2]]
     assert plan["layers"][0]["comm"] == ["(input_layernorm|post_attention_layernorm)"]
 
 
+@needs_hf
 def test_hf_config_json(capsys, tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"model_type": "gpt_neox", "hidden_size": 32, "num_hidden_layers": 3,
@@ -44,6 +52,7 @@ def test_hf_config_json(capsys, tmp_path):
     assert [layer["op_swap"] for layer in plan["layers"]] == [[["attention", 2]]] * 3
 
 
+@needs_hf
 def test_table_and_summary_name_the_preset(capsys, tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text(CONFIG)
@@ -63,7 +72,8 @@ def test_table_and_summary_name_the_preset(capsys, tmp_path):
                  "config.json>"),
     ("no_such_pkg:f", "--model 'no_such_pkg:f': cannot import no_such_pkg"),
     ("tests.user_models:nope", "--model 'tests.user_models:nope': tests.user_models has no attribute 'nope'"),
-    ("hf:not_a_model", "--model hf:not_a_model: not a transformers model_type or config.json path"),
+    pytest.param("hf:not_a_model", "--model hf:not_a_model: not a transformers model_type or config.json path",
+                 marks=needs_hf),
 ])
 def test_bad_model_specs_are_usage_errors(capsys, tmp_path, spec, message):
     status, _, err = plan_json(capsys, tmp_path, "--model", spec)
@@ -89,3 +99,23 @@ def test_help_texts_have_no_restructuredtext_backticks(capsys):
         with pytest.raises(SystemExit):
             main(argv)
         assert "``" not in capsys.readouterr().out
+
+
+def test_out_of_range_swap_mode_indices_load_are_kept_and_warned(capsys, tmp_path):
+    config = ("model: {model_config: {num_layers: 4}}\nswap_config: {swap: true}\n"
+              "recompute_config: {recompute: [0, 9, -1]}\n")
+    status, plan, err = plan_json(capsys, tmp_path, config=config)
+    assert status == 0, err
+    assert plan["formative"]["layer_recompute"] == [0, 9, -1]  # as written, as MindFormers keeps them
+    assert [layer["full"] for layer in plan["layers"]] == [True, False, False, False]
+    assert ("WARNING - recompute_config.recompute: layer indices [9, -1] match no layer (the model has layers 0-3); "
+            "kept as written, as MindFormers does, and they do nothing") in err.splitlines()
+
+
+def test_megatron_module_scope_that_binds_nowhere_is_an_error(capsys, tmp_path):
+    config = ("model: {model_config: {num_layers: 2}}\nrecompute_config: {recompute_granularity: selective, "
+              "recompute_modules: [mlp], module_scopes: {mlp: ffn}}\n")
+    status, _, err = plan_json(capsys, tmp_path, config=config)
+    assert status == 2
+    assert "recompute_config.module_scopes pattern 'ffn' matches no sub-module in any layer of LlamaModel.layers; its layers' " \
+           "children are: attention, attention_norm, feed_forward, ffn_norm, hidden_dropout" in err

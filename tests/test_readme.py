@@ -12,9 +12,21 @@ def blocks(language: str) -> list[str]:
     return re.findall(rf"```{language}\n(.*?)```", README, re.S)
 
 
+def have_hf() -> bool:
+    try:
+        import accelerate  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def test_python_examples_run(capsys, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)  # the Trainer example writes its output_dir
+    hf = have_hf()
     for code in blocks("python"):
+        if "transformers" in code and not hf:
+            continue  # the Hugging Face sections need the hf extra; the rest runs anyway
         exec(compile(code, "README.md", "exec"), {"__name__": "readme"})
     out = capsys.readouterr().out
     printed = out.split()
@@ -22,8 +34,9 @@ def test_python_examples_run(capsys, monkeypatch, tmp_path):
     # "With your own model": the stats table; "With Hugging Face models": the Llama's real scopes;
     # "With a Trainer": swapkit's bytes in the Trainer's log history
     assert "swapkit step 1: session accounting, not RSS" in out
-    assert "['layer 0: mlp', 'layer 0: self_attn', 'layer 1: mlp', 'layer 1: self_attn']" in out
-    assert float(out.strip().splitlines()[-1]) > 0
+    if hf:
+        assert "['layer 0: mlp', 'layer 0: self_attn', 'layer 1: mlp', 'layer 1: self_attn']" in out
+        assert float(out.strip().splitlines()[-1]) > 0
 
 
 def test_every_stats_field_is_documented():

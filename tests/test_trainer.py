@@ -58,3 +58,23 @@ def test_trainer_with_swapkit_matches_the_plain_run(tmp_path):
         assert entry["swapkit/late_fetches"] >= 0 and entry["swapkit/wait_s"] >= 0
     assert not any(key.startswith("swapkit/") for entry in plain.state.log_history for key in entry)
     callback.session.remove()
+
+
+class Failing(Tokens):
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        item = super().__getitem__(i)
+        return {**item, "input_ids": item["input_ids"] + 1000 * (i >= 4)}  # out of vocabulary: forward raises
+
+
+def test_a_failing_step_leaves_no_hooks_behind(tmp_path):
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**DECODER))
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=2,
+                                          report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True,
+                                          dataloader_num_workers=0)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Failing())
+    callback = attach(trainer, CONFIG)
+    with pytest.raises(IndexError):
+        trainer.train()
+    assert not callback.session.active and callback.session.stats.aborted  # hooks popped, step aborted
+    callback.session.remove()

@@ -10,11 +10,13 @@ Note [Where the Trainer's step begins and ends]
 applied to the optimizer. Between the two run only ``training_step`` calls (forward + backward of
 each micro-batch; each micro-batch is its own swapkit step, DESIGN §8), so the session is active
 exactly around them: evaluation, logging and checkpointing run after ``on_step_end``, outside it.
-If a training step raises, the Trainer calls no further callback, so the next ``on_step_begin``
-(or ``on_train_end``) closes a session left open.
+If a training step raises, the Trainer calls no further callback: :func:`attach` wraps
+``trainer.train`` so that the session is closed (its step marked aborted) before the error
+propagates, and saved-tensor hooks never outlive the run.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from pathlib import Path
@@ -61,9 +63,9 @@ class SwapkitCallback(TrainerCallback):
         if state.log_history:
             state.log_history[-1].update(values)  # the Trainer stored its copy before calling us
 
-    def _close(self) -> None:
+    def _close(self, error: BaseException | None = None) -> None:
         if self.session.active:
-            self.session.__exit__(None, None, None)
+            self.session.__exit__(type(error) if error else None, error, None)
 
 
 def stats_for_logs(session: SwapSession) -> dict[str, float]:
@@ -97,6 +99,17 @@ def attach(trainer: Any, config: Config | Mapping[str, Any] | str | Path, layers
     session = swapkit.apply(trainer.model, config, layers=layers)
     callback = SwapkitCallback(session)
     trainer.add_callback(callback)
+    train = trainer.train
+
+    @functools.wraps(train)
+    def train_closing_on_error(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return train(*args, **kwargs)
+        except BaseException as error:  # see Note [Where the Trainer's step begins and ends]
+            callback._close(error)
+            raise
+
+    trainer.train = train_closing_on_error
     return callback
 
 

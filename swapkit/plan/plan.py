@@ -79,6 +79,7 @@ class Plan:
         return {
             "dialect": self.dialect,
             "swap": self.swap,
+            "preset": self.preset,
             "layout": {
                 "num_layers": layout.num_layers, "pipeline_stage": layout.pipeline_stage,
                 "pp_interleave_num": layout.pp_interleave_num,
@@ -143,14 +144,15 @@ def check_plan(config: Config, problems: Problems, preset: Preset | None = None,
     layer_rules, op_rules = swaps if config.swap.swap else ((), {})
     formative = Formative(**recompute, layer_swap=layer_rules, op_swap=op_rules)
     notes: list[str] = []
-    translate = _translator(preset, notes)
+    dropped: list[str] = []
+    translate = _translator(preset, notes, dropped)
     layers = tuple(
         _layer_plan(i, layout, formative, decisions[i] if isinstance(rc, MegatronRecompute) else None,
                     config.swap.swap, translate)
         for i in range(layout.num_layers)
     )
     swap_mode = config.swap.swap and rc.dialect == "mindformers"
-    warnings = swap_mode_warnings(formative, layout.num_layers) if swap_mode else ()
+    warnings = (swap_mode_warnings(formative, layout.num_layers) if swap_mode else []) + dropped
     return Plan(layout, formative, layers, rc.dialect, config.swap.swap, rc.use_reentrant, config.runtime,
                 model.layers_path, describe(rc) if isinstance(rc, MegatronRecompute) else None,
                 preset.name if preset else None, tuple(notes), tuple(warnings))
@@ -177,16 +179,20 @@ def _with_preset_scopes(rc: MegatronRecompute, preset: Preset | None, problems: 
     return replace(rc, module_scopes=scopes) if len(problems) == before else None
 
 
-def _translator(preset: Preset | None, notes: list[str]) -> Callable[[tuple[str, ...]], tuple[str, ...]]:
-    """Maps written patterns to the preset's real ones, recording each translation once in ``notes``."""
+def _translator(preset: Preset | None, notes: list[str], dropped: list[str]
+                ) -> Callable[[tuple[str, ...]], tuple[str, ...]]:
+    """Maps written patterns to the preset's real ones, recording each translation once in ``notes``;
+    a pattern applied to some layer that the family has no module for goes to ``dropped`` (a warning:
+    that setting does nothing)."""
     def translate(written: tuple[str, ...]) -> tuple[str, ...]:
         if preset is None:
             return written
         out: list[str] = []
         for pattern in written:
             real, note = preset.translate(pattern)
-            if note and note not in notes:
-                notes.append(note)
+            where = notes if real else dropped
+            if note and note not in where:
+                where.append(note)
             out += [p for p in real if p not in out]
         return tuple(out)
 

@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Mapping
 
 #: Role -> MindFormers / swapkit / Megatron spellings a config may use for it (exact pattern strings).
-ALIASES: Mapping[str, tuple[str, ...]] = {
+ALIASES: Mapping[str, tuple[str, ...]] = MappingProxyType({
     "attention": ("attention",),
     "core_attention": (r".*\.flash_attention", r"attention\.flash_attention", "flash_attention"),
     "mlp": ("feed_forward",),
@@ -35,13 +36,13 @@ ALIASES: Mapping[str, tuple[str, ...]] = {
     "gated_mul": (r"feed_forward\.mul",),
     "q": (r"attention\.wq",), "k": (r"attention\.wk",), "v": (r"attention\.wv",), "o": (r"attention\.wo",),
     "w1": (r"feed_forward\.w1",), "w2": (r"feed_forward\.w2",), "w3": (r"feed_forward\.w3",),
-}
+})
 
 #: Megatron ``recompute_modules`` -> role (``module_scopes`` of a preset).
-MEGATRON_ROLES: Mapping[str, str] = {
+MEGATRON_ROLES: Mapping[str, str] = MappingProxyType({
     "core_attn": "core_attention", "mlp": "mlp", "layernorm": "norms", "moe_act": "moe_act",
     "moe": "moe", "shared_experts": "shared_experts",
-}
+})
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,6 @@ class Preset:
     model_types: tuple[str, ...]
     scopes: Mapping[str, tuple[str, ...]]
     why: Mapping[str, str] = field(default_factory=dict)
-    layers_path: str | None = None
 
     def role_of(self, pattern: str) -> str | None:
         return next((role for role, spellings in ALIASES.items() if pattern in spellings), None)
@@ -67,7 +67,8 @@ class Preset:
             return (pattern,), None
         real = self.scopes.get(role, ())
         if not real:
-            return (), f"'{pattern}' has no module in {self.name} models: {self.why.get(role, 'not a module')}"
+            return (), (f"'{pattern}' has no module in {self.name} models: {self.why.get(role, 'not a module')}; "
+                        "it does nothing there")
         note = f"'{pattern}' -> {', '.join(_quoted(p) for p in real)}"
         if role == "core_attention":
             note += " (core attention is a function inside the attention module: the whole module is used)"
@@ -103,7 +104,8 @@ def _decoder(name: str, model_types: tuple[str, ...], attn: str = "self_attn", m
     why.update({role: f"{name} has no separate module for it" for role in ("q", "k", "v", "o", "w1", "w2", "w3",
                                                                             "ffn_norm", "activation")
                 if not scopes.get(role)})
-    return Preset(name, model_types, {k: v for k, v in scopes.items() if v}, why)
+    return Preset(name, model_types, MappingProxyType({k: v for k, v in scopes.items() if v}),
+                  MappingProxyType(why))
 
 
 def _alternatives(names: tuple[str, ...]) -> tuple[str, ...]:
@@ -113,7 +115,7 @@ def _alternatives(names: tuple[str, ...]) -> tuple[str, ...]:
     return (f"({'|'.join(names)})",)
 
 
-_MOE = {"moe": ("mlp",), "moe_act": (r"mlp\.experts\.act_fn",)}
+_MOE = MappingProxyType({"moe": ("mlp",), "moe_act": (r"mlp\.experts\.act_fn",)})
 PRESETS: tuple[Preset, ...] = (
     _decoder("llama", ("llama",)),
     _decoder("mistral", ("mistral",)),

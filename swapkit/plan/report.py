@@ -114,7 +114,7 @@ def unmatched_errors(plan: Plan, trees: list[dict], model_name: str = "the model
 
 def _missing(plan: Plan, trees: list[dict]) -> dict[tuple[str, str], list[int]]:
     """(setting, pattern) -> the layers it applies to where it matches nothing."""
-    select_kind = "recompute_modules scope" if plan.dialect == "megatron" else "select_recompute"
+    select_kind = "recompute_config.module_scopes" if plan.dialect == "megatron" else "select_recompute"
     missing: dict[tuple[str, str], list[int]] = {}
     for layer, tree in zip(plan.layers, trees):
         for kind, pattern_list in ((select_kind, layer.select), ("select_comm_recompute", layer.comm),

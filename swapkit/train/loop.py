@@ -56,6 +56,7 @@ def train(config: Config | Mapping[str, Any] | str | Path, steps: int | None = N
         >>> result.losses  # doctest: +SKIP
     """
     config = config if isinstance(config, Config) else load_config(config)
+    swapkit.build_plan(config)  # the built-in model needs num_layers: a missing one is a ConfigError here
     run = _start(config, resolve_device(config, device), _resolve_steps(config, steps), metrics_out)
     try:
         _loop(run, progress)
