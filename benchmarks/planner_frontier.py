@@ -13,8 +13,9 @@ What it measures
   the same budget. Writes OUT/results.json, OUT/results.md and OUT/planner_tradeoff.png.
 
 Run (from the repository root):
-    python benchmarks/planner_frontier.py                       # -> benchmarks/results/planner/
-    python benchmarks/planner_frontier.py --quick --out bench-out/planner
+    python benchmarks/planner_frontier.py                       # -> bench-out/planner/
+    python benchmarks/planner_frontier.py --out benchmarks/results/planner  # the committed results
+    python benchmarks/planner_frontier.py --quick
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ from swapkit.plan.planner import KEEP, BudgetError, Planner, plan_budget  # noqa
 from swapkit.planner import measure  # noqa: E402
 from swapkit.train.loop import _start, _train_step  # noqa: E402
 
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "planner"
+DEFAULT_OUT = Path("bench-out/planner")  # git-ignored; benchmarks/results/planner only with an explicit --out
 FRACTIONS = (0.8, 0.5, 0.25)
 LINKS = {"free": {}, "slow": {"latency_s": 0.0005, "bandwidth_gbps": 1.0}}
 MIB = 2**20
@@ -139,7 +140,11 @@ def _compare(plan: dict[str, Any], rows: dict[str, dict[str, Any]]) -> dict[str,
 
 def markdown(results: dict[str, Any]) -> str:
     env = results["env"]
-    lines = ["# Budget planner: predicted vs measured, planned vs fixed strategies", "",
+    load = max(max(env["load_start"]), max(env["load_end"]))
+    warning = ([f"> **WARNING:** the machine was loaded (load average up to {load:.2f} on {env['cpu_count']} "
+                "cores): other processes shared the cores, so step times are noisy; rerun on an idle machine", ""]
+               if load > (env["cpu_count"] or 1) else [])
+    lines = ["# Budget planner: predicted vs measured, planned vs fixed strategies", "", *warning,
              f"{env['cpu']}, {env['cpu_count']} cores ({env['torch_threads']} torch threads), torch {env['torch']}, "
              "load average at start "
              f"{env['load_start']}, at end {env['load_end']}; model {env['model']}, batch {env['batch']}; "

@@ -10,7 +10,7 @@ import yaml
 from swapkit.cli import main
 from swapkit.load import load_config
 from swapkit.plan.emit import planned_config
-from swapkit.plan.planner import KEEP, BudgetError, Planner, plan_budget, reachable_peak
+from swapkit.plan.planner import KEEP, RECOMPUTE, BudgetError, Planner, plan_budget, reachable_peak
 from swapkit.planner import measure
 from swapkit.train import train
 
@@ -99,10 +99,14 @@ def test_budget_below_the_minimum_exits_2_with_the_reachable_minimum(config_file
     assert "Traceback" not in err
     reachable = int(err.split("smallest reachable peak_device_bytes is ")[1].split()[0])
     assert 0 < reachable < planner.predict((KEEP,) * 3).peak_device_bytes
-    with pytest.raises(BudgetError) as same:  # the same search on the fixture's own measurement
+    assert f"raise --budget to at least {reachable}" in err
+    # The number is the search's real minimum (on one measurement: the CLI measured on its own,
+    # and with swaps the minimum depends on the copy lag it saw).
+    with pytest.raises(BudgetError) as below:
         plan_budget(planner, 1024)
-    assert abs(reachable - same.value.reachable) <= 0.05 * reachable
-    assert same.value.reachable <= reachable_peak(planner)
+    lowest = below.value.reachable
+    assert lowest <= min(reachable_peak(planner), planner.predict((RECOMPUTE,) * 3).peak_device_bytes)
+    assert plan_budget(planner, lowest).predicted.peak_device_bytes <= lowest
 
 
 def test_plan_writes_yaml_that_loads_and_train_budget_trains_it(config_file, planner, tmp_path, capsys):

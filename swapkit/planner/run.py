@@ -52,36 +52,44 @@ def measure(config: Config, device: str | None = None, steps: int = 3, warmup: i
     Raises:
         ConfigError: ``gradient_accumulation_steps`` is not 1, or the device is unavailable.
     """
+    _check_accumulation(config)
+    where = resolve_device(config, device)
+    if model is not None:
+        config = with_num_layers(model.factory(), config, model.layers)
+    patterns = _config_patterns(config)
+
+    def run(mode: str) -> tuple:
+        return _measure_mode(mode_config(config, mode), where, patterns, steps, warmup, model)
+
+    runs, scope_seconds, scopes = {}, {}, []
+    runs[KEEP], scope_seconds, scopes, _ = run(KEEP)
+    runs[RECOMPUTE], *_ = run(RECOMPUTE)
+    keep_only = build_trace(config.model.num_layers, runs, scope_seconds)
+    for scope in select_candidates(keep_only, scopes[0], config.runtime.min_offload_bytes) if select else ():
+        runs[SELECT + scope], *_ = run(SELECT + scope)
+    trace = build_trace(config.model.num_layers, runs, scope_seconds)
+    links = _measure_links(config, where, trace, run(PROBE)[3])
+    useful = [useful_scopes(trace, i, scopes[i], config.runtime.min_offload_bytes) for i in range(len(scopes))]
+    return Measured(trace, links, useful, str(where))
+
+
+def _check_accumulation(config: Config) -> None:
     if config.train.gradient_accumulation_steps != 1:
         raise ConfigError([Problem("train.gradient_accumulation_steps",
                                    f"got {config.train.gradient_accumulation_steps}; the budget planner measures "
                                    "one micro-batch per step: set it to 1 (or plan without --budget)")],
                           config.source)
-    where = resolve_device(config, device)
-    if model is not None:
-        config = with_num_layers(model.factory(), config, model.layers)
-    patterns = _config_patterns(config)
-    runs, scope_seconds, scopes = {}, {}, []
-    for mode in (KEEP, RECOMPUTE):
-        runs[mode], seconds, scopes, _ = _measure_mode(mode_config(config, mode), where, patterns, steps, warmup,
-                                                       model)
-        if mode == KEEP:
-            scope_seconds = seconds
-    keep_only = build_trace(config.model.num_layers, runs, scope_seconds)
-    for scope in select_candidates(keep_only, scopes[0], config.runtime.min_offload_bytes) if select else ():
-        runs[SELECT + scope], *_ = _measure_mode(mode_config(config, SELECT + scope), where, patterns, steps, warmup,
-                                                 model)
-    trace = build_trace(config.model.num_layers, runs, scope_seconds)
+
+
+def _measure_links(config: Config, where: torch.device, trace: Trace, copies: list) -> Links:
+    """The engine's links, and the release lag the probe run saw (Note [Release lag])."""
     engine = make_engine(config.runtime, where)
     try:
         links = measure_link(engine, _largest_storage(trace))
     finally:
         engine.close()
-    *_, copies = _measure_mode(mode_config(config, PROBE), where, patterns, steps, warmup, model)
     lag = max(release_lag(c, links, end) for c, end in copies)
-    links = dataclasses.replace(links, release_lag_s=LAG_SAFETY * lag)  # Note [Release lag]
-    useful = [useful_scopes(trace, i, scopes[i], config.runtime.min_offload_bytes) for i in range(len(scopes))]
-    return Measured(trace, links, useful, str(where))
+    return dataclasses.replace(links, release_lag_s=LAG_SAFETY * lag)
 
 
 def plan_for_budget(config: Config, budget: int, measured: Measured | None = None,
