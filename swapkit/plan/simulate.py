@@ -162,19 +162,18 @@ class _Replay:
         released = sorted((r for r in self.records.values() if r.released), key=lambda r: -r.horizon)
         cursor = 0
         for event in self.step.backward:
-            self.now += event[-1]
             if event[0] == "f":
                 self._free(event[1])
-                continue
-            if event[0] == "a":  # a recipe rebuilt a selected op's outputs
+            elif event[0] == "a":  # a recipe rebuilt a selected op's outputs
                 self.records[event[1]] = _Record(event[2], 0, None, None)
                 self._add(event[2])
-                continue
-            tick = event[1]
-            while cursor < len(released) and released[cursor].horizon >= tick:
-                self._fetch(released[cursor])
-                cursor += 1
-            self._restore(self.step.forward[tick].storage)
+            else:
+                tick = event[1]
+                while cursor < len(released) and released[cursor].horizon >= tick:
+                    self._fetch(released[cursor])
+                    cursor += 1
+                self._restore(self.step.forward[tick].storage)
+            self.now += event[-1]  # the backward work after the event (swapkit.planner.measure)
 
     def _fetch(self, record: _Record) -> None:
         record.fetched, record.resident = True, True

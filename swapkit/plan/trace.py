@@ -47,7 +47,7 @@ class Save:
 
 @dataclass(frozen=True)
 class Unpack:
-    """Backward read the save number ``save`` of segment ``segment`` (``seconds`` since the last event)."""
+    """Backward read the save number ``save`` of segment ``segment`` (``seconds``: until the next event)."""
 
     segment: int
     save: int
@@ -114,8 +114,9 @@ class FlatSave:
 
 @dataclass(frozen=True)
 class FlatStep:
-    """A composed step: forward saves (tick = index) and backward events (``("u", tick, storage)``,
-    ``("f", storage)``), each with the seconds before it."""
+    """A composed step: forward saves (tick = index, each with the seconds before it) and backward
+    events (``("u", tick, s)``, ``("f", storage, s)``, ``("a", name, nbytes, s)``), each with the
+    seconds of backward work after it (``swapkit.planner.measure`` Note [Backward time follows the event])."""
 
     forward: tuple[FlatSave, ...]
     backward: tuple[tuple, ...]

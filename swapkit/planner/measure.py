@@ -25,6 +25,15 @@ got there. When tracing a CUDA model the tracer waits for the compute stream bef
 clock, so event times are GPU times (the waits are tracing overhead, scaled away with the rest;
 Note [Tracing overhead]). The copy stream is not waited for.
 
+Note [Backward time follows the event]
+In backward the work after an unpack is the node that asked for the tensor, and for a checkpointed
+region the recompute it triggers (non-reentrant checkpointing recomputes when an inner node first
+needs a tensor, right after the session hands out the region's inputs). So a backward event carries
+the time until the next event and belongs to the segment of the tensor it unpacked: the recompute
+time of layer ``i`` stays with layer ``i`` when plans mix recomputed and kept layers. The time from
+the last forward save to the first backward event (the loss, the head's backward) is the same in
+every plan and goes with the step's other time.
+
 Note [Release lag]
 The session releases a swapped storage at a save only if its copy is seen finished then. How late
 that is depends on more than the link: on the thread engine the worker needs the interpreter lock
@@ -182,8 +191,10 @@ def candidate_scopes(layer: nn.Module, config_patterns: tuple[str, ...] = ()) ->
 # ---------------------------------------------------------------------- steps -> segments
 
 def to_segments(saves: list, events: list, start: float, num_layers: int) -> tuple[dict[int, Segment], list[int]]:
-    """One step's raw records as segments (forward times since the previous save, backward
-    times since the previous event) and the order backward reached the segments."""
+    """One step's raw records as segments and the order backward reached the segments. A forward
+    save carries the time since the previous save (the op that made what it saves); a backward
+    event the time until the next one (the backward work that follows it, a recompute included:
+    Note [Backward time follows the event])."""
     forward: dict[int, list[Save]] = {s: [] for s in [PRE, *range(num_layers + 1)]}
     backward: dict[int, list] = {s: [] for s in forward}
     last = start
@@ -192,17 +203,17 @@ def to_segments(saves: list, events: list, start: float, num_layers: int) -> tup
         last = at
     order: list[int] = []
     current = num_layers
-    for kind, what, at in events:
+    for (kind, what, at), following in zip(events, [e[2] for e in events[1:]] + [None]):
+        after = following - at if following is not None else 0.0
         if kind == "u":
             current = what[0]
-            backward[current].append(Unpack(what[0], what[1], at - last))
+            backward[current].append(Unpack(what[0], what[1], after))
             if current not in order:
                 order.append(current)
         elif kind == "a":
-            backward[current].append(Alloc(what[0], what[1], at - last))
+            backward[current].append(Alloc(what[0], what[1], after))
         else:
-            backward[current].append(Free(what, at - last))
-        last = at
+            backward[current].append(Free(what, after))
     segments = {s: Segment(tuple(forward[s]), tuple(backward[s])) for s in forward}
     return segments, order + [s for s in forward if s not in order]
 

@@ -145,14 +145,18 @@ def _traced_step(run: Any, layers: list, scopes: list[list[str]], number: int, s
         step, order = to_segments(tracer.saves, tracer.events, tracer.start, len(layers))
         samples["segments"].append(step)
         samples["orders"].append(order)
-        samples["others"].append(end - _last_time(tracer))
+        samples["others"].append(_other_seconds(tracer, end))
         samples["copies"].append((tracer.copy_times(), tracer.saves[-1][4] if tracer.saves else end))
         samples["traced"].append(end - start)
     return tracer
 
 
-def _last_time(tracer: Tracer) -> float:
-    return tracer.events[-1][2] if tracer.events else tracer.saves[-1][4] if tracer.saves else tracer.start
+def _other_seconds(tracer: Tracer, end: float) -> float:
+    """The step's time outside the events' attributed time (Note [Backward time follows the event])."""
+    last_save = tracer.saves[-1][4] if tracer.saves else tracer.start
+    if not tracer.events:
+        return end - last_save
+    return (tracer.events[0][2] - last_save) + (end - tracer.events[-1][2])
 
 
 def _config_patterns(config: Config) -> list[tuple[str, ...]]:
