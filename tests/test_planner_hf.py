@@ -35,6 +35,11 @@ def causal_lm_loss(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> t
 SOURCE = ModelSource(tiny_llama, batch, causal_lm_loss, "model.layers")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _deterministic_copies(inline_copies):
+    """Predicted and measured peaks are compared on copies that finish when issued (conftest)."""
+
+
 @pytest.fixture(scope="module")
 def planner():
     measured = measure(load_config(CONFIG), steps=2, warmup=1, model=SOURCE)

@@ -181,10 +181,11 @@ def plan_budget(planner: Planner, budget: int, margin: float = 0.02) -> Planned:
     if baseline.peak_device_bytes <= budget:
         return Planned(keep, baseline, baseline)
     target = int(budget * (1 - margin))
-    found = [_descend(planner, keep, target, by_time=True), tuple(RECOMPUTE for _ in keep)]
+    # The lowest-peak plan is a candidate too, so the minimum an error reports can always be planned.
+    found = [_descend(planner, keep, target, by_time=True), tuple(RECOMPUTE for _ in keep), _lowest(planner)]
     fitting = [c for c in found if planner.predict(c).peak_device_bytes <= budget]
     if not fitting:
-        lowest = min([planner.predict(c).peak_device_bytes for c in found] + [reachable_peak(planner)])
+        lowest = min(planner.predict(c).peak_device_bytes for c in found)
         raise BudgetError(budget, lowest, baseline.peak_device_bytes)
     trimmed = [_trim(planner, c, max(target, planner.predict(c).peak_device_bytes)) for c in fitting]
     choices = min(trimmed, key=lambda c: (excess(planner.predict(c), budget) > 0, planner.predict(c).step_seconds))
@@ -193,8 +194,12 @@ def plan_budget(planner: Planner, budget: int, margin: float = 0.02) -> Planned:
 
 def reachable_peak(planner: Planner) -> int:
     """The lowest peak the greedy search reaches when it minimizes the peak alone."""
-    keep = tuple(KEEP for _ in range(planner.trace.num_layers))
-    return planner.predict(_descend(planner, keep, 0, by_time=False)).peak_device_bytes
+    return planner.predict(_lowest(planner)).peak_device_bytes
+
+
+def _lowest(planner: Planner) -> tuple[Choice, ...]:
+    """The plan the greedy search reaches when it minimizes the peak alone."""
+    return _descend(planner, tuple(KEEP for _ in range(planner.trace.num_layers)), 0, by_time=False)
 
 
 def excess(prediction: Prediction, target: int, tolerance: float = UNCERTAIN_TOLERANCE) -> int:
