@@ -20,7 +20,6 @@ gradients are gathered per parameter first (the model is small: clarity over spe
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -37,10 +36,9 @@ from tqdm import tqdm
 import swapkit
 from swapkit.config.types import Config
 from swapkit.distributed.pipeline import build_stage_chunks, make_schedule, micro_batches, pipeline_stages
-from swapkit.runtime.stats import SwapStats
-from swapkit.train.checkpoint import checkpoint_due, resume, save_checkpoint
+from swapkit.train.checkpoint import resume, save_checkpoint
 from swapkit.train.data import SyntheticTokens
-from swapkit.train.loop import environment
+from swapkit.train.loop import drive, environment
 from swapkit.train.model import lm_loss
 from swapkit.train.state import RunState, TrainResult
 from swapkit.train.summary import human_bytes, stage_rows, step_record, summarize, write_metrics
@@ -145,19 +143,7 @@ def _environment(config: Config, device: torch.device, topo: Topology) -> dict[s
 # ---------------------------------------------------------------------- the loop
 
 def _loop(part: RankRun, progress: bool) -> None:
-    run = part.run
-    bar_off = not progress or not sys.stderr.isatty()
-    with tqdm(total=run.total_steps, initial=run.step, disable=bar_off, unit="step", file=sys.stderr,
-              dynamic_ncols=True, desc="swapkit train") as bar:
-        while run.step < run.total_steps:
-            record = _train_step(part, run.step + 1)
-            run.step += 1
-            if record is not None:
-                run.records.append(record)
-                _report(run, record, bar, bar_off)
-                write_metrics(run)
-            if checkpoint_due(run):
-                save_checkpoint(run)
+    drive(part.run, progress, lambda step: _train_step(part, step), _report)
 
 
 def _train_step(part: RankRun, step: int) -> dict[str, Any] | None:

@@ -15,7 +15,7 @@ import platform
 import sys
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import psutil
 import torch
@@ -170,15 +170,25 @@ def environment(config: Config, device: torch.device) -> dict[str, Any]:
 # ---------------------------------------------------------------------- the loop
 
 def _loop(run: RunState, progress: bool) -> None:
+    drive(run, progress, lambda step: _train_step(run, step), _report_step)
+
+
+def drive(run: RunState, progress: bool, train_step: Callable[[int], dict[str, Any] | None],
+          report: Callable[[RunState, dict[str, Any], tqdm, bool], None]) -> None:
+    """Run ``train_step(step)`` until ``run.total_steps``: record, report, write metrics, checkpoint.
+
+    A ``None`` record (a pipeline rank that holds no loss) is not recorded; the step still counts.
+    """
     bar_off = not progress or not sys.stderr.isatty()
     with tqdm(total=run.total_steps, initial=run.step, disable=bar_off, unit="step", file=sys.stderr,
               dynamic_ncols=True, desc="swapkit train") as bar:
         while run.step < run.total_steps:
-            record = _train_step(run, run.step + 1)
+            record = train_step(run.step + 1)
             run.step += 1
-            run.records.append(record)
-            _report_step(run, record, bar, bar_off)
-            write_metrics(run)
+            if record is not None:
+                run.records.append(record)
+                report(run, record, bar, bar_off)
+                write_metrics(run)
             if checkpoint_due(run):
                 save_checkpoint(run)
 
