@@ -11,7 +11,7 @@ import logging
 import sys
 from typing import TYPE_CHECKING, Any, Sequence
 
-from swapkit.config.errors import BindError, ConfigError, clip
+from swapkit.config.errors import BindError, ConfigError, Problem, clip
 
 if TYPE_CHECKING:
     from swapkit.config.types import Config
@@ -84,6 +84,10 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--layers", metavar="PATH", help="dotted path of the model's layer container, e.g. model.layers")
     plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                       help="override a config value, e.g. --set swap_config.swap=true (repeatable)")
+    plan.add_argument("--budget", metavar="SIZE", help="measure a step and plan swap/recompute so the peak of "
+                      "device-resident saved bytes fits SIZE (64MiB, 1.5GiB, bytes)")
+    plan.add_argument("--out", metavar="FILE", help="with --budget: write the planned YAML config here")
+    plan.add_argument("--device", choices=("cpu", "cuda"), help="with --budget: override train.device")
     plan.set_defaults(run=run_plan)
 
     train = sub.add_parser("train", help="train the built-in model as the config says",
@@ -96,6 +100,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="override a config value, e.g. --set train.lr=1e-3 (repeatable)")
     train.add_argument("--metrics-out", metavar="FILE", help="write per-step metrics and a summary as JSON")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.add_argument("--budget", metavar="SIZE", help="plan under this memory budget first (as swapkit plan "
+                       "--budget) and train with the planned config")
     train.set_defaults(run=run_train)
     return parser
 
@@ -110,7 +116,11 @@ def _configure_logging(verbose: bool) -> None:
 
 def run_plan(args: argparse.Namespace) -> int:
     """Run ``swapkit plan``: the table and a summary on stdout (or JSON), warnings on stderr."""
-    from swapkit.config.errors import Problem
+    if args.budget is not None:
+        return run_budget_plan(args)
+    if args.out is not None or args.device is not None:
+        raise ConfigError([Problem("--out" if args.out is not None else "--device",
+                                   "only works with --budget SIZE; add --budget or drop it")])
     from swapkit.load import load_config
 
     if not (args.log or args.verbose):
@@ -133,6 +143,28 @@ def run_plan(args: argparse.Namespace) -> int:
         logger.log(logging.getLevelName(level), message)
     plan = with_exact_overridden(plan, trees)
     print(json.dumps(plan.to_json(), indent=2) if args.json else table(plan) + "\n\n" + "\n".join(summary(plan)))
+    return EXIT_OK
+
+
+def run_budget_plan(args: argparse.Namespace) -> int:
+    """``swapkit plan --budget``: the report (or JSON) on stdout, the YAML to --out or stdout."""
+    from swapkit.plan.planner import BudgetError
+    from swapkit.planner.command import budget_plan, write
+
+    if not (args.log or args.verbose):  # as plain `swapkit plan`: the measurement runs' log lines with --log
+        logger.setLevel(logging.WARNING)
+    try:
+        plan = budget_plan(args.config, args.overrides, args.budget, args.device, args.model, args.layers)
+    except BudgetError as err:
+        print(f"swapkit: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    write(plan, args.out)
+    if args.json:
+        print(json.dumps(plan.document, indent=2))
+    else:
+        print(plan.report)
+        if args.out is None:
+            print(plan.yaml())
     return EXIT_OK
 
 
@@ -160,6 +192,8 @@ def run_train(args: argparse.Namespace) -> int:
     """Run ``swapkit train``; a bad config or device raises :class:`ConfigError` (exit 2)."""
     from swapkit.load import load_config
 
+    if args.budget is not None:
+        return run_budget_train(args)
     config = load_config(args.config, args.overrides)  # before importing torch: a bad config fails fast
     from swapkit.distributed.launch import RankFailed, launch, world_size
     from swapkit.train import format_summary, train
@@ -177,6 +211,25 @@ def run_train(args: argparse.Namespace) -> int:
             return EXIT_FAILED
     if result is not None:  # under torchrun only rank 0 has the result
         print(format_summary(result.summary))
+    return EXIT_OK
+
+
+def run_budget_train(args: argparse.Namespace) -> int:
+    """``swapkit train --budget``: plan first (report to stderr), then train the planned config."""
+    from swapkit.plan.planner import BudgetError
+    from swapkit.planner.command import budget_plan, write
+    from swapkit.train import format_summary, train
+
+    try:
+        plan = budget_plan(args.config, args.overrides, args.budget, args.device)
+    except BudgetError as err:
+        print(f"swapkit: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    write(plan, None)
+    print(plan.report, file=sys.stderr)
+    result = train(plan.config, steps=args.steps, device=args.device, metrics_out=args.metrics_out,
+                   progress=not args.no_progress)
+    print(format_summary(result.summary))
     return EXIT_OK
 
 

@@ -21,3 +21,16 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def inline_copies():
+    """The thread engine copies inline (as it does after ``close``), so a copy is finished when it is
+    issued: releases happen exactly at their tick, whatever else the machine is running. Tests that
+    compare a predicted ``peak_device_bytes`` with a measured one use it; how copy timing moves the
+    peak on a real link is measured in ``benchmarks/``, not asserted in tests."""
+    from swapkit.engine.thread import ThreadCopyEngine
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ThreadCopyEngine, "_ensure_worker", lambda self: False)
+        yield

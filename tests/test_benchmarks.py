@@ -83,3 +83,17 @@ def test_quick_pipeline_benchmark_has_a_row_per_schedule_variant_and_stage(tmp_p
             assert row["grads_equal"] and row["moved_bytes"] > 0
         if variant == "recompute":
             assert row["grads_close"] and row["memory_ratio"] < 0.5
+
+
+def test_planner_frontier_quick_run_writes_results(tmp_path):
+    out = tmp_path / "planner"
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "planner_frontier.py"), "--quick", "--reps",
+                             "1", "--links", "free", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    for name in ("results.json", "results.md", "planner_tradeoff.png"):
+        assert (out / name).stat().st_size > 0, name
+    data = json.loads((out / "results.json").read_text())
+    assert [link["link"] for link in data["links"]] == ["free"]
+    for link in data["links"]:
+        for plan in link["plans"].values():
+            assert "error" in plan or plan["measured"]["peak_device_bytes"] > 0

@@ -24,7 +24,7 @@ from typing import Any, Mapping
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModel, TrainerCallback
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, TrainerCallback
 
 import swapkit
 from swapkit.config.types import Config
@@ -128,6 +128,21 @@ def meta_model(spec: str) -> nn.Module:
         except ValueError as err:
             raise ValueError(f"--model hf:{spec}: not a transformers model_type or config.json path ({err})") from None
     with torch.device("meta"):
+        return AutoModel.from_config(model_config)
+
+
+def random_model(spec: str, seed: int = 0) -> nn.Module:
+    """The model ``spec`` names (as :func:`meta_model`) with seeded random weights on the CPU: the
+    family's causal-LM head when it has one, else the base model (``swapkit plan --budget --model``).
+
+    Raises:
+        ValueError: as :func:`meta_model`.
+    """
+    model_config = meta_model(spec).config
+    torch.manual_seed(seed)
+    try:
+        return AutoModelForCausalLM.from_config(model_config)
+    except ValueError:  # a family without a causal-LM head
         return AutoModel.from_config(model_config)
 
 

@@ -83,6 +83,7 @@ class SwapSession:
         self._entry_lock = threading.Lock()
         self._owner: int | None = None  # the thread inside the `with` block
         self._reported: set[tuple[int, str]] = set()  # unused swaps already warned about
+        self.observer: Any = None  # sees every forward save and backward unpack (swapkit.planner.measure)
         recompute.output_sink = self
         tracker.on_swap_enter = self._swap_scope_entered
         if plan.runtime.verify and not any(layer.layer_swap is not None or layer.op_swap for layer in plan.layers):
@@ -167,7 +168,10 @@ class SwapSession:
         step = self._step
         if step.backward_started:  # the next micro-batch's forward inside the same block
             step = self._start_step()
-        return step.save(tensor, self.tracker.top)
+        saved = step.save(tensor, self.tracker.top)
+        if self.observer is not None:
+            self.observer.saved(saved)
+        return saved
 
     def _unpack(self, saved: Saved) -> torch.Tensor:
         if saved.keeper._version != saved.version:
@@ -176,8 +180,12 @@ class SwapSession:
             saved.step.unpacked(saved.tick)
         record = saved.record
         if record is None or not record.swapped or not record.released:
-            return saved.keeper
-        return record.restore(saved.meta, saved.tick)
+            tensor = saved.keeper
+        else:
+            tensor = record.restore(saved.meta, saved.tick)
+        if self.observer is not None and saved.step is not None:
+            self.observer.unpacked(saved)  # after the restore: a recipe it ran has its bytes counted
+        return tensor
 
     # ------------------------------------------------------------------ output recompute
 

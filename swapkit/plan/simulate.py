@@ -1,0 +1,221 @@
+"""Replay a composed step under a swap decision: predicted peak, step time and bytes moved.
+
+Pure Python (no torch). The replay follows the session's own rules (``swapkit.runtime.step``) on
+the measured compute timeline, with one FIFO copy queue standing in for the engine.
+
+Note [Cost model]
+What the planner predicts, and where it is wrong:
+- Memory is the session's ``peak_device_bytes``: every distinct storage the session counts is
+  added at its first save and taken off when its record dies (measured position in backward). A
+  swapped storage (first saved at tick ``t`` in a scope swapped with distance ``k``, at least
+  ``min_offload_bytes``, and ``t + k`` before the forward's last tick: Note [The last k ticks stay
+  on the device] in ``swapkit.runtime.step``) is released at the first save at or after its horizon
+  whose time is past the end of its device-to-host copy, and is added back when backward first
+  unpacks a tick ``<=`` its horizon. Recompute is a different measured segment (the layer's saves
+  replaced by its checkpoint inputs; for a select-recomputed op, its region's inputs and, in
+  backward, the bytes its recipe rebuilds until the recipe dies).
+- Copies run one at a time in issue order on one queue (the thread engine's worker; the CUDA
+  engine's side stream). A copy takes ``latency + bytes / bandwidth`` of its direction, measured on
+  the engine (:mod:`swapkit.planner.link`) and starts when issued or when the previous copy ends.
+- A release is predicted only ``release_lag_s`` after its copy's predicted end: twice the largest
+  delay measured (``swapkit.planner.measure`` Note [Release lag]) in how late a copy is seen
+  finished while the forward keeps the host thread busy (on the thread engine the worker waits for
+  the interpreter lock and a core; up to the 5 ms switch interval on an idle machine, tens of ms on
+  an overloaded one). Budgets are hard limits, so the peak is predicted
+  for a late copy: a plan whose peak needs copies to finish just in time is not chosen.
+- Time is the measured compute between session events (median of the measured steps), plus the
+  time a restore waits for its host-to-device copy (exposed wait: it delays everything after it),
+  plus the step's time outside session events. Recompute cost is in the measured recompute
+  segment's backward.
+- Not modelled: copies slowing compute (on CPU the worker's memcpy takes a core from the compute
+  threads; on CUDA copies share memory bandwidth), the session's per-save bookkeeping for swapped
+  tensors (a few microseconds each), allocator effects (``torch.cuda.max_memory_allocated`` also sees
+  what recompute re-materializes in backward, the session does not), and run-to-run noise in the
+  measured compute times. A swap whose release lands near the end of forward depends on copy
+  timing: a copy slower than predicted leaves it on the device at the peak.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Callable
+
+from swapkit.plan.trace import FlatStep
+
+
+@dataclass(frozen=True)
+class Link:
+    """One direction's cost of a copy: ``latency_s + nbytes / bytes_per_s``."""
+
+    latency_s: float
+    bytes_per_s: float
+
+    def seconds(self, nbytes: int) -> float:
+        return self.latency_s + nbytes / self.bytes_per_s
+
+
+@dataclass(frozen=True)
+class Links:
+    """The engine's measured device-to-host and host-to-device links (they differ on PCIe), and
+    how much later than that a finished offload may be seen finished while compute runs
+    (``release_lag_s``, Note [Cost model])."""
+
+    d2h: Link
+    h2d: Link
+    release_lag_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What a plan is predicted to do in one steady-state step."""
+
+    peak_device_bytes: int
+    step_seconds: float
+    moved_bytes_per_step: int
+    wait_seconds: float
+    late_fetches: int
+    peak_if_prompt: int = 0  # the peak if every copy were seen finished on time (no release lag)
+    layer_wait: tuple[tuple[int | None, float], ...] = ()  # exposed wait by layer (None: outside layers)
+
+    @property
+    def uncertain_bytes(self) -> int:
+        """How much of the peak depends on copies being seen finished in time."""
+        return max(self.peak_device_bytes - self.peak_if_prompt, 0)
+
+    def to_json(self) -> dict:
+        return {"peak_device_bytes": self.peak_device_bytes, "step_seconds": round(self.step_seconds, 6),
+                "moved_bytes_per_step": self.moved_bytes_per_step}
+
+
+class _Record:
+    __slots__ = ("nbytes", "horizon", "k", "d2h_end", "h2d_end", "released", "fetched", "resident", "issued", "layer")
+
+    def __init__(self, nbytes: int, tick: int, k: int | None, layer: int | None) -> None:
+        self.nbytes, self.k, self.horizon, self.layer = nbytes, k, tick + (k or 0), layer
+        self.d2h_end = self.h2d_end = 0.0
+        self.released = self.fetched = False
+        self.resident = True
+
+
+class _Replay:
+    """One replay; ``swap_k(layer, scope)`` gives the distance in force for a first save there."""
+
+    def __init__(self, step: FlatStep, swap_k: Callable[[int | None, str | None], int | None], links: Links,
+                 min_offload_bytes: int) -> None:
+        self.step, self.swap_k, self.links, self.min_bytes = step, swap_k, links, min_offload_bytes
+        self.records: dict[tuple, _Record] = {}
+        self.now = self.queue_free = self.wait = 0.0
+        self.bytes = self.peak = self.moved = self.late = 0
+        self.due: list[tuple[int, int, _Record]] = []  # (horizon, issue order, record) still to release
+        self.pending: list[_Record] = []  # due, copy maybe unfinished; issue order
+        self.issued = 0
+        self.layer_wait: dict[int | None, float] = {}  # exposed wait by the layer whose storage was late
+
+    def _copy(self, link: Link, nbytes: int) -> float:
+        start = max(self.now, self.queue_free)
+        self.queue_free = start + link.seconds(nbytes)
+        self.moved += nbytes
+        return self.queue_free
+
+    def _add(self, nbytes: int) -> None:
+        self.bytes += nbytes
+        self.peak = max(self.peak, self.bytes)
+
+    def forward(self) -> None:
+        last = len(self.step.forward) - 1
+        for tick, save in enumerate(self.step.forward):
+            self.now += save.seconds
+            self._advance(tick)
+            if save.storage is None:
+                continue
+            record = self.records.get(save.storage)
+            if record is None:
+                self._new(save, tick, last)
+            elif record.k is not None:  # a later save pushes the horizon out (swapkit.runtime.schedule)
+                record.horizon = max(record.horizon, tick + record.k)
+
+    def _new(self, save, tick: int, last: int) -> None:
+        k = self.swap_k(save.layer, save.scope)
+        if k is not None and (save.nbytes < self.min_bytes or tick + k >= last + 1):
+            k = None  # kept: too small, or in the forward's tail
+        record = self.records[save.storage] = _Record(save.nbytes, tick, k, save.layer)
+        self._add(save.nbytes)
+        if k is not None:
+            record.d2h_end = self._copy(self.links.d2h, save.nbytes)
+            record.issued = self.issued
+            self.issued += 1
+            bisect.insort(self.due, (record.horizon, record.issued, record))
+
+    def _advance(self, tick: int) -> None:
+        while self.due and self.due[0][0] <= tick:
+            horizon, _, record = self.due.pop(0)
+            if record.horizon != horizon:  # moved out by a later save
+                bisect.insort(self.due, (record.horizon, record.issued, record))
+                continue
+            bisect.insort(self.pending, record, key=lambda r: r.issued)
+        while self.pending and self.pending[0].d2h_end + self.links.release_lag_s <= self.now:
+            record = self.pending.pop(0)
+            record.released, record.resident = True, False
+            self.bytes -= record.nbytes
+
+    def backward(self) -> None:
+        released = sorted((r for r in self.records.values() if r.released), key=lambda r: -r.horizon)
+        cursor = 0
+        for event in self.step.backward:
+            if event[0] == "f":
+                self._free(event[1])
+            elif event[0] == "a":  # a recipe rebuilt a selected op's outputs
+                self.records[event[1]] = _Record(event[2], 0, None, None)
+                self._add(event[2])
+            else:
+                tick = event[1]
+                while cursor < len(released) and released[cursor].horizon >= tick:
+                    self._fetch(released[cursor])
+                    cursor += 1
+                self._restore(self.step.forward[tick].storage)
+            self.now += event[-1]  # the backward work after the event (swapkit.planner.measure)
+
+    def _fetch(self, record: _Record) -> None:
+        record.fetched, record.resident = True, True
+        record.h2d_end = self._copy(self.links.h2d, record.nbytes)
+        self._add(record.nbytes)
+
+    def _restore(self, storage: tuple | None) -> None:
+        record = self.records.get(storage) if storage is not None else None
+        if record is None or not record.released or record.h2d_end <= self.now:
+            return
+        self.late += 1
+        self.wait += record.h2d_end - self.now
+        self.layer_wait[record.layer] = self.layer_wait.get(record.layer, 0.0) + record.h2d_end - self.now
+        self.now = record.h2d_end
+        record.h2d_end = 0.0  # waited once; later unpacks of the storage find it there
+
+    def _free(self, storage: tuple) -> None:
+        record = self.records.pop(storage, None)
+        if record is not None and record.resident:
+            self.bytes -= record.nbytes
+
+
+def simulate(step: FlatStep, swap_k: Callable[[int | None, str | None], int | None], links: Links,
+             min_offload_bytes: int = 1024) -> Prediction:
+    """Predict one steady-state step of ``step`` when first saves in (layer, scope) are swapped with
+    distance ``swap_k(layer, scope)`` (``None``: kept). Note [Cost model].
+
+    Example:
+        >>> from swapkit.plan.trace import FlatSave, FlatStep
+        >>> step = FlatStep((FlatSave(("a",), 4096, 0, "", 0.001), FlatSave(None, 0, None, None, 0.001)),
+        ...                 (("u", 0, 0.001), ("f", ("a",), 0.0)), 0.0)
+        >>> simulate(step, lambda layer, scope: None, Links(Link(0, 1e9), Link(0, 1e9))).peak_device_bytes
+        4096
+    """
+    replay = _Replay(step, swap_k, links, min_offload_bytes)
+    replay.forward()
+    replay.backward()
+    prompt = replay.peak
+    if links.release_lag_s:
+        prompt_replay = _Replay(step, swap_k, Links(links.d2h, links.h2d), min_offload_bytes)
+        prompt_replay.forward()
+        prompt_replay.backward()
+        prompt = prompt_replay.peak
+    return Prediction(replay.peak, replay.now + step.other_seconds, replay.moved, replay.wait, replay.late, prompt,
+                      tuple(sorted(replay.layer_wait.items(), key=lambda item: (item[0] is None, item[0] or 0))))

@@ -1,0 +1,282 @@
+"""Measure training steps as the swap session sees them: a :class:`~swapkit.plan.trace.Trace`.
+
+The model runs through the real training step (:mod:`swapkit.train.loop`) under a real
+:class:`~swapkit.runtime.session.SwapSession`; a :class:`Tracer` watches the session (its
+``observer``) and module hooks on every candidate scope. So the bytes are exactly what the session
+counts (storage-deduplicated, parameters excluded: the session's records, one per storage), and the
+moments are the session's ticks.
+
+Note [Measuring in two modes]
+Each layer is measured kept (``swap: false``, no recompute) and fully recomputed (``recompute:
+true``), one run each (plus one run per op scope measured select-recomputed, ``select:<scope>``);
+the planner composes a candidate plan from these segments (``swapkit.plan.trace``
+Note [Composing a planned step from measured segments]). Every event's time is the median over the
+measured steps (after warm-up steps), so a slow outlier step does not skew one layer.
+
+Note [Tracing overhead]
+The tracer's hooks and callbacks cost time the planned run will not spend. Traced and untraced
+steps alternate, and every traced time is scaled by the ratio of their median step times (at most
+1): the overhead is assumed spread evenly over the step, which it roughly is (a few microseconds per
+save and per module call).
+
+Note [Clocks on CUDA]
+Kernels run asynchronously: the host clock at a save says when it was launched, not when the GPU
+got there. When tracing a CUDA model the tracer waits for the compute stream before reading the
+clock, so event times are GPU times (the waits are tracing overhead, scaled away with the rest;
+Note [Tracing overhead]). The copy stream is not waited for.
+
+Note [Backward time follows the event]
+In backward the work after an unpack is the node that asked for the tensor, and for a checkpointed
+region the recompute it triggers (non-reentrant checkpointing recomputes when an inner node first
+needs a tensor, right after the session hands out the region's inputs). So a backward event carries
+the time until the next event and belongs to the segment of the tensor it unpacked: the recompute
+time of layer ``i`` stays with layer ``i`` when plans mix recomputed and kept layers. The time from
+the last forward save to the first backward event (the loss, the head's backward) is the same in
+every plan and goes with the step's other time.
+
+Note [Release lag]
+The session releases a swapped storage at a save only if its copy is seen finished then. How late
+that is depends on more than the link: on the thread engine the worker needs the interpreter lock
+and a core while the forward runs (up to the 5 ms switch interval, far more on a loaded machine).
+A third, short run swaps every layer with distance 1 (``PROBE``) and notes, at every save as the
+session does, when each offload is first seen finished; twice the largest lag past the link's
+prediction (a budget is a hard limit, and a busy machine's lag varies from run to run) goes into
+the planner's release rule (``swapkit.plan.simulate`` Note [Cost model]).
+"""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from swapkit.config.types import Config, MindFormersRecompute, SwapConfig, SwapEntry
+from swapkit.plan import patterns
+from swapkit.plan.simulate import Links
+from swapkit.plan.emit import op_pattern
+from swapkit.plan.trace import KEEP, PRE, RECOMPUTE, SELECT, Alloc, Free, Save, Segment, Trace, Unpack
+from swapkit.runtime.binding import module_tree
+
+PROBE = "probe"
+
+
+class Tracer:
+    """Records one step's saves, unpacks and record deaths with their segment, scope and time.
+
+    Args:
+        layers: the bound layer modules, in global order.
+        scopes: per layer, the candidate scope paths to tell apart (``""`` is the layer itself).
+    """
+
+    def __init__(self, layers: list[nn.Module], scopes: list[list[str]], device: torch.device | None = None) -> None:
+        self.num_layers = len(layers)
+        self._cuda = device is not None and device.type == "cuda"
+        self._stack: list[tuple[int, str]] = []
+        self._handles: list[Any] = []
+        self.scope_seconds: dict[tuple[int, str], list[float]] = {}
+        for index, layer in enumerate(layers):
+            for path in scopes[index]:
+                self._hook(layer.get_submodule(path) if path else layer, index, path)
+        self.start_step()
+
+    def start_step(self) -> None:
+        """Forget the last step; time starts now."""
+        self.saves: list[tuple[int, tuple[int, int] | None, int, str | None, float]] = []
+        self.events: list[tuple[str, Any, float]] = []
+        self._names: dict[int, tuple[int, int]] = {}  # id(record) -> (segment, ordinal)
+        self._ordinals: dict[int, int] = {}
+        self._where: dict[int, tuple[int, int]] = {}  # id(Saved) -> (segment, index in segment)
+        self._counts: dict[int, int] = {}
+        self._entered = False
+        self._copies: list[list] = []  # [record, issued at, seen finished at] of swapped records
+        self.start = time.perf_counter()
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    # ------------------------------------------------------------------ session observer
+
+    def saved(self, saved: Any) -> None:
+        """A forward save (``SwapSession.observer``)."""
+        now = self._now()
+        self._watch_copies(saved.record, now)
+        segment = self._stack[-1][0] if self._stack else (self.num_layers if self._entered else PRE)
+        scope = self._stack[-1][1] if self._stack else None
+        name, nbytes = self._storage(saved.record, segment)
+        index = self._counts.get(segment, 0)
+        self._counts[segment] = index + 1
+        self._where[id(saved)] = (segment, index)
+        self.saves.append((segment, name, nbytes, scope, now))
+
+    def unpacked(self, saved: Any) -> None:
+        """A backward unpack, after its restore (``SwapSession.observer``)."""
+        where = self._where.get(id(saved))
+        if where is None:
+            return
+        now = self._now()
+        self.events.append(("u", where, now))
+        recipe = getattr(saved.record, "recipe", None)  # a selected op's output, rebuilt by its recipe
+        if recipe is not None and recipe.nbytes and id(recipe) not in self._names:
+            name = self._names[id(recipe)] = (where[0], "recipe", len(self._names))
+            self.events.append(("a", (name, recipe.nbytes), now))
+            weakref.finalize(recipe, self._freed, name)
+
+    def _now(self) -> float:
+        """The clock at an event; on CUDA after the queued kernels ran (Note [Clocks on CUDA])."""
+        if self._cuda:
+            torch.cuda.current_stream().synchronize()
+        return time.perf_counter()
+
+    def _storage(self, record: Any, segment: int) -> tuple[tuple[int, int] | None, int]:
+        if record is None or hasattr(record, "recipe"):  # a recomputed output holds nothing in forward
+            return None, 0
+        name = self._names.get(id(record))
+        if name is None:
+            ordinal = self._ordinals.get(segment, 0)
+            self._ordinals[segment] = ordinal + 1
+            name = self._names[id(record)] = (segment, ordinal)
+            weakref.finalize(record, self._freed, name)
+        return name, record.nbytes
+
+    def _watch_copies(self, record: Any, now: float) -> None:
+        """At every save, as the session does, note which offloads are seen finished (Note [Release lag])."""
+        for copy in self._copies:
+            if copy[2] is None and copy[0] is not None and copy[0].step.engine.ready(copy[0].d2h):
+                copy[2], copy[0] = now, None
+        if record is not None and hasattr(record, "d2h") and id(record) not in self._names:
+            self._copies.append([record, now, None, record.nbytes])
+
+    def copy_times(self) -> list[tuple[float, float | None, int]]:
+        """``(issued, seen finished or None, nbytes)`` of every offload of the last step."""
+        return [(issued, seen, nbytes) for _, issued, seen, nbytes in self._copies]
+
+    def _freed(self, name: tuple[int, int]) -> None:
+        self.events.append(("f", name, time.perf_counter()))
+
+    # ------------------------------------------------------------------ scopes
+
+    def _hook(self, module: nn.Module, layer: int, path: str) -> None:
+        starts: list[float] = []
+
+        def enter(_module: nn.Module, _args: Any) -> None:
+            self._entered = True
+            self._stack.append((layer, path))
+            starts.append(time.perf_counter())
+
+        def leave(_module: nn.Module, _args: Any, _output: Any) -> None:
+            if self._stack and self._stack[-1] == (layer, path):
+                self._stack.pop()
+            if starts and torch.is_grad_enabled():
+                self.scope_seconds.setdefault((layer, path), []).append(time.perf_counter() - starts.pop())
+
+        self._handles.append(module.register_forward_pre_hook(enter))
+        self._handles.append(module.register_forward_hook(leave, always_call=True))
+
+
+def candidate_scopes(layer: nn.Module, config_patterns: tuple[str, ...] = ()) -> list[str]:
+    """The layer, its children and grandchildren, and the scopes the config's patterns name."""
+    tree = module_tree(layer)
+    found = [""] + [c for c in tree] + [f"{c}.{g}" for c, sub in tree.items() for g in sub]
+    for pattern in config_patterns:
+        found += [p for p in patterns.resolve(tree, pattern) if p not in found]
+    return found
+
+
+# ---------------------------------------------------------------------- steps -> segments
+
+def to_segments(saves: list, events: list, start: float, num_layers: int) -> tuple[dict[int, Segment], list[int]]:
+    """One step's raw records as segments and the order backward reached the segments. A forward
+    save carries the time since the previous save (the op that made what it saves); a backward
+    event the time until the next one (the backward work that follows it, a recompute included:
+    Note [Backward time follows the event])."""
+    forward: dict[int, list[Save]] = {s: [] for s in [PRE, *range(num_layers + 1)]}
+    backward: dict[int, list] = {s: [] for s in forward}
+    last = start
+    for segment, name, nbytes, scope, at in saves:
+        forward[segment].append(Save(name, nbytes, scope, at - last))
+        last = at
+    order: list[int] = []
+    current = num_layers
+    for (kind, what, at), following in zip(events, [e[2] for e in events[1:]] + [None]):
+        after = following - at if following is not None else 0.0
+        if kind == "u":
+            current = what[0]
+            backward[current].append(Unpack(what[0], what[1], after))
+            if current not in order:
+                order.append(current)
+        elif kind == "a":
+            backward[current].append(Alloc(what[0], what[1], after))
+        else:
+            backward[current].append(Free(what, after))
+    segments = {s: Segment(tuple(forward[s]), tuple(backward[s])) for s in forward}
+    return segments, order + [s for s in forward if s not in order]
+
+
+def median_segments(steps: list[dict[int, Segment]]) -> dict[int, Segment]:
+    """Per event, the median time over steps (the event sequence must be the same in every step)."""
+    first = steps[0]
+    same = all(len(s[k].forward) == len(first[k].forward) and len(s[k].backward) == len(first[k].backward)
+               for s in steps for k in first)
+    if not same:
+        return steps[-1]
+    return {k: Segment(_median_events([s[k].forward for s in steps]), _median_events([s[k].backward for s in steps]))
+            for k in first}
+
+
+def _median_events(runs: list[tuple]) -> tuple:
+    return tuple(dataclasses.replace(events[0], seconds=statistics.median(e.seconds for e in events))
+                 for events in zip(*runs))
+
+
+def tracing_factor(traced: list[float], plain: list[float]) -> float:
+    """Untraced over traced median step time, within [0.2, 1] (Note [Tracing overhead])."""
+    if not traced or not plain:
+        return 1.0
+    return min(max(statistics.median(plain) / statistics.median(traced), 0.2), 1.0)
+
+
+def scale_segments(segments: dict[int, Segment], factor: float) -> dict[int, Segment]:
+    """Every event's seconds times ``factor``."""
+    def scale(events: tuple) -> tuple:
+        return tuple(dataclasses.replace(e, seconds=e.seconds * factor) for e in events)
+
+    return {k: Segment(scale(seg.forward), scale(seg.backward)) for k, seg in segments.items()}
+
+
+def mode_config(config: Config, mode: str) -> Config:
+    """The config a measurement run uses: every layer kept, recomputed, one scope select-recomputed
+    (``select:<scope>``), or (``PROBE``) swapped with distance 1 to see when copies are seen finished."""
+    select = {op_pattern(mode[len(SELECT):]): True} if mode.startswith(SELECT) else False
+    recompute = MindFormersRecompute(recompute=mode == RECOMPUTE, select_recompute=select)
+    swap = SwapConfig(swap=mode == PROBE, layer_swap=(SwapEntry(1, True),) if mode == PROBE else None)
+    train = dataclasses.replace(config.train, resume=False, save_dir=None, save_interval=None)
+    return dataclasses.replace(config, recompute=recompute, swap=swap, train=train)
+
+
+def release_lag(copies: list[tuple[float, float | None, int]], links: Links, end: float,
+                quantile: float = 1.0) -> float:
+    """The ``quantile`` of how much later than the link predicts an offload was seen finished
+    (Note [Release lag]); a copy never seen finished in forward counts as seen at ``end``."""
+    lags, queue_free = [], 0.0
+    for issued, seen, nbytes in sorted(copies):
+        queue_free = max(issued, queue_free) + links.d2h.seconds(nbytes)
+        lags.append(max((seen if seen is not None else end) - queue_free, 0.0))
+    if not lags:
+        return 0.0
+    lags.sort()
+    return lags[min(int(quantile * len(lags)), len(lags) - 1)]
+
+
+def build_trace(num_layers: int, runs: dict[str, tuple[list, list, float]],
+                scope_seconds: dict[tuple[int, str], float]) -> Trace:
+    """A :class:`Trace` from per-mode ``(step segments, backward order, other seconds)``."""
+    modes = {mode: median_segments(steps) for mode, (steps, _, _) in runs.items()}
+    order = runs[KEEP][1]
+    other = {mode: seconds for mode, (_, _, seconds) in runs.items()}
+    return Trace(num_layers, modes, tuple(order), other, scope_seconds)

@@ -1,0 +1,199 @@
+"""The budget planner end to end on the built-in model: measure, plan, emit YAML, train it, compare."""
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import yaml
+
+from swapkit.cli import main
+from swapkit.load import load_config
+from swapkit.plan.emit import planned_config
+from swapkit.plan.planner import KEEP, RECOMPUTE, BudgetError, Planner, plan_budget, reachable_peak
+from swapkit.planner import measure
+from swapkit.train import train
+
+CONFIG = {
+    "model": {"model_config": {"num_layers": 3, "hidden_size": 32, "num_heads": 2, "intermediate_size": 88,
+                               "vocab_size": 64, "seq_length": 32}},
+    "runtime": {"engine": "thread", "min_offload_bytes": 1024},
+    "train": {"steps": 3, "batch_size": 2, "lr": 1e-3},
+}
+
+
+@pytest.fixture(autouse=True)
+def restore_swapkit_logger():
+    logger = logging.getLogger("swapkit")
+    saved = (logger.handlers[:], logger.level, logger.propagate)
+    yield
+    logger.handlers[:], logger.level, logger.propagate = saved
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _deterministic_copies(inline_copies):
+    """Predicted and measured peaks are compared on copies that finish when issued (conftest)."""
+
+
+@pytest.fixture(scope="module")
+def measured():
+    return measure(load_config(CONFIG), steps=2, warmup=1)
+
+
+@pytest.fixture(scope="module")
+def planner(measured):
+    return Planner(measured.trace, measured.links, measured.scopes, 1024)
+
+
+@pytest.fixture()
+def config_file(tmp_path):
+    path = tmp_path / "model.yaml"
+    path.write_text(yaml.safe_dump(CONFIG), encoding="utf-8")
+    return path
+
+
+def steady(result) -> list[dict]:
+    return result.steps[1:]  # from step 2 on the session skips the forward's tail (as the planner assumes)
+
+
+def test_measured_bytes_are_the_sessions_own(planner):
+    baseline = planner.predict((KEEP,) * 3)
+    result = train(CONFIG, steps=2, progress=False)
+    assert result.steps[-1]["peak_device_bytes"] == baseline.peak_device_bytes
+    assert baseline.moved_bytes_per_step == 0
+
+
+def test_every_layer_is_measured_with_its_scopes(measured):
+    assert measured.scopes[0][0] == ""  # the whole layer first
+    assert {"attention", "feed_forward"} <= set(measured.scopes[0])
+    keep, recompute = measured.trace.modes["keep"], measured.trace.modes["recompute"]
+    assert all(len(recompute[i].forward) < len(keep[i].forward) for i in range(3))  # only checkpoint inputs
+    assert measured.trace.scope_seconds[(0, "")] > 0
+    assert measured.links.d2h.bytes_per_s > 0 and measured.links.h2d.bytes_per_s > 0
+
+
+@pytest.mark.parametrize("fraction", [0.8, 0.5, 0.25])
+def test_planned_yaml_runs_within_5_percent_of_its_predicted_peak_and_under_budget(planner, tmp_path, fraction):
+    baseline = planner.predict((KEEP,) * 3).peak_device_bytes
+    budget = int(baseline * fraction)
+    planned = plan_budget(planner, budget)
+    path = tmp_path / "planned.yaml"
+    path.write_text(yaml.safe_dump(planned_config(CONFIG, planned.choices)), encoding="utf-8")
+    result = train(load_config(path), progress=False)  # the emitted file loads unchanged
+    predicted = planned.predicted.peak_device_bytes
+    for step in steady(result):
+        assert step["peak_device_bytes"] <= budget
+        assert abs(step["peak_device_bytes"] - predicted) <= 0.05 * predicted
+    moved = sum(step["offloaded_bytes"] for step in steady(result)) / len(steady(result))
+    assert any(not c.keeps_all for c in planned.choices)
+    assert (moved > 0) == (planned.predicted.moved_bytes_per_step > 0)
+
+
+def test_budget_above_the_baseline_keeps_everything(config_file, capsys):
+    assert main(["plan", str(config_file), "--budget", "1GiB", "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert {row["decision"] for row in document["layers"]} == {"keep"}
+    assert document["plan"]["swap_config"] == {"swap": False}
+    assert document["predicted"] == document["baseline"]
+    assert set(document["predicted"]) == {"peak_device_bytes", "step_seconds", "moved_bytes_per_step"}
+
+
+def test_budget_below_the_minimum_exits_2_with_the_reachable_minimum(config_file, planner, capsys):
+    assert main(["plan", str(config_file), "--budget", "1KiB"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    reachable = int(err.split("smallest reachable peak_device_bytes is ")[1].split()[0])
+    assert 0 < reachable < planner.predict((KEEP,) * 3).peak_device_bytes
+    assert f"raise --budget to at least {reachable}" in err
+    # The number is the search's real minimum (on one measurement: the CLI measured on its own,
+    # and with swaps the minimum depends on the copy lag it saw).
+    with pytest.raises(BudgetError) as below:
+        plan_budget(planner, 1024)
+    lowest = below.value.reachable
+    assert lowest <= min(reachable_peak(planner), planner.predict((RECOMPUTE,) * 3).peak_device_bytes)
+    assert plan_budget(planner, lowest).predicted.peak_device_bytes <= lowest
+
+
+def test_plan_writes_yaml_that_loads_and_train_budget_trains_it(config_file, planner, tmp_path, capsys):
+    budget = planner.predict((KEEP,) * 3).peak_device_bytes // 2
+    out = tmp_path / "planned.yaml"
+    assert main(["plan", str(config_file), "--budget", str(budget), "--out", str(out)]) == 0
+    assert "predicted: peak_device_bytes" in capsys.readouterr().out
+    planned = load_config(out)
+    assert planned.swap.swap is True and planned.model.num_layers == 3
+    metrics = tmp_path / "metrics.json"
+    assert main(["train", str(config_file), "--budget", str(budget), "--steps", "2", "--no-progress",
+                 "--metrics-out", str(metrics)]) == 0
+    steps = json.loads(metrics.read_text())["steps"]
+    assert steps[-1]["peak_device_bytes"] <= budget  # half the keep-everything peak: something was planned
+
+
+@pytest.mark.parametrize("argv", [["--budget", "lots"], ["--budget", "0"], ["--out", "x.yaml"]])
+def test_bad_budget_arguments_are_clean_errors(config_file, capsys, argv):
+    assert main(["plan", str(config_file), *argv]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and ("--budget" in err or "--out" in err)
+
+
+@pytest.mark.cuda
+def test_cuda_link_is_measured_per_direction():
+    import torch
+
+    from swapkit.engine.cuda import CudaCopyEngine
+    from swapkit.planner.link import measure_link
+
+    engine = CudaCopyEngine(torch.device("cuda"))
+    try:
+        links = measure_link(engine, 64 << 20)
+    finally:
+        engine.close()
+    for link in (links.d2h, links.h2d):  # pinned copies over PCIe or NVLink: GB/s, microseconds
+        assert link.bytes_per_s > 1e9 and link.latency_s < 1e-3
+
+
+@pytest.mark.cuda
+def test_cuda_plan_runs_within_5_percent_of_its_predicted_peak(tmp_path):
+    config = {**CONFIG, "runtime": {"engine": "cuda"}, "train": {**CONFIG["train"], "device": "cuda"}}
+    measured_cuda = measure(load_config(config), steps=2, warmup=1)
+    cuda_planner = Planner(measured_cuda.trace, measured_cuda.links, measured_cuda.scopes, 1024)
+    budget = cuda_planner.predict((KEEP,) * 3).peak_device_bytes // 2
+    planned = plan_budget(cuda_planner, budget)
+    path = tmp_path / "planned.yaml"
+    path.write_text(yaml.safe_dump(planned_config(config, planned.choices)), encoding="utf-8")
+    for step in steady(train(load_config(path), progress=False)):
+        assert step["peak_device_bytes"] <= budget
+        assert abs(step["peak_device_bytes"] - planned.predicted.peak_device_bytes) <= 0.05 * budget
+
+
+def test_release_lag_is_the_largest_delay_past_the_links_prediction():
+    from swapkit.plan.simulate import Link, Links
+    from swapkit.planner.measure import release_lag
+
+    links = Links(Link(0.001, 1e9), Link(0.001, 1e9))  # 1 ms per copy (size negligible)
+    copies = [(0.0, 0.001, 1), (0.0, 0.005, 1), (0.010, 0.011, 1)]  # the 2nd queues behind the 1st: due at 2 ms
+    assert release_lag(copies, links, end=1.0) == pytest.approx(0.003)
+    assert release_lag([(0.0, None, 1)], links, end=0.5) == pytest.approx(0.499)  # never seen: until the end
+
+
+def test_traced_times_are_scaled_to_the_untraced_step():
+    from swapkit.planner.measure import tracing_factor
+
+    assert tracing_factor([2.0, 2.0, 2.2], [1.0, 1.1, 1.0]) == pytest.approx(0.5)
+    assert tracing_factor([1.0], [1.5]) == 1.0  # noise never inflates the trace
+
+
+def test_select_recompute_of_an_op_scope_is_measured_and_predicted(measured, planner, tmp_path):
+    from swapkit.plan.planner import Choice
+
+    assert set(planner.selects) == {"attention", "feed_forward"}  # the two children owning the most bytes
+    choices = (Choice(select="feed_forward"),) * 3
+    predicted = planner.predict(choices).peak_device_bytes
+    assert predicted < planner.predict((KEEP,) * 3).peak_device_bytes
+    path = tmp_path / "select.yaml"
+    path.write_text(yaml.safe_dump(planned_config(CONFIG, choices)), encoding="utf-8")
+    config = load_config(path)
+    assert config.recompute.select_recompute == {"feed_forward": [0, 1, 2]}
+    result = train(config, progress=False)
+    assert result.summary is not None
+    for step in steady(result):
+        assert abs(step["peak_device_bytes"] - predicted) <= 0.05 * predicted
