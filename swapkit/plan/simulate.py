@@ -125,6 +125,8 @@ class _Replay:
         last = len(self.step.forward) - 1
         for tick, save in enumerate(self.step.forward):
             self.now += save.seconds
+            for storage in save.frees:
+                self._free(storage)
             self._advance(tick)
             if save.storage is None:
                 continue
@@ -153,10 +155,11 @@ class _Replay:
                 bisect.insort(self.due, (record.horizon, record.issued, record))
                 continue
             bisect.insort(self.pending, record, key=lambda r: r.issued)
-        while self.pending and self.pending[0].d2h_end + self.links.release_lag_s <= self.now:
+        while self.pending and self.pending[0].d2h_end + self.links.release_lag_s < self.now:
             record = self.pending.pop(0)
-            record.released, record.resident = True, False
-            self.bytes -= record.nbytes
+            if record.resident:  # not dead already (a record that died in forward)
+                record.released, record.resident = True, False
+                self.bytes -= record.nbytes
 
     def backward(self) -> None:
         released = sorted((r for r in self.records.values() if r.released), key=lambda r: -r.horizon)

@@ -39,10 +39,11 @@ class Save:
     outside layers); ``seconds`` the compute time since the previous forward save.
     """
 
-    storage: tuple[int, int] | None
+    storage: tuple | None
     nbytes: int
     scope: str | None
     seconds: float
+    frees: tuple[tuple, ...] = ()  # records that died since the previous save (in this mode's run)
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,7 @@ class FlatSave:
     layer: int | None
     scope: str | None
     seconds: float
+    frees: tuple[tuple, ...] = ()  # global names of storages that died just before this save
 
 
 @dataclass(frozen=True)
@@ -144,13 +146,14 @@ def _forward(trace: Trace, mode_of: dict[int, str]) -> tuple[list[FlatSave], dic
         layer = s if 0 <= s < trace.num_layers else None
         for index, save in enumerate(trace.modes[mode_of[s]][s].forward):
             name = _global(save.storage, mode_of, mode_of[s], (s, index))
-            forward.append(FlatSave(name, save.nbytes, layer, save.scope, save.seconds))
+            frees = tuple(_freed(f, mode_of[s]) for f in save.frees)
+            forward.append(FlatSave(name, save.nbytes, layer, save.scope, save.seconds, frees))
     return forward, offsets
 
 
-def _global(storage: tuple[int, int] | None, mode_of: dict[int, str], mode: str, here: tuple[int, int]) -> tuple | None:
-    if storage is None:
-        return None
+def _global(storage: tuple | None, mode_of: dict[int, str], mode: str, here: tuple[int, int]) -> tuple | None:
+    if storage is None or is_boundary(storage):
+        return storage  # the same storage in every mode (Note [Storages that cross layers])
     if mode_of.get(storage[0]) != mode:  # first saved by a segment taken from another run: a new storage
         return ("alias", *here, mode)
     return (*storage, mode)
@@ -166,8 +169,18 @@ def _backward(segment: Segment, offsets: dict[int, int], mode_of: dict[int, str]
         elif isinstance(event, Alloc):
             events.append(("a", (*event.name, mode), event.nbytes, event.seconds))
         else:
-            events.append(("f", (*event.storage, mode), event.seconds))
+            events.append(("f", _freed(event.storage, mode), event.seconds))
     return events
+
+
+def _freed(storage: tuple, mode: str) -> tuple:
+    """The global name of a storage whose death a segment measured in ``mode`` saw."""
+    return storage if is_boundary(storage) else (*storage, mode)
+
+
+def is_boundary(storage: tuple) -> bool:
+    """A storage named by the layer boundary it crossed (``("in"|"out", layer, position)``)."""
+    return isinstance(storage[0], str)
 
 
 def segment_save(event: Unpack, offsets: dict[int, int]) -> int:

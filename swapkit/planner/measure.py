@@ -34,6 +34,21 @@ time of layer ``i`` stays with layer ``i`` when plans mix recomputed and kept la
 the last forward save to the first backward event (the loss, the head's backward) is the same in
 every plan and goes with the step's other time.
 
+Note [Records that die in forward]
+A record can die before backward: a select-recomputed scope's checkpoint drops what it saved for a
+region once its outputs are registered for recompute, and a tensor saved by a node autograd
+already freed goes with it. The session takes the bytes off when the record dies, so the trace
+puts each such death before the next forward save (``Save.frees``), where the replay takes it off
+too; deaths after the last save stay at the start of the backward.
+
+Note [Storages that cross layers]
+A storage made before a layer and saved inside it (the layer's inputs: the hidden state, an HF
+model's rotary ``position_embeddings`` computed once and saved by every layer) is first saved by
+whichever segment saves it first, and that depends on the mode of that segment. So storages a
+layer takes in or gives out (as arguments, keyword arguments or outputs of the layer module, in
+forward) are named by that boundary, ``("in", layer, position)`` or ``("out", layer, position)``:
+the same storage in every mode, counted once in a composed plan whatever mode each layer runs in.
+
 Note [Release lag]
 The session releases a swapped storage at a save only if its copy is seen finished then. How late
 that is depends on more than the link: on the thread engine the worker needs the interpreter lock
@@ -81,6 +96,7 @@ class Tracer:
         for index, layer in enumerate(layers):
             for path in scopes[index]:
                 self._hook(layer.get_submodule(path) if path else layer, index, path)
+            self._hook_boundary(layer, index)
         self.start_step()
 
     def start_step(self) -> None:
@@ -92,7 +108,9 @@ class Tracer:
         self._where: dict[int, tuple[int, int]] = {}  # id(Saved) -> (segment, index in segment)
         self._counts: dict[int, int] = {}
         self._entered = False
-        self._copies: list[list] = []  # [record, issued at, seen finished at] of swapped records
+        self._backward = False
+        self._copies: list[list] = []  # [record, issued at, seen finished at, nbytes, last seen unfinished]
+        self._boundary: dict[int, tuple[weakref.ref, tuple]] = {}  # id(storage) -> (storage, layer-boundary name)
         self.start = time.perf_counter()
 
     def remove(self) -> None:
@@ -108,7 +126,7 @@ class Tracer:
         self._watch_copies(saved.record, now)
         segment = self._stack[-1][0] if self._stack else (self.num_layers if self._entered else PRE)
         scope = self._stack[-1][1] if self._stack else None
-        name, nbytes = self._storage(saved.record, segment)
+        name, nbytes = self._storage(saved, segment)
         index = self._counts.get(segment, 0)
         self._counts[segment] = index + 1
         self._where[id(saved)] = (segment, index)
@@ -120,6 +138,7 @@ class Tracer:
         if where is None:
             return
         now = self._now()
+        self._backward = True
         self.events.append(("u", where, now))
         recipe = getattr(saved.record, "recipe", None)  # a selected op's output, rebuilt by its recipe
         if recipe is not None and recipe.nbytes and id(recipe) not in self._names:
@@ -133,33 +152,68 @@ class Tracer:
             torch.cuda.current_stream().synchronize()
         return time.perf_counter()
 
-    def _storage(self, record: Any, segment: int) -> tuple[tuple[int, int] | None, int]:
+    def _storage(self, saved: Any, segment: int) -> tuple[tuple | None, int]:
+        record = saved.record
         if record is None or hasattr(record, "recipe"):  # a recomputed output holds nothing in forward
             return None, 0
         name = self._names.get(id(record))
         if name is None:
-            ordinal = self._ordinals.get(segment, 0)
-            self._ordinals[segment] = ordinal + 1
-            name = self._names[id(record)] = (segment, ordinal)
+            name = self._boundary_name(saved.keeper)
+            if name is None:
+                ordinal = self._ordinals.get(segment, 0)
+                self._ordinals[segment] = ordinal + 1
+                name = (segment, ordinal)
+            self._names[id(record)] = name
             weakref.finalize(record, self._freed, name)
         return name, record.nbytes
 
+    def _boundary_name(self, tensor: torch.Tensor) -> tuple | None:
+        """The layer-boundary name of ``tensor``'s storage, if it crossed one (Note [Storages that cross layers])."""
+        found = self._boundary.get(id(tensor.untyped_storage()))
+        if found is None or found[0]() is not tensor.untyped_storage():
+            return None
+        return found[1]
+
     def _watch_copies(self, record: Any, now: float) -> None:
-        """At every save, as the session does, note which offloads are seen finished (Note [Release lag])."""
+        """At every save, as the session does, note when each offload was last seen unfinished and
+        first seen finished (Note [Release lag])."""
         for copy in self._copies:
-            if copy[2] is None and copy[0] is not None and copy[0].step.engine.ready(copy[0].d2h):
-                copy[2], copy[0] = now, None
+            if copy[2] is None and copy[0] is not None:
+                if copy[0].step.engine.ready(copy[0].d2h):
+                    copy[2], copy[0] = now, None
+                else:
+                    copy[4] = now
         if record is not None and hasattr(record, "d2h") and id(record) not in self._names:
-            self._copies.append([record, now, None, record.nbytes])
+            self._copies.append([record, now, None, record.nbytes, None])
 
     def copy_times(self) -> list[tuple[float, float | None, int]]:
-        """``(issued, seen finished or None, nbytes)`` of every offload of the last step."""
-        return [(issued, seen, nbytes) for _, issued, seen, nbytes in self._copies]
+        """``(issued, last seen unfinished or None, nbytes)`` of every offload of the last step."""
+        return [(issued, unfinished, nbytes) for _, issued, _, nbytes, unfinished in self._copies]
 
     def _freed(self, name: tuple[int, int]) -> None:
         self.events.append(("f", name, time.perf_counter()))
 
     # ------------------------------------------------------------------ scopes
+
+    def _hook_boundary(self, layer: nn.Module, index: int) -> None:
+        """Name the storages a layer takes in and gives out (Note [Storages that cross layers])."""
+        def enter(_module: nn.Module, args: Any, kwargs: Any) -> None:
+            self._name_boundary((args, kwargs), ("in", index))
+
+        def leave(_module: nn.Module, _args: Any, output: Any) -> None:
+            self._name_boundary(output, ("out", index))
+
+        self._handles.append(layer.register_forward_pre_hook(enter, with_kwargs=True))
+        self._handles.append(layer.register_forward_hook(leave))
+
+    def _name_boundary(self, value: Any, prefix: tuple) -> None:
+        if self._backward or not torch.is_grad_enabled():  # a recompute in backward makes new storages
+            return
+        for position, tensor in enumerate(_tensors(value)):
+            storage = tensor.untyped_storage()
+            found = self._boundary.get(id(storage))
+            if found is None or found[0]() is not storage:
+                self._boundary[id(storage)] = (weakref.ref(storage), (*prefix, position))
 
     def _hook(self, module: nn.Module, layer: int, path: str) -> None:
         starts: list[float] = []
@@ -177,6 +231,17 @@ class Tracer:
 
         self._handles.append(module.register_forward_pre_hook(enter))
         self._handles.append(module.register_forward_hook(leave, always_call=True))
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The dense tensors in ``value`` (nested tuples, lists and dicts), in order."""
+    if isinstance(value, torch.Tensor):
+        return [value] if value.layout == torch.strided and not value.is_meta else []
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in _tensors(item)]
+    return []
 
 
 def candidate_scopes(layer: nn.Module, config_patterns: tuple[str, ...] = ()) -> list[str]:
@@ -197,9 +262,10 @@ def to_segments(saves: list, events: list, start: float, num_layers: int) -> tup
     Note [Backward time follows the event])."""
     forward: dict[int, list[Save]] = {s: [] for s in [PRE, *range(num_layers + 1)]}
     backward: dict[int, list] = {s: [] for s in forward}
+    frees, events = _forward_frees(saves, events)
     last = start
-    for segment, name, nbytes, scope, at in saves:
-        forward[segment].append(Save(name, nbytes, scope, at - last))
+    for (segment, name, nbytes, scope, at), freed in zip(saves, frees):
+        forward[segment].append(Save(name, nbytes, scope, at - last, freed))
         last = at
     order: list[int] = []
     current = num_layers
@@ -216,6 +282,22 @@ def to_segments(saves: list, events: list, start: float, num_layers: int) -> tup
             backward[current].append(Free(what, after))
     segments = {s: Segment(tuple(forward[s]), tuple(backward[s])) for s in forward}
     return segments, order + [s for s in forward if s not in order]
+
+
+def _forward_frees(saves: list, events: list) -> tuple[list[tuple], list]:
+    """Per forward save, the records that died since the previous save (a scope's records may die
+    in forward: Note [Records that die in forward]), and the events left for backward."""
+    first_unpack = next((at for kind, _, at in events if kind == "u"), float("inf"))
+    last_save = saves[-1][4] if saves else float("-inf")
+    early = [(at, what) for kind, what, at in events if kind == "f" and at < min(first_unpack, last_save)]
+    frees: list[list] = [[] for _ in saves]
+    index = 0
+    for at, what in early:
+        while saves[index][4] < at:
+            index += 1
+        frees[index].append(what)
+    rest = [e for e in events if not (e[0] == "f" and e[2] < min(first_unpack, last_save))]
+    return [tuple(f) for f in frees], rest
 
 
 def median_segments(steps: list[dict[int, Segment]]) -> dict[int, Segment]:
@@ -259,14 +341,13 @@ def mode_config(config: Config, mode: str) -> Config:
     return dataclasses.replace(config, recompute=recompute, swap=swap, train=train)
 
 
-def release_lag(copies: list[tuple[float, float | None, int]], links: Links, end: float,
-                quantile: float = 1.0) -> float:
-    """The ``quantile`` of how much later than the link predicts an offload was seen finished
-    (Note [Release lag]); a copy never seen finished in forward counts as seen at ``end``."""
+def release_lag(copies: list[tuple[float, float | None, int]], links: Links, quantile: float = 1.0) -> float:
+    """The ``quantile`` of how much later than the link predicts an offload was still seen
+    unfinished (Note [Release lag])."""
     lags, queue_free = [], 0.0
-    for issued, seen, nbytes in sorted(copies):
+    for issued, unfinished, nbytes in sorted(copies, key=lambda copy: copy[0]):
         queue_free = max(issued, queue_free) + links.d2h.seconds(nbytes)
-        lags.append(max((seen if seen is not None else end) - queue_free, 0.0))
+        lags.append(max(unfinished - queue_free, 0.0) if unfinished is not None else 0.0)
     if not lags:
         return 0.0
     lags.sort()

@@ -88,7 +88,7 @@ def _measure_links(config: Config, where: torch.device, trace: Trace, copies: li
         links = measure_link(engine, _largest_storage(trace))
     finally:
         engine.close()
-    lag = max(release_lag(c, links, end) for c, end in copies)
+    lag = max(release_lag(c, links) for c, _ in copies)
     return dataclasses.replace(links, release_lag_s=LAG_SAFETY * lag)
 
 
