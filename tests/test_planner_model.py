@@ -109,6 +109,53 @@ def test_compose_recomputed_layers_replace_their_saves_and_renumber_ticks():
     assert unpacked == [8, 7, 6, 5, 4, 3, 2, 1, 0]
 
 
+def test_forward_time_stays_with_its_segment_in_every_mode():
+    """Note [Forward time is tiled by segment]: a recomputed layer saves only its inputs at its
+    start; its forward is its tail, not the next segment's first save."""
+    from swapkit.planner.measure import to_segments
+
+    # keep run: PRE 0..1, layer 0 1..5 (saves at 2 and 4), post 5..6 (save at 6)
+    keep, _ = to_segments([(PRE, (PRE, 0), 8, None, 1.0), (0, (0, 0), 8, "", 2.0), (0, (0, 1), 8, "", 4.0),
+                           (1, (1, 0), 8, None, 6.0)], [], 0.0, 1, {PRE: 1.0, 0: 5.0})
+    # recompute run: layer 0 saves its input at 1.5 and ends at 5.5
+    recompute, _ = to_segments([(PRE, (PRE, 0), 8, None, 1.0), (0, ("in", 0, 0), 8, "", 1.5),
+                                (1, (1, 0), 8, None, 6.5)], [], 0.0, 1, {PRE: 1.0, 0: 5.5})
+    assert [save.seconds for save in keep[0].forward] == [1.0, 2.0] and keep[0].tail == 1.0
+    assert recompute[0].tail == 4.0 and recompute[1].forward[0].seconds == 1.0  # not the 5.0 since the last save
+    trace = Trace(1, {"keep": keep, "recompute": recompute}, (1, 0, PRE), {"keep": 0.0, "recompute": 0.0})
+    assert sum(save.seconds for save in compose(trace, frozenset({0})).forward) == pytest.approx(6.5)
+    assert sum(save.seconds for save in compose(trace, frozenset()).forward) == pytest.approx(6.0)
+
+
+def test_records_that_die_in_forward_are_taken_off_at_the_next_save():
+    from swapkit.planner.measure import to_segments
+
+    saves = [(0, (0, 0), 100, "", 1.0), (0, (0, 1), 100, "", 2.0), (0, (0, 2), 100, "", 3.0)]
+    events = [("f", (0, 0), 1.5), ("u", (0, 2), 4.0), ("u", (0, 1), 5.0), ("f", (0, 1), 5.5)]
+    segments, _ = to_segments(saves, events, 0.0, 1, {PRE: 0.5, 0: 3.0})
+    assert [save.frees for save in segments[0].forward] == [(), ((0, 0),), ()]
+    assert [type(e).__name__ for e in segments[0].backward] == ["Unpack", "Unpack", "Free"]
+    trace = Trace(1, {"keep": segments}, (0, 1, PRE), {"keep": 0.0})
+    assert simulate(compose(trace), lambda layer, scope: None, FAST).peak_device_bytes == 200
+
+
+def test_a_storage_crossing_layers_is_one_storage_whatever_mode_each_layer_runs_in():
+    """Note [Storages that cross layers]: rotary embeddings made before layer 0 and saved by every
+    layer are counted once, also when layer 0 (which saved them first) is recomputed."""
+    rope = ("in", 0, 1)
+
+    def segment(names):
+        return Segment(tuple(Save(n, 1000, "", 1e-3) for n in names), ())
+
+    keep = {PRE: segment([]), 0: segment([("in", 0, 0), rope, (0, 0)]), 1: segment([("out", 0, 0), rope, (1, 0)]),
+            2: segment([("out", 1, 0)])}
+    recompute = {PRE: segment([]), 0: segment([("in", 0, 0), rope]), 1: segment([("out", 0, 0), rope]),
+                 2: segment([("out", 1, 0)])}
+    trace = Trace(2, {"keep": keep, "recompute": recompute}, (2, 1, 0, PRE), {"keep": 0.0, "recompute": 0.0})
+    peak = lambda recomputed: simulate(compose(trace, recomputed), lambda l, s: None, FAST).peak_device_bytes  # noqa: E731
+    assert peak(frozenset()) == 6000 and peak(frozenset({0})) == 5000 and peak(frozenset({0, 1})) == 4000
+
+
 def test_useful_scopes_drop_a_scope_that_owns_exactly_what_its_layer_owns():
     trace = synthetic_trace(saves=1)  # only attention saves: the layer and attention own the same bytes
     assert useful_scopes(trace, 0, ["", "attention", "feed_forward"], 1024) == [""]

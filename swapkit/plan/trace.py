@@ -18,6 +18,14 @@ composed sequence, so a ``backward_prefetch`` distance counts exactly the saves 
 will make. Storages are named by (segment, ordinal of first save in that segment, mode): a save
 that refers to a storage first saved by another segment measured in a different mode than the
 plan uses there is treated as a new storage (it counts its bytes again: never an underestimate).
+Note [Forward time is tiled by segment]
+A save's ``seconds`` is the compute since the previous save *in its segment* (or since the segment
+began), and a segment's ``tail`` the compute after its last save until it ends; segments tile the
+forward (PRE ends when layer 0 is entered, layer ``i`` when its forward returns, ``post`` at the
+last save). So a layer's forward time stays with the layer in every mode: a recomputed layer saves
+only its inputs, at its start, and its whole forward is its tail (charging the time since the
+previous save to the next save would give it to the next segment, counted twice or not at all
+when neighbours run in other modes).
 Where it is wrong: autograd may interleave the backward of two neighbouring segments (both branches
 of a residual add are ready at once); the composition keeps each segment's events together.
 """
@@ -79,6 +87,7 @@ class Segment:
 
     forward: tuple[Save, ...]
     backward: tuple[Unpack | Free | Alloc, ...]
+    tail: float = 0.0  # forward seconds after the segment's last save, until the segment ends
 
 
 @dataclass(frozen=True)
@@ -132,23 +141,29 @@ def compose(trace: Trace, recomputed: frozenset[int] = frozenset(), modes: tuple
     if modes is None:
         modes = tuple(RECOMPUTE if i in recomputed else KEEP for i in range(trace.num_layers))
     mode_of = {s: modes[s] if 0 <= s < trace.num_layers else KEEP for s in trace.segments()}
-    forward, offsets = _forward(trace, mode_of)
+    forward, offsets, left = _forward(trace, mode_of)
     backward = tuple(event for s in trace.backward_order
                      for event in _backward(trace.modes[mode_of[s]][s], offsets, mode_of, s))
-    return FlatStep(tuple(forward), backward, trace.other_seconds[KEEP])
+    return FlatStep(tuple(forward), backward, trace.other_seconds[KEEP] + left)
 
 
-def _forward(trace: Trace, mode_of: dict[int, str]) -> tuple[list[FlatSave], dict[int, int]]:
+def _forward(trace: Trace, mode_of: dict[int, str]) -> tuple[list[FlatSave], dict[int, int], float]:
+    """The composed forward saves, each segment's first tick, and the forward seconds left after the
+    last save (a segment's ``tail`` goes with the next save: Note [Forward time is tiled by segment])."""
     forward: list[FlatSave] = []
     offsets: dict[int, int] = {}
+    carried = 0.0
     for s in trace.segments():
         offsets[s] = len(forward)
         layer = s if 0 <= s < trace.num_layers else None
-        for index, save in enumerate(trace.modes[mode_of[s]][s].forward):
+        segment = trace.modes[mode_of[s]][s]
+        for index, save in enumerate(segment.forward):
             name = _global(save.storage, mode_of, mode_of[s], (s, index))
             frees = tuple(_freed(f, mode_of[s]) for f in save.frees)
-            forward.append(FlatSave(name, save.nbytes, layer, save.scope, save.seconds, frees))
-    return forward, offsets
+            forward.append(FlatSave(name, save.nbytes, layer, save.scope, save.seconds + carried, frees))
+            carried = 0.0
+        carried += segment.tail
+    return forward, offsets, carried
 
 
 def _global(storage: tuple | None, mode_of: dict[int, str], mode: str, here: tuple[int, int]) -> tuple | None:

@@ -109,6 +109,7 @@ class Tracer:
         self._counts: dict[int, int] = {}
         self._entered = False
         self._backward = False
+        self.bounds: dict[int, float] = {}  # segment -> when its forward ended (Note [Forward time is tiled ...])
         self._copies: list[list] = []  # [record, issued at, seen finished at, nbytes, last seen unfinished]
         self._boundary: dict[int, tuple[weakref.ref, tuple]] = {}  # id(storage) -> (storage, layer-boundary name)
         self.start = time.perf_counter()
@@ -198,13 +199,21 @@ class Tracer:
     def _hook_boundary(self, layer: nn.Module, index: int) -> None:
         """Name the storages a layer takes in and gives out (Note [Storages that cross layers])."""
         def enter(_module: nn.Module, args: Any, kwargs: Any) -> None:
+            if index == 0:
+                self._bound(PRE)
             self._name_boundary((args, kwargs), ("in", index))
 
         def leave(_module: nn.Module, _args: Any, output: Any) -> None:
+            self._bound(index)
             self._name_boundary(output, ("out", index))
 
         self._handles.append(layer.register_forward_pre_hook(enter, with_kwargs=True))
         self._handles.append(layer.register_forward_hook(leave))
+
+    def _bound(self, segment: int) -> None:
+        """``segment``'s forward ends now (the first time in this step's forward)."""
+        if not self._backward and torch.is_grad_enabled() and segment not in self.bounds:
+            self.bounds[segment] = self._now()
 
     def _name_boundary(self, value: Any, prefix: tuple) -> None:
         if self._backward or not torch.is_grad_enabled():  # a recompute in backward makes new storages
@@ -255,18 +264,25 @@ def candidate_scopes(layer: nn.Module, config_patterns: tuple[str, ...] = ()) ->
 
 # ---------------------------------------------------------------------- steps -> segments
 
-def to_segments(saves: list, events: list, start: float, num_layers: int) -> tuple[dict[int, Segment], list[int]]:
+def to_segments(saves: list, events: list, start: float, num_layers: int,
+                bounds: dict[int, float] | None = None) -> tuple[dict[int, Segment], list[int]]:
     """One step's raw records as segments and the order backward reached the segments. A forward
-    save carries the time since the previous save (the op that made what it saves); a backward
-    event the time until the next one (the backward work that follows it, a recompute included:
-    Note [Backward time follows the event])."""
+    save carries the time since the previous save in its segment, a segment the time after its
+    last save until it ended (``bounds``: segment -> end; Note [Forward time is tiled by segment]
+    in ``swapkit.plan.trace``); a backward event the time until the next one (the backward work
+    that follows it, a recompute included: Note [Backward time follows the event])."""
     forward: dict[int, list[Save]] = {s: [] for s in [PRE, *range(num_layers + 1)]}
     backward: dict[int, list] = {s: [] for s in forward}
     frees, events = _forward_frees(saves, events)
-    last = start
+    begins = _segment_begins(start, num_layers, bounds or {})
+    last = dict(begins)
+    previous = start
     for (segment, name, nbytes, scope, at), freed in zip(saves, frees):
-        forward[segment].append(Save(name, nbytes, scope, at - last, freed))
-        last = at
+        since = last[segment] if last[segment] != float("inf") else previous  # no bound seen: since the last save
+        forward[segment].append(Save(name, nbytes, scope, max(at - since, 0.0), freed))
+        last[segment] = previous = at
+    tails = {s: max(bounds[s] - last[s], 0.0) if bounds and s in bounds and last[s] != float("inf") else 0.0
+             for s in forward}
     order: list[int] = []
     current = num_layers
     for (kind, what, at), following in zip(events, [e[2] for e in events[1:]] + [None]):
@@ -280,8 +296,18 @@ def to_segments(saves: list, events: list, start: float, num_layers: int) -> tup
             backward[current].append(Alloc(what[0], what[1], after))
         else:
             backward[current].append(Free(what, after))
-    segments = {s: Segment(tuple(forward[s]), tuple(backward[s])) for s in forward}
+    segments = {s: Segment(tuple(forward[s]), tuple(backward[s]), tails[s]) for s in forward}
     return segments, order + [s for s in forward if s not in order]
+
+
+def _segment_begins(start: float, num_layers: int, bounds: dict[int, float]) -> dict[int, float]:
+    """When each segment's forward began: the step's start for PRE, else when the one before ended
+    (a segment whose end was not seen begins at its first save)."""
+    begins: dict[int, float] = {PRE: start}
+    for s in range(num_layers + 1):
+        before = bounds.get(s - 1) if s > 0 else bounds.get(PRE)
+        begins[s] = before if before is not None else float("inf")
+    return begins
 
 
 def _forward_frees(saves: list, events: list) -> tuple[list[tuple], list]:
@@ -307,7 +333,8 @@ def median_segments(steps: list[dict[int, Segment]]) -> dict[int, Segment]:
                for s in steps for k in first)
     if not same:
         return steps[-1]
-    return {k: Segment(_median_events([s[k].forward for s in steps]), _median_events([s[k].backward for s in steps]))
+    return {k: Segment(_median_events([s[k].forward for s in steps]), _median_events([s[k].backward for s in steps]),
+                       statistics.median(s[k].tail for s in steps))
             for k in first}
 
 
@@ -328,7 +355,7 @@ def scale_segments(segments: dict[int, Segment], factor: float) -> dict[int, Seg
     def scale(events: tuple) -> tuple:
         return tuple(dataclasses.replace(e, seconds=e.seconds * factor) for e in events)
 
-    return {k: Segment(scale(seg.forward), scale(seg.backward)) for k, seg in segments.items()}
+    return {k: Segment(scale(seg.forward), scale(seg.backward), seg.tail * factor) for k, seg in segments.items()}
 
 
 def mode_config(config: Config, mode: str) -> Config:

@@ -142,21 +142,23 @@ def _traced_step(run: Any, layers: list, scopes: list[list[str]], number: int, s
         tracer.remove()
         run.session.observer = None
     if samples is not None:
-        step, order = to_segments(tracer.saves, tracer.events, tracer.start, len(layers))
+        step, order = to_segments(tracer.saves, tracer.events, tracer.start, len(layers), tracer.bounds)
         samples["segments"].append(step)
         samples["orders"].append(order)
-        samples["others"].append(_other_seconds(tracer, end))
+        samples["others"].append(_other_seconds(tracer, end, len(layers)))
         samples["copies"].append((tracer.copy_times(), tracer.saves[-1][4] if tracer.saves else end))
         samples["traced"].append(end - start)
     return tracer
 
 
-def _other_seconds(tracer: Tracer, end: float) -> float:
+def _other_seconds(tracer: Tracer, end: float, num_layers: int) -> float:
     """The step's time outside the events' attributed time (Note [Backward time follows the event])."""
     last_save = tracer.saves[-1][4] if tracer.saves else tracer.start
-    if not tracer.events:
-        return end - last_save
-    return (tracer.events[0][2] - last_save) + (end - tracer.events[-1][2])
+    forward_end = max(last_save, tracer.bounds.get(num_layers - 1, last_save))  # the last layer's end
+    backward = [at for _, _, at in tracer.events if at >= last_save]  # deaths in forward are no backward
+    if not backward:
+        return end - forward_end
+    return max(backward[0] - forward_end, 0.0) + (end - backward[-1])
 
 
 def _config_patterns(config: Config) -> list[tuple[str, ...]]:
