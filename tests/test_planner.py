@@ -1,6 +1,7 @@
 """The budget planner end to end on the built-in model: measure, plan, emit YAML, train it, compare."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 
@@ -127,6 +128,34 @@ def test_plan_writes_yaml_that_loads_and_train_budget_trains_it(config_file, pla
                  "--metrics-out", str(metrics)]) == 0
     steps = json.loads(metrics.read_text())["steps"]
     assert steps[-1]["peak_device_bytes"] <= budget  # half the keep-everything peak: something was planned
+
+
+def test_gradient_accumulation_is_planned_per_micro_batch(planner, tmp_path):
+    """Each micro-batch is its own swap step: the peak is one micro-batch's, the copies happen twice."""
+    config = {**CONFIG, "train": {**CONFIG["train"], "gradient_accumulation_steps": 2}}
+    measured = measure(load_config(config), steps=2, warmup=1, select=False)
+    assert measured.trace.micro_batches == 2
+    accumulating = Planner(measured.trace, measured.links, measured.scopes, 1024)
+    budget = accumulating.predict((KEEP,) * 3).peak_device_bytes // 2
+    planned = plan_budget(accumulating, budget)
+    single = Planner(dataclasses.replace(measured.trace, micro_batches=1), measured.links, measured.scopes, 1024)
+    assert planned.predicted.moved_bytes_per_step == 2 * single.predict(planned.choices).moved_bytes_per_step
+    path = tmp_path / "planned.yaml"
+    path.write_text(yaml.safe_dump(planned_config(config, planned.choices)), encoding="utf-8")
+    assert load_config(path).train.gradient_accumulation_steps == 2
+    for step in steady(train(load_config(path), progress=False)):
+        assert step["peak_device_bytes"] <= budget
+        assert abs(step["peak_device_bytes"] - planned.predicted.peak_device_bytes) <= 0.05 * budget
+
+
+def test_a_pipeline_config_is_a_clean_error(tmp_path, capsys):
+    config = {**CONFIG, "model": {"model_config": {**CONFIG["model"]["model_config"], "num_layers": 4}},
+              "parallel_config": {"pipeline_stage": 2}}
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(config), encoding="utf-8")
+    assert main(["plan", str(path), "--budget", "1MiB"]) == 2
+    err = capsys.readouterr().err
+    assert "parallel_config.pipeline_stage" in err and "got 2" in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize("argv", [["--budget", "lots"], ["--budget", "0"], ["--out", "x.yaml"]])

@@ -23,6 +23,9 @@ What the planner predicts, and where it is wrong:
   the interpreter lock and a core; up to the 5 ms switch interval on an idle machine, tens of ms on
   an overloaded one). Budgets are hard limits, so the peak is predicted
   for a late copy: a plan whose peak needs copies to finish just in time is not chosen.
+- With gradient accumulation every micro-batch is its own swap step: the peak is one micro-batch's
+  and the step's compute, copies and waits are counted once per micro-batch (the loss, measured
+  once in the step's other time, is not).
 - Time is the measured compute between session events (median of the measured steps), plus the
   time a restore waits for its host-to-device copy (exposed wait: it delays everything after it),
   plus the step's time outside session events. Recompute cost is in the measured recompute
@@ -220,5 +223,8 @@ def simulate(step: FlatStep, swap_k: Callable[[int | None, str | None], int | No
         prompt_replay.forward()
         prompt_replay.backward()
         prompt = prompt_replay.peak
-    return Prediction(replay.peak, replay.now + step.other_seconds, replay.moved, replay.wait, replay.late, prompt,
-                      tuple(sorted(replay.layer_wait.items(), key=lambda item: (item[0] is None, item[0] or 0))))
+    n = step.micro_batches  # each micro-batch is its own swap step: the same peak, n times the work
+    waits = tuple(sorted(((layer, n * wait) for layer, wait in replay.layer_wait.items()),
+                         key=lambda item: (item[0] is None, item[0] or 0)))
+    return Prediction(replay.peak, n * replay.now + step.other_seconds, n * replay.moved, n * replay.wait,
+                      n * replay.late, prompt, waits)

@@ -99,6 +99,7 @@ class Trace:
         backward_order: segment indices in the order backward reaches them.
         other_seconds: mode -> seconds of a step not between two session events (optimizer, loss).
         scope_seconds: ``(layer, scope)`` -> forward seconds of that scope (its recompute cost).
+        micro_batches: ``gradient_accumulation_steps``: the segments are one micro-batch's.
     """
 
     num_layers: int
@@ -106,6 +107,7 @@ class Trace:
     backward_order: tuple[int, ...]
     other_seconds: dict[str, float]
     scope_seconds: dict[tuple[int, str], float] = field(default_factory=dict)
+    micro_batches: int = 1  # micro-batches per training step (each one measured step, its own swap step)
 
     def segments(self) -> list[int]:
         return [PRE, *range(self.num_layers), self.num_layers]
@@ -132,6 +134,7 @@ class FlatStep:
     forward: tuple[FlatSave, ...]
     backward: tuple[tuple, ...]
     other_seconds: float
+    micro_batches: int = 1  # the step repeats forward and backward this many times (gradient accumulation)
 
 
 def compose(trace: Trace, recomputed: frozenset[int] = frozenset(), modes: tuple[str, ...] | None = None) -> FlatStep:
@@ -144,7 +147,7 @@ def compose(trace: Trace, recomputed: frozenset[int] = frozenset(), modes: tuple
     forward, offsets, left = _forward(trace, mode_of)
     backward = tuple(event for s in trace.backward_order
                      for event in _backward(trace.modes[mode_of[s]][s], offsets, mode_of, s))
-    return FlatStep(tuple(forward), backward, trace.other_seconds[KEEP] + left)
+    return FlatStep(tuple(forward), backward, trace.other_seconds[KEEP] + left, trace.micro_batches)
 
 
 def _forward(trace: Trace, mode_of: dict[int, str]) -> tuple[list[FlatSave], dict[int, int], float]:

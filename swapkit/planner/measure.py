@@ -364,7 +364,8 @@ def mode_config(config: Config, mode: str) -> Config:
     select = {op_pattern(mode[len(SELECT):]): True} if mode.startswith(SELECT) else False
     recompute = MindFormersRecompute(recompute=mode == RECOMPUTE, select_recompute=select)
     swap = SwapConfig(swap=mode == PROBE, layer_swap=(SwapEntry(1, True),) if mode == PROBE else None)
-    train = dataclasses.replace(config.train, resume=False, save_dir=None, save_interval=None)
+    train = dataclasses.replace(config.train, resume=False, save_dir=None, save_interval=None,
+                                gradient_accumulation_steps=1)  # one micro-batch per measured step
     return dataclasses.replace(config, recompute=recompute, swap=swap, train=train)
 
 
@@ -382,9 +383,10 @@ def release_lag(copies: list[tuple[float, float | None, int]], links: Links, qua
 
 
 def build_trace(num_layers: int, runs: dict[str, tuple[list, list, float]],
-                scope_seconds: dict[tuple[int, str], float]) -> Trace:
-    """A :class:`Trace` from per-mode ``(step segments, backward order, other seconds)``."""
+                scope_seconds: dict[tuple[int, str], float], micro_batches: int = 1) -> Trace:
+    """A :class:`Trace` from per-mode ``(step segments, backward order, other seconds)`` of steps of
+    one micro-batch; a training step runs ``micro_batches`` of them."""
     modes = {mode: median_segments(steps) for mode, (steps, _, _) in runs.items()}
     order = runs[KEEP][1]
     other = {mode: seconds for mode, (_, _, seconds) in runs.items()}
-    return Trace(num_layers, modes, tuple(order), other, scope_seconds)
+    return Trace(num_layers, modes, tuple(order), other, scope_seconds, micro_batches)

@@ -49,10 +49,13 @@ def measure(config: Config, device: str | None = None, steps: int = 3, warmup: i
     the link, and a swap probe; with ``select`` also the two children of a layer that own the most
     bytes select-recomputed, one run each.
 
+    With ``gradient_accumulation_steps`` above 1 each measured step is one micro-batch (each is its
+    own swap step, so the peak is per micro-batch) and the predicted step time counts every one.
+
     Raises:
-        ConfigError: ``gradient_accumulation_steps`` is not 1, or the device is unavailable.
+        ConfigError: ``parallel_config.pipeline_stage`` is not 1, or the device is unavailable.
     """
-    _check_accumulation(config)
+    _check_single_stage(config)
     where = resolve_device(config, device)
     if model is not None:
         config = with_num_layers(model.factory(), config, model.layers)
@@ -64,20 +67,24 @@ def measure(config: Config, device: str | None = None, steps: int = 3, warmup: i
     runs, scope_seconds, scopes = {}, {}, []
     runs[KEEP], scope_seconds, scopes, _ = run(KEEP)
     runs[RECOMPUTE], *_ = run(RECOMPUTE)
+    micro = config.train.gradient_accumulation_steps
     keep_only = build_trace(config.model.num_layers, runs, scope_seconds)
     for scope in select_candidates(keep_only, scopes[0], config.runtime.min_offload_bytes) if select else ():
         runs[SELECT + scope], *_ = run(SELECT + scope)
-    trace = build_trace(config.model.num_layers, runs, scope_seconds)
+    trace = build_trace(config.model.num_layers, runs, scope_seconds, micro)
     links = _measure_links(config, where, trace, run(PROBE)[3])
     useful = [useful_scopes(trace, i, scopes[i], config.runtime.min_offload_bytes) for i in range(len(scopes))]
     return Measured(trace, links, useful, str(where))
 
 
-def _check_accumulation(config: Config) -> None:
-    if config.train.gradient_accumulation_steps != 1:
-        raise ConfigError([Problem("train.gradient_accumulation_steps",
-                                   f"got {config.train.gradient_accumulation_steps}; the budget planner measures "
-                                   "one micro-batch per step: set it to 1 (or plan without --budget)")],
+def _check_single_stage(config: Config) -> None:
+    """Per-stage budgets are not planned: a pipeline stage holds several micro-batches in flight
+    (1F1B), which the measured single-process step does not show."""
+    if config.parallel.pipeline_stage != 1:
+        raise ConfigError([Problem("parallel_config.pipeline_stage",
+                                   f"got {config.parallel.pipeline_stage}; the budget planner plans one stage "
+                                   "(pipeline_stage: 1) only, per-stage budgets are not supported yet: plan "
+                                   "without --budget, or plan a single-stage config and copy its sections")],
                           config.source)
 
 
