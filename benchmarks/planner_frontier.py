@@ -39,7 +39,7 @@ import torch  # noqa: E402
 from common import DEFAULT_BATCH, DEFAULT_MODEL, QUICK_BATCH, QUICK_MODEL, cpu_model  # noqa: E402
 from swapkit.load import load_config  # noqa: E402
 from swapkit.plan.emit import planned_sections  # noqa: E402
-from swapkit.plan.planner import KEEP, BudgetError, Planner, plan_budget  # noqa: E402
+from swapkit.plan.planner import KEEP, RECOMPUTE, BudgetError, Choice, Planner, plan_budget  # noqa: E402
 from swapkit.planner import measure  # noqa: E402
 from swapkit.train.loop import _start, _train_step  # noqa: E402
 
@@ -65,6 +65,16 @@ def fixed_variants(num_layers: int) -> dict[str, dict[str, Any]]:
         "swap layer k=8 + recompute feed_forward": {"swap_config": swap(8), "recompute_config": {
             "recompute": False, "select_recompute": {"feed_forward": layers}}},
     }
+
+
+def fixed_choices(num_layers: int) -> dict[str, tuple[Choice, ...]]:
+    """The fixed variants the planner's choices can express, for their predictions."""
+    every = lambda choice: (choice,) * num_layers  # noqa: E731
+    return {"keep (session, nothing configured)": every(KEEP), "swap layer k=1": every(Choice("swap", ("",), 1)),
+            "swap layer k=8": every(Choice("swap", ("",), 8)),
+            "swap op attention+feed_forward k=8": every(Choice("swap", ("attention", "feed_forward"), 8)),
+            "recompute full": every(RECOMPUTE),
+            "swap layer k=8 + recompute feed_forward": every(Choice("swap", ("",), 8, "feed_forward"))}
 
 
 def base_config(model: dict, batch: int, link: dict) -> dict[str, Any]:
@@ -117,6 +127,9 @@ def one_link(name: str, link: dict, model: dict, batch: int, reps: int, warmup: 
                            "predicted": {**planned.predicted.to_json(),
                                          "uncertain_bytes": planned.predicted.uncertain_bytes}}
     measured_rows = run_interleaved(configs, reps, warmup)
+    for variant, choices in fixed_choices(model["num_layers"]).items():
+        if variant in measured_rows and (not choices[0].select or choices[0].select in planner.selects):
+            measured_rows[variant]["predicted"] = planner.predict(choices).to_json()
     links = {"d2h": vars(measured.links.d2h), "h2d": vars(measured.links.h2d),
              "release_lag_s": measured.links.release_lag_s}
     return {"link": name, "engine_options": link, "measured_link": links, "baseline_predicted":
@@ -158,11 +171,20 @@ def markdown(results: dict[str, Any]) -> str:
                   "|---|---|---|---|---|---|---|---|---|---|---|"]
         for fraction, plan in link["plans"].items():
             lines.append(_plan_row(fraction, plan))
-        lines += ["", "| fixed variant | measured peak MiB | median ms |", "|---|---|---|"]
-        lines += [f"| {n} | {r['peak_device_bytes'] / MIB:.2f} | {r['step_seconds'] * 1e3:.1f} |"
-                  for n, r in link["runs"].items() if not n.startswith("planned")]
+        lines += ["", "| fixed variant | predicted peak MiB | measured peak MiB | predicted ms | median ms | time ratio |",
+                  "|---|---|---|---|---|---|"]
+        lines += [_fixed_row(n, r) for n, r in link["runs"].items() if not n.startswith("planned")]
         lines.append("")
     return "\n".join(lines) + "\n"
+
+
+def _fixed_row(name: str, row: dict[str, Any]) -> str:
+    p = row.get("predicted")
+    if p is None:
+        return f"| {name} | — | {row['peak_device_bytes'] / MIB:.2f} | — | {row['step_seconds'] * 1e3:.1f} | — |"
+    return (f"| {name} | {p['peak_device_bytes'] / MIB:.2f} | {row['peak_device_bytes'] / MIB:.2f} | "
+            f"{p['step_seconds'] * 1e3:.1f} | {row['step_seconds'] * 1e3:.1f} | "
+            f"{row['step_seconds'] / p['step_seconds']:.3f} |")
 
 
 def _plan_row(fraction: str, plan: dict[str, Any]) -> str:

@@ -17,9 +17,9 @@ What the planner predicts, and where it is wrong:
 - Copies run one at a time in issue order on one queue (the thread engine's worker; the CUDA
   engine's side stream). A copy takes ``latency + bytes / bandwidth`` of its direction, measured on
   the engine (:mod:`swapkit.planner.link`) and starts when issued or when the previous copy ends.
-- A release is predicted only ``release_lag_s`` after its copy's predicted end: twice the largest
-  delay measured (``swapkit.planner.measure`` Note [Release lag]) in how late a copy is seen
-  finished while the forward keeps the host thread busy (on the thread engine the worker waits for
+- A release is predicted at the first save strictly later than ``release_lag_s`` after its copy's
+  predicted end: twice the largest delay measured (``swapkit.planner.measure`` Note [Release lag])
+  in how late a copy was still seen unfinished while the forward keeps the host thread busy (on the thread engine the worker waits for
   the interpreter lock and a core; up to the 5 ms switch interval on an idle machine, tens of ms on
   an overloaded one). Budgets are hard limits, so the peak is predicted
   for a late copy: a plan whose peak needs copies to finish just in time is not chosen.
@@ -36,6 +36,9 @@ What the planner predicts, and where it is wrong:
   what recompute re-materializes in backward, the session does not), and run-to-run noise in the
   measured compute times. A swap whose release lands near the end of forward depends on copy
   timing: a copy slower than predicted leaves it on the device at the peak.
+- Memory is exact when copies are (tests run the thread engine with copies made inline, and a
+  grid of fixed plans mixing every kind of decision lands on the session's own count); with a
+  real copy thread it is as right as the link and the lag: on a loaded machine both vary.
 """
 from __future__ import annotations
 

@@ -54,9 +54,13 @@ The session releases a swapped storage at a save only if its copy is seen finish
 that is depends on more than the link: on the thread engine the worker needs the interpreter lock
 and a core while the forward runs (up to the 5 ms switch interval, far more on a loaded machine).
 A third, short run swaps every layer with distance 1 (``PROBE``) and notes, at every save as the
-session does, when each offload is first seen finished; twice the largest lag past the link's
-prediction (a budget is a hard limit, and a busy machine's lag varies from run to run) goes into
-the planner's release rule (``swapkit.plan.simulate`` Note [Cost model]).
+session does, when each offload was last seen *unfinished*: the copy surely ended later than that,
+and that is all the saves tell (when it is first seen finished also counts the gap to the next
+save, which is no lag: with copies that finish when issued that estimate charged every copy the
+gap to the next save, and the planner then predicted swapped storages held long after the session
+had released them). Twice the largest lag past the link's prediction (a budget is a hard limit,
+and a busy machine's lag varies from run to run) goes into the planner's release rule
+(``swapkit.plan.simulate`` Note [Cost model]); a copy never seen unfinished has no lag.
 """
 from __future__ import annotations
 

@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import statistics
-import time
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -22,9 +19,9 @@ from swapkit.plan.planner import Planned, Planner, plan_budget, select_candidate
 from swapkit.plan.simulate import Links
 from swapkit.plan.trace import KEEP, RECOMPUTE, SELECT, Trace
 from swapkit.planner.link import measure_link
-from swapkit.planner.measure import (PROBE, Tracer, build_trace, candidate_scopes, mode_config, release_lag,
-                                     scale_segments, to_segments, tracing_factor)
-from swapkit.planner.steps import BuiltinSteps, ModelSource, ModelSteps
+from swapkit.planner.measure import PROBE, Tracer, build_trace, mode_config, release_lag, to_segments
+from swapkit.planner.sampling import measure_modes
+from swapkit.planner.steps import ModelSource
 from swapkit.runtime.resolve import with_num_layers
 from swapkit.train.loop import resolve_device
 
@@ -61,18 +58,17 @@ def measure(config: Config, device: str | None = None, steps: int = 3, warmup: i
         config = with_num_layers(model.factory(), config, model.layers)
     patterns = _config_patterns(config)
 
-    def run(mode: str) -> tuple:
-        return _measure_mode(mode_config(config, mode), where, patterns, steps, warmup, model)
+    def later(tracer: Tracer, scopes: list[list[str]]) -> dict[str, Config]:
+        picked = select_candidates(_warm_trace(tracer, config.model.num_layers), scopes[0],
+                                   config.runtime.min_offload_bytes) if select else []
+        return {SELECT + scope: mode_config(config, SELECT + scope) for scope in picked}
 
-    runs, scope_seconds, scopes = {}, {}, []
-    runs[KEEP], scope_seconds, scopes, _ = run(KEEP)
-    runs[RECOMPUTE], *_ = run(RECOMPUTE)
-    micro = config.train.gradient_accumulation_steps
-    keep_only = build_trace(config.model.num_layers, runs, scope_seconds)
-    for scope in select_candidates(keep_only, scopes[0], config.runtime.min_offload_bytes) if select else ():
-        runs[SELECT + scope], *_ = run(SELECT + scope)
-    trace = build_trace(config.model.num_layers, runs, scope_seconds, micro)
-    links = _measure_links(config, where, trace, run(PROBE)[3])
+    first = {mode: mode_config(config, mode) for mode in (KEEP, RECOMPUTE, PROBE)}
+    results = measure_modes(first, later, where, patterns, steps, warmup, model)
+    runs = {mode: result[0] for mode, result in results.items() if mode != PROBE}
+    _, scope_seconds, scopes, _ = results[KEEP]
+    trace = build_trace(config.model.num_layers, runs, scope_seconds, config.train.gradient_accumulation_steps)
+    links = _measure_links(config, where, trace, results[PROBE][3])
     useful = [useful_scopes(trace, i, scopes[i], config.runtime.min_offload_bytes) for i in range(len(scopes))]
     return Measured(trace, links, useful, str(where))
 
@@ -111,61 +107,10 @@ def plan_for_budget(config: Config, budget: int, measured: Measured | None = Non
     return plan_budget(planner, budget)
 
 
-def _measure_mode(config: Config, device: torch.device, patterns: list[tuple[str, ...]], steps: int,
-                  warmup: int, model: ModelSource | None) -> tuple[tuple, dict, list[list[str]], list]:
-    """Alternate traced and untraced steps; scale the traced times to the untraced step time
-    (``swapkit.planner.measure`` Note [Tracing overhead])."""
-    run = BuiltinSteps(config, device) if model is None else ModelSteps(config, model, device)
-    layers = [bound.module for bound in run.session.binding.layers]
-    scopes = [candidate_scopes(layer, patterns[i]) for i, layer in enumerate(layers)]
-    samples: dict[str, list] = {"segments": [], "orders": [], "others": [], "copies": [], "traced": [], "plain": []}
-    scope_seconds: dict[tuple[int, str], list[float]] = {}
-    try:
-        for number in range(warmup + steps):
-            tracer = _traced_step(run, layers, scopes, 2 * number + 1, samples if number >= warmup else None)
-            for key, values in tracer.scope_seconds.items():
-                scope_seconds.setdefault(key, []).extend(values)
-            start = time.perf_counter()
-            run.step(2 * number + 2)
-            if number >= warmup:
-                samples["plain"].append(time.perf_counter() - start)
-    finally:
-        run.close()
-    factor = tracing_factor(samples["traced"], samples["plain"])
-    seconds = {key: statistics.median(values) * factor for key, values in scope_seconds.items()}
-    segments = [scale_segments(step, factor) for step in samples["segments"]]
-    other = statistics.median(samples["others"]) * factor
-    return (segments, samples["orders"][-1], other), seconds, scopes, samples["copies"]
-
-
-def _traced_step(run: Any, layers: list, scopes: list[list[str]], number: int, samples: dict | None) -> Tracer:
-    tracer = Tracer(layers, scopes, run.device)
-    run.session.observer = tracer
-    try:
-        start = time.perf_counter()
-        run.step(number)
-        end = time.perf_counter()
-    finally:
-        tracer.remove()
-        run.session.observer = None
-    if samples is not None:
-        step, order = to_segments(tracer.saves, tracer.events, tracer.start, len(layers), tracer.bounds)
-        samples["segments"].append(step)
-        samples["orders"].append(order)
-        samples["others"].append(_other_seconds(tracer, end, len(layers)))
-        samples["copies"].append((tracer.copy_times(), tracer.saves[-1][4] if tracer.saves else end))
-        samples["traced"].append(end - start)
-    return tracer
-
-
-def _other_seconds(tracer: Tracer, end: float, num_layers: int) -> float:
-    """The step's time outside the events' attributed time (Note [Backward time follows the event])."""
-    last_save = tracer.saves[-1][4] if tracer.saves else tracer.start
-    forward_end = max(last_save, tracer.bounds.get(num_layers - 1, last_save))  # the last layer's end
-    backward = [at for _, _, at in tracer.events if at >= last_save]  # deaths in forward are no backward
-    if not backward:
-        return end - forward_end
-    return max(backward[0] - forward_end, 0.0) + (end - backward[-1])
+def _warm_trace(tracer: Tracer, num_layers: int) -> Trace:
+    """The keep run's warm-up step as a trace (bytes only: what picks the select-recompute scopes)."""
+    segments, order = to_segments(tracer.saves, tracer.events, tracer.start, num_layers, tracer.bounds)
+    return Trace(num_layers, {KEEP: segments}, tuple(order), {KEEP: 0.0})
 
 
 def _config_patterns(config: Config) -> list[tuple[str, ...]]:
