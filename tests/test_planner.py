@@ -240,6 +240,19 @@ def test_traced_times_are_scaled_to_the_untraced_step():
     assert tracing_factor([1.0], [1.5]) == 1.0  # noise never inflates the trace
 
 
+def test_event_medians_add_up_to_the_median_step():
+    """Note [Medians of events and of steps]: each step lost time in another event; the per-event
+    medians alone would drop all of it."""
+    from swapkit.plan.trace import Save, Segment
+    from swapkit.planner.measure import median_segments
+
+    def step(a, b):
+        return {0: Segment((Save(None, 0, None, a), Save(None, 0, None, b)), (), 0.0)}
+
+    merged = median_segments([step(1.0, 1.0), step(3.0, 1.0), step(1.0, 3.0)])  # steps of 2, 4 and 4 s
+    assert [save.seconds for save in merged[0].forward] == pytest.approx([2.0, 2.0])
+
+
 def test_select_recompute_of_an_op_scope_is_measured_and_predicted(measured, planner, tmp_path):
     from swapkit.plan.planner import Choice
 

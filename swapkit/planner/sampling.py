@@ -8,7 +8,7 @@ came out 60% slower than it ran a minute later while the keep run was right, and
 predicted recompute far too expensive. On CPU every mode therefore gets its own model and session
 up front and the modes take turns, step by step (A B C A B C ...), so each sees the same mix of
 load; the select-recompute scopes are picked from the keep run's warm-up step (bytes only) and
-join before the timed steps. On CUDA (a dedicated device, and one model copy per mode might not
+join before the timed steps. The tracing overhead is one factor for all of them (:func:`pooled_factor`). On CUDA (a dedicated device, and one model copy per mode might not
 fit) the modes run one after the other.
 """
 from __future__ import annotations
@@ -74,11 +74,11 @@ class ModeRun:
             self.samples["traced"].append(end - start)
         return tracer
 
-    def result(self) -> tuple[tuple, dict, list[list[str]], list]:
+    def result(self, factor: float | None = None) -> tuple[tuple, dict, list[list[str]], list]:
         """``((segments per step, backward order, other seconds), scope seconds, scopes, copies)``,
-        traced times scaled to the untraced step time."""
+        traced times scaled by ``factor`` (default: this mode's untraced over traced step time)."""
         samples = self.samples
-        factor = tracing_factor(samples["traced"], samples["plain"])
+        factor = tracing_factor(samples["traced"], samples["plain"]) if factor is None else factor
         seconds = {key: statistics.median(values) * factor for key, values in self.scope_seconds.items()}
         segments = [scale_segments(step, factor) for step in samples["segments"]]
         other = statistics.median(samples["others"]) * factor
@@ -86,6 +86,14 @@ class ModeRun:
 
     def close(self) -> None:
         self.run.close()
+
+
+def pooled_factor(runs: list[ModeRun]) -> float:
+    """The tracing overhead as one factor for every mode measured side by side: the median over all
+    pairs of an untraced step over the traced step before it, within [0.2, 1] (one mode's three
+    pairs alone swing by 30% on a loaded machine; the hooks cost about the same share in every mode)."""
+    ratios = [plain / traced for run in runs for traced, plain in zip(run.samples["traced"], run.samples["plain"])]
+    return min(max(statistics.median(ratios), 0.2), 1.0) if ratios else 1.0
 
 
 def other_seconds(tracer: Tracer, end: float, num_layers: int) -> float:
@@ -121,7 +129,8 @@ def measure_modes(first: dict[str, Config], later: Later, device: torch.device, 
         _rounds(added, range(warmup), record=False)
         runs.update(added)
         _rounds(runs, range(warmup, warmup + steps), record=True)
-        return {mode: run.result() for mode, run in runs.items()}
+        factor = pooled_factor(list(runs.values()))
+        return {mode: run.result(factor) for mode, run in runs.items()}
     finally:
         for run in runs.values():
             run.close()
