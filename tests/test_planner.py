@@ -240,6 +240,30 @@ def test_traced_times_are_scaled_to_the_untraced_step():
     assert tracing_factor([1.0], [1.5]) == 1.0  # noise never inflates the trace
 
 
+def test_modes_measured_one_after_another_give_what_side_by_side_gives():
+    """The CUDA path (one mode after another) on CPU: the same modes and the later modes picked from
+    the keep run's warm-up step."""
+    import torch
+
+    from swapkit.planner.measure import mode_config
+    from swapkit.planner.sampling import _one_after_another, measure_modes
+
+    config = load_config(CONFIG)
+    first = {mode: mode_config(config, mode) for mode in ("keep", "recompute")}
+    seen = []
+
+    def later(tracer, scopes):
+        seen.append((len(tracer.saves), scopes[0][0]))
+        return {"select:feed_forward": mode_config(config, "select:feed_forward")}
+
+    results = [f(first, later, torch.device("cpu"), [()] * 3, 1, 1, None) for f in (_one_after_another, measure_modes)]
+    for result in results:
+        assert set(result) == {"keep", "recompute", "select:feed_forward"}
+    assert seen[0] == seen[1] and seen[0][0] > 0 and seen[0][1] == ""
+    keep_bytes = [sum(s.nbytes for seg in r["keep"][0][0][0].values() for s in seg.forward) for r in results]
+    assert keep_bytes[0] == keep_bytes[1]
+
+
 def test_event_medians_add_up_to_the_median_step():
     """Note [Medians of events and of steps]: each step lost time in another event; the per-event
     medians alone would drop all of it."""

@@ -89,8 +89,9 @@ FIXED_PLANS = {
 @pytest.mark.parametrize("name", FIXED_PLANS)
 def test_hf_fixed_plans_run_at_their_predicted_peak(planner, tmp_path, name):
     """Layers passing rotary embeddings and the mask to each other, select-recompute regions that
-    drop their saves in forward, mixed modes: the prediction is the session's own count (within 0.1%:
-    a select-recomputed attention's position ids are seen by two records of one storage)."""
+    drop their saves in forward, mixed modes: the prediction is the session's own count, within 0.1%
+    (with self_attn select-recomputed the session has counted 256 bytes more than the replay, one
+    small int64 tensor; not explained yet)."""
     from swapkit.plan.planner import Choice
 
     choices = FIXED_PLANS[name](Choice)
