@@ -192,7 +192,8 @@ class Tracer:
         first seen finished (Note [Release lag])."""
         for copy in self._copies:
             if copy[2] is None and copy[0] is not None:
-                if copy[0].step.engine.ready(copy[0].d2h):
+                d2h = copy[0].d2h  # None while a coalesced copy has not been issued yet
+                if d2h is not None and copy[0].step.engine.ready(d2h):
                     copy[2], copy[0] = now, None
                 else:
                     copy[4] = now

@@ -78,9 +78,9 @@ def _check_single_stage(config: Config) -> None:
     (1F1B), which the measured single-process step does not show."""
     if config.parallel.pipeline_stage != 1:
         raise ConfigError([Problem("parallel_config.pipeline_stage",
-                                   f"got {config.parallel.pipeline_stage}; the budget planner plans one stage "
-                                   "(pipeline_stage: 1) only, per-stage budgets are not supported yet: plan "
-                                   "without --budget, or plan a single-stage config and copy its sections")],
+                                   f"got {config.parallel.pipeline_stage}; the budget planner plans single-stage "
+                                   "runs only (a pipeline stage holds several micro-batches in flight, which it "
+                                   "does not model): set it to 1, or plan without --budget")],
                           config.source)
 
 
