@@ -141,7 +141,8 @@ def _compare(plan: dict[str, Any], rows: dict[str, dict[str, Any]]) -> dict[str,
     if "error" in plan:
         return plan
     got = rows[plan["label"]]
-    fitting = {n: r for n, r in rows.items() if not n.startswith("planned") and r["peak_device_bytes"] <= plan["budget"]}
+    fitting = {n: r for n, r in rows.items()
+               if not n.startswith("planned") and r["peak_device_bytes"] <= plan["budget"]}
     fastest = min(fitting, key=lambda n: fitting[n]["step_seconds"]) if fitting else None
     predicted = plan["predicted"]
     return {**plan, "measured": got,
@@ -171,8 +172,8 @@ def markdown(results: dict[str, Any]) -> str:
                   "|---|---|---|---|---|---|---|---|---|---|---|"]
         for fraction, plan in link["plans"].items():
             lines.append(_plan_row(fraction, plan))
-        lines += ["", "| fixed variant | predicted peak MiB | measured peak MiB | predicted ms | median ms | time ratio |",
-                  "|---|---|---|---|---|---|"]
+        lines += ["", "| fixed variant | predicted peak MiB | measured peak MiB | predicted ms | median ms "
+                  "| time ratio |", "|---|---|---|---|---|---|"]
         lines += [_fixed_row(n, r) for n, r in link["runs"].items() if not n.startswith("planned")]
         lines.append("")
     return "\n".join(lines) + "\n"

@@ -234,7 +234,7 @@ def test_fixed_plans_run_at_their_predicted_peak(planner, tmp_path, name):
 
 
 def test_traced_times_are_scaled_to_the_untraced_step():
-    from swapkit.planner.measure import tracing_factor
+    from swapkit.planner.segments import tracing_factor
 
     assert tracing_factor([2.0, 2.0, 2.2], [1.0, 1.1, 1.0]) == pytest.approx(0.5)
     assert tracing_factor([1.0], [1.5]) == 1.0  # noise never inflates the trace
@@ -268,7 +268,7 @@ def test_event_medians_add_up_to_the_median_step():
     """Note [Medians of events and of steps]: each step lost time in another event; the per-event
     medians alone would drop all of it."""
     from swapkit.plan.trace import Save, Segment
-    from swapkit.planner.measure import median_segments
+    from swapkit.planner.segments import median_segments
 
     def step(a, b):
         return {0: Segment((Save(None, 0, None, a), Save(None, 0, None, b)), (), 0.0)}

@@ -112,7 +112,7 @@ def test_compose_recomputed_layers_replace_their_saves_and_renumber_ticks():
 def test_forward_time_stays_with_its_segment_in_every_mode():
     """Note [Forward time is tiled by segment]: a recomputed layer saves only its inputs at its
     start; its forward is its tail, not the next segment's first save."""
-    from swapkit.planner.measure import to_segments
+    from swapkit.planner.segments import to_segments
 
     # keep run: PRE 0..1, layer 0 1..5 (saves at 2 and 4), post 5..6 (save at 6)
     keep, _ = to_segments([(PRE, (PRE, 0), 8, None, 1.0), (0, (0, 0), 8, "", 2.0), (0, (0, 1), 8, "", 4.0),
@@ -128,7 +128,7 @@ def test_forward_time_stays_with_its_segment_in_every_mode():
 
 
 def test_records_that_die_in_forward_are_taken_off_at_the_next_save():
-    from swapkit.planner.measure import to_segments
+    from swapkit.planner.segments import to_segments
 
     saves = [(0, (0, 0), 100, "", 1.0), (0, (0, 1), 100, "", 2.0), (0, (0, 2), 100, "", 3.0)]
     events = [("f", (0, 0), 1.5), ("u", (0, 2), 4.0), ("u", (0, 1), 5.0), ("f", (0, 1), 5.5)]
@@ -152,8 +152,9 @@ def test_a_storage_crossing_layers_is_one_storage_whatever_mode_each_layer_runs_
     recompute = {PRE: segment([]), 0: segment([("in", 0, 0), rope]), 1: segment([("out", 0, 0), rope]),
                  2: segment([("out", 1, 0)])}
     trace = Trace(2, {"keep": keep, "recompute": recompute}, (2, 1, 0, PRE), {"keep": 0.0, "recompute": 0.0})
-    peak = lambda recomputed: simulate(compose(trace, recomputed), lambda l, s: None, FAST).peak_device_bytes  # noqa: E731
-    assert peak(frozenset()) == 6000 and peak(frozenset({0})) == 5000 and peak(frozenset({0, 1})) == 4000
+    peaks = [simulate(compose(trace, recomputed), lambda layer, scope: None, FAST).peak_device_bytes
+             for recomputed in (frozenset(), frozenset({0}), frozenset({0, 1}))]
+    assert peaks == [6000, 5000, 4000]
 
 
 def test_useful_scopes_drop_a_scope_that_owns_exactly_what_its_layer_owns():

@@ -19,9 +19,10 @@ What the planner predicts, and where it is wrong:
   the engine (:mod:`swapkit.planner.link`) and starts when issued or when the previous copy ends.
 - A release is predicted at the first save strictly later than ``release_lag_s`` after its copy's
   predicted end: twice the largest delay measured (``swapkit.planner.measure`` Note [Release lag])
-  in how late a copy was still seen unfinished while the forward keeps the host thread busy (on the thread engine the worker waits for
-  the interpreter lock and a core; up to the 5 ms switch interval on an idle machine, tens of ms on
-  an overloaded one). Budgets are hard limits, so the peak is predicted
+  in how late a copy was still seen unfinished while the forward keeps the host thread busy (on
+  the thread engine the worker waits for the interpreter lock and a core; up to the 5 ms switch
+  interval on an idle machine, tens of ms on an overloaded one). Budgets are hard limits, so the
+  peak is predicted
   for a late copy: a plan whose peak needs copies to finish just in time is not chosen.
 - With gradient accumulation every micro-batch is its own swap step: the peak is one micro-batch's
   and the step's compute, copies and waits are counted once per micro-batch (the loss, measured

@@ -19,7 +19,8 @@ from swapkit.plan.planner import Planned, Planner, plan_budget, select_candidate
 from swapkit.plan.simulate import Links
 from swapkit.plan.trace import KEEP, RECOMPUTE, SELECT, Trace
 from swapkit.planner.link import measure_link
-from swapkit.planner.measure import PROBE, Tracer, build_trace, mode_config, release_lag, to_segments
+from swapkit.planner.measure import PROBE, Tracer, mode_config, release_lag
+from swapkit.planner.segments import build_trace, to_segments
 from swapkit.planner.sampling import measure_modes
 from swapkit.planner.steps import ModelSource
 from swapkit.runtime.resolve import with_num_layers

@@ -8,8 +8,9 @@ came out 60% slower than it ran a minute later while the keep run was right, and
 predicted recompute far too expensive. On CPU every mode therefore gets its own model and session
 up front and the modes take turns, step by step (A B C A B C ...), so each sees the same mix of
 load; the select-recompute scopes are picked from the keep run's warm-up step (bytes only) and
-join before the timed steps. The tracing overhead is one factor for all of them (:func:`pooled_factor`). On CUDA (a dedicated device, and one model copy per mode might not
-fit) the modes run one after the other.
+join before the timed steps. The tracing overhead is one factor for all of them
+(:func:`pooled_factor`). On CUDA (a dedicated device, and one model copy per mode might not fit)
+the modes run one after the other.
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from typing import Callable
 import torch
 
 from swapkit.config.types import Config
-from swapkit.planner.measure import Tracer, candidate_scopes, scale_segments, to_segments, tracing_factor
+from swapkit.planner.measure import Tracer, candidate_scopes
+from swapkit.planner.segments import scale_segments, to_segments, tracing_factor
 from swapkit.planner.steps import BuiltinSteps, ModelSource, ModelSteps
 
 
@@ -125,7 +127,8 @@ def measure_modes(first: dict[str, Config], later: Later, device: torch.device, 
             runs[mode] = ModeRun(config, device, patterns, model)
         _rounds(runs, range(warmup), record=False)
         keep = next(iter(runs.values()))
-        added = {mode: ModeRun(config, device, patterns, model) for mode, config in later(keep.last, keep.scopes).items()}
+        picked = later(keep.last, keep.scopes)
+        added = {mode: ModeRun(config, device, patterns, model) for mode, config in picked.items()}
         _rounds(added, range(warmup), record=False)
         runs.update(added)
         _rounds(runs, range(warmup, warmup + steps), record=True)
