@@ -157,6 +157,24 @@ def test_a_storage_crossing_layers_is_one_storage_whatever_mode_each_layer_runs_
     assert peaks == [6000, 5000, 4000]
 
 
+def test_each_copy_costs_the_compute_thread_the_measured_overhead():
+    from swapkit.planner.run import copy_overhead
+
+    trace = synthetic_trace()
+    step = compose(trace)
+    swap = lambda layer, scope: None if layer is None else 1  # noqa: E731 - the probe
+    plain = simulate(step, swap, FAST)
+    assert plain.copies > 0
+    charged = simulate(step, swap, Links(FAST.d2h, FAST.h2d, 0.0, 1e-3))
+    assert charged.step_seconds == pytest.approx(plain.step_seconds + plain.copies * 1e-3)
+    assert charged.peak_device_bytes == plain.peak_device_bytes  # a fast link: releases still in time
+    keep = simulate(step, lambda layer, scope: None, FAST).step_seconds
+    # the probe ran 0.1 s slower than keep where the replay predicts no difference: 0.1 s over its copies
+    overhead = copy_overhead(trace, FAST, 1.0, 1.1 + plain.step_seconds - keep, 1024)
+    assert overhead * plain.copies == pytest.approx(0.1)
+    assert copy_overhead(trace, FAST, 1.0, 0.9, 1024) == 0.0  # noise never makes copies free
+
+
 def test_useful_scopes_drop_a_scope_that_owns_exactly_what_its_layer_owns():
     trace = synthetic_trace(saves=1)  # only attention saves: the layer and attention own the same bytes
     assert useful_scopes(trace, 0, ["", "attention", "feed_forward"], 1024) == [""]

@@ -31,9 +31,12 @@ What the planner predicts, and where it is wrong:
   time a restore waits for its host-to-device copy (exposed wait: it delays everything after it),
   plus the step's time outside session events. Recompute cost is in the measured recompute
   segment's backward.
-- Not modelled: copies slowing compute (on CPU the worker's memcpy takes a core from the compute
-  threads; on CUDA copies share memory bandwidth), the session's per-save bookkeeping for swapped
-  tensors (a few microseconds each), allocator effects (``torch.cuda.max_memory_allocated`` also sees
+- Each copy costs the compute thread ``copy_overhead_s`` (issuing it, the session's bookkeeping for
+  a swapped storage, and on the thread engine the worker's memcpy and interpreter-lock hand-offs
+  competing with compute; on CUDA copies share memory bandwidth): the probe run's measured slowdown
+  over the keep run, beyond the waits the replay predicts for it, per copy it made
+  (``swapkit.planner.run`` Note [Copy overhead]). One number for every copy, large or small.
+- Not modelled: allocator effects (``torch.cuda.max_memory_allocated`` also sees
   what recompute re-materializes in backward, the session does not), and run-to-run noise in the
   measured compute times. A swap whose release lands near the end of forward depends on copy
   timing: a copy slower than predicted leaves it on the device at the peak.
@@ -70,6 +73,7 @@ class Links:
     d2h: Link
     h2d: Link
     release_lag_s: float = 0.0
+    copy_overhead_s: float = 0.0  # compute time each copy costs the compute thread (Note [Cost model])
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,7 @@ class Prediction:
     wait_seconds: float
     late_fetches: int
     peak_if_prompt: int = 0  # the peak if every copy were seen finished on time (no release lag)
+    copies: int = 0  # copies per step, both directions
     layer_wait: tuple[tuple[int | None, float], ...] = ()  # exposed wait by layer (None: outside layers)
 
     @property
@@ -115,13 +120,15 @@ class _Replay:
         self.bytes = self.peak = self.moved = self.late = 0
         self.due: list[tuple[int, int, _Record]] = []  # (horizon, issue order, record) still to release
         self.pending: list[_Record] = []  # due, copy maybe unfinished; issue order
-        self.issued = 0
+        self.issued = self.copies = 0
         self.layer_wait: dict[int | None, float] = {}  # exposed wait by the layer whose storage was late
 
     def _copy(self, link: Link, nbytes: int) -> float:
+        self.now += self.links.copy_overhead_s  # issuing and running it slows compute (Note [Cost model])
         start = max(self.now, self.queue_free)
         self.queue_free = start + link.seconds(nbytes)
         self.moved += nbytes
+        self.copies += 1
         return self.queue_free
 
     def _add(self, nbytes: int) -> None:
@@ -223,7 +230,7 @@ def simulate(step: FlatStep, swap_k: Callable[[int | None, str | None], int | No
     replay.backward()
     prompt = replay.peak
     if links.release_lag_s:
-        prompt_replay = _Replay(step, swap_k, Links(links.d2h, links.h2d), min_offload_bytes)
+        prompt_replay = _Replay(step, swap_k, Links(links.d2h, links.h2d, 0.0, links.copy_overhead_s), min_offload_bytes)
         prompt_replay.forward()
         prompt_replay.backward()
         prompt = prompt_replay.peak
@@ -231,4 +238,4 @@ def simulate(step: FlatStep, swap_k: Callable[[int | None, str | None], int | No
     waits = tuple(sorted(((layer, n * wait) for layer, wait in replay.layer_wait.items()),
                          key=lambda item: (item[0] is None, item[0] or 0)))
     return Prediction(replay.peak, n * replay.now + step.other_seconds, n * replay.moved, n * replay.wait,
-                      n * replay.late, prompt, waits)
+                      n * replay.late, prompt, n * replay.copies, waits)

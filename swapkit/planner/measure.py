@@ -91,6 +91,7 @@ from swapkit.plan.trace import PRE, RECOMPUTE, SELECT
 from swapkit.runtime.binding import module_tree
 
 PROBE = "probe"
+PROBE_DISTANCE = 1  # the probe swaps every layer with this backward_prefetch
 
 
 class Tracer:
@@ -282,7 +283,7 @@ def mode_config(config: Config, mode: str) -> Config:
     (``select:<scope>``), or (``PROBE``) swapped with distance 1 to see when copies are seen finished."""
     select = {op_pattern(mode[len(SELECT):]): True} if mode.startswith(SELECT) else False
     recompute = MindFormersRecompute(recompute=mode == RECOMPUTE, select_recompute=select)
-    swap = SwapConfig(swap=mode == PROBE, layer_swap=(SwapEntry(1, True),) if mode == PROBE else None)
+    swap = SwapConfig(swap=mode == PROBE, layer_swap=(SwapEntry(PROBE_DISTANCE, True),) if mode == PROBE else None)
     train = dataclasses.replace(config.train, resume=False, save_dir=None, save_interval=None,
                                 gradient_accumulation_steps=1)  # one micro-batch per measured step
     return dataclasses.replace(config, recompute=recompute, swap=swap, train=train)

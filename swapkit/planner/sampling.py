@@ -76,15 +76,17 @@ class ModeRun:
             self.samples["traced"].append(end - start)
         return tracer
 
-    def result(self, factor: float | None = None) -> tuple[tuple, dict, list[list[str]], list]:
-        """``((segments per step, backward order, other seconds), scope seconds, scopes, copies)``,
-        traced times scaled by ``factor`` (default: this mode's untraced over traced step time)."""
+    def result(self, factor: float | None = None) -> tuple[tuple, dict, list[list[str]], list, float]:
+        """``((segments per step, backward order, other seconds), scope seconds, scopes, copies,
+        median untraced step seconds)``, traced times scaled by ``factor`` (default: this mode's
+        untraced over traced step time)."""
         samples = self.samples
         factor = tracing_factor(samples["traced"], samples["plain"]) if factor is None else factor
         seconds = {key: statistics.median(values) * factor for key, values in self.scope_seconds.items()}
         segments = [scale_segments(step, factor) for step in samples["segments"]]
         other = statistics.median(samples["others"]) * factor
-        return (segments, samples["orders"][-1], other), seconds, self.scopes, samples["copies"]
+        return ((segments, samples["orders"][-1], other), seconds, self.scopes, samples["copies"],
+                statistics.median(samples["plain"]))
 
     def close(self) -> None:
         self.run.close()
