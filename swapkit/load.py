@@ -14,7 +14,7 @@ from swapkit.config.errors import Problems
 from swapkit.config.loader import read_config, source_name, warn_inactive_swap, warn_no_effect
 from swapkit.config.types import Config
 from swapkit.plan.plan import check_plan
-from swapkit.plan.readings import flip_warnings
+from swapkit.plan.readings import count_shaped_warnings, flip_warnings
 
 logger = logging.getLogger(__name__)
 SWAP_KEY = "swap_config.swap"
@@ -45,16 +45,15 @@ def load_config(source: str | Path | Mapping[str, Any], overrides: Sequence[str]
     problems.raise_if_any(source_name(source))
     warn_no_effect(config)
     warn_inactive_swap(config)
-    if any(item.partition("=")[0].strip() == SWAP_KEY for item in overrides):
-        _warn_flipped(source, overrides, config)
+    for message in _flipped(source, overrides, config) or count_shaped_warnings(config):
+        logger.warning(message)  # Note [Two readings of a recompute list]
     return config
 
 
-def _warn_flipped(source: str | Path | Mapping[str, Any], overrides: Sequence[str], config: Config) -> None:
-    """The override of ``swap_config.swap`` changed what the recompute lists mean: show both readings."""
+def _flipped(source: str | Path | Mapping[str, Any], overrides: Sequence[str], config: Config) -> list[str]:
+    """An override of ``swap_config.swap`` changed what the recompute lists mean: both readings."""
+    if not any(item.partition("=")[0].strip() == SWAP_KEY for item in overrides):
+        return []
     rest = [item for item in overrides if item.partition("=")[0].strip() != SWAP_KEY]
     file_config = read_config(source, rest, Problems())
-    if file_config is None:
-        return
-    for message in flip_warnings(config, file_config.swap.swap):
-        logger.warning(message)
+    return [] if file_config is None else flip_warnings(config, file_config.swap.swap)
