@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -176,8 +177,6 @@ def test_resume_allows_swap_and_recompute_changes_reports_them_and_matches_bit_f
 
 
 def test_resume_that_flips_swap_shows_both_readings_of_the_recompute_list(tmp_path, caplog):
-    import logging
-
     before = {"model": MODEL, "train": {"batch_size": 2, "save_dir": str(tmp_path / "ckpt")},
               "recompute_config": {"recompute": [1]}}
     train(load_config(before), steps=1, progress=False)
