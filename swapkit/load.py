@@ -42,6 +42,8 @@ def load_config(source: str | Path | Mapping[str, Any], overrides: Sequence[str]
     config = read_config(source, overrides, problems)
     if config is not None and config.model.num_layers is not None:  # else the model counts them (apply)
         check_plan(config, problems, for_model=False)
+    if problems and config is not None:
+        _blame_the_flip(source, overrides, config, problems)
     problems.raise_if_any(source_name(source))
     warn_no_effect(config)
     warn_inactive_swap(config)
@@ -50,10 +52,27 @@ def load_config(source: str | Path | Mapping[str, Any], overrides: Sequence[str]
     return config
 
 
-def _flipped(source: str | Path | Mapping[str, Any], overrides: Sequence[str], config: Config) -> list[str]:
-    """An override of ``swap_config.swap`` changed what the recompute lists mean: both readings."""
+def _file_swap(source: str | Path | Mapping[str, Any], overrides: Sequence[str]) -> bool | None:
+    """``swap_config.swap`` as the file (with the other overrides) says, if an override changes it."""
     if not any(item.partition("=")[0].strip() == SWAP_KEY for item in overrides):
-        return []
+        return None
     rest = [item for item in overrides if item.partition("=")[0].strip() != SWAP_KEY]
     file_config = read_config(source, rest, Problems())
-    return [] if file_config is None else flip_warnings(config, file_config.swap.swap)
+    return None if file_config is None else file_config.swap.swap
+
+
+def _blame_the_flip(source: str | Path | Mapping[str, Any], overrides: Sequence[str], config: Config,
+                    problems: Problems) -> None:
+    """A config that fails after ``--set swap_config.swap`` flipped the file: say the flip changed the lists' reading."""
+    file_swap = _file_swap(source, overrides)
+    if file_swap is not None and file_swap != config.swap.swap and flip_warnings(config, file_swap):
+        now, before = ("true", "false") if config.swap.swap else ("false", "true")
+        problems.add(SWAP_KEY, f"--set {SWAP_KEY}={now} flips the file's {before}, and with it what the recompute "
+                               f"lists mean (per-stage counts with swap off, global layer indices with swap on); "
+                               f"the problems above may come from that: drop the --set or rewrite the lists")
+
+
+def _flipped(source: str | Path | Mapping[str, Any], overrides: Sequence[str], config: Config) -> list[str]:
+    """An override of ``swap_config.swap`` changed what the recompute lists mean: both readings."""
+    file_swap = _file_swap(source, overrides)
+    return [] if file_swap is None else flip_warnings(config, file_swap)

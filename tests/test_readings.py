@@ -24,8 +24,7 @@ def test_swap_on_over_per_stage_counts_shows_both_readings(caplog):
                           "recompute_config": {"recompute": [2, 2]}, "swap_config": {"swap": True}})
     assert [layer.full for layer in build_plan(config).layers] == [False, False, True, False]  # indices win
     assert _warnings(caplog) == [
-        "recompute_config.recompute: [2, 2] reads like per-stage counts (a repeated value or an index past the "
-        "last layer), but swap_config.swap is on, so MindFormers reads it as global layer indices: with swap off, "
+        "recompute_config.recompute: [2, 2] reads like per-stage counts (a repeated value), but swap_config.swap is on, so MindFormers reads it as global layer indices: with swap off, "
         "per-stage counts selecting layers [0, 1, 2, 3]; with swap on, global layer indices selecting layers [2]. "
         "If you meant counts, set swap_config.swap: false; if you meant indices, list each layer once"]
 

@@ -7,8 +7,9 @@ semantics, and warns, showing what the same list selects under both readings, wh
 may not be the one the list was written for:
 - a ``--set swap_config.swap=...`` flips the file's setting (:func:`flip_warnings`);
 - a resume flips the setting the checkpoint's run used (:func:`flip_warnings` with that origin);
-- the file itself turns swap on over lists shaped like per-stage counts: a repeated value, or an
-  index that matches no layer (:func:`count_shaped_warnings`). The opposite direction, swap off
+- the file itself turns swap on over lists shaped like per-stage counts: a repeated value, or at
+  most ``pipeline_stage`` non-negative values one of which is past the last layer
+  (:func:`count_shaped_warnings`). The opposite direction, swap off
   over a list of indices longer than ``pipeline_stage``, is an error whose fix names swap mode
   (:mod:`swapkit.plan.normalize`).
 Pure: no torch.
@@ -46,19 +47,34 @@ def flip_warnings(config: Config, other_swap: bool, origin: str = "the file says
 
 
 def count_shaped_warnings(config: Config) -> list[str]:
-    """Swap on over a list that reads like per-stage counts (a repeated value or an index past the last layer)."""
+    """Swap on over a list that reads like per-stage counts: a repeated value, or non-negative values, no
+    more than ``pipeline_stage`` of them, one past the last layer."""
     if not config.swap.swap:
         return []
-    num_layers = config.model.num_layers
-    shaped = {key: value for key, value in _written_lists(config).items()
-              if any(_count_shaped(values, num_layers) for values in _int_lists(value))}
+    reasons = {key: _count_reason(value, config.model.num_layers, config.parallel.pipeline_stage)
+               for key, value in _written_lists(config).items()}
+    shaped = {key: reason for key, reason in reasons.items() if reason}
     if not shaped:
         return []
     readings = _both_readings(config)
-    return [f"recompute_config.{key}: {value!r} reads like per-stage counts (a repeated value or an index past "
-            f"the last layer), but swap_config.swap is on, so MindFormers reads it as global layer indices: "
-            f"{_show(readings, key)}. If you meant counts, set swap_config.swap: false; if you meant indices, "
-            f"list each layer once" for key, value in shaped.items()]
+    written = _written_lists(config)
+    return [f"recompute_config.{key}: {written[key]!r} reads like per-stage counts ({reason}), but "
+            f"swap_config.swap is on, so MindFormers reads it as global layer indices: {_show(readings, key)}. "
+            f"If you meant counts, set swap_config.swap: false"
+            + ("; if you meant indices, list each layer once" if reason == REPEATED else "")
+            for key, reason in shaped.items()]
+
+
+REPEATED = "a repeated value"
+
+
+def _count_reason(value: Any, num_layers: int, stages: int) -> str | None:
+    for values in _int_lists(value):
+        if len(set(values)) < len(values):
+            return REPEATED
+        if min(values) >= 0 and len(values) <= stages and max(values) >= num_layers:
+            return f"{max(values)} is past the last layer, {num_layers - 1}"
+    return None
 
 
 def _written_lists(config: Config) -> dict[str, Any]:
@@ -73,10 +89,6 @@ def _int_lists(value: Any) -> list[list[int]]:
     candidates = list(value.values()) if isinstance(value, dict) else [value]
     return [list(v) for v in candidates if isinstance(v, (list, tuple)) and v
             and all(isinstance(i, int) and not isinstance(i, bool) for i in v)]
-
-
-def _count_shaped(values: list[int], num_layers: int) -> bool:
-    return len(set(values)) < len(values) or any(i >= num_layers for i in values)
 
 
 def _both_readings(config: Config) -> dict[bool, dict[str, str]]:

@@ -81,7 +81,9 @@ def bind(model: nn.Module, plan: Plan, layers_path: str | Sequence[str] | None =
     paths = tuple(path for path, _ in found)
     if len(layers) != plan.layout.num_layers:
         raise BindError(f"{type(model).__name__}.{' + '.join(paths)} holds {len(layers)} layers but the config says "
-                        f"model.model_config.num_layers: {plan.layout.num_layers}; make them agree")
+                        f"model.model_config.num_layers: {plan.layout.num_layers}; make them agree, or leave "
+                        "num_layers out and swapkit counts the layers (on the command line: --set "
+                        "model.model_config.num_layers=null)")
     _check_units(plan, found)
     bound = [BoundLayer(i, layer, lp, resolve_layer(lp, module_tree(layer)))
              for i, (layer, lp) in enumerate(zip(layers, plan.layers))]
