@@ -25,7 +25,9 @@ surviving record still uses is freed with that record's view.
 Note [Host buffers are cached views]
 The view of a range is kept when the range is freed and handed out again when the same range is
 allocated again (the steady state), which spares slicing a slab on the hot path; a buffer given
-back and asked for again at the same size is therefore the same tensor object.
+back and asked for again at the same size is therefore the same tensor object. Ranges start at other
+offsets when fences pass at other times, so the cache keeps at most twice the most buffers ever out
+at once (plus 16), dropping the oldest views first: its size stops growing with the workload's.
 """
 from __future__ import annotations
 
@@ -38,7 +40,6 @@ import torch
 from swapkit.engine.base import Fence
 from swapkit.engine.slabs import ALIGNMENT, Block, SlabAllocator, next_slab_bytes
 
-_VIEW_CACHE_LIMIT = 4096  # cached views of free ranges (Note [Host buffers are cached views])
 
 
 class HostPool:
@@ -70,6 +71,7 @@ class HostPool:
         self._parked: deque[tuple[Fence, Block, torch.Tensor]] = deque()  # Note [Slab lifetimes]
         self._views: dict[tuple[int, int], torch.Tensor] = {}  # Note [Host buffers are cached views]
         self._lock = threading.Lock()  # buffers come back from autograd threads
+        self._view_limit = 16  # grows with the most buffers out at once (Note [Host buffers are cached views])
         self.allocations = 0
         self._closed = False
 
@@ -102,6 +104,7 @@ class HostPool:
                 return None
             view = self._view(block)
             self._live[view.data_ptr()] = (block, view)
+            self._view_limit = max(self._view_limit, 2 * len(self._live) + 16)
             return view
 
     def release(self, buffer: torch.Tensor) -> None:
@@ -180,6 +183,6 @@ class HostPool:
             if self._slabs.is_free(block.slab):
                 self._slabs.remove_slab(block.slab)
             return
-        if len(self._views) >= _VIEW_CACHE_LIMIT:
-            self._views.clear()
         self._views[(block.slab, block.offset)] = view
+        if len(self._views) > self._view_limit:
+            del self._views[next(iter(self._views))]  # the oldest
