@@ -3,8 +3,11 @@ state, views of any dtype, and the exact-size pinned memory (CUDA calls faked on
 from __future__ import annotations
 
 import gc
+import json
 import random
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +15,8 @@ import torch
 import swapkit
 from swapkit.engine import HostPool, ThreadCopyEngine, make_pool
 from swapkit.engine.pinned import PAGE, pinned_host_memory
-from swapkit.engine.slabs import LARGEST_SLAB, SMALLEST_SLAB, SlabAllocator, next_slab_bytes, round_up
+from swapkit.engine.slabs import (EXACT, EXACT_FROM, LARGEST_SLAB, SHARED, SMALLEST_SLAB, SlabAllocator,
+                                  next_slab_bytes, round_up, slab_kind)
 from tests.toys import GatedEngine, install_engine, layer_swap, llama, llama_batch, llama_step, toy_config
 
 MiB = 1 << 20
@@ -98,6 +102,16 @@ def _check_layout(slabs: SlabAllocator, live: list) -> None:
     assert slabs.free_bytes + sum(b.span for b in live) == slabs.held_bytes
 
 
+def test_requests_stay_in_slabs_of_their_kind():
+    slabs = SlabAllocator()
+    big = slabs.add_slab(300 * 1024, EXACT)
+    small = slabs.add_slab(MiB, SHARED)
+    assert slabs.allocate(200 * 1024).slab == small  # the smaller exact slab is not taken
+    assert slabs.allocate(300 * 1024, EXACT).slab == big
+    assert slabs.allocate(1, EXACT) is None and slabs.kinds == {big: EXACT, small: SHARED}
+    assert slab_kind(EXACT_FROM) == EXACT and slab_kind(EXACT_FROM - 1) == SHARED
+
+
 def test_a_slab_with_allocated_ranges_cannot_be_removed():
     slabs = SlabAllocator()
     slabs.add_slab(4096)
@@ -114,15 +128,15 @@ def test_alignment_must_be_a_power_of_two(bad):
         SlabAllocator(alignment=bad)
 
 
-def test_slab_sizes_double_up_to_the_largest_and_fit_oversize_requests_exactly():
-    held, sizes = 0, []
-    for _ in range(9):
-        size = next_slab_bytes(1000, held, None)
-        sizes.append(size)
-        held += size
-    assert sizes == [SMALLEST_SLAB, 1 * MiB, 2 * MiB, 4 * MiB, 8 * MiB, 16 * MiB, 32 * MiB, 64 * MiB, LARGEST_SLAB]
-    assert next_slab_bytes(100 * MiB + 1, held, None) == 100 * MiB + 1  # one slab of exactly an oversize request
-    assert next_slab_bytes(100 * MiB + 1, held, None, granule=PAGE) == round_up(100 * MiB + 1, PAGE)
+def test_large_requests_get_exact_slabs_and_small_ones_share_slabs_of_an_eighth_of_the_pool():
+    assert next_slab_bytes(1000, 0, None) == SMALLEST_SLAB
+    assert next_slab_bytes(1000, 80 * MiB, None) == 10 * MiB  # an eighth of what is held
+    assert next_slab_bytes(1000, 4096 * MiB, None) == LARGEST_SLAB
+    assert next_slab_bytes(EXACT_FROM, 80 * MiB, None) == EXACT_FROM  # a slab of its own, exactly
+    assert next_slab_bytes(EXACT_FROM - 1, 0, None) == SMALLEST_SLAB
+    assert next_slab_bytes(100 * MiB + 1, 0, None) == 100 * MiB + 1
+    assert next_slab_bytes(100 * MiB + 1, 0, None, granule=PAGE) == round_up(100 * MiB + 1, PAGE)
+    assert next_slab_bytes(1000, 80 * MiB + 1, None, granule=PAGE) == 10 * MiB  # rounded to the granule
 
 
 def test_slab_size_under_the_cap_is_exact_or_refused():
@@ -227,10 +241,10 @@ def test_pool_rejects_an_engine_buffer_that_is_not_flat_uint8():
 
 def test_clear_frees_idle_slabs_at_once_and_busy_ones_when_their_last_buffer_returns():
     pool = HostPool(Recorder())
-    kept = pool.acquire(2 * MiB)  # a slab of exactly 2 MiB (larger than the first slab's 1 MiB)
-    other = pool.acquire(10)  # the next slab doubles what is held: 2 MiB
+    kept = pool.acquire(2 * MiB)  # a slab of exactly 2 MiB
+    other = pool.acquire(10)  # a shared slab of 1 MiB
     pool.release(other)
-    assert pool.total_bytes == 4 * MiB and pool.allocations == 2
+    assert pool.total_bytes == 3 * MiB and pool.allocations == 2
     pool.clear()
     assert pool.total_bytes == 2 * MiB  # the idle slab is gone; the busy one stays counted
     with pytest.raises(ValueError, match="was cleared"):
@@ -314,7 +328,7 @@ def test_thread_engine_pool_parks_a_range_until_its_copy_ran():
 
 # ---------------------------------------------------------------- steady state
 
-SIZES = [3 * 4096, 777, 1 << 18, 4096, 12_345, 1 << 16, 100, 1 << 18, 50_000]
+SIZES = [3 * 4096, 777, 1 << 18, 4096, 3 * MiB + 5, 12_345, 1 << 16, 100, 1 << 18, 50_000]
 
 
 def test_many_simulated_steps_reach_a_steady_state_after_the_first():
@@ -335,7 +349,9 @@ def test_many_simulated_steps_reach_a_steady_state_after_the_first():
         seen.append((pool.allocations, pool.total_bytes, len(pool._live)))
         assert len(pool._parked) <= len(SIZES) and len(pool._views) <= 2 * len(SIZES) + 16  # nothing piles up
     engine.close()
-    assert seen[0] == (1, SMALLEST_SLAB, 0) and len(set(seen)) == 1  # one slab, no growth
+    # one shared slab holds the small buffers, each buffer of 256 KiB or more has an exact slab;
+    # no growth after step 1
+    assert seen[0] == (4, SMALLEST_SLAB + 2 * (1 << 18) + 3 * MiB + 5, 0) and len(set(seen)) == 1
 
 
 def test_session_pool_holds_one_slab_and_stays_flat_over_many_steps():
@@ -446,3 +462,24 @@ def test_cuda_session_pool_pins_exact_slabs_and_stays_flat():
     assert host.is_pinned()
     session.pool.release(host)
     session.remove()
+
+
+# ---------------------------------------------------------------- the benchmark is shipped
+
+def test_host_pool_benchmark_records_exact_bytes_and_no_growth(tmp_path):
+    root = Path(__file__).resolve().parent.parent / "benchmarks"
+    sys.path.insert(0, str(root))
+    try:
+        bench = __import__("host_pool")
+    finally:
+        sys.path.pop(0)
+    assert bench.main(["--quick", "--steps", "3", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "host_pool.json").read_text())
+    assert (tmp_path / "host_pool.md").stat().st_size > 0 and data["env"]["device"] == "cpu"
+    rows = {row["mix"].split(",")[0]: row for row in data["rows"]}
+    for row in rows.values():
+        pool = row["slab_pool"]
+        assert pool["new_slabs_after_first_step"] == 0 and pool["held_bytes_flat_after_first_step"]
+        assert row["data_bytes"] <= pool["held_bytes"] < row["power_of_two"]["held_bytes"]
+        assert row["power_of_two"]["measured"] is False  # modelled on CPU, and the report says so
+    assert rows["Llama-3-8B layer"]["slab_pool_ratio"] == 1.0  # every activation has an exact slab

@@ -38,7 +38,7 @@ from typing import Callable
 import torch
 
 from swapkit.engine.base import Fence
-from swapkit.engine.slabs import ALIGNMENT, Block, SlabAllocator, next_slab_bytes
+from swapkit.engine.slabs import ALIGNMENT, Block, SlabAllocator, next_slab_bytes, slab_kind
 
 
 
@@ -99,8 +99,9 @@ class HostPool:
             if self._closed:
                 raise ValueError("swapkit: this host pool was cleared (its session was removed); it hands out "
                                  "no buffers")
-            block = self._fit(nbytes) or self._grow(nbytes)
-            if block is None:
+            kind = slab_kind(nbytes)
+            block = self._fit(nbytes, kind) or self._grow(nbytes, kind) or self._slabs.allocate(nbytes, 1 - kind)
+            if block is None:  # at the cap, and the other kind of slab has no room either
                 return None
             view = self._view(block)
             self._live[view.data_ptr()] = (block, view)
@@ -139,16 +140,16 @@ class HostPool:
                     self._slabs.remove_slab(slab)
                 del self._memory[slab]
 
-    def _fit(self, nbytes: int) -> Block | None:
+    def _fit(self, nbytes: int, kind: int) -> Block | None:
         """A free range for ``nbytes``, waiting for parked ranges before giving up (Note [Slab lifetimes])."""
         self._reclaim(wait=False)
-        block = self._slabs.allocate(nbytes)
+        block = self._slabs.allocate(nbytes, kind)
         while block is None and self._parked:
             self._reclaim(wait=True)
-            block = self._slabs.allocate(nbytes)
+            block = self._slabs.allocate(nbytes, kind)
         return block
 
-    def _grow(self, nbytes: int) -> Block | None:
+    def _grow(self, nbytes: int, kind: int) -> Block | None:
         """Open a slab sized by :func:`~swapkit.engine.slabs.next_slab_bytes` and allocate from it."""
         size = next_slab_bytes(nbytes, self._slabs.held_bytes, self.max_bytes, self._granule)
         if size is None:
@@ -159,10 +160,10 @@ class HostPool:
                             f"{tuple(memory.shape)}; expected a flat uint8 tensor of at least {size} bytes")
         if self.max_bytes is not None and self._slabs.held_bytes + memory.numel() > self.max_bytes:
             return None  # the allocator rounded past the cap: give the slab back and refuse
-        slab = self._slabs.add_slab(memory.numel())
+        slab = self._slabs.add_slab(memory.numel(), kind)
         self._memory[slab] = memory
         self.allocations += 1
-        return self._slabs.allocate(nbytes)
+        return self._slabs.allocate(nbytes, kind)
 
     def _view(self, block: Block) -> torch.Tensor:
         view = self._views.pop((block.slab, block.offset), None)
