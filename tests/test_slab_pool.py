@@ -466,13 +466,24 @@ def test_cuda_session_pool_pins_exact_slabs_and_stays_flat():
 
 # ---------------------------------------------------------------- the benchmark is shipped
 
-def test_host_pool_benchmark_records_exact_bytes_and_no_growth(tmp_path):
-    root = Path(__file__).resolve().parent.parent / "benchmarks"
-    sys.path.insert(0, str(root))
+def _bench_module(name: str):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
     try:
-        bench = __import__("host_pool")
+        return __import__(name)
     finally:
         sys.path.pop(0)
+
+
+def test_cuda_peers_leave_out_torchtune_with_a_note_when_it_is_not_importable(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchtune", None)  # any import of it fails
+    variants = _bench_module("variants")
+    assert [peer.name for peer in variants.cuda_peers()] == ["peer: torch save_on_cpu(pin_memory=True)"]
+    (note,) = variants.missing_peers()
+    assert note.startswith("peer torchtune OffloadActivations skipped: torchtune is not importable")
+
+
+def test_host_pool_benchmark_records_exact_bytes_and_no_growth(tmp_path):
+    bench = _bench_module("host_pool")
     assert bench.main(["--quick", "--steps", "3", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "host_pool.json").read_text())
     assert (tmp_path / "host_pool.md").stat().st_size > 0 and data["env"]["device"] == "cpu"
