@@ -41,7 +41,6 @@ from swapkit.engine.base import Fence
 from swapkit.engine.slabs import ALIGNMENT, Block, SlabAllocator, next_slab_bytes, slab_kind
 
 
-
 class HostPool:
     """Host slabs sub-allocated into exact-size ``uint8`` buffers, with an optional cap on total bytes.
 
