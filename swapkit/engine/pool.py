@@ -22,6 +22,13 @@ pool. ``clear`` (the session was removed, after its engine synchronized) drops t
 references; a slab whose ranges are all back is then freed (unregistered on CUDA), one a
 surviving record still uses is freed with that record's view.
 
+Note [Host buffer reuse is ordered by the copy queue]
+Callers give a buffer back as soon as they no longer need it (a record issued its prefetch, or
+died), even if a copy that uses it is still queued. That is safe: the range is parked until the
+engine's fence passes (Note [Slab lifetimes]), and even without a fence (a pool made with
+``fence=None``) every copy of an engine runs on one FIFO queue, so the next copy into a reused range
+is queued after every earlier copy that read or wrote it.
+
 Note [Host buffers are cached views]
 The view of a range is kept when the range is freed and handed out again when the same range is
 allocated again (the steady state), which spares slicing a slab on the hot path; a buffer given
