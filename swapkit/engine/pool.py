@@ -29,12 +29,12 @@ engine's fence passes (Note [Slab lifetimes]), and even without a fence (a pool 
 ``fence=None``) every copy of an engine runs on one FIFO queue, so the next copy into a reused range
 is queued after every earlier copy that read or wrote it.
 
-Note [Host buffers are cached views]
-The view of a range is kept when the range is freed and handed out again when the same range is
-allocated again (the steady state), which spares slicing a slab on the hot path; a buffer given
-back and asked for again at the same size is therefore the same tensor object. Ranges start at other
-offsets when fences pass at other times, so the cache keeps at most twice the most buffers ever out
-at once (plus 16), dropping the oldest views first: its size stops growing with the workload's.
+Note [Same-size reuse]
+Steady-state training asks for the same sizes every step, so a freed range is first kept whole in
+a list for its exact size, with its view: a request of that size takes it back at once, as the
+same tensor object, with no best-fit search, split or merge. Only a request no such list serves
+merges every kept range back into the free ranges (coalescing neighbours) before the best fit, so
+kept ranges never make the pool grow.
 """
 from __future__ import annotations
 
@@ -75,9 +75,9 @@ class HostPool:
         self._memory: dict[int, torch.Tensor] = {}  # slab id -> its bytes (dropped by ``clear``)
         self._live: dict[int, tuple[Block, torch.Tensor]] = {}  # data_ptr -> a buffer handed out
         self._parked: deque[tuple[Fence, Block, torch.Tensor]] = deque()  # Note [Slab lifetimes]
-        self._views: dict[tuple[int, int], torch.Tensor] = {}  # Note [Host buffers are cached views]
+        self._kept: dict[int, list[tuple[Block, torch.Tensor]]] = {}  # nbytes -> Note [Same-size reuse]
+        self._kept_bytes = 0
         self._lock = threading.Lock()  # buffers come back from autograd threads
-        self._view_limit = 16  # grows with the most buffers out at once (Note [Host buffers are cached views])
         self.allocations = 0
         self._closed = False
 
@@ -91,7 +91,7 @@ class HostPool:
         """Bytes in free ranges, after reclaiming the ranges whose fences passed."""
         with self._lock:
             self._reclaim(wait=False)
-            return self._slabs.free_bytes
+            return self._slabs.free_bytes + self._kept_bytes
 
     def acquire(self, nbytes: int) -> torch.Tensor | None:
         """A ``uint8`` buffer of exactly ``nbytes``, or ``None`` if a new slab would exceed the cap.
@@ -105,13 +105,17 @@ class HostPool:
             if self._closed:
                 raise ValueError("swapkit: this host pool was cleared (its session was removed); it hands out "
                                  "no buffers")
-            kind = slab_kind(nbytes)
-            block = self._fit(nbytes, kind) or self._grow(nbytes, kind) or self._slabs.allocate(nbytes, 1 - kind)
-            if block is None:  # at the cap, and the other kind of slab has no room either
-                return None
-            view = self._view(block)
+            self._reclaim(wait=False)
+            kept = self._kept.get(nbytes)
+            if kept:  # Note [Same-size reuse]
+                block, view = kept.pop()
+                self._kept_bytes -= block.span
+            else:
+                block = self._place(nbytes)
+                if block is None:
+                    return None
+                view = self._memory[block.slab][block.offset:block.offset + block.nbytes]
             self._live[view.data_ptr()] = (block, view)
-            self._view_limit = max(self._view_limit, 2 * len(self._live) + 16)
             return view
 
     def release(self, buffer: torch.Tensor) -> None:
@@ -140,20 +144,34 @@ class HostPool:
             self._closed = True
             while self._parked:
                 self._free(*self._parked.popleft()[1:])
-            self._views.clear()
+            self._merge_kept()
             for slab in list(self._memory):
                 if self._slabs.is_free(slab):
                     self._slabs.remove_slab(slab)
                 del self._memory[slab]
 
+    def _place(self, nbytes: int) -> Block | None:
+        """Best fit in a slab of the request's kind, else a new slab, else (at the cap) room in the other kind."""
+        kind = slab_kind(nbytes)
+        return self._fit(nbytes, kind) or self._grow(nbytes, kind) or self._slabs.allocate(nbytes, 1 - kind)
+
     def _fit(self, nbytes: int, kind: int) -> Block | None:
         """A free range for ``nbytes``, waiting for parked ranges before giving up (Note [Slab lifetimes])."""
-        self._reclaim(wait=False)
+        self._merge_kept()
         block = self._slabs.allocate(nbytes, kind)
         while block is None and self._parked:
             self._reclaim(wait=True)
+            self._merge_kept()
             block = self._slabs.allocate(nbytes, kind)
         return block
+
+    def _merge_kept(self) -> None:
+        """Give every kept range back to the free ranges, coalesced (Note [Same-size reuse])."""
+        for kept in self._kept.values():
+            for block, _ in kept:
+                self._slabs.free(block)
+        self._kept.clear()
+        self._kept_bytes = 0
 
     def _grow(self, nbytes: int, kind: int) -> Block | None:
         """Open a slab sized by :func:`~swapkit.engine.slabs.next_slab_bytes` and allocate from it."""
@@ -171,12 +189,6 @@ class HostPool:
         self.allocations += 1
         return self._slabs.allocate(nbytes, kind)
 
-    def _view(self, block: Block) -> torch.Tensor:
-        view = self._views.pop((block.slab, block.offset), None)
-        if view is None or view.numel() != block.nbytes:
-            view = self._memory[block.slab][block.offset:block.offset + block.nbytes]
-        return view
-
     def _reclaim(self, wait: bool) -> None:
         """Free parked ranges whose fence passed, in release order; ``wait`` waits for the oldest first."""
         if wait and self._parked:
@@ -185,11 +197,10 @@ class HostPool:
             self._free(*self._parked.popleft()[1:])
 
     def _free(self, block: Block, view: torch.Tensor) -> None:
-        self._slabs.free(block)
-        if block.slab not in self._memory:  # cleared: the slab goes once all of it is back
-            if self._slabs.is_free(block.slab):
-                self._slabs.remove_slab(block.slab)
+        if block.slab in self._memory:
+            self._kept.setdefault(block.nbytes, []).append((block, view))  # Note [Same-size reuse]
+            self._kept_bytes += block.span
             return
-        self._views[(block.slab, block.offset)] = view
-        if len(self._views) > self._view_limit:
-            del self._views[next(iter(self._views))]  # the oldest
+        self._slabs.free(block)  # cleared: the slab goes once all of it is back
+        if self._slabs.is_free(block.slab):
+            self._slabs.remove_slab(block.slab)
