@@ -28,9 +28,9 @@ from typing import Any
 import torch
 
 from swapkit.engine import ThreadCopyEngine, make_pool
+from swapkit.train.model import lm_loss
 
 from common import environment, fresh_model, hardware_line, load_setup, make_batch
-from swapkit.train.model import lm_loss
 
 MiB = 1 << 20
 
@@ -113,8 +113,8 @@ def compare(name: str, sizes: list[int], device: torch.device, steps: int) -> di
 
 def markdown(env: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     lines = ["# Host bytes held for swapped activations", "", hardware_line(env), "",
-             "| mix | buffers | data MiB | slab pool MiB (x data) | slabs | new slabs after step 1 | µs acquire+release "
-             "| power-of-two MiB (x data) |", "|---|---|---|---|---|---|---|---|"]
+             "| mix | buffers | data MiB | slab pool MiB (x data) | slabs | new slabs after step 1 "
+             "| µs acquire+release | power-of-two MiB (x data) |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         pool, pow2 = r["slab_pool"], r["power_of_two"]
         how = "measured" if pow2["measured"] else "modelled"

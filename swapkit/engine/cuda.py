@@ -14,9 +14,10 @@ never overwrite memory such a kernel still reads.
 
 Note [Copy sources and targets outlive their copies]
 The engine keeps every copy's device side (the D2H source, the H2D target) and its host side (a
-view of a pool slab) in ``_inflight`` until the copy's event has completed. Without it, a storage record that dies early (its graph freed mid-forward,
-or a branch whose backward never runs) could return memory to the allocator while the side
-stream still reads or writes it; and host slabs are not the CachingHostAllocator's (``swapkit.engine.pinned``),
+view of a pool slab) in ``_inflight`` until the copy's event has completed. Without it, a storage
+record that dies early (its graph freed mid-forward, or a branch whose backward never runs) could
+return memory to the allocator while the side stream still reads or writes it; and host slabs are
+not the CachingHostAllocator's (``swapkit.engine.pinned``), which would record events for them,
 so nothing but this reference keeps a slab mapped while a copy uses it after the pool was cleared.
 This replaces ``record_stream``, which would delay the reuse of *every* freed block until all later
 side-stream work finished.

@@ -15,7 +15,9 @@ passing means every copy queued before the release finished, the range's device-
 its host-to-device read included) and parks the range until the fence has passed; ``acquire``
 reclaims parked ranges in release order. When no free range fits a request, the pool waits for
 the oldest fences rather than grow: the wait is usually empty (a step's prefetches finished long
-before the next forward), and it keeps the slabs at the steady state and under the cap.
+before the next forward), and it keeps the slabs at the steady state and under the cap. (On CUDA a
+non-empty wait holds the CPU back until the side stream has passed that fence; growing instead
+would pin memory the steady state never needs.)
 A slab's memory itself is kept alive by its views: a view handed out, a view an in-flight copy
 holds (``swapkit.engine.cuda`` Note [Copy sources and targets outlive their copies]), or the
 pool. ``clear`` (the session was removed, after its engine synchronized) drops the pool's own
