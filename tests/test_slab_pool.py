@@ -462,6 +462,7 @@ def test_cuda_session_pool_pins_exact_slabs_and_stays_flat():
     model = build_model(SMALL, seed=1, device="cuda")
     session = swapkit.apply(model, toy_config(4, **layer_swap(2)), layers="layers")
     tokens, targets = (t.cuda() for t in llama_batch())
+    caching_host_bytes = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
     seen = []
     for _ in range(10):
         model.zero_grad(set_to_none=True)
@@ -471,6 +472,8 @@ def test_cuda_session_pool_pins_exact_slabs_and_stays_flat():
         seen.append((session.stats.host_pool_bytes, session.pool.allocations))
     assert session.engine.name == "cuda" and session.stats.offloaded_bytes > 0
     assert len(set(seen)) == 1 and seen[0][0] % PAGE == 0
+    # the slabs are registered, not taken from the power-of-two CachingHostAllocator
+    assert torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) == caching_host_bytes
     host = session.pool.acquire(4096)
     assert host.is_pinned()
     session.pool.release(host)
