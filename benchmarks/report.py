@@ -75,7 +75,8 @@ def render_markdown(results: dict[str, Any]) -> str:
              f"**Hardware/versions:** {hardware_line(env)}", "",
              _setup_line(results), "", MEMORY_NOTE, "", "## Variants", ""]
     lines += variant_table(results["variants"], env["device"].startswith("cuda"))
-    lines += ["", *_notes(results["variants"]), "", "## Checks", ""] + check_table(results["variants"])
+    lines += ["", *_notes(results["variants"]), *[f"- {note}" for note in env.get("skipped_peers", ())]]
+    lines += ["", "## Checks", ""] + check_table(results["variants"])
     lines += ["", "## Targets", "", *target_lines(results["variants"])]
     lines += overhead_section(results.get("layer_swap_overhead"), results["env"])
     lines += ["", "## Prefetch-distance sweep (layer swap)", "", *sweep_section(results["sweep"])]

@@ -47,7 +47,7 @@ from common import Setup, environment, load_setup, make_batch
 from measure import add_ratios, overhead_estimate, probe_fields, run_interleaved, stats_fields, timing_row
 from report import hygiene_warnings, write_all
 from sweep import choose_link, run_sweep
-from variants import ACCOUNTING, BASELINE, LAYER_SWAP, Runner, Variant, cuda_peers, main_variants
+from variants import ACCOUNTING, BASELINE, LAYER_SWAP, Runner, Variant, cuda_peers, main_variants, missing_peers
 
 DEFAULT_OUT = Path("bench-out")  # not benchmarks/results/: those are committed (pass --out to refresh them)
 
@@ -149,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     engine = setup.runtime.get("engine", "auto")
     engine = ("cuda" if setup.device.type == "cuda" else "thread") if engine == "auto" else engine
     env = environment(setup, engine, {v.name: v.sections for v in variants})
+    env["skipped_peers"] = missing_peers() if setup.device.type == "cuda" else []
+    for note in env["skipped_peers"]:
+        print(f"NOTE: {note}", file=sys.stderr)
     rows = compare_variants(setup, variants, batch, plan)
     sweep = prefetch_sweep(setup, batch, rows, plan)
     micro = microbench.run(setup.device, plan.micro_length, plan.micro_reps)

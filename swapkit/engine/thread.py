@@ -48,6 +48,22 @@ class ThreadCopy:
         self.error: BaseException | None = None
 
 
+class ThreadFence:
+    """Passed once the engine's FIFO worker finished ``copy`` and so every copy queued before it
+    (``swapkit.engine.pool`` Note [Slab lifetimes]); a failed or cancelled copy counts as finished."""
+
+    __slots__ = ("_engine", "_copy")
+
+    def __init__(self, engine: ThreadCopyEngine, copy: ThreadCopy) -> None:
+        self._engine, self._copy = engine, copy
+
+    def passed(self) -> bool:
+        return self._copy.done
+
+    def wait(self) -> None:
+        self._engine.wait_done(self._copy)
+
+
 class ThreadCopyEngine:
     """Copies run in FIFO order on one daemon thread.
 
@@ -58,6 +74,7 @@ class ThreadCopyEngine:
     """
 
     name = "thread"
+    host_granule = 1
     #: Bounds of the emulated link (the config checks the same ones, with the key path).
     MAX_LATENCY_S = 1.0
     BANDWIDTH_GBPS = (1e-3, 1e5)
@@ -74,6 +91,8 @@ class ThreadCopyEngine:
         self._waiting = 0
         self._error: BaseException | None = None  # a failed copy nobody was told of yet
         self._closed = False
+        self._last: ThreadCopy | None = None  # the last copy queued
+        self._queue_lock = threading.Lock()
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)
@@ -92,6 +111,10 @@ class ThreadCopyEngine:
         dst = torch.empty(src.numel(), dtype=torch.uint8, device=self.device)
         return dst, self._submit(lambda: self._copy(dst, src))
 
+    def fence(self) -> ThreadFence | None:
+        last = self._last
+        return None if last is None or last.done else ThreadFence(self, last)
+
     def ready(self, copy: ThreadCopy) -> bool:
         """Finished? A failed copy raises here: its bytes must never be trusted (or released)."""
         if copy.done and copy.error is not None:
@@ -100,6 +123,13 @@ class ThreadCopyEngine:
 
     def wait(self, copy: ThreadCopy, timed: bool = False) -> Waited:
         start = time.perf_counter()
+        self.wait_done(copy)
+        if copy.error is not None:
+            self._report(copy.error)
+        return Waited(time.perf_counter() - start)
+
+    def wait_done(self, copy: ThreadCopy) -> None:
+        """Block until the worker finished ``copy`` (successfully or not); reports nothing."""
         if not copy.done:
             with self._finished:
                 self._waiting += 1
@@ -108,9 +138,6 @@ class ThreadCopyEngine:
                         self._finished.wait()
                 finally:  # a KeyboardInterrupt in wait() must not leave the counter raised
                     self._waiting -= 1
-        if copy.error is not None:
-            self._report(copy.error)
-        return Waited(time.perf_counter() - start)
 
     def _report(self, error: BaseException) -> None:
         """Raise a copy's error; once raised it is no longer pending for ``synchronize``."""
@@ -152,7 +179,9 @@ class ThreadCopyEngine:
         if self._worker is None and not self._ensure_worker():
             self._execute(job, copy)  # Note [Copies after close]
             return copy
-        self._jobs.put((job, copy))
+        with self._queue_lock:  # the last copy queued is the last one in the queue (ThreadFence)
+            self._last = copy
+            self._jobs.put((job, copy))
         return copy
 
     def _ensure_worker(self) -> bool:

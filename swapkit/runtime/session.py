@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from swapkit.runtime.binding import Binding
-from swapkit.engine import CopyEngine, HostPool, make_engine
+from swapkit.engine import CopyEngine, HostPool, make_engine, make_pool
 from swapkit.plan.plan import Plan
 from swapkit.runtime.overrides import entry_cause, unused_message
 from swapkit.runtime.recipes import PackedInput, Recipe, tensor_leaves
@@ -233,7 +233,7 @@ class SwapSession:
             if self.engine is not None:
                 self.engine.close()
             self.engine = make_engine(self.plan.runtime, device)
-            self.pool = HostPool(self.engine.host_buffer, self.plan.runtime.max_host_bytes)
+            self.pool = make_pool(self.engine, self.plan.runtime.max_host_bytes)
             self._forward_ticks = None
 
     # ------------------------------------------------------------------ public
