@@ -121,9 +121,9 @@ def _translated_hint(pattern: str, written: list[str], preset: Preset, trees: li
                 f"uses MindFormers' scope names (as swapkit's built-in model does) and needs no preset. Remove "
                 f"model.model_config.preset")
     if not _fits(preset, trees):
-        return (f"{hint}; the {preset.name} preset does not fit this model: none of its scopes "
-                f"({', '.join(_preset_scopes(preset)[:6])}) is in its layers. Set model.model_config.preset to "
-                "the model's family or remove it")
+        return (f"{hint}; the {preset.name} preset does not fit this model: its attention scope "
+                f"{', '.join(quoted(p) for p in preset.scopes['attention'])} is not in its layers. Set "
+                "model.model_config.preset to the model's family or remove it")
     return f"{hint}; this model's layers have no such scope. Write the scope's real name instead"
 
 
@@ -133,13 +133,11 @@ def _source(written: str) -> str:
     return quoted(written)
 
 
-def _preset_scopes(preset: Preset) -> list[str]:
-    return list(dict.fromkeys(p for real in preset.scopes.values() for p in real))
-
-
 def _fits(preset: Preset, trees: list[dict]) -> bool:
-    """Some scope of the preset is in the layers (else the preset is for another family)."""
-    return any(_matches_somewhere(p, trees) for p in _preset_scopes(preset))
+    """The preset's attention scope is in the layers (every family has one; names like ``mlp`` are
+    shared by many families and tell nothing)."""
+    attention = preset.scopes.get("attention", ())
+    return not attention or any(_matches_somewhere(p, trees) for p in attention)
 
 
 def _dotted_hint(pattern: str, paths: list[str], preset: Preset | None) -> str | None:
