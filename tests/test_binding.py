@@ -135,11 +135,11 @@ def test_preset_on_the_builtin_model_names_the_written_pattern():
                         swap_config={"swap": True})
     with pytest.raises(swapkit.BindError) as info:
         swapkit.apply(llama(), config, layers="layers")
-    assert ("op_swap pattern 'self_attn' matches no sub-module in any layer of LlamaModel.layers. The llama preset "
-            "(model.model_config.preset) translated '.*\\.flash_attention' (swapkit's default swap op for "
+    assert ("op_swap pattern 'self_attn' matches no sub-module in any layer of LlamaModel.layers. The llama model preset "
+            "translated '.*\\.flash_attention' (swapkit's default swap op for "
             "swap_config.swap: true) to 'self_attn', but '.*\\.flash_attention' matches this model's layers as "
             "written: the model already uses MindFormers' scope names (as swapkit's built-in model does) and needs "
-            "no preset. Remove model.model_config.preset") in str(info.value)
+            "no preset: remove model.model_config.preset") in str(info.value)
 
 
 def test_pattern_matching_some_layers_is_warned_once(caplog):

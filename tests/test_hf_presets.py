@@ -89,8 +89,8 @@ def test_config_preset_wins_over_detection_and_unknown_names_are_errors():
     assert "model.model_config.preset: unknown model preset 'lama'; did you mean 'llama'?" in str(info.value)
     with pytest.raises(swapkit.BindError) as info:  # gpt2 names (attn) are not in a Llama layer
         swapkit.apply(model, {"model": {"model_config": {"preset": "gpt2"}}, "swap_config": {"swap": True}})
-    assert ("op_swap pattern 'attn' matches no sub-module in any layer of LlamaModel.layers. The gpt2 preset "
-            "(model.model_config.preset) translated '.*\\.flash_attention' (swapkit's default swap op for "
+    assert ("op_swap pattern 'attn' matches no sub-module in any layer of LlamaModel.layers. The gpt2 model preset "
+            "translated '.*\\.flash_attention' (swapkit's default swap op for "
             "swap_config.swap: true) to 'attn'; the gpt2 preset does not fit this model: its attention scope 'attn' "
             "is not in its layers. Set model.model_config.preset to the model's family or remove it") \
         in str(info.value)
@@ -104,9 +104,9 @@ def test_written_mindformers_name_is_named_when_its_translation_binds_nowhere():
         layer.ffn = layer._modules.pop("mlp")
     with pytest.raises(swapkit.BindError) as info:
         swapkit.apply(model, config)
-    assert ("op_swap pattern 'mlp' matches no sub-module in any layer of LlamaModel.layers. The llama preset "
-            "(model.model_config.preset) translated 'feed_forward' to 'mlp'; this model's layers have no such scope. "
-            "Write the scope's real name instead") in str(info.value)
+    assert ("op_swap pattern 'mlp' matches no sub-module in any layer of LlamaModel.layers. The llama model preset "
+            "translated 'feed_forward' to 'mlp'; this model's layers have no such scope. "
+            "Write the scope's real name (children: ffn, input_layernorm, post_attention_layernorm, self_attn)") in str(info.value)
 
 
 @pytest.mark.parametrize("written, hint", [

@@ -139,8 +139,8 @@ def test_preset_that_does_not_fit_the_builtin_model(capsys, tmp_path):
     config = "model: {model_config: {num_layers: 2, preset: llama}}\nswap_config: {swap: true}\n"
     status, _, err = plan_json(capsys, tmp_path, config=config)
     assert status == 2
-    assert ("op_swap pattern 'self_attn' matches no sub-module in any layer of LlamaModel.layers. The llama preset "
-            "(model.model_config.preset) translated '.*\\.flash_attention' (swapkit's default swap op for "
+    assert ("op_swap pattern 'self_attn' matches no sub-module in any layer of LlamaModel.layers. The llama model preset "
+            "translated '.*\\.flash_attention' (swapkit's default swap op for "
             "swap_config.swap: true) to 'self_attn', but '.*\\.flash_attention' matches this model's layers as "
             "written") in err
-    assert "needs no preset. Remove model.model_config.preset" in err
+    assert "needs no preset: remove model.model_config.preset" in err

@@ -87,7 +87,7 @@ def _unmatched_error(kind: str, pattern: str, paths: list[str], model_name: str,
     message = f"{kind} pattern {quoted(pattern)} matches no sub-module in any layer of {model_name}"
     written = _written_for(pattern, preset, plan)
     if written:
-        return f"{message}. {_translated_hint(pattern, written, preset, trees)}"
+        return f"{message}. {_translated_hint(pattern, written, preset, trees, paths)}"
     if pattern == DEFAULT_SWAP_OP:
         return f"{message}. {_default_op_hint(paths)}"
     hint = _dotted_hint(pattern, paths, preset) or _inside_hint(pattern, preset)
@@ -112,19 +112,20 @@ def _written_for(pattern: str, preset: Preset | None, plan: Plan) -> list[str]:
     return [w for w in dict.fromkeys(written) if w != pattern and pattern in preset.translate(w)[0]]
 
 
-def _translated_hint(pattern: str, written: list[str], preset: Preset, trees: list[dict]) -> str:
+def _translated_hint(pattern: str, written: list[str], preset: Preset, trees: list[dict], paths: list[str]) -> str:
     sources = ", ".join(_source(w) for w in written)
-    hint = f"The {preset.name} preset (model.model_config.preset) translated {sources} to {quoted(pattern)}"
+    hint = f"The {preset.name} model preset translated {sources} to {quoted(pattern)}"
     as_written = [w for w in written if _matches_somewhere(w, trees)]
     if as_written:
         return (f"{hint}, but {quoted(as_written[0])} matches this model's layers as written: the model already "
-                f"uses MindFormers' scope names (as swapkit's built-in model does) and needs no preset. Remove "
-                f"model.model_config.preset")
+                f"uses MindFormers' scope names (as swapkit's built-in model does) and needs no preset: remove "
+                "model.model_config.preset")
     if not _fits(preset, trees):
         return (f"{hint}; the {preset.name} preset does not fit this model: its attention scope "
                 f"{', '.join(quoted(p) for p in preset.scopes['attention'])} is not in its layers. Set "
                 "model.model_config.preset to the model's family or remove it")
-    return f"{hint}; this model's layers have no such scope. Write the scope's real name instead"
+    children = ", ".join(p for p in paths if "." not in p)
+    return f"{hint}; this model's layers have no such scope. Write the scope's real name (children: {children})"
 
 
 def _source(written: str) -> str:
