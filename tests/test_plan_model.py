@@ -143,3 +143,28 @@ def test_megatron_module_scope_that_binds_nowhere_is_an_error(capsys, tmp_path):
     assert status == 2
     assert "recompute_config.module_scopes pattern 'ffn' matches no sub-module in any layer of LlamaModel.layers; its layers' " \
            "children are: attention, attention_norm, feed_forward, ffn_norm, hidden_dropout" in err
+
+
+@needs_hf
+def test_several_containers_say_how_to_choose_them(capsys, tmp_path):
+    status, _, err = plan_json(capsys, tmp_path, "--model", "hf:t5")
+    assert status == 2 and "Traceback" not in err
+    assert ("several layer containers in T5Model: encoder.block (6 x T5Block), decoder.block (6 x T5Block); say "
+            "which hold the layers, in order.") in err
+    assert "In a YAML config: set model.model_config.layers_path: [encoder.block, decoder.block]" in err
+    assert "num_layers is" not in err and "None" not in err
+    status, plan, err = plan_json(capsys, tmp_path, "--model", "hf:t5", "--set",
+                                  "model.model_config.layers_path=[encoder.block, decoder.block]")
+    assert status == 0, err
+    assert len(plan["layers"]) == 12  # what the message says to write works
+
+
+def test_preset_that_does_not_fit_the_builtin_model(capsys, tmp_path):
+    config = "model: {model_config: {num_layers: 2, preset: llama}}\nswap_config: {swap: true}\n"
+    status, _, err = plan_json(capsys, tmp_path, config=config)
+    assert status == 2
+    assert ("op_swap pattern 'self_attn' matches no sub-module in any layer of LlamaModel.layers. The llama model preset "
+            "translated '.*\\.flash_attention' (swapkit's default swap op for "
+            "swap_config.swap: true) to 'self_attn', but '.*\\.flash_attention' matches this model's layers as "
+            "written") in err
+    assert "needs no preset: remove model.model_config.preset" in err

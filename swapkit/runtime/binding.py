@@ -76,7 +76,7 @@ def bind(model: nn.Module, plan: Plan, layers_path: str | Sequence[str] | None =
         BindError: a container cannot be found, the layer count differs from ``num_layers``, or a
             uniform recompute unit spans two containers.
     """
-    found = find_containers(model, plan.layers_path if layers_path is None else layers_path, plan.layout.num_layers)
+    found = find_containers(model, plan.layers_path if layers_path is None else layers_path)
     layers = [layer for _, container in found for layer in container]
     paths = tuple(path for path, _ in found)
     if len(layers) != plan.layout.num_layers:
@@ -101,18 +101,17 @@ def describe(found: list[tuple[str, nn.Module]]) -> str:
     return ", ".join(parts)
 
 
-def find_containers(model: nn.Module, paths: str | Sequence[str] | None,
-                    expected: int | None) -> list[tuple[str, nn.Module]]:
+def find_containers(model: nn.Module, paths: str | Sequence[str] | None) -> list[tuple[str, nn.Module]]:
     """The named containers in order, or the one auto-detected container."""
     if paths is None or isinstance(paths, str):
-        return [find_layers(model, paths, expected)]
+        return [find_layers(model, paths)]
     if not paths or len(set(paths)) != len(paths):
         raise BindError(f"layers={list(paths)!r}: expected distinct container paths, e.g. "
                         "['encoder.block', 'decoder.block']")
     return [(path, _walk(model, path)) for path in paths]
 
 
-def find_layers(model: nn.Module, path: str | None, expected: int | None) -> tuple[str, nn.Module]:
+def find_layers(model: nn.Module, path: str | None) -> tuple[str, nn.Module]:
     """The container at ``path``, or the only outermost list of repeated blocks.
 
     A list inside a layer of another candidate (a layer's experts) is not a candidate: it cannot
@@ -126,9 +125,17 @@ def find_layers(model: nn.Module, path: str | None, expected: int | None) -> tup
     if not candidates:
         raise BindError(f"found no nn.ModuleList of repeated layers in {type(model).__name__}; pass "
                         "layers='path.to.layers' (or set model.model_config.layers_path)")
+    raise BindError(_several_containers(type(model).__name__, candidates))
+
+
+def _several_containers(model_name: str, candidates: list[tuple[str, nn.Module]]) -> str:
+    """What to write to choose among several containers, in the API and in a YAML config."""
     found = ", ".join(f"{n} ({len(m)} x {type(m[0]).__name__})" for n, m in candidates)
-    raise BindError(f"several layer containers in {type(model).__name__}: {found}; pass layers='<one of them>' "
-                    f"or a list of them (or set model.model_config.layers_path); num_layers is {expected}")
+    names = [n for n, _ in candidates]
+    return (f"several layer containers in {model_name}: {found}; say which hold the layers, in order. In Python: "
+            f"pass layers={names!r} (or layers={names[0]!r} for one) to swapkit.apply. In a YAML config: set "
+            f"model.model_config.layers_path: [{', '.join(names)}] (swapkit plan also takes --layers {names[0]} "
+            "for one container)")
 
 
 def _outermost(candidates: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
