@@ -6,7 +6,9 @@ Four ways of running the same step, interleaved:
 
 (a) no hooks; (b) identity ``saved_tensors_hooks(lambda t: t, lambda t: t)``; (c) a swapkit
 session that keeps everything (accounting only); (d) a swapkit session that swaps everything
-(layer swap, ``min_offload_bytes: 0``) through the unthrottled thread engine.
+(layer swap, ``min_offload_bytes: 0``) through the unthrottled thread engine, with coalesced copies
+(the default ``runtime.offload_batch_bytes``); (e) the same with ``offload_batch_bytes: 0``, one copy job per
+storage as before coalescing, so the before/after ratio comes from one run.
 
 Cost per saved tensor = (median step time of the way - median of (a)) / saved tensors per step.
 
@@ -54,8 +56,9 @@ class TinyModel(nn.Module):
         return self.layers[0](x * self.weight).sum()
 
 
-def _session(model: nn.Module, swap: bool) -> swapkit.SwapSession:
-    config: dict[str, Any] = {"model": {"model_config": {"num_layers": 1}}, "runtime": {"min_offload_bytes": 0}}
+def _session(model: nn.Module, swap: bool, coalesce: bool = True) -> swapkit.SwapSession:
+    runtime = {"min_offload_bytes": 0, **({} if coalesce else {"offload_batch_bytes": 0})}
+    config: dict[str, Any] = {"model": {"model_config": {"num_layers": 1}}, "runtime": runtime}
     if swap:
         config["swap_config"] = {"swap": True, "layer_swap": [{"backward_prefetch": 8, "layers": True}]}
     return swapkit.apply(model, config, layers="layers")
@@ -90,12 +93,14 @@ def _step(model: nn.Module, x: torch.Tensor, context: Callable[[], ContextManage
 
 
 def run(device: torch.device, length: int, reps: int, width: int = 16) -> dict[str, Any]:
-    """Interleaved reps of (a)-(d); returns microseconds per saved tensor for (b)-(d)."""
+    """Interleaved reps of (a)-(e); returns microseconds per saved tensor for (b)-(e)."""
     x = torch.randn(width, device=device)
-    models = {name: TinyModel(length, width).to(device) for name in ("none", "identity", "keep", "swap")}
-    sessions = {"keep": _session(models["keep"], False), "swap": _session(models["swap"], True)}
+    names = ("none", "identity", "keep", "swap", "swap_per_tensor")
+    models = {name: TinyModel(length, width).to(device) for name in names}
+    sessions = {"keep": _session(models["keep"], False), "swap": _session(models["swap"], True),
+                "swap_per_tensor": _session(models["swap_per_tensor"], True, coalesce=False)}
     contexts = {"none": contextlib.nullcontext, "identity": _identity_hooks,
-                "keep": lambda: sessions["keep"], "swap": lambda: sessions["swap"]}
+                **{name: (lambda s=session: s) for name, session in sessions.items()}}
     saved = count_saved(models["none"], x)
     times: dict[str, list[float]] = {name: [] for name in models}
     for rep in range(reps + 2):  # two warm-up rounds
@@ -106,7 +111,9 @@ def run(device: torch.device, length: int, reps: int, width: int = 16) -> dict[s
     swap_stats = sessions["swap"].stats
     for session in sessions.values():
         session.remove()
-    return _summary(times, saved, length, width, swap_stats)
+    summary = _summary(times, saved, length, width, swap_stats)
+    summary["swap_copy_jobs"] = swap_stats.offload_copies + swap_stats.prefetch_copies
+    return summary
 
 
 def _summary(times: dict[str, list[float]], saved: int, length: int, width: int, swap_stats: Any) -> dict[str, Any]:
@@ -115,6 +122,7 @@ def _summary(times: dict[str, list[float]], saved: int, length: int, width: int,
     return {"ops_in_chain": length, "tensor_bytes": width * 4, "saved_tensors_per_step": saved,
             "reps": len(times["none"]), "step_time_median_s": medians, "us_per_saved_tensor": per_tensor,
             "session_keep_over_identity_us": per_tensor["keep"] - per_tensor["identity"],
+            "over_identity": {name: per_tensor[name] / per_tensor["identity"] for name in per_tensor},
             "swap_offloaded_tensors": swap_stats.offloaded_tensors, "swap_late_fetches": swap_stats.late_fetches}
 
 

@@ -99,6 +99,19 @@ class CudaCopyEngine:
             self._inflight.append((done, src))  # Note [Copy sources and targets outlive their copies]
         return CudaCopy(done)
 
+    def offload_many(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> CudaCopy:
+        """Every pair's copy after one ``wait_stream``, and one event for all (a coalesced batch)."""
+        self._prune()
+        self.stream.wait_stream(self._compute())  # Note [D2H waits for the producer]
+        with torch.cuda.stream(self.stream):
+            for src, dst in pairs:
+                dst.copy_(src, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        with self._lock:
+            self._inflight.append((done, [src for src, _ in pairs]))  # Note [Copy sources and targets ...]
+        return CudaCopy(done)
+
     def prefetch(self, src: torch.Tensor) -> tuple[torch.Tensor, CudaCopy]:
         self._prune()
         compute = self._compute()

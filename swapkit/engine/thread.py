@@ -24,6 +24,15 @@ import torch
 from swapkit.engine.base import Waited, check_source
 
 
+# Note [Grouped copies]
+# ``offload_many`` moves the storages of one coalesced batch (swapkit.runtime.batch Note [Coalesced
+# copies]) as one job: one hand-off to the worker and one completion flag, and one emulated
+# latency per job (the bandwidth term still counts every byte). It builds the job by calling
+# ``offload`` for each pair while a group is open on the calling thread, so ``_submit`` collects the
+# jobs instead of queueing them; engines that wrap ``offload`` (tests inject failures and corruption
+# that way) still see, and can change, every copy. A failed copy fails the whole batch.
+
+
 class CopyCancelled(RuntimeError):
     """A copy still waiting for its emulated delay when the engine was closed or interrupted."""
 
@@ -74,6 +83,8 @@ class ThreadCopyEngine:
         self._waiting = 0
         self._error: BaseException | None = None  # a failed copy nobody was told of yet
         self._closed = False
+        self._group: tuple[int, list[Callable[[], None]]] | None = None  # Note [Grouped copies]
+        self._latency_paid = False  # read and written by whichever thread runs a job
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)
@@ -87,6 +98,17 @@ class ThreadCopyEngine:
             check_source(src, nbytes, data_ptr)
 
         return self._submit(job)
+
+    def offload_many(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> ThreadCopy:
+        """One job, one completion flag for every ``(src, dst)`` pair (Note [Grouped copies])."""
+        copy, jobs = ThreadCopy(), []
+        self._group = (threading.get_ident(), jobs)
+        try:
+            for src, dst in pairs:
+                self.offload(src, dst)  # subclasses that wrap offload still see every copy
+        finally:
+            self._group = None
+        return self._submit(_run_all(jobs), copy)
 
     def prefetch(self, src: torch.Tensor) -> tuple[torch.Tensor, ThreadCopy]:
         dst = torch.empty(src.numel(), dtype=torch.uint8, device=self.device)
@@ -142,13 +164,18 @@ class ThreadCopyEngine:
             self._closing.clear()
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        delay = self.latency_s + (src.numel() / (self.bandwidth_gbps * 1e9) if self.bandwidth_gbps else 0.0)
+        latency, self._latency_paid = (0.0 if self._latency_paid else self.latency_s), True  # Note [Grouped copies]
+        delay = latency + (src.numel() / (self.bandwidth_gbps * 1e9) if self.bandwidth_gbps else 0.0)
         if delay and self._closing.wait(delay):  # the bytes arrive only after the link would have delivered them
             raise CopyCancelled("copy cancelled: the thread copy engine was closed")
         dst.copy_(src)
 
-    def _submit(self, job: Callable[[], None]) -> ThreadCopy:
-        copy = ThreadCopy()
+    def _submit(self, job: Callable[[], None], copy: ThreadCopy | None = None) -> ThreadCopy:
+        group = self._group
+        if group is not None and group[0] == threading.get_ident():  # Note [Grouped copies]
+            group[1].append(job)
+            return _GROUPED
+        copy = copy or ThreadCopy()
         if self._worker is None and not self._ensure_worker():
             self._execute(job, copy)  # Note [Copies after close]
             return copy
@@ -164,6 +191,7 @@ class ThreadCopyEngine:
             return self._worker is not None
 
     def _execute(self, job: Callable[[], None], copy: ThreadCopy) -> None:
+        self._latency_paid = False  # one emulated latency per job (Note [Grouped copies])
         try:
             job()
         except BaseException as err:  # noqa: BLE001 - handed to whoever asks about this copy
@@ -184,6 +212,18 @@ class ThreadCopyEngine:
                 with self._finished:
                     self._finished.notify_all()
             del copy
+
+
+def _run_all(jobs: list[Callable[[], None]]) -> Callable[[], None]:
+    def run() -> None:
+        for job in jobs:
+            job()
+
+    return run
+
+
+#: What ``offload`` returns inside a group: the group's own flag is returned by ``offload_many``.
+_GROUPED = ThreadCopy()
 
 
 def _checked_link(latency_s: float, bandwidth_gbps: float | None) -> tuple[float, float | None]:

@@ -134,6 +134,7 @@ class MicroSteps:
 
     def forward_ended(self, step: MicroStep) -> None:
         step.forward_done = True
+        step.flush()  # its saves are done: its open batch's copy can start (swapkit.runtime.batch)
 
     def poll(self, current: MicroStep) -> None:
         for waiting in self._waiting():

@@ -30,6 +30,20 @@ found by storage. What is still missed is a parameter's storage reached only thr
 alias or a non-view op (``weight.detach()`` saved by a custom function); if another component
 then resizes it, the copy fails loudly (Note [Storages another component may resize] in
 ``swapkit.runtime.records``).
+
+Note [The cost of a save]
+``save`` and ``unpacked`` run once per saved tensor, so a step of many small ops pays for every
+attribute read there. What keeps them lean, each giving the same guarantee as the longer form:
+- the storage index maps ``id(storage)`` to one weak reference to the record; the record knows its
+  storage (a :class:`KeptRecord` holds it, which adds no lifetime because each of its handles holds a
+  keeper of that storage; a :class:`SwapRecord` holds a weak reference), so a recycled id is still
+  caught by ``record.storage() is storage``;
+- ``isinstance(t, nn.Parameter)`` runs the metaclass hook (a failing ``getattr`` on the tensor);
+  :func:`~swapkit.runtime.records.is_parameter` answers the same question from ``type`` and ``__dict__``;
+- the schedule is looked at only once a swap record was queued in the step, the scopes seen only when
+  the frame changed since the previous save, the recomputable outputs only when there are some;
+- in backward, once nothing is left to prefetch, ``unpacked`` returns without taking the lock: only
+  backward pops the prefetch queue and nothing pushes to it any more, so an empty queue stays empty.
 """
 from __future__ import annotations
 
@@ -40,12 +54,14 @@ from collections import defaultdict
 from typing import Any, Callable
 
 import torch
-from torch import nn
 
 from swapkit.config.types import RuntimeConfig
 from swapkit.engine import CopyEngine, HostPool
+from swapkit.runtime.batch import Batch
 from swapkit.runtime.recipes import Recipe, RecomputedOutput
-from swapkit.runtime.records import KeptRecord, Saved, SwapRecord, is_plain, storage_bytes, view_meta
+from swapkit.runtime.records import (
+    KeptRecord, Saved, SwapRecord, is_parameter, is_plain, storage_bytes, view_meta,
+)
 from swapkit.runtime.schedule import TickQueue
 from swapkit.runtime.overrides import NOT_ENTERED, scope_label
 from swapkit.runtime.scope import Frame
@@ -70,7 +86,11 @@ class Step:
         self._on_backward = on_backward
         self.clock = 0
         self.backward_started = self.aborted = False
-        self._index: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+        self._index: dict[int, weakref.ref] = {}  # id(storage) -> its record (Note [The cost of a save])
+        self._batch: Batch | None = None  # the open batch (swapkit.runtime.batch Note [Coalesced copies])
+        self._batches = 0  # batches flushed: their copy order
+        self._scheduled = False  # a swap record was queued this step (Note [The cost of a save])
+        self._last_frame: Frame | None = None  # the frame of the previous save: _seen has it
         self._recomputable: dict[int, tuple[weakref.ref, RecomputedOutput]] = {}
         self._skipped_storages: set[int] = set()
         self._release: TickQueue[SwapRecord] = TickQueue(_horizon)
@@ -88,31 +108,47 @@ class Step:
     # ------------------------------------------------------------------ forward
 
     def save(self, tensor: torch.Tensor, frame: Frame | None) -> Saved:
-        """Pack one tensor saved in forward: tick it, then keep it or start its swap."""
+        """Pack one tensor saved in forward: tick it, then keep it or start its swap.
+
+        This runs once per saved tensor: Note [The cost of a save] keeps it lean."""
         tick = self.clock
-        self.clock += 1
-        self._advance(tick)
-        if frame is not None:
-            self._seen.add((frame.layer, frame.path))
+        self.clock = tick + 1
+        if self._scheduled:
+            self._advance(tick)
+        if frame is not self._last_frame:
+            self._frame_seen(frame)
         if not is_plain(tensor):
             return Saved(tensor.detach(), tensor._version, self, tick, None, None, frame)
         storage = tensor.untyped_storage()
-        nbytes, key, swap_k = storage.nbytes(), id(storage), frame.prefetch if frame is not None else None
-        version = tensor._version
-        parameter = self._is_parameter(tensor, key)
-        if parameter or tensor.device != self.device or nbytes == 0:
-            reason = "parameter" if parameter else "not_on_device" if nbytes else None
-            if swap_k is not None and reason is not None:
-                self._skip(reason, key, nbytes)
+        nbytes, key, version = storage.nbytes(), id(storage), tensor._version
+        parameter = key in self.param_storages or self._is_parameter(tensor, key)
+        if parameter or nbytes == 0 or tensor.device != self.device:
+            self._not_candidate(parameter, key, nbytes, frame)
             return Saved(tensor.detach(), version, self, tick, None, None, frame)
         record = self._lookup(key, storage, version)
         if record is None:
-            recomputed = self._recomputed(key, storage, version)
+            recomputed = self._recomputed(key, storage, version) if self._recomputable else None
             if recomputed is not None:
                 return self._recomputed_handle(tensor, recomputed, tick, frame, version)
             record = self._new_record(tensor, storage, key, nbytes, tick, frame, version)
         if not record.swapped:
             return Saved(tensor.detach(), version, self, tick, record, None, frame)
+        return self._swapped_handle(tensor, record, tick, frame, version)
+
+    def _frame_seen(self, frame: Frame | None) -> None:
+        self._last_frame = frame
+        if self._batch is not None and frame is not self._batch.frame:
+            self.flush()  # the scope changed (swapkit.runtime.batch Note [Coalesced copies])
+        if frame is not None:
+            self._seen.add((frame.layer, frame.path))
+
+    def _not_candidate(self, parameter: bool, key: int, nbytes: int, frame: Frame | None) -> None:
+        reason = "parameter" if parameter else "not_on_device" if nbytes else None
+        if frame is not None and frame.prefetch is not None and reason is not None:
+            self._skip(reason, key, nbytes)
+
+    def _swapped_handle(self, tensor: torch.Tensor, record: SwapRecord, tick: int, frame: Frame | None,
+                        version: int) -> Saved:
         record.saved_again(tick)
         keeper = tensor.detach()  # Note [Version keepers] in swapkit.runtime.records
         if record.released:  # the storage lives on elsewhere; its bytes are already on the host
@@ -125,20 +161,15 @@ class Step:
 
     def _is_parameter(self, tensor: torch.Tensor, key: int) -> bool:
         """Note [Parameters are recognised when saved]"""
-        if key in self.param_storages:
-            return True
-        if isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter):
+        if is_parameter(tensor) or (tensor._base is not None and is_parameter(tensor._base)):
             self.param_storages.add(key)  # later saves of a detached alias are found by storage
             return True
         return False
 
     def _lookup(self, key: int, storage: torch.UntypedStorage, version: int) -> Any:
         found = self._index.get(key)
-        if found is None:
-            return None
-        storage_ref, record_ref = found
-        record = record_ref()
-        if storage_ref() is not storage or record is None or record.version != version:
+        record = found() if found is not None else None
+        if record is None or record.storage() is not storage or record.version != version:
             return None  # a new storage at a recycled id, or the old data was overwritten since
         return record
 
@@ -189,8 +220,8 @@ class Step:
                     frame: Frame | None, version: int) -> Any:
         record = self._swap_record(tensor, storage, key, nbytes, tick, frame, version)
         if record is None:
-            record = KeptRecord(self, nbytes, version)
-        self._index[key] = (weakref.ref(storage), weakref.ref(record))
+            record = KeptRecord(self, nbytes, version, storage)
+        self._index[key] = weakref.ref(record)  # Note [The cost of a save]
         self.stats.saved_bytes += nbytes
         self.device_bytes_added(nbytes)
         return record
@@ -203,16 +234,44 @@ class Step:
             return self._skip("small", key, nbytes)
         if self.tail_ticks is not None and tick + frame.prefetch >= self.tail_ticks:
             return self._skip("tail", key, nbytes)  # Note [The last k ticks stay on the device]
-        host = self.pool.acquire(nbytes)
-        if host is None:
-            return self._skip("host_cap", key, nbytes)
-        record = SwapRecord(self, nbytes, version, frame, tick, host, storage_bytes(storage, tensor.device),
-                            issued=self.stats.offloaded_tensors)
+        record = SwapRecord(self, nbytes, version, frame, tick, self._open_batch(frame, nbytes),
+                            storage_bytes(storage, tensor.device))
         self.stats.offloaded_tensors += 1
         self.stats.offloaded_bytes += nbytes
         self.stats.offloaded_by_scope[frame.label] += nbytes
         self._release.push(record)
+        self._scheduled = True
+        if not self.runtime.offload_batch_bytes:
+            self.flush()
         return record
+
+    def _open_batch(self, frame: Frame, nbytes: int) -> Batch:
+        """The batch a new swap record joins (swapkit.runtime.batch Note [Coalesced copies])."""
+        batch = self._batch
+        if batch is None or not batch.fits(frame, nbytes, self.runtime.offload_batch_bytes):
+            self.flush()
+            batch = self._batch = Batch(self, frame)
+        return batch
+
+    def flush(self) -> None:
+        """Queue the open batch's copy; if the pool refused its region, its storages stay on the device."""
+        batch, self._batch = self._batch, None
+        if batch is None or batch.flushed:
+            return
+        self._batches += 1
+        if not batch.flush(self._batches):
+            self._skip_failed(batch)
+        elif batch.d2h is not None:
+            self.stats.offload_copies += 1
+
+    def _skip_failed(self, batch: Batch) -> None:
+        stats = self.stats
+        stats.offloaded_tensors -= batch.count
+        stats.offloaded_bytes -= batch.data_bytes
+        stats.offloaded_by_scope[batch.frame.label] -= batch.data_bytes
+        if not stats.offloaded_by_scope[batch.frame.label]:
+            del stats.offloaded_by_scope[batch.frame.label]
+        stats.skipped["host_cap"] += batch.data_bytes
 
     def _skip(self, reason: str, key: int, nbytes: int) -> None:
         if key not in self._skipped_storages:
@@ -223,12 +282,19 @@ class Step:
     def _advance(self, tick: int) -> None:
         """Release the records whose horizon has come and whose copy finished."""
         for record in self._release.pop_due(tick):
-            heapq.heappush(self._pending, (record.issued, record))
+            if not record.batch.flushed:
+                self._flush_batch_of(record)
+            if not record.batch.failed:  # a failed batch's storages stay on the device
+                heapq.heappush(self._pending, (record.issued, record))
         while self._pending and self.engine.ready(self._pending[0][1].d2h):  # Note [Releases never stall compute]
             record = heapq.heappop(self._pending)[1]
             record.release()
             self.stats.released_bytes += record.nbytes
             self._prefetch.push(record)
+
+    def _flush_batch_of(self, record: SwapRecord) -> None:
+        if record.batch is self._batch:  # due before its batch filled (Note [Coalesced copies])
+            self.flush()
 
     def scope_entered(self, frame: Frame, cause: str | None) -> None:
         """A scope that configures a swap was entered in forward (``cause``: why its saves would not
@@ -250,6 +316,7 @@ class Step:
 
     def finish_forward(self) -> None:
         """Forward ended without a backward yet: wait for copies, release what is due."""
+        self.flush()
         self.engine.synchronize()
         self._advance(self.clock - 1)
 
@@ -257,6 +324,8 @@ class Step:
 
     def unpacked(self, tick: int) -> None:
         """Backward unpacked a tensor saved at ``tick``: prefetch every record due by then."""
+        if self.backward_started and not (self._scheduled and self._prefetch):
+            return  # nothing left to prefetch; only backward pops this queue (Note [The cost of a save])
         with self.lock:
             if not self.backward_started and torch._C._current_graph_task_id() != -1:
                 self._begin_backward()
@@ -265,9 +334,11 @@ class Step:
 
     def _begin_backward(self) -> None:
         self.backward_started = True
+        self.flush()
         for record in [r for _, r in self._pending] + self._release.drain():  # Note [The last k ticks ...]
             record.drop_host_copy()
-            self.stats.tail_bytes += record.nbytes
+            if not record.batch.failed:
+                self.stats.tail_bytes += record.nbytes
         self._pending = []
         self._on_backward(self)
 
@@ -301,6 +372,7 @@ class Step:
     def close(self, aborted: bool = False) -> None:
         """Drop the schedule (records live on only through the graph's handles)."""
         self.aborted = self.aborted or aborted
+        self._batch = None  # an open batch's sources go with it; its records keep it for their lifetime
         self._release.drain()
         self._prefetch.drain()
         self._pending = []

@@ -1,0 +1,172 @@
+"""Coalesced copies (swapkit.runtime.batch Note [Coalesced copies]): views, shared storages, mixed
+dtypes, late fetches, injected copy failures and the host cap, each against an unwrapped reference."""
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import swapkit
+from swapkit.engine import ThreadCopyEngine
+from swapkit.runtime.batch import ALIGN
+from tests.toys import GatedEngine, ReadyWhenDone, assert_grads_equal, grads, install_engine, layer_swap, toy_config
+
+
+class Mixed(torch.autograd.Function):
+    """Saves views of one storage, float64, bfloat16 and odd sizes; backward reads every one of them."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        wide = x.double() * 1.5
+        half = (x * 0.5).to(torch.bfloat16)
+        ctx.save_for_backward(x, x.t(), x[1:, 2:], wide, half, wide[:, ::2])
+        return x.sin() + wide.float() + half.float()
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:
+        x, xt, corner, wide, half, strided = ctx.saved_tensors
+        out = g * x.cos() + g * xt.t()
+        out[1:, 2:] += corner
+        out += wide.float() * half.float()
+        out[:, ::2] += strided.float()
+        return out
+
+
+class MixedBlock(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return Mixed.apply(x * self.weight)
+
+
+class MixedNet(nn.Module):
+    def __init__(self, layers: int = 3, dim: int = 5) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(MixedBlock(dim) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x.sum()
+
+
+def run(model: nn.Module, session=None, x=None):
+    x = torch.linspace(-1, 1, 15).reshape(3, 5).requires_grad_() if x is None else x
+    if session is None:
+        model(x).backward()
+    else:
+        with session:
+            model(x).backward()
+    return {**grads(model), "input": x.grad.clone()}
+
+
+def swapped(model: nn.Module, engine: ThreadCopyEngine | None = None, k: int = 1, **runtime):
+    session = swapkit.apply(model, toy_config(len(model.layers), **layer_swap(k, **runtime)), layers="layers")
+    install_engine(session, engine or ReadyWhenDone())
+    return session
+
+
+@pytest.mark.parametrize("k", [2, 3, 5])
+def test_views_shared_storages_and_mixed_dtypes_are_bit_identical_with_coalescing(k):
+    reference = MixedNet()
+    expected = run(reference)
+    stats = {}
+    for coalesce in (0, 1 << 20):
+        model = copy.deepcopy(reference)
+        model.zero_grad(set_to_none=True)
+        session = swapped(model, k=k, offload_batch_bytes=coalesce)
+        assert_grads_equal(run(model, session), expected)
+        stats[coalesce] = session.stats
+    alone, coalesced = stats[0], stats[1 << 20]
+    assert alone.offload_copies == alone.offloaded_tensors  # one copy per storage without coalescing
+    assert coalesced.offloaded_tensors == alone.offloaded_tensors  # still one move per storage
+    assert coalesced.offloaded_bytes == alone.offloaded_bytes and coalesced.prefetched_bytes == alone.prefetched_bytes
+    assert 0 < coalesced.offload_copies < coalesced.offloaded_tensors
+    assert 0 < coalesced.prefetch_copies < coalesced.prefetched_tensors
+    assert coalesced.prefetched_tensors == alone.prefetched_tensors > 0
+
+
+def test_the_host_region_is_one_buffer_of_aligned_slots_reused_next_step():
+    model = MixedNet(layers=1)
+    session = swapped(model, k=50)  # nothing comes due before the forward ends: one batch for the layer
+    run(model, session)
+    first = session.stats
+    assert first.offload_copies == 1 and first.host_allocations == 1
+    sizes = (15 * 4, 15 * 4, 15 * 8, 15 * 2)  # the layer's input, x, wide, half: odd sizes get aligned slots
+    assert first.host_pool_bytes == sum(-(-n // ALIGN) * ALIGN for n in sizes) > sum(sizes)
+    run(model, session)
+    assert session.stats.host_allocations == 0  # the same region size comes back: reused
+
+
+def test_late_fetches_wait_for_the_batch_copy_and_stay_exact():
+    reference = MixedNet()
+    expected = run(reference)
+    model = copy.deepcopy(reference)
+    model.zero_grad(set_to_none=True)
+    engine = GatedEngine()
+    session = swapped(model, engine, k=2)
+    x = torch.linspace(-1, 1, 15).reshape(3, 5).requires_grad_()
+    engine.gate.set()
+    with session:
+        out = model(x)
+    assert session._step.stats.released_bytes > 0  # the exit waited for the copies and released
+    engine.gate.clear()  # every prefetch now blocks until the timer opens the gate
+    threading.Timer(0.05, engine.gate.set).start()
+    out.backward()
+    assert_grads_equal({**grads(model), "input": x.grad}, expected)
+    stats = session.stats
+    assert stats.late_fetches >= 1 and stats.wait_seconds >= 0.03
+    assert 0 < stats.prefetch_copies < stats.prefetched_tensors
+
+
+class FailsOnSecondCopy(ThreadCopyEngine):
+    """The second storage copied to host fails (inside its batch's one job)."""
+
+    def __init__(self) -> None:
+        super().__init__("cpu")
+        self.offloads = 0
+
+    def offload(self, src, dst):
+        self.offloads += 1
+        if self.offloads == 2:
+            return self._submit(lambda: (_ for _ in ()).throw(MemoryError("host copy failed")))
+        return super().offload(src, dst)
+
+
+def test_an_injected_copy_failure_fails_the_whole_batch_and_the_next_step_is_exact():
+    reference = MixedNet()
+    expected = run(reference)
+    model = copy.deepcopy(reference)
+    model.zero_grad(set_to_none=True)
+    session = swapped(model, FailsOnSecondCopy(), k=1)
+    with pytest.raises(MemoryError, match="host copy failed"):
+        run(model, session)
+    assert session.stats.aborted and not session.active
+    model.zero_grad(set_to_none=True)
+    assert_grads_equal(run(model, session), expected)  # the third and later copies succeed
+    assert session.stats.offload_copies > 0 and not session.stats.aborted
+
+
+def test_a_batch_the_host_cap_refuses_stays_on_the_device_and_is_reported():
+    reference = MixedNet(layers=1)
+    expected = run(reference)
+    model = copy.deepcopy(reference)
+    model.zero_grad(set_to_none=True)
+    session = swapped(model, k=50, max_host_bytes=64)  # the layer's one region needs more
+    assert_grads_equal(run(model, session), expected)
+    stats = session.stats
+    assert stats.offloaded_tensors == stats.offload_copies == stats.prefetched_tensors == 0
+    assert stats.skipped["host_cap"] == stats.saved_bytes and stats.host_pool_bytes == 0
+    assert stats.peak_device_bytes == stats.saved_bytes
+
+
+def test_each_scope_gets_its_own_batch():
+    model = MixedNet(layers=3)
+    session = swapped(model, k=50)  # nothing due before the forward ends: only scope changes flush
+    run(model, session)
+    assert session.stats.offload_copies == 3
