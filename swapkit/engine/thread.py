@@ -170,11 +170,11 @@ class ThreadCopyEngine:
             raise CopyCancelled("copy cancelled: the thread copy engine was closed")
         dst.copy_(src)
 
-    def _submit(self, job: Callable[[], None], copy: ThreadCopy | None = None) -> ThreadCopy:
+    def _submit(self, job: Callable[[], None], copy: ThreadCopy | None = None) -> ThreadCopy | None:
         group = self._group
         if group is not None and group[0] == threading.get_ident():  # Note [Grouped copies]
             group[1].append(job)
-            return _GROUPED
+            return None
         copy = copy or ThreadCopy()
         if self._worker is None and not self._ensure_worker():
             self._execute(job, copy)  # Note [Copies after close]
@@ -222,8 +222,6 @@ def _run_all(jobs: list[Callable[[], None]]) -> Callable[[], None]:
     return run
 
 
-#: What ``offload`` returns inside a group: the group's own flag is returned by ``offload_many``.
-_GROUPED = ThreadCopy()
 
 
 def _checked_link(latency_s: float, bandwidth_gbps: float | None) -> tuple[float, float | None]:
