@@ -10,7 +10,17 @@ session that keeps everything (accounting only); (d) a swapkit session that swap
 (the default ``runtime.offload_batch_bytes``); (e) the same with ``offload_batch_bytes: 0``, one copy job per
 storage as before coalescing, so the before/after ratio comes from one run.
 
-Cost per saved tensor = (median step time of the way - median of (a)) / saved tensors per step.
+Note [Paired per-tensor costs]
+Each repetition runs every way once, in a fixed order. A way's cost per saved tensor in one repetition is
+(its step - (a)'s step of the same repetition) / saved tensors per step, and the reported cost is the
+median over repetitions; the ratio to (b) is the median cost over (b)'s. Two clocks: wall time, and the
+main thread's CPU time (``time.thread_time``). On a shared machine other processes take the cores for
+stretches that wall time counts and CPU time does not, so the CPU-time ratios are the stable ones;
+they cover the hooks' own work on the thread that runs forward and backward (the critical path of a
+GPU step), not the copy thread's. Both are recorded, with the load average before and after.
+
+Run it alone: ``python benchmarks/microbench.py --out benchmarks/results/overhead`` (default output
+``bench-out/overhead``).
 
 It also times the thread engine's own copies of one typical swapped tensor: into a reused host
 buffer (what forward's device-to-host copy into the pool does) and into a freshly allocated buffer
@@ -18,9 +28,15 @@ buffer (what forward's device-to-host copy into the pool does) and into a freshl
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
+import json
+import os
 import statistics
+import sys
+import logging
 import time
+from pathlib import Path
 from typing import Any, Callable, ContextManager
 
 import torch
@@ -82,47 +98,64 @@ def count_saved(model: nn.Module, x: torch.Tensor) -> int:
     return count
 
 
-def _step(model: nn.Module, x: torch.Tensor, context: Callable[[], ContextManager]) -> float:
+def _step(model: nn.Module, x: torch.Tensor, context: Callable[[], ContextManager]) -> tuple[float, float]:
+    """One step's wall and main-thread CPU seconds."""
     model.zero_grad(set_to_none=True)
     synchronize(x.device)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.thread_time()
     with context():
         model(x).backward()
     synchronize(x.device)
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.thread_time() - cpu
+
+
+WAYS = ("none", "identity", "keep", "swap", "swap_per_tensor")
 
 
 def run(device: torch.device, length: int, reps: int, width: int = 16) -> dict[str, Any]:
-    """Interleaved reps of (a)-(e); returns microseconds per saved tensor for (b)-(e)."""
+    """Interleaved reps of (a)-(e); microseconds per saved tensor for (b)-(e) (Note [Paired per-tensor costs])."""
     x = torch.randn(width, device=device)
-    names = ("none", "identity", "keep", "swap", "swap_per_tensor")
-    models = {name: TinyModel(length, width).to(device) for name in names}
+    models = {name: TinyModel(length, width).to(device) for name in WAYS}
     sessions = {"keep": _session(models["keep"], False), "swap": _session(models["swap"], True),
                 "swap_per_tensor": _session(models["swap_per_tensor"], True, coalesce=False)}
     contexts = {"none": contextlib.nullcontext, "identity": _identity_hooks,
                 **{name: (lambda s=session: s) for name, session in sessions.items()}}
     saved = count_saved(models["none"], x)
-    times: dict[str, list[float]] = {name: [] for name in models}
+    load_before = os.getloadavg()
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in models}
     for rep in range(reps + 2):  # two warm-up rounds
         for name, model in models.items():
             seconds = _step(model, x, contexts[name])
             if rep >= 2:
                 times[name].append(seconds)
-    swap_stats = sessions["swap"].stats
+    stats = {name: session.stats for name, session in sessions.items()}
     for session in sessions.values():
         session.remove()
-    summary = _summary(times, saved, length, width, swap_stats)
-    summary["swap_copy_jobs"] = swap_stats.offload_copies + swap_stats.prefetch_copies
+    summary = _summary(times, saved, length, width, stats["swap"])
+    summary["load_average"] = {"before": load_before, "after": os.getloadavg()}
+    summary["swap_copy_jobs"] = stats["swap"].offload_copies + stats["swap"].prefetch_copies
+    summary["swap_per_tensor_copy_jobs"] = stats["swap_per_tensor"].offload_copies + stats["swap_per_tensor"].prefetch_copies
     return summary
 
 
-def _summary(times: dict[str, list[float]], saved: int, length: int, width: int, swap_stats: Any) -> dict[str, Any]:
-    medians = {name: statistics.median(values) for name, values in times.items()}
-    per_tensor = {name: (medians[name] - medians["none"]) / saved * 1e6 for name in medians if name != "none"}
+def _costs(times: dict[str, list[tuple[float, float]]], saved: int, clock: int) -> dict[str, float]:
+    """Median over repetitions of each way's paired cost per saved tensor, in microseconds."""
+    base = [t[clock] for t in times["none"]]
+    return {name: statistics.median((t[clock] - b) / saved * 1e6 for t, b in zip(values, base))
+            for name, values in times.items() if name != "none"}
+
+
+def _summary(times: dict[str, list[tuple[float, float]]], saved: int, length: int, width: int,
+             swap_stats: Any) -> dict[str, Any]:
+    wall, cpu = _costs(times, saved, 0), _costs(times, saved, 1)
     return {"ops_in_chain": length, "tensor_bytes": width * 4, "saved_tensors_per_step": saved,
-            "reps": len(times["none"]), "step_time_median_s": medians, "us_per_saved_tensor": per_tensor,
-            "session_keep_over_identity_us": per_tensor["keep"] - per_tensor["identity"],
-            "over_identity": {name: per_tensor[name] / per_tensor["identity"] for name in per_tensor},
+            "reps": len(times["none"]),
+            "step_time_median_s": {name: statistics.median(t[0] for t in v) for name, v in times.items()},
+            "step_cpu_median_s": {name: statistics.median(t[1] for t in v) for name, v in times.items()},
+            "us_per_saved_tensor": wall, "cpu_us_per_saved_tensor": cpu,
+            "session_keep_over_identity_us": wall["keep"] - wall["identity"],
+            "over_identity": {name: wall[name] / wall["identity"] for name in wall},
+            "cpu_over_identity": {name: cpu[name] / cpu["identity"] for name in cpu},
             "swap_offloaded_tensors": swap_stats.offloaded_tensors, "swap_late_fetches": swap_stats.late_fetches}
 
 
@@ -146,3 +179,59 @@ def _timed(work: Callable[[], Any]) -> float:
     start = time.perf_counter()
     work()
     return time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="swapkit's per-saved-tensor overhead (Note [Paired per-tensor costs])")
+    parser.add_argument("--out", type=Path, default=Path("bench-out/overhead"))
+    parser.add_argument("--length", type=int, default=2000, help="sin ops in the chain (saved tensors per step)")
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    args = parser.parse_args(argv)
+    logging.getLogger("swapkit").setLevel(logging.ERROR)
+    result = {"env": _env(args), "microbench": run(torch.device(args.device), args.length, args.reps)}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "overhead.json").write_text(json.dumps(result, indent=1) + "\n")
+    text = "\n".join(report_lines(result)) + "\n"
+    (args.out / "overhead.md").write_text(text)
+    print(text)
+    return 0
+
+
+def _env(args: argparse.Namespace) -> dict[str, Any]:
+    import platform, datetime  # noqa: E401 - only the standalone run records these
+    return {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+            "python": platform.python_version(), "swapkit": swapkit.__version__, "device": args.device,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "length": args.length, "reps": args.reps}
+
+
+def report_lines(result: dict[str, Any]) -> list[str]:
+    """A Markdown table of the standalone run."""
+    micro, env = result["microbench"], result["env"]
+    load = micro["load_average"]
+    lines = [f"# Per-saved-tensor overhead ({env['date']}, torch {env['torch']}, {env['cpu_count']} cores, "
+             f"{env['torch_threads']} torch threads, {env['device']})", "",
+             f"{micro['saved_tensors_per_step']} saved tensors of {micro['tensor_bytes']} bytes per step, "
+             f"{micro['reps']} interleaved repetitions, load average {load['before'][0]:.1f} before and "
+             f"{load['after'][0]:.1f} after. Costs are medians of paired per-repetition differences to (a) "
+             "(Note [Paired per-tensor costs] in benchmarks/microbench.py).", "",
+             "| way | wall us/tensor | wall over (b) | main-thread CPU us/tensor | CPU over (b) |",
+             "|---|---|---|---|---|"]
+    for name in WAYS[1:]:
+        lines.append(f"| {LABELS[name]} | {micro['us_per_saved_tensor'][name]:.2f} | "
+                     f"{micro['over_identity'][name]:.2f}x | {micro['cpu_us_per_saved_tensor'][name]:.2f} | "
+                     f"{micro['cpu_over_identity'][name]:.2f}x |")
+    lines += ["", f"Copy jobs per step: {micro['swap_copy_jobs']} coalesced (d) vs "
+                  f"{micro['swap_per_tensor_copy_jobs']} one per storage (e), for {micro['swap_offloaded_tensors']} "
+                  f"swapped storages; {micro['swap_late_fetches']} late fetches in (d)'s last step."]
+    return lines
+
+
+LABELS = {"none": "(a) no hooks", "identity": "(b) identity saved_tensors_hooks",
+          "keep": "(c) swapkit session, keep all", "swap": "(d) swapkit session, swap all (min_offload_bytes 0)",
+          "swap_per_tensor": "(e) as (d), offload_batch_bytes 0 (one copy job per storage)"}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

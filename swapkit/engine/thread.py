@@ -27,10 +27,13 @@ from swapkit.engine.base import Waited, check_source
 # Note [Grouped copies]
 # ``offload_many`` moves the storages of one coalesced batch (swapkit.runtime.batch Note [Coalesced
 # copies]) as one job: one hand-off to the worker and one completion flag, and one emulated
-# latency per job (the bandwidth term still counts every byte). It builds the job by calling
-# ``offload`` for each pair while a group is open on the calling thread, so ``_submit`` collects the
-# jobs instead of queueing them; engines that wrap ``offload`` (tests inject failures and corruption
-# that way) still see, and can change, every copy. A failed copy fails the whole batch.
+# latency per job (the bandwidth term still counts every byte). The job checks each source
+# (swapkit.runtime.records Note [Storages another component may resize]) and copies it, in a
+# plain loop. An engine whose ``offload`` is replaced (a subclass or an instance attribute: tests
+# inject failures and corruption that way, the benchmark's move check counts copies) still sees,
+# and can change, every copy: the job is then built by calling that ``offload`` for each pair while
+# a group is open on the calling thread, so ``_submit`` collects the jobs instead of queueing them.
+# A failed copy fails the whole batch.
 
 
 class CopyCancelled(RuntimeError):
@@ -101,14 +104,35 @@ class ThreadCopyEngine:
 
     def offload_many(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> ThreadCopy:
         """One job, one completion flag for every ``(src, dst)`` pair (Note [Grouped copies])."""
+        if self._copies_unchanged():
+            sources, targets = [src for src, _ in pairs], [dst for _, dst in pairs]
+            queued = [(src.untyped_storage().nbytes(), src.data_ptr()) for src in sources]
+            return self._submit(lambda: self._copy_all(targets, sources, queued))
         copy, jobs = ThreadCopy(), []
         self._group = (threading.get_ident(), jobs)
         try:
             for src, dst in pairs:
-                self.offload(src, dst)  # subclasses that wrap offload still see every copy
+                self.offload(src, dst)  # a replaced offload still sees every copy
         finally:
             self._group = None
         return self._submit(_run_all(jobs), copy)
+
+    def _copies_unchanged(self) -> bool:
+        """Neither ``offload`` nor ``_copy`` replaced (Note [Grouped copies])."""
+        cls = type(self)
+        return "offload" not in self.__dict__ and cls.offload is ThreadCopyEngine.offload \
+            and cls._copy is ThreadCopyEngine._copy
+
+    def _copy_all(self, targets: list[torch.Tensor], sources: list[torch.Tensor],
+                  queued: list[tuple[int, int]]) -> None:
+        """Copy every source whose storage still has the size and address it was queued with, in one
+        ``_foreach_copy_`` (one release of the GIL for the batch, not one per storage)."""
+        for src, (nbytes, data_ptr) in zip(sources, queued):  # swapkit.runtime.records Note [Storages another ...]
+            check_source(src, nbytes, data_ptr)
+        self._link_delay(sum(src.numel() for src in sources))
+        torch._foreach_copy_(targets, sources)
+        for src, (nbytes, data_ptr) in zip(sources, queued):
+            check_source(src, nbytes, data_ptr)
 
     def prefetch(self, src: torch.Tensor) -> tuple[torch.Tensor, ThreadCopy]:
         dst = torch.empty(src.numel(), dtype=torch.uint8, device=self.device)
@@ -164,11 +188,16 @@ class ThreadCopyEngine:
             self._closing.clear()
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self._link_delay(src.numel())
+        dst.copy_(src)
+
+    def _link_delay(self, nbytes: int) -> None:
+        """Sleep as long as the emulated link takes for ``nbytes`` (its latency once per job); a close
+        or Ctrl-C cancels the sleep (Note [Ctrl-C and the emulated link])."""
         latency, self._latency_paid = (0.0 if self._latency_paid else self.latency_s), True  # Note [Grouped copies]
-        delay = latency + (src.numel() / (self.bandwidth_gbps * 1e9) if self.bandwidth_gbps else 0.0)
+        delay = latency + (nbytes / (self.bandwidth_gbps * 1e9) if self.bandwidth_gbps else 0.0)
         if delay and self._closing.wait(delay):  # the bytes arrive only after the link would have delivered them
             raise CopyCancelled("copy cancelled: the thread copy engine was closed")
-        dst.copy_(src)
 
     def _submit(self, job: Callable[[], None], copy: ThreadCopy | None = None) -> ThreadCopy | None:
         group = self._group

@@ -41,7 +41,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from swapkit.engine.base import storage_changed
-from swapkit.runtime.records import slot
 
 if TYPE_CHECKING:
     from swapkit.runtime.records import StepState
@@ -99,8 +98,15 @@ class Batch:
             self.failed = True
             return False
         self.host, self.issued = host, issued  # returned by the records' let_go even if the copy fails
-        self.d2h = self.step.engine.offload_many([(src, slot(host, o, src.numel())) for src, o, _ in sources])
+        self.d2h = self.step.engine.offload_many(list(zip([src for src, _, _ in sources], self._slots(host, sources))))
         return True
+
+    def _slots(self, host: torch.Tensor, sources: list[tuple[torch.Tensor, int, int]]) -> list[torch.Tensor]:
+        """Each source's slot of the region, all cut by one ``split_with_sizes`` (data and padding alternate)."""
+        sizes = []
+        for (src, offset, _), end in zip(sources, [o for _, o, _ in sources[1:]] + [host.numel()]):
+            sizes += [src.numel(), end - offset - src.numel()]
+        return list(host.split_with_sizes(sizes)[::2])
 
     def fetch(self) -> None:
         """Issue the one host-to-device copy of the region (once); the host region returns to the pool."""

@@ -122,7 +122,7 @@ class KeptRecord:
     of the same storage (swapkit.runtime.step Note [The cost of a save])."""
 
     __slots__ = ("step", "nbytes", "version", "_storage", "__weakref__")
-    swapped = False
+    swapped = released = False
 
     def __init__(self, step: StepState, nbytes: int, version: int, storage: torch.UntypedStorage) -> None:
         self.step, self.nbytes, self.version, self._storage = step, nbytes, version, storage
@@ -182,8 +182,9 @@ class SwapRecord:
         self._check_source(storage)
         if self.step.verify and storage is not None:  # Note [Verify mode]
             self.checksum = checksum(storage_bytes(storage, self.step.engine.device))
-        for keeper in self.keepers:
-            with torch.autograd._unsafe_preserve_version_counter(keeper):
+        keepers = tuple(self.keepers)
+        with torch.autograd._unsafe_preserve_version_counter(keepers):  # one for all of them
+            for keeper in keepers:
                 keeper.set_()
         self.keepers.clear()
         self.released = True
@@ -205,7 +206,7 @@ class SwapRecord:
         if batch.device is None:
             batch.fetch()
             step.stats.prefetch_copies += 1  # under the step's lock (Note [Unpacks from several threads])
-        self.device_buffer, self.h2d = slot(batch.device, self.offset, self.nbytes), batch.h2d
+        self.device_buffer, self.h2d = batch.device, batch.h2d  # the whole region: restore reads at offset
         self._let_go()
         step.prefetched(self.nbytes)
         self._set_resident(True)
@@ -223,14 +224,14 @@ class SwapRecord:
         if first:
             step.restored(self.issued_at - tick, timing if late else None)
             self._verify(buffer)
-        return rebuild(buffer, meta)
+        return rebuild(buffer, meta, self.offset)
 
     def _verify(self, buffer: torch.Tensor) -> None:
         """Note [Verify mode]"""
         expected, self.checksum = self.checksum, None
         if expected is None:
             return
-        got = checksum(buffer)
+        got = checksum(slot(buffer, self.offset, self.nbytes))  # this record's bytes of the batch's region
         if not torch.equal(got, expected):
             raise RuntimeError(
                 f"swapkit verify: the bytes restored for a tensor saved in {self.frame.label} during step "
@@ -299,10 +300,11 @@ def view_meta(tensor: torch.Tensor) -> tuple:
             tensor.is_neg())
 
 
-def rebuild(buffer: torch.Tensor, meta: tuple) -> torch.Tensor:
-    """The view ``meta`` describes, on the storage of ``buffer`` (Note [One move per storage])."""
+def rebuild(buffer: torch.Tensor, meta: tuple, at: int = 0) -> torch.Tensor:
+    """The view ``meta`` describes, on the storage of ``buffer`` whose bytes start ``at`` bytes into
+    ``buffer`` (a record's slot of a batch's region, aligned to ``batch.ALIGN``; Note [One move per storage])."""
     dtype, size, stride, offset, conj, neg = meta
-    offset += buffer.storage_offset() // dtype.itemsize  # a slot of a batch's region (batch.ALIGN)
+    offset += (buffer.storage_offset() + at) // dtype.itemsize
     out = torch.empty(0, dtype=dtype, device=buffer.device).set_(buffer.untyped_storage(), offset, size, stride)
     if neg:
         out = torch._neg_view(out)

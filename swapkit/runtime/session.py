@@ -172,13 +172,15 @@ class SwapSession:
         return step.save(tensor, frame)
 
     def _unpack(self, saved: Saved) -> torch.Tensor:
-        if saved.keeper._version != saved.version:
+        keeper = saved.keeper
+        if keeper._version != saved.version:
             raise _modified_error(saved)
-        if saved.step is not None:
-            saved.step.unpacked(saved.tick)
+        step = saved.step
+        if step is not None and step.watch_unpacks:  # swapkit.runtime.step Note [The cost of a save]
+            step.unpacked(saved.tick)
         record = saved.record
-        if record is None or not record.swapped or not record.released:
-            return saved.keeper
+        if record is None or not record.released:  # a kept record is never released
+            return keeper
         return record.restore(saved.meta, saved.tick)
 
     # ------------------------------------------------------------------ output recompute

@@ -42,8 +42,10 @@ attribute read there. What keeps them lean, each giving the same guarantee as th
   :func:`~swapkit.runtime.records.is_parameter` answers the same question from ``type`` and ``__dict__``;
 - the schedule is looked at only once a swap record was queued in the step, the scopes seen only when
   the frame changed since the previous save, the recomputable outputs only when there are some;
-- in backward, once nothing is left to prefetch, ``unpacked`` returns without taking the lock: only
-  backward pops the prefetch queue and nothing pushes to it any more, so an empty queue stays empty.
+- in backward, once nothing is left to prefetch, the step turns ``watch_unpacks`` off and the session's
+  unpack no longer calls it: only backward pops the prefetch queue and nothing pushes to it any more,
+  so an empty queue stays empty (a :class:`~swapkit.runtime.microsteps.MicroStep` keeps watching: it
+  looks ahead into other micro-steps);
 """
 from __future__ import annotations
 
@@ -68,6 +70,7 @@ from swapkit.runtime.scope import Frame
 from swapkit.runtime.stats import SwapStats
 
 
+
 def _horizon(record: SwapRecord) -> int:
     return record.horizon
 
@@ -86,6 +89,7 @@ class Step:
         self._on_backward = on_backward
         self.clock = 0
         self.backward_started = self.aborted = False
+        self.watch_unpacks = True  # the session calls unpacked() (Note [The cost of a save])
         self._index: dict[int, weakref.ref] = {}  # id(storage) -> its record (Note [The cost of a save])
         self._batch: Batch | None = None  # the open batch (swapkit.runtime.batch Note [Coalesced copies])
         self._batches = 0  # batches flushed: their copy order
@@ -104,6 +108,7 @@ class Step:
         self._entered: dict[tuple[int, str], str | None] = {}  # swap scopes entered in forward -> cause
         self._seen: set[tuple[int, str]] = set()  # scopes a forward save reached
         self.lock = threading.RLock()  # swapkit.runtime.records Note [Unpacks from several threads]
+        self._bytes_lock = threading.Lock()  # device_bytes: records die on any thread; taken after self.lock
 
     # ------------------------------------------------------------------ forward
 
@@ -120,19 +125,38 @@ class Step:
         if not is_plain(tensor):
             return Saved(tensor.detach(), tensor._version, self, tick, None, None, frame)
         storage = tensor.untyped_storage()
-        nbytes, key, version = storage.nbytes(), id(storage), tensor._version
-        parameter = key in self.param_storages or self._is_parameter(tensor, key)
+        key, version = id(storage), tensor._version
+        found = self._index.get(key)
+        record = found() if found is not None else None
+        if record is None or record.storage() is not storage or record.version != version:
+            return self._first_save(tensor, storage, key, tick, frame, version)  # new, recycled id, or overwritten
+        if not record.swapped:
+            return Saved(tensor.detach(), version, self, tick, record, None, frame)
+        return self._swapped_handle(tensor, record, tick, frame, version)
+
+    def _first_save(self, tensor: torch.Tensor, storage: torch.UntypedStorage, key: int, tick: int,
+                    frame: Frame | None, version: int) -> Saved:
+        """A storage this step has no record of: a parameter, foreign or empty (kept, no record), a
+        recomputable output, or a new kept or swapped record."""
+        nbytes = storage.nbytes()
+        parameter = key in self.param_storages or (  # a plain non-view tensor without attributes is none
+            (type(tensor) is not torch.Tensor or tensor._base is not None or tensor.__dict__)
+            and self._is_parameter(tensor, key))
         if parameter or nbytes == 0 or tensor.device != self.device:
             self._not_candidate(parameter, key, nbytes, frame)
             return Saved(tensor.detach(), version, self, tick, None, None, frame)
-        record = self._lookup(key, storage, version)
+        recomputed = self._recomputed(key, storage, version) if self._recomputable else None
+        if recomputed is not None:
+            return self._recomputed_handle(tensor, recomputed, tick, frame, version)
+        record = self._swap_record(tensor, storage, key, nbytes, tick, frame, version) \
+            if frame is not None and frame.prefetch is not None else None
+        self.stats.saved_bytes += nbytes  # only the forward thread saves
+        self.device_bytes_added(nbytes)
         if record is None:
-            recomputed = self._recomputed(key, storage, version) if self._recomputable else None
-            if recomputed is not None:
-                return self._recomputed_handle(tensor, recomputed, tick, frame, version)
-            record = self._new_record(tensor, storage, key, nbytes, tick, frame, version)
-        if not record.swapped:
+            record = KeptRecord(self, nbytes, version, storage)
+            self._index[key] = weakref.ref(record)  # Note [The cost of a save]
             return Saved(tensor.detach(), version, self, tick, record, None, frame)
+        self._index[key] = weakref.ref(record)
         return self._swapped_handle(tensor, record, tick, frame, version)
 
     def _frame_seen(self, frame: Frame | None) -> None:
@@ -161,17 +185,11 @@ class Step:
 
     def _is_parameter(self, tensor: torch.Tensor, key: int) -> bool:
         """Note [Parameters are recognised when saved]"""
-        if is_parameter(tensor) or (tensor._base is not None and is_parameter(tensor._base)):
+        base = tensor._base
+        if is_parameter(tensor) or (base is not None and is_parameter(base)):
             self.param_storages.add(key)  # later saves of a detached alias are found by storage
             return True
         return False
-
-    def _lookup(self, key: int, storage: torch.UntypedStorage, version: int) -> Any:
-        found = self._index.get(key)
-        record = found() if found is not None else None
-        if record is None or record.storage() is not storage or record.version != version:
-            return None  # a new storage at a recycled id, or the old data was overwritten since
-        return record
 
     def register_outputs(self, recipe: Recipe, outputs: list[torch.Tensor], inputs: set[int]) -> None:
         """Outputs a recipe can rebuild (``swapkit.runtime.recipes.Note [Output recompute]``)."""
@@ -216,20 +234,9 @@ class Step:
             self.stats.output_recomputes += 1
             self.device_bytes_added(nbytes)
 
-    def _new_record(self, tensor: torch.Tensor, storage: torch.UntypedStorage, key: int, nbytes: int, tick: int,
-                    frame: Frame | None, version: int) -> Any:
-        record = self._swap_record(tensor, storage, key, nbytes, tick, frame, version)
-        if record is None:
-            record = KeptRecord(self, nbytes, version, storage)
-        self._index[key] = weakref.ref(record)  # Note [The cost of a save]
-        self.stats.saved_bytes += nbytes
-        self.device_bytes_added(nbytes)
-        return record
-
     def _swap_record(self, tensor: torch.Tensor, storage: torch.UntypedStorage, key: int, nbytes: int, tick: int,
-                     frame: Frame | None, version: int) -> SwapRecord | None:
-        if frame is None or frame.prefetch is None:
-            return None
+                     frame: Frame, version: int) -> SwapRecord | None:
+        """A swap record for a new storage saved in a swapped scope, or ``None`` (skipped: kept)."""
         if nbytes < self.runtime.min_offload_bytes:
             return self._skip("small", key, nbytes)
         if self.tail_ticks is not None and tick + frame.prefetch >= self.tail_ticks:
@@ -323,14 +330,20 @@ class Step:
     # ------------------------------------------------------------------ backward
 
     def unpacked(self, tick: int) -> None:
-        """Backward unpacked a tensor saved at ``tick``: prefetch every record due by then."""
-        if self.backward_started and not (self._scheduled and self._prefetch):
-            return  # nothing left to prefetch; only backward pops this queue (Note [The cost of a save])
+        """Backward unpacked a tensor saved at ``tick``: prefetch every record due by then. Once
+        nothing is left to prefetch, ``watch_unpacks`` turns off and the session stops calling."""
         with self.lock:
             if not self.backward_started and torch._C._current_graph_task_id() != -1:
                 self._begin_backward()
             for record in self._prefetch.pop_due(tick):
                 record.fetch(tick)
+            if self.backward_started and not (self._scheduled and self._prefetch):
+                self._prefetches_done()
+
+    def _prefetches_done(self) -> None:
+        """Only backward pops the prefetch queue and nothing pushes to it any more: an empty queue
+        stays empty (Note [The cost of a save])."""
+        self.watch_unpacks = False
 
     def _begin_backward(self) -> None:
         self.backward_started = True
@@ -361,12 +374,13 @@ class Step:
     # ------------------------------------------------------------------ accounting and end
 
     def device_bytes_added(self, nbytes: int) -> None:
-        with self.lock:
-            self.device_bytes += nbytes
-            self.stats.peak_device_bytes = max(self.stats.peak_device_bytes, self.device_bytes)
+        with self._bytes_lock:
+            self.device_bytes = now = self.device_bytes + nbytes
+            if now > self.stats.peak_device_bytes:
+                self.stats.peak_device_bytes = now
 
     def device_bytes_freed(self, nbytes: int) -> None:
-        with self.lock:
+        with self._bytes_lock:
             self.device_bytes -= nbytes
 
     def close(self, aborted: bool = False) -> None:
