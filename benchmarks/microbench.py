@@ -84,6 +84,25 @@ def _identity_hooks() -> ContextManager:
     return torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
 
 
+class _Keeper:
+    """The least a safe keep needs: a detached keeper and the version it had (way (f))."""
+
+    __slots__ = ("keeper", "version")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.keeper, self.version = tensor.detach(), tensor._version
+
+
+def _unpack_keeper(handle: _Keeper) -> torch.Tensor:
+    if handle.keeper._version != handle.version:
+        raise RuntimeError("a saved tensor was modified in place")
+    return handle.keeper
+
+
+def _floor_hooks() -> ContextManager:
+    return torch.autograd.graph.saved_tensors_hooks(_Keeper, _unpack_keeper)
+
+
 def count_saved(model: nn.Module, x: torch.Tensor) -> int:
     """Tensors autograd saves in one forward, counted with a pack hook."""
     count = 0
@@ -109,7 +128,7 @@ def _step(model: nn.Module, x: torch.Tensor, context: Callable[[], ContextManage
     return time.perf_counter() - start, time.thread_time() - cpu
 
 
-WAYS = ("none", "identity", "keep", "swap", "swap_per_tensor")
+WAYS = ("none", "identity", "keep", "swap", "swap_per_tensor", "floor")
 
 
 def run(device: torch.device, length: int, reps: int, width: int = 16) -> dict[str, Any]:
@@ -118,7 +137,7 @@ def run(device: torch.device, length: int, reps: int, width: int = 16) -> dict[s
     models = {name: TinyModel(length, width).to(device) for name in WAYS}
     sessions = {"keep": _session(models["keep"], False), "swap": _session(models["swap"], True),
                 "swap_per_tensor": _session(models["swap_per_tensor"], True, coalesce=False)}
-    contexts = {"none": contextlib.nullcontext, "identity": _identity_hooks,
+    contexts = {"none": contextlib.nullcontext, "identity": _identity_hooks, "floor": _floor_hooks,
                 **{name: (lambda s=session: s) for name, session in sessions.items()}}
     saved = count_saved(models["none"], x)
     load_before = os.getloadavg()
@@ -230,7 +249,8 @@ def report_lines(result: dict[str, Any]) -> list[str]:
 
 LABELS = {"none": "(a) no hooks", "identity": "(b) identity saved_tensors_hooks",
           "keep": "(c) swapkit session, keep all", "swap": "(d) swapkit session, swap all (min_offload_bytes 0)",
-          "swap_per_tensor": "(e) as (d), offload_batch_bytes 0 (one copy job per storage)"}
+          "swap_per_tensor": "(e) as (d), offload_batch_bytes 0 (one copy job per storage)",
+          "floor": "(f) floor: detached keeper + version check, no bookkeeping"}
 
 
 if __name__ == "__main__":

@@ -224,20 +224,22 @@ def sweep_section(sweep: dict[str, Any]) -> list[str]:
 def micro_section(micro: dict[str, Any]) -> list[str]:
     if not micro:
         return ["(not run)"]
-    labels = {"none": "(a) no hooks", "identity": "(b) identity saved_tensors_hooks",
-              "keep": "(c) swapkit session, keep all", "swap": "(d) swapkit session, swap all (min_offload_bytes 0)",
-              "swap_per_tensor": "(e) as (d), offload_batch_bytes 0 (one copy job per storage)"}
+    from microbench import LABELS  # the benchmark's own labels, one place
     per, ratio = micro["us_per_saved_tensor"], micro.get("over_identity", {})
-    body = [[labels[k], _ms(v), "—" if k == "none" else f"{per[k]:.2f}",
-             f"{ratio[k]:.1f}x" if k in ratio else "—"] for k, v in micro["step_time_median_s"].items()]
+    cpu, cpu_ratio = micro.get("cpu_us_per_saved_tensor", {}), micro.get("cpu_over_identity", {})
+    body = [[LABELS[k], _ms(v), "—" if k == "none" else f"{per[k]:.2f}",
+             f"{ratio[k]:.1f}x" if k in ratio else "—", f"{cpu[k]:.2f}" if k in cpu else "—",
+             f"{cpu_ratio[k]:.1f}x" if k in cpu_ratio else "—"] for k, v in micro["step_time_median_s"].items()]
     return [f"A chain of {micro['ops_in_chain']} `sin` ops on {micro['tensor_bytes']}-byte tensors in one layer: "
             f"{micro['saved_tensors_per_step']} saved tensors per step, {micro['reps']} interleaved repetitions. "
-            f"Cost = (median step - median of (a)) / saved tensors. The session's bookkeeping costs "
+            f"Cost = median over repetitions of (step - step of (a) in the same repetition) / saved tensors, on "
+            f"the wall clock and on the main thread's CPU clock. The session's bookkeeping costs "
             f"{micro['session_keep_over_identity_us']:.2f} us per tensor over bare identity hooks. In (e) every "
             f"saved tensor is two copy jobs (out and back) whatever its size; (d) coalesces a scope's storages into "
             f"one job each way ({micro.get('swap_copy_jobs', '?')} jobs for {micro['swap_offloaded_tensors']} "
             f"swapped storages, {micro['swap_late_fetches']} late fetches per step).", ""] + \
-        _table(["way", "step ms (median)", "us per saved tensor (pack + unpack)", "over (b)"], body)
+        _table(["way", "step ms (median)", "us per saved tensor (wall)", "over (b)", "us (main-thread CPU)",
+                "over (b), CPU"], body)
 
 
 def plot_tradeoff(rows: list[dict[str, Any]], path: Path) -> None:

@@ -13,7 +13,10 @@ from torch import nn
 import swapkit
 from swapkit.engine import ThreadCopyEngine
 from swapkit.runtime.batch import ALIGN
-from tests.toys import GatedEngine, ReadyWhenDone, assert_grads_equal, grads, install_engine, layer_swap, toy_config
+from swapkit.engine.base import StorageChangedError
+from tests.toys import (
+    GatedEngine, ReadyWhenDone, ToyNet, assert_grads_equal, grads, install_engine, layer_swap, toy_config,
+)
 
 
 class Mixed(torch.autograd.Function):
@@ -211,3 +214,69 @@ def test_grouped_copies_are_one_job_and_every_byte_arrives():
     engine.close()
     assert all(torch.equal(s, t) for s, t in zip(sources, targets))
     assert engine.jobs == 1 and elapsed >= 0.02  # one hand-off to the worker; the emulated link still delays it
+
+
+class GatedBatches(ThreadCopyEngine):
+    """The one-job batch copy (``_copy_all``, Note [Grouped copies]) waits for ``gate``."""
+
+    def __init__(self) -> None:
+        super().__init__("cpu")
+        self.gate = threading.Event()
+
+    def _copy_all(self, *args) -> None:
+        self.gate.wait(timeout=30)
+        super()._copy_all(*args)
+
+
+def test_a_storage_freed_while_its_batch_copy_waits_in_the_queue_raises():
+    from tests.test_lifecycle import FreedByAnother
+
+    engine = GatedBatches()
+    model = ToyNet(layers=1, block=FreedByAnother)
+    session = swapkit.apply(model, toy_config(1, **layer_swap(1, offload_batch_bytes=0)), layers="layers")
+    install_engine(session, engine)  # offload_batch_bytes 0: each copy is queued when its tensor is saved
+    with pytest.raises(StorageChangedError, match="resized or freed by another component"):
+        with session:
+            model(torch.randn(4, 16)).sum()
+            engine.gate.set()  # the batch job runs now, after the storage was freed
+    assert session.stats.aborted
+
+
+class CorruptsOneSlot(ReadyWhenDone):
+    """After the first batch of several storages is copied, one byte of its second slot is overwritten."""
+
+    def __init__(self) -> None:
+        super().__init__("cpu")
+        self.corrupted = False
+
+    def _copy_all(self, targets, sources, queued) -> None:
+        super()._copy_all(targets, sources, queued)
+        if len(targets) > 1 and not self.corrupted:
+            self.corrupted = True
+            targets[1][:1].add_(1)
+
+
+def test_verify_checks_each_storage_of_a_coalesced_batch():
+    reference = MixedNet()
+    expected = run(reference)
+    model = copy.deepcopy(reference)
+    model.zero_grad(set_to_none=True)
+    session = swapped(model, ReadyWhenDone("cpu"), k=2, verify=True)
+    assert_grads_equal(run(model, session), expected)
+    stats = session.stats
+    assert stats.verified_tensors == stats.prefetched_tensors > stats.prefetch_copies > 0
+    assert stats.offload_copies < stats.offloaded_tensors
+    corrupted = swapped(copy.deepcopy(reference), CorruptsOneSlot(), k=2, verify=True)
+    with pytest.raises(RuntimeError, match=r"swapkit verify: .* saved in layer \d during step 1 differ"):
+        run(corrupted.model, corrupted)
+
+
+def test_an_offload_wrapped_on_the_instance_sees_every_copy_of_a_batch():
+    model = MixedNet()
+    session = swapped(model, ThreadCopyEngine("cpu"), k=50)
+    seen = []
+    original = session.engine.offload
+    session.engine.offload = lambda src, dst: seen.append(src.numel()) or original(src, dst)
+    run(model, session)
+    stats = session.stats
+    assert len(seen) == stats.offloaded_tensors > stats.offload_copies and sum(seen) == stats.offloaded_bytes

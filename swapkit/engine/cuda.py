@@ -13,8 +13,8 @@ on the compute stream; the side stream waits on the compute stream before writin
 never overwrite memory such a kernel still reads.
 
 Note [Copy sources and targets outlive their copies]
-The engine keeps every copy's source (D2H) or target (H2D) in ``_inflight`` until the copy's
-event has completed. Without it, a storage record that dies early (its graph freed mid-forward,
+The engine keeps every copy's source and target in ``_inflight`` until the copy's event has
+completed. Without it, a storage record that dies early (its graph freed mid-forward,
 or a branch whose backward never runs) could return memory to the allocator while the side
 stream still reads or writes it. This replaces ``record_stream``, which would delay the reuse of
 *every* freed block until all later side-stream work finished.
@@ -30,6 +30,22 @@ backward node that unpacks it runs on another stream (a forward that used severa
 buffer is ``record_stream``-ed on that stream at the wait, so the allocator does not reuse it
 while that stream may still read it.
 
+Note [One job per coalesced batch]
+``offload_many`` moves the storages of one coalesced batch (``swapkit.runtime.batch`` Note [Coalesced
+copies]) into one pinned host region: one ``wait_stream`` of the side stream on the compute stream
+before any source is read (Note [D2H waits for the producer]), then one ``copy_`` per storage into its
+slot of the region, all queued back to back on the side stream, and one event recorded after the last
+of them: the batch is ready when that event is, and the session never looks at a slot before. The
+prefetch brings the whole region back with one ``copy_`` into one device buffer and one event; every
+record rebuilds its views on that buffer at its offset. Lifetimes: the engine keeps every source and
+every target of a batch (the device storages and the host region's slots, or the host region and the
+device buffer) in ``_inflight`` until the batch's event has completed (Note [Copy sources and targets
+outlive their copies]): no memory a queued copy reads or writes is freed before the copy ran (by the
+caching allocator, or by the host pool when the session is removed). Reuse is another matter: the
+host pool hands a region to the next batch as soon as its records let go of it, which is safe because
+every copy runs in issue order on the one side stream (``swapkit.engine.pool`` Note [Host buffer
+reuse is ordered by the copy queue]).
+
 Note [Compute stream is read at use]
 ``torch.cuda.current_stream()`` is read on every call, never cached: backward runs on the
 autograd device thread with the stream of each forward op set as current, and users may run
@@ -39,6 +55,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from typing import Any
 
 import torch
 
@@ -82,25 +99,17 @@ class CudaCopyEngine:
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
         self.stream = torch.cuda.Stream(device=self.device)
-        self._inflight: deque[tuple[torch.cuda.Event, torch.Tensor]] = deque()
+        self._inflight: deque[tuple[torch.cuda.Event, Any]] = deque()  # event, what it must keep alive
         self._lock = threading.Lock()  # unpacks run on several autograd threads
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
     def offload(self, src: torch.Tensor, dst: torch.Tensor) -> CudaCopy:
-        self._prune()
-        self.stream.wait_stream(self._compute())  # Note [D2H waits for the producer]
-        with torch.cuda.stream(self.stream):
-            dst.copy_(src, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self.stream)
-        with self._lock:
-            self._inflight.append((done, src))  # Note [Copy sources and targets outlive their copies]
-        return CudaCopy(done)
+        return self.offload_many([(src, dst)])
 
     def offload_many(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> CudaCopy:
-        """Every pair's copy after one ``wait_stream``, and one event for all (a coalesced batch)."""
+        """Every pair's copy after one ``wait_stream``, one event for all (Note [One job per coalesced batch])."""
         self._prune()
         self.stream.wait_stream(self._compute())  # Note [D2H waits for the producer]
         with torch.cuda.stream(self.stream):
@@ -108,8 +117,7 @@ class CudaCopyEngine:
                 dst.copy_(src, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.stream)
-        with self._lock:
-            self._inflight.append((done, [src for src, _ in pairs]))  # Note [Copy sources and targets ...]
+        self._keep_until(done, pairs)  # Note [Copy sources and targets outlive their copies]
         return CudaCopy(done)
 
     def prefetch(self, src: torch.Tensor) -> tuple[torch.Tensor, CudaCopy]:
@@ -121,9 +129,13 @@ class CudaCopyEngine:
             dst.copy_(src, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.stream)
-        with self._lock:
-            self._inflight.append((done, dst))
+        self._keep_until(done, (src, dst))
         return dst, CudaCopy(done, dst, compute)
+
+    def _keep_until(self, done: torch.cuda.Event, held: Any) -> None:
+        """Hold ``held`` (copy sources and targets) until ``done`` has completed."""
+        with self._lock:
+            self._inflight.append((done, held))
 
     def ready(self, copy: CudaCopy) -> bool:
         self._prune()
