@@ -131,12 +131,14 @@ def _step(model: nn.Module, x: torch.Tensor, context: Callable[[], ContextManage
 WAYS = ("none", "identity", "keep", "swap", "swap_per_tensor", "floor")
 
 
-def run(device: torch.device, length: int, reps: int, width: int = 16) -> dict[str, Any]:
-    """Interleaved reps of (a)-(e); microseconds per saved tensor for (b)-(e) (Note [Paired per-tensor costs])."""
+def run(device: torch.device, length: int, reps: int, width: int = 16, ways: tuple[str, ...] = WAYS) -> dict[str, Any]:
+    """Interleaved reps of the ``ways`` ((a) and (b) always); microseconds per saved tensor for all but
+    (a) (Note [Paired per-tensor costs])."""
     x = torch.randn(width, device=device)
-    models = {name: TinyModel(length, width).to(device) for name in WAYS}
-    sessions = {"keep": _session(models["keep"], False), "swap": _session(models["swap"], True),
-                "swap_per_tensor": _session(models["swap_per_tensor"], True, coalesce=False)}
+    models = {name: TinyModel(length, width).to(device) for name in WAYS if name in ways or name in WAYS[:2]}
+    makers = {"keep": lambda m: _session(m, False), "swap": lambda m: _session(m, True),
+              "swap_per_tensor": lambda m: _session(m, True, coalesce=False)}
+    sessions = {name: make(models[name]) for name, make in makers.items() if name in models}
     contexts = {"none": contextlib.nullcontext, "identity": _identity_hooks, "floor": _floor_hooks,
                 **{name: (lambda s=session: s) for name, session in sessions.items()}}
     saved = count_saved(models["none"], x)
@@ -150,10 +152,11 @@ def run(device: torch.device, length: int, reps: int, width: int = 16) -> dict[s
     stats = {name: session.stats for name, session in sessions.items()}
     for session in sessions.values():
         session.remove()
-    summary = _summary(times, saved, length, width, stats["swap"])
+    summary = _summary(times, saved, length, width, stats.get("swap"))
     summary["load_average"] = {"before": load_before, "after": os.getloadavg()}
-    summary["swap_copy_jobs"] = stats["swap"].offload_copies + stats["swap"].prefetch_copies
-    summary["swap_per_tensor_copy_jobs"] = stats["swap_per_tensor"].offload_copies + stats["swap_per_tensor"].prefetch_copies
+    for name in ("swap", "swap_per_tensor"):
+        jobs = getattr(stats.get(name), "offload_copies", None)  # a tree without coalescing has no such counter
+        summary[f"{name}_copy_jobs"] = None if jobs is None else jobs + stats[name].prefetch_copies
     return summary
 
 
@@ -172,10 +175,11 @@ def _summary(times: dict[str, list[tuple[float, float]]], saved: int, length: in
             "step_time_median_s": {name: statistics.median(t[0] for t in v) for name, v in times.items()},
             "step_cpu_median_s": {name: statistics.median(t[1] for t in v) for name, v in times.items()},
             "us_per_saved_tensor": wall, "cpu_us_per_saved_tensor": cpu,
-            "session_keep_over_identity_us": wall["keep"] - wall["identity"],
+            "session_keep_over_identity_us": wall["keep"] - wall["identity"] if "keep" in wall else None,
             "over_identity": {name: wall[name] / wall["identity"] for name in wall},
             "cpu_over_identity": {name: cpu[name] / cpu["identity"] for name in cpu},
-            "swap_offloaded_tensors": swap_stats.offloaded_tensors, "swap_late_fetches": swap_stats.late_fetches}
+            "swap_offloaded_tensors": getattr(swap_stats, "offloaded_tensors", None),
+            "swap_late_fetches": getattr(swap_stats, "late_fetches", None)}
 
 
 def engine_copy_gbps(nbytes: int, reps: int = 10) -> dict[str, float]:
@@ -206,9 +210,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--length", type=int, default=2000, help="sin ops in the chain (saved tensors per step)")
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--ways", default=",".join(WAYS),
+                        help="ways to run, comma-separated (none and identity always run); leave out swap_per_tensor "
+                             "to measure a swapkit tree from before runtime.offload_batch_bytes existed")
     args = parser.parse_args(argv)
     logging.getLogger("swapkit").setLevel(logging.ERROR)
-    result = {"env": _env(args), "microbench": run(torch.device(args.device), args.length, args.reps)}
+    ways = tuple(w for w in args.ways.split(",") if w)
+    unknown = sorted(set(ways) - set(WAYS))
+    if unknown:
+        parser.error(f"--ways: unknown {', '.join(unknown)}; expected some of {', '.join(WAYS)}")
+    micro = run(torch.device(args.device), args.length, args.reps, ways=ways)
+    result = {"env": _env(args), "microbench": micro}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "overhead.json").write_text(json.dumps(result, indent=1) + "\n")
     text = "\n".join(report_lines(result)) + "\n"
@@ -222,7 +234,7 @@ def _env(args: argparse.Namespace) -> dict[str, Any]:
     return {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
             "python": platform.python_version(), "swapkit": swapkit.__version__, "device": args.device,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "length": args.length, "reps": args.reps}
+            "length": args.length, "reps": args.reps, "ways": args.ways}
 
 
 def report_lines(result: dict[str, Any]) -> list[str]:
@@ -237,13 +249,14 @@ def report_lines(result: dict[str, Any]) -> list[str]:
              "(Note [Paired per-tensor costs] in benchmarks/microbench.py).", "",
              "| way | wall us/tensor | wall over (b) | main-thread CPU us/tensor | CPU over (b) |",
              "|---|---|---|---|---|"]
-    for name in WAYS[1:]:
+    for name in [w for w in WAYS[1:] if w in micro["us_per_saved_tensor"]]:
         lines.append(f"| {LABELS[name]} | {micro['us_per_saved_tensor'][name]:.2f} | "
                      f"{micro['over_identity'][name]:.2f}x | {micro['cpu_us_per_saved_tensor'][name]:.2f} | "
                      f"{micro['cpu_over_identity'][name]:.2f}x |")
-    lines += ["", f"Copy jobs per step: {micro['swap_copy_jobs']} coalesced (d) vs "
-                  f"{micro['swap_per_tensor_copy_jobs']} one per storage (e), for {micro['swap_offloaded_tensors']} "
-                  f"swapped storages; {micro['swap_late_fetches']} late fetches in (d)'s last step."]
+    if micro["swap_copy_jobs"] is not None:
+        lines += ["", f"Copy jobs per step (each way together): {micro['swap_copy_jobs']} in (d), "
+                      f"{micro['swap_per_tensor_copy_jobs']} in (e), for {micro['swap_offloaded_tensors']} swapped "
+                      f"storages; {micro['swap_late_fetches']} late fetches in (d)'s last step."]
     return lines
 
 

@@ -65,6 +65,13 @@ def hygiene_warnings(env: dict[str, Any], rows: list[dict[str, Any]]) -> list[st
     for r in faster:
         warnings.append(f"{r['name']} measured faster than the baseline (time ratio {r['time_ratio']:.3f}) although "
                         "it adds work (copies or recompute): noise dominates; more --reps or an idle machine")
+    for r in rows:
+        if "baseline_reprobe_equal" in r.get("checks", {}) and not (r["checks"].get("grads_equal")
+                                                                     and r["checks"].get("loss_equal")):
+            cause = ("the baseline also differed from itself when probed again: the machine's math was not "
+                     "deterministic here, a benchmark artifact" if not r["checks"]["baseline_reprobe_equal"] else
+                     "the baseline matched itself when probed again: look at this variant")
+            warnings.append(f"{r['name']}: loss or gradients differ from the baseline's; {cause}")
     return warnings
 
 

@@ -6,7 +6,8 @@ copy and an event (CUDA) per saved tensor, whatever its size. Instead the step k
 :class:`Batch`: each new swap record takes the next slot of it (its offset, aligned to
 :data:`ALIGN` bytes so every dtype's view can be rebuilt on the region), and nothing is copied yet.
 The batch is *flushed* -- one pooled host region of exactly its size, one copy job with one
-completion handle for all its storages -- when:
+completion handle for all its storages, the slots cut from the region by one ``split_with_sizes`` --
+when:
 - a save arrives from another frame (the scope changed), or the next storage would take the batch
   past ``runtime.offload_batch_bytes`` (``0``: every storage is its own batch, flushed when saved);
 - one of its records comes due for release (a record is released only after its copy finished,

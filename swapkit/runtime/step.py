@@ -34,18 +34,28 @@ then resizes it, the copy fails loudly (Note [Storages another component may res
 Note [The cost of a save]
 ``save`` and ``unpacked`` run once per saved tensor, so a step of many small ops pays for every
 attribute read there. What keeps them lean, each giving the same guarantee as the longer form:
+- ``save`` makes one index lookup; a storage already recorded in this step costs a detach and a
+  handle, and everything else a new storage needs (parameter, device and recompute checks, the
+  record, the accounting) happens once, in ``_first_save``;
 - the storage index maps ``id(storage)`` to one weak reference to the record; the record knows its
   storage (a :class:`KeptRecord` holds it, which adds no lifetime because each of its handles holds a
   keeper of that storage; a :class:`SwapRecord` holds a weak reference), so a recycled id is still
   caught by ``record.storage() is storage``;
-- ``isinstance(t, nn.Parameter)`` runs the metaclass hook (a failing ``getattr`` on the tensor);
-  :func:`~swapkit.runtime.records.is_parameter` answers the same question from ``type`` and ``__dict__``;
+- ``isinstance(t, nn.Parameter)`` runs the metaclass hook (a failing ``getattr`` on the tensor); a plain
+  ``torch.Tensor`` that is not a view and has no attributes is no parameter, and the others are asked
+  :func:`~swapkit.runtime.records.is_parameter`, which answers from ``type`` and ``__dict__``;
 - the schedule is looked at only once a swap record was queued in the step, the scopes seen only when
-  the frame changed since the previous save, the recomputable outputs only when there are some;
+  the frame changed since the previous save, the recomputable outputs only when there are some, and a
+  frame's label (the stats key) is built once per frame;
+- the device-byte counters have their own plain lock (records die on any thread), not the step's
+  re-entrant one;
 - in backward, once nothing is left to prefetch, the step turns ``watch_unpacks`` off and the session's
   unpack no longer calls it: only backward pops the prefetch queue and nothing pushes to it any more,
   so an empty queue stays empty (a :class:`~swapkit.runtime.microsteps.MicroStep` keeps watching: it
-  looks ahead into other micro-steps);
+  looks ahead into other micro-steps).
+What is left is measured by ``benchmarks/microbench.py`` against bare identity hooks and against the
+floor of any safe keep (a detached keeper and its version, Note [Version keepers] in
+``swapkit.runtime.records``): see ``benchmarks/results/overhead``.
 """
 from __future__ import annotations
 
