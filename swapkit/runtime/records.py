@@ -289,9 +289,8 @@ def slot(region: torch.Tensor, offset: int, nbytes: int) -> torch.Tensor:
 
 
 def storage_bytes(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
-    """A flat ``uint8`` view of a whole storage."""
-    flat = torch.empty(0, dtype=torch.uint8, device=device)
-    return flat.set_(storage, 0, (storage.nbytes(),), (1,))
+    """A flat ``uint8`` view of a whole storage (``set_``'s one-argument form: its parsing is the cheap one)."""
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
 
 
 def view_meta(tensor: torch.Tensor) -> tuple:
