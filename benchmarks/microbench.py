@@ -30,11 +30,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
+import logging
 import statistics
 import sys
-import logging
 import time
 from pathlib import Path
 from typing import Any, Callable, ContextManager
@@ -213,13 +214,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ways", default=",".join(WAYS),
                         help="ways to run, comma-separated (none and identity always run); leave out swap_per_tensor "
                              "to measure a swapkit tree from before runtime.offload_batch_bytes existed")
+    parser.add_argument("--no-gc", action="store_true", help="run with Python's cyclic garbage collector disabled")
     args = parser.parse_args(argv)
     logging.getLogger("swapkit").setLevel(logging.ERROR)
     ways = tuple(w for w in args.ways.split(",") if w)
     unknown = sorted(set(ways) - set(WAYS))
     if unknown:
         parser.error(f"--ways: unknown {', '.join(unknown)}; expected some of {', '.join(WAYS)}")
-    micro = run(torch.device(args.device), args.length, args.reps, ways=ways)
+    if args.no_gc:
+        gc.disable()  # what the cyclic collector adds: the objects swapkit keeps per saved tensor trigger it
+    try:
+        micro = run(torch.device(args.device), args.length, args.reps, ways=ways)
+    finally:
+        gc.enable()
     result = {"env": _env(args), "microbench": micro}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "overhead.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -234,7 +241,7 @@ def _env(args: argparse.Namespace) -> dict[str, Any]:
     return {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
             "python": platform.python_version(), "swapkit": swapkit.__version__, "device": args.device,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "length": args.length, "reps": args.reps, "ways": args.ways}
+            "length": args.length, "reps": args.reps, "ways": args.ways, "gc": not args.no_gc}
 
 
 def report_lines(result: dict[str, Any]) -> list[str]:
@@ -242,7 +249,8 @@ def report_lines(result: dict[str, Any]) -> list[str]:
     micro, env = result["microbench"], result["env"]
     load = micro["load_average"]
     lines = [f"# Per-saved-tensor overhead ({env['date']}, torch {env['torch']}, {env['cpu_count']} cores, "
-             f"{env['torch_threads']} torch threads, {env['device']})", "",
+             f"{env['torch_threads']} torch threads, {env['device']}"
+             f"{'' if env.get('gc', True) else ', cyclic GC disabled'})", "",
              f"{micro['saved_tensors_per_step']} saved tensors of {micro['tensor_bytes']} bytes per step, "
              f"{micro['reps']} interleaved repetitions, load average {load['before'][0]:.1f} before and "
              f"{load['after'][0]:.1f} after. Costs are medians of paired per-repetition differences to (a) "

@@ -167,11 +167,6 @@ class SwapRecord:
         """The batch's device-to-host copy (``None`` until the batch is flushed)."""
         return self.batch.d2h
 
-    @property
-    def issued(self) -> tuple[int, int]:
-        """Copy order: batches finish in issue order, and a batch's storages all at once."""
-        return self.batch.issued, self.offset
-
     def saved_again(self, tick: int) -> None:
         """A later save of this storage keeps it (or brings it back) until ``tick + k``."""
         self.horizon = max(self.horizon, tick + self.frame.prefetch)
@@ -188,7 +183,8 @@ class SwapRecord:
                 keeper.set_()
         self.keepers.clear()
         self.released = True
-        self._set_resident(False)
+        self.resident = False
+        self.step.device_bytes_freed(self.nbytes)
 
     def _check_source(self, storage: torch.UntypedStorage | None) -> None:
         """Note [Storages another component may resize]"""
@@ -217,20 +213,20 @@ class SwapRecord:
         step = self.step
         with step.lock:
             late = self.device_buffer is None or (not self.waited and not step.engine.ready(self.h2d))
-            self.fetch(tick)
+            if self.device_buffer is None:
+                self.fetch(tick)
             buffer, copy, first = self.device_buffer, self.h2d, not self.waited
             self.waited = True
         timing = step.engine.wait(copy, timed=late and first)
         if first:
             step.restored(self.issued_at - tick, timing if late else None)
-            self._verify(buffer)
+            if self.checksum is not None:
+                self._verify(buffer)
         return rebuild(buffer, meta, self.offset)
 
     def _verify(self, buffer: torch.Tensor) -> None:
         """Note [Verify mode]"""
         expected, self.checksum = self.checksum, None
-        if expected is None:
-            return
         got = checksum(slot(buffer, self.offset, self.nbytes))  # this record's bytes of the batch's region
         if not torch.equal(got, expected):
             raise RuntimeError(

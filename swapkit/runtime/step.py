@@ -108,7 +108,7 @@ class Step:
         self._recomputable: dict[int, tuple[weakref.ref, RecomputedOutput]] = {}
         self._skipped_storages: set[int] = set()
         self._release: TickQueue[SwapRecord] = TickQueue(_horizon)
-        self._pending: list[tuple[int, SwapRecord]] = []  # due, copy unfinished; by issue order
+        self._pending: list[tuple[int, int, SwapRecord]] = []  # due, copy unfinished; by (batch, offset)
         self._prefetch: TickQueue[SwapRecord] = TickQueue(_horizon, descending=True)
         self._timings: list[Any] = []
         self._allocations_at_start = pool.allocations
@@ -167,7 +167,9 @@ class Step:
             self._index[key] = weakref.ref(record)  # Note [The cost of a save]
             return Saved(tensor.detach(), version, self, tick, record, None, frame)
         self._index[key] = weakref.ref(record)
-        return self._swapped_handle(tensor, record, tick, frame, version)
+        keeper = tensor.detach()  # Note [Version keepers] in swapkit.runtime.records
+        record.keepers.append(keeper)
+        return Saved(keeper, version, self, tick, record, view_meta(tensor), frame)
 
     def _frame_seen(self, frame: Frame | None) -> None:
         self._last_frame = frame
@@ -302,9 +304,10 @@ class Step:
             if not record.batch.flushed:
                 self._flush_batch_of(record)
             if not record.batch.failed:  # a failed batch's storages stay on the device
-                heapq.heappush(self._pending, (record.issued, record))
-        while self._pending and self.engine.ready(self._pending[0][1].d2h):  # Note [Releases never stall compute]
-            record = heapq.heappop(self._pending)[1]
+                heapq.heappush(self._pending, (record.batch.issued, record.offset, record))  # copy order
+        pending = self._pending
+        while pending and self.engine.ready(pending[0][2].batch.d2h):  # Note [Releases never stall compute]
+            record = heapq.heappop(pending)[2]
             record.release()
             self.stats.released_bytes += record.nbytes
             self._prefetch.push(record)
@@ -358,7 +361,7 @@ class Step:
     def _begin_backward(self) -> None:
         self.backward_started = True
         self.flush()
-        for record in [r for _, r in self._pending] + self._release.drain():  # Note [The last k ticks ...]
+        for record in [r for _, _, r in self._pending] + self._release.drain():  # Note [The last k ticks ...]
             record.drop_host_copy()
             if not record.batch.failed:
                 self.stats.tail_bytes += record.nbytes
