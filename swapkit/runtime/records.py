@@ -162,11 +162,6 @@ class SwapRecord:
         self.issued_at = -1  # the backward tick whose unpack issued the prefetch
         self.waited = False
 
-    @property
-    def d2h(self) -> Any:
-        """The batch's device-to-host copy (``None`` until the batch is flushed)."""
-        return self.batch.d2h
-
     def saved_again(self, tick: int) -> None:
         """A later save of this storage keeps it (or brings it back) until ``tick + k``."""
         self.horizon = max(self.horizon, tick + self.frame.prefetch)
