@@ -78,6 +78,9 @@ class CopyEngine(Protocol):
     def offload(self, src: torch.Tensor, dst: torch.Tensor) -> Any:
         """Start copying device bytes ``src`` into host buffer ``dst``; returns a copy handle."""
 
+    def offload_many(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+        """Copy every ``(src, dst)`` pair as one job with one copy handle (a coalesced batch)."""
+
     def prefetch(self, src: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """Allocate a device buffer and start copying host bytes ``src`` into it."""
 

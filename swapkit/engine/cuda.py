@@ -38,6 +38,18 @@ The pool parks a released host range until a fence passes (``swapkit.engine.pool
 lifetimes]). The side stream runs its copies in order, so the event of the last copy queued before
 the release is such a fence: no extra event is recorded per release.
 
+Note [One job per coalesced batch]
+``offload_many`` moves the storages of one coalesced batch (``swapkit.runtime.batch`` Note [Coalesced
+copies]) into one pinned host region: one ``wait_stream`` of the side stream on the compute stream
+before any source is read (Note [D2H waits for the producer]), then one ``copy_`` per storage into its
+slot of the region, all queued back to back on the side stream, and one event recorded after the last
+of them: the batch is ready when that event is, and the session never looks at a slot before. The
+prefetch brings the whole region back with one ``copy_`` into one device buffer and one event; every
+record rebuilds its views on that buffer at its offset. Lifetimes: every source and every target of a
+batch stay in ``_inflight`` until the batch's event has completed (Note [Copy sources and targets
+outlive their copies]). Reuse: a region the records let go of goes back to the pool, which hands its
+range out again only after a fence (Note [Fences are the last copy's event]) has passed.
+
 Note [Compute stream is read at use]
 ``torch.cuda.current_stream()`` is read on every call, never cached: backward runs on the
 autograd device thread with the stream of each forward op set as current, and users may run
@@ -47,6 +59,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from typing import Any
 
 import torch
 
@@ -108,7 +121,7 @@ class CudaCopyEngine:
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
         self.stream = torch.cuda.Stream(device=self.device)
-        self._inflight: deque[tuple[torch.cuda.Event, torch.Tensor, torch.Tensor]] = deque()
+        self._inflight: deque[tuple[torch.cuda.Event, Any]] = deque()  # event, what it must keep alive
         self._last: torch.cuda.Event | None = None  # the event of the last copy queued
         self._lock = threading.Lock()  # unpacks run on several autograd threads
 
@@ -122,13 +135,18 @@ class CudaCopyEngine:
             return None if self._last is None else CudaFence(self._last)
 
     def offload(self, src: torch.Tensor, dst: torch.Tensor) -> CudaCopy:
+        return self.offload_many([(src, dst)])
+
+    def offload_many(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> CudaCopy:
+        """Every pair's copy after one ``wait_stream``, one event for all (Note [One job per coalesced batch])."""
         self._prune()
         self.stream.wait_stream(self._compute())  # Note [D2H waits for the producer]
         with torch.cuda.stream(self.stream):
-            dst.copy_(src, non_blocking=True)
+            for src, dst in pairs:
+                dst.copy_(src, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.stream)
-        self._track(done, src, dst)
+        self._keep_until(done, pairs)  # Note [Copy sources and targets outlive their copies]
         return CudaCopy(done)
 
     def prefetch(self, src: torch.Tensor) -> tuple[torch.Tensor, CudaCopy]:
@@ -140,8 +158,14 @@ class CudaCopyEngine:
             dst.copy_(src, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.stream)
-        self._track(done, dst, src)
+        self._keep_until(done, (src, dst))
         return dst, CudaCopy(done, dst, compute)
+
+    def _keep_until(self, done: torch.cuda.Event, held: Any) -> None:
+        """Hold ``held`` (copy sources and targets) until ``done`` has completed; ``done`` is the new fence."""
+        with self._lock:
+            self._inflight.append((done, held))  # Note [Copy sources and targets outlive their copies]
+            self._last = done  # Note [Fences are the last copy's event]
 
     def ready(self, copy: CudaCopy) -> bool:
         self._prune()
@@ -174,11 +198,6 @@ class CudaCopyEngine:
 
     def _compute(self) -> torch.cuda.Stream:
         return torch.cuda.current_stream(self.device)  # Note [Compute stream is read at use]
-
-    def _track(self, done: torch.cuda.Event, device_side: torch.Tensor, host_side: torch.Tensor) -> None:
-        with self._lock:
-            self._inflight.append((done, device_side, host_side))  # Note [Copy sources and targets outlive ...]
-            self._last = done
 
     def _prune(self) -> None:
         with self._lock:

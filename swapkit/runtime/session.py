@@ -162,21 +162,25 @@ class SwapSession:
     # ------------------------------------------------------------------ hooks
 
     def _pack(self, tensor: torch.Tensor) -> Saved:
+        stack = self.tracker.stack
+        frame = stack[-1] if stack else None
         if torch._C._current_graph_task_id() != -1:  # Note [Packs during backward]
-            return Saved(tensor.detach(), tensor._version, None, -1, None, None, self.tracker.top)
+            return Saved(tensor.detach(), tensor._version, None, -1, None, None, frame)
         step = self._step
         if step.backward_started:  # the next micro-batch's forward inside the same block
             step = self._start_step()
-        return step.save(tensor, self.tracker.top)
+        return step.save(tensor, frame)
 
     def _unpack(self, saved: Saved) -> torch.Tensor:
-        if saved.keeper._version != saved.version:
+        keeper = saved.keeper
+        if keeper._version != saved.version:
             raise _modified_error(saved)
-        if saved.step is not None:
-            saved.step.unpacked(saved.tick)
+        step = saved.step
+        if step is not None and step.watch_unpacks:  # swapkit.runtime.step Note [The cost of a save]
+            step.unpacked(saved.tick)
         record = saved.record
-        if record is None or not record.swapped or not record.released:
-            return saved.keeper
+        if record is None or not record.released:  # a kept record is never released
+            return keeper
         return record.restore(saved.meta, saved.tick)
 
     # ------------------------------------------------------------------ output recompute
@@ -218,8 +222,9 @@ class SwapSession:
 
     def _swap_scope_entered(self, frame: Frame) -> None:
         """swapkit.runtime.overrides Note [Swaps nobody reports]"""
-        if self._hooks is not None and torch._C._current_graph_task_id() == -1:
-            self._step.scope_entered(frame, entry_cause(self._pack))
+        step = self._step  # None in a pipeline stage before a chunk's first save opens its micro-step
+        if step is not None and self._hooks is not None and torch._C._current_graph_task_id() == -1:
+            step.scope_entered(frame, entry_cause(self._pack))
 
     def _report_unused(self, step: Step) -> None:
         for layer, path, cause in step.unused_swaps():

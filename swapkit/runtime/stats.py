@@ -21,8 +21,10 @@ class SwapStats:
     offloaded_tensors: int = 0  # storages copied device -> host
     offloaded_bytes: int = 0
     released_bytes: int = 0  # device bytes dropped after their copy finished
+    offload_copies: int = 0  # device -> host copy jobs: one per coalesced batch (runtime.offload_batch_bytes)
     prefetched_tensors: int = 0  # storages copied host -> device in backward
     prefetched_bytes: int = 0
+    prefetch_copies: int = 0  # host -> device copy jobs: one per batch brought back
     tail_bytes: int = 0  # offloaded but still on the device when backward began (used as is)
     prefetch_lead_ticks: int = 0  # sum over prefetches of (issue tick - first-use tick)
     recomputed_output_bytes: int = 0  # saves of selected ops' outputs replaced by a recipe (not held)
