@@ -6,9 +6,21 @@ Four ways of running the same step, interleaved:
 
 (a) no hooks; (b) identity ``saved_tensors_hooks(lambda t: t, lambda t: t)``; (c) a swapkit
 session that keeps everything (accounting only); (d) a swapkit session that swaps everything
-(layer swap, ``min_offload_bytes: 0``) through the unthrottled thread engine.
+(layer swap, ``min_offload_bytes: 0``) through the unthrottled thread engine, with coalesced copies
+(the default ``runtime.offload_batch_bytes``); (e) the same with ``offload_batch_bytes: 0``, one copy job per
+storage as before coalescing, so the before/after ratio comes from one run.
 
-Cost per saved tensor = (median step time of the way - median of (a)) / saved tensors per step.
+Note [Paired per-tensor costs]
+Each repetition runs every way once, in a fixed order. A way's cost per saved tensor in one repetition is
+(its step - (a)'s step of the same repetition) / saved tensors per step, and the reported cost is the
+median over repetitions; the ratio to (b) is the median cost over (b)'s. Two clocks: wall time, and the
+main thread's CPU time (``time.thread_time``). On a shared machine other processes take the cores for
+stretches that wall time counts and CPU time does not, so the CPU-time ratios are the stable ones;
+they cover the hooks' own work on the thread that runs forward and backward (the critical path of a
+GPU step), not the copy thread's. Both are recorded, with the load average before and after.
+
+Run it alone: ``python benchmarks/microbench.py --out benchmarks/results/overhead`` (default output
+``bench-out/overhead``).
 
 It also times the thread engine's own copies of one typical swapped tensor: into a reused host
 buffer (what forward's device-to-host copy into the pool does) and into a freshly allocated buffer
@@ -16,9 +28,16 @@ buffer (what forward's device-to-host copy into the pool does) and into a freshl
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
+import gc
+import json
+import os
+import logging
 import statistics
+import sys
 import time
+from pathlib import Path
 from typing import Any, Callable, ContextManager
 
 import torch
@@ -54,8 +73,9 @@ class TinyModel(nn.Module):
         return self.layers[0](x * self.weight).sum()
 
 
-def _session(model: nn.Module, swap: bool) -> swapkit.SwapSession:
-    config: dict[str, Any] = {"model": {"model_config": {"num_layers": 1}}, "runtime": {"min_offload_bytes": 0}}
+def _session(model: nn.Module, swap: bool, coalesce: bool = True) -> swapkit.SwapSession:
+    runtime = {"min_offload_bytes": 0, **({} if coalesce else {"offload_batch_bytes": 0})}
+    config: dict[str, Any] = {"model": {"model_config": {"num_layers": 1}}, "runtime": runtime}
     if swap:
         config["swap_config"] = {"swap": True, "layer_swap": [{"backward_prefetch": 8, "layers": True}]}
     return swapkit.apply(model, config, layers="layers")
@@ -63,6 +83,25 @@ def _session(model: nn.Module, swap: bool) -> swapkit.SwapSession:
 
 def _identity_hooks() -> ContextManager:
     return torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+
+
+class _Keeper:
+    """The least a safe keep needs: a detached keeper and the version it had (way (f))."""
+
+    __slots__ = ("keeper", "version")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.keeper, self.version = tensor.detach(), tensor._version
+
+
+def _unpack_keeper(handle: _Keeper) -> torch.Tensor:
+    if handle.keeper._version != handle.version:
+        raise RuntimeError("a saved tensor was modified in place")
+    return handle.keeper
+
+
+def _floor_hooks() -> ContextManager:
+    return torch.autograd.graph.saved_tensors_hooks(_Keeper, _unpack_keeper)
 
 
 def count_saved(model: nn.Module, x: torch.Tensor) -> int:
@@ -79,43 +118,69 @@ def count_saved(model: nn.Module, x: torch.Tensor) -> int:
     return count
 
 
-def _step(model: nn.Module, x: torch.Tensor, context: Callable[[], ContextManager]) -> float:
+def _step(model: nn.Module, x: torch.Tensor, context: Callable[[], ContextManager]) -> tuple[float, float]:
+    """One step's wall and main-thread CPU seconds."""
     model.zero_grad(set_to_none=True)
     synchronize(x.device)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.thread_time()
     with context():
         model(x).backward()
     synchronize(x.device)
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.thread_time() - cpu
 
 
-def run(device: torch.device, length: int, reps: int, width: int = 16) -> dict[str, Any]:
-    """Interleaved reps of (a)-(d); returns microseconds per saved tensor for (b)-(d)."""
+WAYS = ("none", "identity", "keep", "swap", "swap_per_tensor", "floor")
+
+
+def run(device: torch.device, length: int, reps: int, width: int = 16, ways: tuple[str, ...] = WAYS) -> dict[str, Any]:
+    """Interleaved reps of the ``ways`` ((a) and (b) always); microseconds per saved tensor for all but
+    (a) (Note [Paired per-tensor costs])."""
     x = torch.randn(width, device=device)
-    models = {name: TinyModel(length, width).to(device) for name in ("none", "identity", "keep", "swap")}
-    sessions = {"keep": _session(models["keep"], False), "swap": _session(models["swap"], True)}
-    contexts = {"none": contextlib.nullcontext, "identity": _identity_hooks,
-                "keep": lambda: sessions["keep"], "swap": lambda: sessions["swap"]}
+    models = {name: TinyModel(length, width).to(device) for name in WAYS if name in ways or name in WAYS[:2]}
+    makers = {"keep": lambda m: _session(m, False), "swap": lambda m: _session(m, True),
+              "swap_per_tensor": lambda m: _session(m, True, coalesce=False)}
+    sessions = {name: make(models[name]) for name, make in makers.items() if name in models}
+    contexts = {"none": contextlib.nullcontext, "identity": _identity_hooks, "floor": _floor_hooks,
+                **{name: (lambda s=session: s) for name, session in sessions.items()}}
     saved = count_saved(models["none"], x)
-    times: dict[str, list[float]] = {name: [] for name in models}
+    load_before = os.getloadavg()
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in models}
     for rep in range(reps + 2):  # two warm-up rounds
         for name, model in models.items():
             seconds = _step(model, x, contexts[name])
             if rep >= 2:
                 times[name].append(seconds)
-    swap_stats = sessions["swap"].stats
+    stats = {name: session.stats for name, session in sessions.items()}
     for session in sessions.values():
         session.remove()
-    return _summary(times, saved, length, width, swap_stats)
+    summary = _summary(times, saved, length, width, stats.get("swap"))
+    summary["load_average"] = {"before": load_before, "after": os.getloadavg()}
+    for name in ("swap", "swap_per_tensor"):
+        jobs = getattr(stats.get(name), "offload_copies", None)  # a tree without coalescing has no such counter
+        summary[f"{name}_copy_jobs"] = None if jobs is None else jobs + stats[name].prefetch_copies
+    return summary
 
 
-def _summary(times: dict[str, list[float]], saved: int, length: int, width: int, swap_stats: Any) -> dict[str, Any]:
-    medians = {name: statistics.median(values) for name, values in times.items()}
-    per_tensor = {name: (medians[name] - medians["none"]) / saved * 1e6 for name in medians if name != "none"}
+def _costs(times: dict[str, list[tuple[float, float]]], saved: int, clock: int) -> dict[str, float]:
+    """Median over repetitions of each way's paired cost per saved tensor, in microseconds."""
+    base = [t[clock] for t in times["none"]]
+    return {name: statistics.median((t[clock] - b) / saved * 1e6 for t, b in zip(values, base))
+            for name, values in times.items() if name != "none"}
+
+
+def _summary(times: dict[str, list[tuple[float, float]]], saved: int, length: int, width: int,
+             swap_stats: Any) -> dict[str, Any]:
+    wall, cpu = _costs(times, saved, 0), _costs(times, saved, 1)
     return {"ops_in_chain": length, "tensor_bytes": width * 4, "saved_tensors_per_step": saved,
-            "reps": len(times["none"]), "step_time_median_s": medians, "us_per_saved_tensor": per_tensor,
-            "session_keep_over_identity_us": per_tensor["keep"] - per_tensor["identity"],
-            "swap_offloaded_tensors": swap_stats.offloaded_tensors, "swap_late_fetches": swap_stats.late_fetches}
+            "reps": len(times["none"]),
+            "step_time_median_s": {name: statistics.median(t[0] for t in v) for name, v in times.items()},
+            "step_cpu_median_s": {name: statistics.median(t[1] for t in v) for name, v in times.items()},
+            "us_per_saved_tensor": wall, "cpu_us_per_saved_tensor": cpu,
+            "session_keep_over_identity_us": wall["keep"] - wall["identity"] if "keep" in wall else None,
+            "over_identity": {name: wall[name] / wall["identity"] for name in wall},
+            "cpu_over_identity": {name: cpu[name] / cpu["identity"] for name in cpu},
+            "swap_offloaded_tensors": getattr(swap_stats, "offloaded_tensors", None),
+            "swap_late_fetches": getattr(swap_stats, "late_fetches", None)}
 
 
 def engine_copy_gbps(nbytes: int, reps: int = 10) -> dict[str, float]:
@@ -138,3 +203,76 @@ def _timed(work: Callable[[], Any]) -> float:
     start = time.perf_counter()
     work()
     return time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="swapkit's per-saved-tensor overhead (Note [Paired per-tensor costs])")
+    parser.add_argument("--out", type=Path, default=Path("bench-out/overhead"))
+    parser.add_argument("--length", type=int, default=2000, help="sin ops in the chain (saved tensors per step)")
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--ways", default=",".join(WAYS),
+                        help="ways to run, comma-separated (none and identity always run); leave out swap_per_tensor "
+                             "to measure a swapkit tree from before runtime.offload_batch_bytes existed")
+    parser.add_argument("--no-gc", action="store_true", help="run with Python's cyclic garbage collector disabled")
+    args = parser.parse_args(argv)
+    logging.getLogger("swapkit").setLevel(logging.ERROR)
+    ways = tuple(w for w in args.ways.split(",") if w)
+    unknown = sorted(set(ways) - set(WAYS))
+    if unknown:
+        parser.error(f"--ways: unknown {', '.join(unknown)}; expected some of {', '.join(WAYS)}")
+    if args.no_gc:
+        gc.disable()  # what the cyclic collector adds: the objects swapkit keeps per saved tensor trigger it
+    try:
+        micro = run(torch.device(args.device), args.length, args.reps, ways=ways)
+    finally:
+        gc.enable()
+    result = {"env": _env(args), "microbench": micro}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "overhead.json").write_text(json.dumps(result, indent=1) + "\n")
+    text = "\n".join(report_lines(result)) + "\n"
+    (args.out / "overhead.md").write_text(text)
+    print(text)
+    return 0
+
+
+def _env(args: argparse.Namespace) -> dict[str, Any]:
+    import platform, datetime  # noqa: E401 - only the standalone run records these
+    return {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+            "python": platform.python_version(), "swapkit": swapkit.__version__, "device": args.device,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "length": args.length, "reps": args.reps, "ways": args.ways, "gc": not args.no_gc}
+
+
+def report_lines(result: dict[str, Any]) -> list[str]:
+    """A Markdown table of the standalone run."""
+    micro, env = result["microbench"], result["env"]
+    load = micro["load_average"]
+    lines = [f"# Per-saved-tensor overhead ({env['date']}, torch {env['torch']}, {env['cpu_count']} cores, "
+             f"{env['torch_threads']} torch threads, {env['device']}"
+             f"{'' if env.get('gc', True) else ', cyclic GC disabled'})", "",
+             f"{micro['saved_tensors_per_step']} saved tensors of {micro['tensor_bytes']} bytes per step, "
+             f"{micro['reps']} interleaved repetitions, load average {load['before'][0]:.1f} before and "
+             f"{load['after'][0]:.1f} after. Costs are medians of paired per-repetition differences to (a) "
+             "(Note [Paired per-tensor costs] in benchmarks/microbench.py).", "",
+             "| way | wall us/tensor | wall over (b) | main-thread CPU us/tensor | CPU over (b) |",
+             "|---|---|---|---|---|"]
+    for name in [w for w in WAYS[1:] if w in micro["us_per_saved_tensor"]]:
+        lines.append(f"| {LABELS[name]} | {micro['us_per_saved_tensor'][name]:.2f} | "
+                     f"{micro['over_identity'][name]:.2f}x | {micro['cpu_us_per_saved_tensor'][name]:.2f} | "
+                     f"{micro['cpu_over_identity'][name]:.2f}x |")
+    if micro["swap_copy_jobs"] is not None:
+        lines += ["", f"Copy jobs per step (each way together): {micro['swap_copy_jobs']} in (d), "
+                      f"{micro['swap_per_tensor_copy_jobs']} in (e), for {micro['swap_offloaded_tensors']} swapped "
+                      f"storages; {micro['swap_late_fetches']} late fetches in (d)'s last step."]
+    return lines
+
+
+LABELS = {"none": "(a) no hooks", "identity": "(b) identity saved_tensors_hooks",
+          "keep": "(c) swapkit session, keep all", "swap": "(d) swapkit session, swap all (min_offload_bytes 0)",
+          "swap_per_tensor": "(e) as (d), offload_batch_bytes 0 (one copy job per storage)",
+          "floor": "(f) floor: detached keeper + version check, no bookkeeping"}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -65,6 +65,13 @@ def hygiene_warnings(env: dict[str, Any], rows: list[dict[str, Any]]) -> list[st
     for r in faster:
         warnings.append(f"{r['name']} measured faster than the baseline (time ratio {r['time_ratio']:.3f}) although "
                         "it adds work (copies or recompute): noise dominates; more --reps or an idle machine")
+    for r in rows:
+        if "baseline_reprobe_equal" in r.get("checks", {}) and not (r["checks"].get("grads_equal")
+                                                                     and r["checks"].get("loss_equal")):
+            cause = ("the baseline also differed from itself when probed again: the machine's math was not "
+                     "deterministic here, a benchmark artifact" if not r["checks"]["baseline_reprobe_equal"] else
+                     "the baseline matched itself when probed again: look at this variant")
+            warnings.append(f"{r['name']}: loss or gradients differ from the baseline's; {cause}")
     return warnings
 
 
@@ -75,7 +82,8 @@ def render_markdown(results: dict[str, Any]) -> str:
              f"**Hardware/versions:** {hardware_line(env)}", "",
              _setup_line(results), "", MEMORY_NOTE, "", "## Variants", ""]
     lines += variant_table(results["variants"], env["device"].startswith("cuda"))
-    lines += ["", *_notes(results["variants"]), "", "## Checks", ""] + check_table(results["variants"])
+    lines += ["", *_notes(results["variants"]), *[f"- {note}" for note in env.get("skipped_peers", ())]]
+    lines += ["", "## Checks", ""] + check_table(results["variants"])
     lines += ["", "## Targets", "", *target_lines(results["variants"])]
     lines += overhead_section(results.get("layer_swap_overhead"), results["env"])
     lines += ["", "## Prefetch-distance sweep (layer swap)", "", *sweep_section(results["sweep"])]
@@ -224,18 +232,22 @@ def sweep_section(sweep: dict[str, Any]) -> list[str]:
 def micro_section(micro: dict[str, Any]) -> list[str]:
     if not micro:
         return ["(not run)"]
-    labels = {"none": "(a) no hooks", "identity": "(b) identity saved_tensors_hooks",
-              "keep": "(c) swapkit session, keep all", "swap": "(d) swapkit session, swap all (min_offload_bytes 0)"}
-    per = micro["us_per_saved_tensor"]
-    body = [[labels[k], _ms(v), "—" if k == "none" else f"{per[k]:.2f}"]
-            for k, v in micro["step_time_median_s"].items()]
+    from microbench import LABELS  # the benchmark's own labels, one place
+    per, ratio = micro["us_per_saved_tensor"], micro.get("over_identity", {})
+    cpu, cpu_ratio = micro.get("cpu_us_per_saved_tensor", {}), micro.get("cpu_over_identity", {})
+    body = [[LABELS[k], _ms(v), "—" if k == "none" else f"{per[k]:.2f}",
+             f"{ratio[k]:.1f}x" if k in ratio else "—", f"{cpu[k]:.2f}" if k in cpu else "—",
+             f"{cpu_ratio[k]:.1f}x" if k in cpu_ratio else "—"] for k, v in micro["step_time_median_s"].items()]
     return [f"A chain of {micro['ops_in_chain']} `sin` ops on {micro['tensor_bytes']}-byte tensors in one layer: "
             f"{micro['saved_tensors_per_step']} saved tensors per step, {micro['reps']} interleaved repetitions. "
-            f"Cost = (median step - median of (a)) / saved tensors. The session's bookkeeping costs "
-            f"{micro['session_keep_over_identity_us']:.2f} us per tensor over bare identity hooks. In (d) every "
-            f"saved tensor is two copy jobs (out and back) whatever its size, so (d) is the engine's per-job cost "
-            f"({micro['swap_offloaded_tensors']} swapped, {micro['swap_late_fetches']} late fetches per step).", ""] + \
-        _table(["way", "step ms (median)", "us per saved tensor (pack + unpack)"], body)
+            f"Cost = median over repetitions of (step - step of (a) in the same repetition) / saved tensors, on "
+            f"the wall clock and on the main thread's CPU clock. The session's bookkeeping costs "
+            f"{micro['session_keep_over_identity_us']:.2f} us per tensor over bare identity hooks. In (e) every "
+            f"saved tensor is two copy jobs (out and back) whatever its size; (d) coalesces a scope's storages into "
+            f"one job each way ({micro.get('swap_copy_jobs', '?')} jobs for {micro['swap_offloaded_tensors']} "
+            f"swapped storages, {micro['swap_late_fetches']} late fetches per step).", ""] + \
+        _table(["way", "step ms (median)", "us per saved tensor (wall)", "over (b)", "us (main-thread CPU)",
+                "over (b), CPU"], body)
 
 
 def plot_tradeoff(rows: list[dict[str, Any]], path: Path) -> None:

@@ -80,7 +80,8 @@ def main_variants(setup: Setup, prefetch: int) -> list[Variant]:
 
 
 def cuda_peers() -> list[Variant]:
-    """``save_on_cpu(pin_memory=True)`` and, when importable, torchtune's ``OffloadActivations``."""
+    """``save_on_cpu(pin_memory=True)`` and, when importable, torchtune's ``OffloadActivations``
+    (:func:`missing_peers` says why one is left out)."""
     peers = [Variant("peer: torch save_on_cpu(pin_memory=True)",
                      peer=lambda: torch.autograd.graph.save_on_cpu(pin_memory=True),
                      note="PyTorch's built-in offload of every saved tensor, synchronous copies")]
@@ -91,6 +92,16 @@ def cuda_peers() -> list[Variant]:
     peers.append(Variant("peer: torchtune OffloadActivations", peer=OffloadActivations,
                          note="torchtune's stream-overlapped offload of every saved tensor"))
     return peers
+
+
+def missing_peers() -> list[str]:
+    """One note per CUDA peer that cannot run here, for the results and stderr."""
+    try:
+        from torchtune.training import OffloadActivations  # noqa: F401
+    except ImportError as err:
+        return [f"peer torchtune OffloadActivations skipped: torchtune is not importable ({err}); "
+                "`pip install torchtune` to compare with it"]
+    return []
 
 
 def sweep_variants(prefetches: list[int], runtime: dict[str, Any]) -> list[Variant]:

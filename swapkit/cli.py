@@ -184,7 +184,7 @@ def _plan_model(args: argparse.Namespace, config: Config) -> tuple[Any, Plan]:
     try:
         model = build_meta_model(args.model)
     except ValueError as err:
-        raise ConfigError([Problem("--model", str(err))]) from None
+        raise ConfigError([Problem("--model", str(err).removeprefix("--model "))]) from None
     return model, resolve_plan(model, config, args.layers)
 
 

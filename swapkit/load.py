@@ -14,7 +14,7 @@ from swapkit.config.errors import Problems
 from swapkit.config.loader import read_config, source_name, warn_inactive_swap, warn_no_effect
 from swapkit.config.types import Config
 from swapkit.plan.plan import check_plan
-from swapkit.plan.readings import flip_warnings
+from swapkit.plan.readings import count_shaped_warnings, flip_warnings
 
 logger = logging.getLogger(__name__)
 SWAP_KEY = "swap_config.swap"
@@ -42,19 +42,37 @@ def load_config(source: str | Path | Mapping[str, Any], overrides: Sequence[str]
     config = read_config(source, overrides, problems)
     if config is not None and config.model.num_layers is not None:  # else the model counts them (apply)
         check_plan(config, problems, for_model=False)
+    if problems and config is not None:
+        _blame_the_flip(source, overrides, config, problems)
     problems.raise_if_any(source_name(source))
     warn_no_effect(config)
     warn_inactive_swap(config)
-    if any(item.partition("=")[0].strip() == SWAP_KEY for item in overrides):
-        _warn_flipped(source, overrides, config)
+    for message in _flipped(source, overrides, config) or count_shaped_warnings(config):
+        logger.warning(message)  # Note [Two readings of a recompute list]
     return config
 
 
-def _warn_flipped(source: str | Path | Mapping[str, Any], overrides: Sequence[str], config: Config) -> None:
-    """The override of ``swap_config.swap`` changed what the recompute lists mean: show both readings."""
+def _file_swap(source: str | Path | Mapping[str, Any], overrides: Sequence[str]) -> bool | None:
+    """``swap_config.swap`` as the file (with the other overrides) says, if an override changes it."""
+    if not any(item.partition("=")[0].strip() == SWAP_KEY for item in overrides):
+        return None
     rest = [item for item in overrides if item.partition("=")[0].strip() != SWAP_KEY]
     file_config = read_config(source, rest, Problems())
-    if file_config is None:
-        return
-    for message in flip_warnings(config, file_config.swap.swap):
-        logger.warning(message)
+    return None if file_config is None else file_config.swap.swap
+
+
+def _blame_the_flip(source: str | Path | Mapping[str, Any], overrides: Sequence[str], config: Config,
+                    problems: Problems) -> None:
+    """A config that fails after ``--set swap_config.swap`` flipped the file: say the flip changed the lists' reading."""
+    file_swap = _file_swap(source, overrides)
+    if file_swap is not None and file_swap != config.swap.swap and flip_warnings(config, file_swap):
+        now, before = ("true", "false") if config.swap.swap else ("false", "true")
+        problems.add(SWAP_KEY, f"--set {SWAP_KEY}={now} flips the file's {before}, and with it what the recompute "
+                               f"lists mean (per-stage counts with swap off, global layer indices with swap on); "
+                               f"the problems above may come from that: drop the --set or rewrite the lists")
+
+
+def _flipped(source: str | Path | Mapping[str, Any], overrides: Sequence[str], config: Config) -> list[str]:
+    """An override of ``swap_config.swap`` changed what the recompute lists mean: both readings."""
+    file_swap = _file_swap(source, overrides)
+    return [] if file_swap is None else flip_warnings(config, file_swap)

@@ -32,17 +32,23 @@ def plan_for(layers, **sections):
 
 def test_dotted_path_and_auto_detection():
     model = Nested()
-    assert find_layers(model, "transformer.h", 3)[0] == "transformer.h"
-    # several candidates are an error listing them, even when only one has num_layers layers
-    for expected in (3, 5):
-        with pytest.raises(BindError, match=r"several layer containers.*transformer\.h \(3 x Block\).*heads \(2 x Linear\)"):
-            find_layers(model, None, expected)
+    assert find_layers(model, "transformer.h")[0] == "transformer.h"
+    # several candidates are an error listing them
+    with pytest.raises(BindError, match=r"several layer containers.*transformer\.h \(3 x Block\).*heads \(2 x Linear\)"):
+        find_layers(model, None)
+    with pytest.raises(BindError) as info:
+        find_layers(model, None)
+    assert str(info.value).endswith(  # what to write, in the API and in YAML; no internal values
+        "say which hold the layers, in order. In Python: pass layers=['transformer.h', 'heads'] (or "
+        "layers='transformer.h' for one) to swapkit.apply. In a YAML config: set model.model_config.layers_path: "
+        "[transformer.h, heads] (swapkit plan also takes --layers transformer.h for one container)")
+    assert "None" not in str(info.value)
     del model.heads
-    assert find_layers(model, None, 3)[0] == "transformer.h"
+    assert find_layers(model, None)[0] == "transformer.h"
     with pytest.raises(BindError, match=r"'transformer\.x': transformer has no child 'x'; children: h"):
-        find_layers(model, "transformer.x", 3)
+        find_layers(model, "transformer.x")
     with pytest.raises(BindError, match="is a Module; expected an nn.ModuleList"):
-        find_layers(model, "transformer", 3)
+        find_layers(model, "transformer")
 
 
 def test_layer_count_must_match_num_layers():
@@ -79,7 +85,7 @@ def test_auto_detection_ignores_lists_inside_a_layer():
     model = ToyNet(layers=3)
     for layer in model.layers:
         layer.experts = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
-    assert find_layers(model, None, 3)[0] == "layers"
+    assert find_layers(model, None)[0] == "layers"
 
 
 def test_apply_logs_with_real_op_paths(caplog):
@@ -109,7 +115,7 @@ def test_pattern_matching_nothing_in_any_layer_is_an_error():
 
 
 @pytest.mark.parametrize("written, hint", [
-    ("atention", "did you mean 'attention',"),
+    ("atention", "did you mean 'attention'?"),  # only the close one: not attention_norm as well
     ("attention.wq", r"Components of a pattern are separated by the two characters \. (a bare '.' is a regex "
                      r"wildcard inside one name): write 'attention\.wq'"),
 ])
@@ -122,6 +128,20 @@ def test_unmatched_pattern_error_suggests_real_names(written, hint):
     assert hint in str(info.value)
 
 
+def test_preset_on_the_builtin_model_names_the_written_pattern():
+    """The llama preset turns the default swap op into HF Llama's self_attn, which the built-in model
+    (MindFormers' names) does not have: the error says where 'self_attn' came from and what to do."""
+    config = toy_config(4, model={"model_config": {"num_layers": 4, "preset": "llama"}},
+                        swap_config={"swap": True})
+    with pytest.raises(swapkit.BindError) as info:
+        swapkit.apply(llama(), config, layers="layers")
+    assert ("op_swap pattern 'self_attn' matches no sub-module in any layer of LlamaModel.layers. The llama model preset "
+            "translated '.*\\.flash_attention' (swapkit's default swap op for "
+            "swap_config.swap: true) to 'self_attn', but '.*\\.flash_attention' matches this model's layers as "
+            "written: the model already uses MindFormers' scope names (as swapkit's built-in model does) and needs "
+            "no preset: remove model.model_config.preset") in str(info.value)
+
+
 def test_pattern_matching_some_layers_is_warned_once(caplog):
     caplog.set_level(logging.INFO, logger="swapkit")
     model = llama()
@@ -130,7 +150,7 @@ def test_pattern_matching_some_layers_is_warned_once(caplog):
         {"op_name": r"feed_forward\.w1", "backward_prefetch": 2, "layers": True}]})
     swapkit.apply(model, config, layers="layers")
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert warnings == ["op_swap pattern " + repr(r"feed_forward\.w1") + " matches no sub-module in layer(s) [2]; "
+    assert warnings == [r"op_swap pattern 'feed_forward\.w1' matches no sub-module in layer(s) [2]; "  # as written
                         "it has no effect there"]
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -173,6 +174,19 @@ def test_resume_allows_swap_and_recompute_changes_reports_them_and_matches_bit_f
     assert "swap_config.swap: false -> true (allowed: it does not change the math)" in result.summary["resume_changes"]
     assert result.steps[-1]["offloaded_bytes"] > 0  # the swap really ran after the resume
 
+
+
+def test_resume_that_flips_swap_shows_both_readings_of_the_recompute_list(tmp_path, caplog):
+    before = {"model": MODEL, "train": {"batch_size": 2, "save_dir": str(tmp_path / "ckpt")},
+              "recompute_config": {"recompute": [1]}}
+    train(load_config(before), steps=1, progress=False)
+    after = {**before, "train": {**before["train"], "resume": True}, "swap_config": {"swap": True}}
+    caplog.set_level(logging.WARNING, logger="swapkit")
+    train(load_config(after), steps=2, progress=False)
+    assert [r.getMessage() for r in caplog.records if "changes what" in r.getMessage()] == [
+        "train.resume: swap_config.swap is on (step_0000001.pt was written with it off), which changes what "
+        "recompute_config.recompute: [1] means: with swap off, per-stage counts selecting layers [0]; with swap on, "
+        "global layer indices selecting layers [1]; now in effect: swap on"]
 
 # ---------------------------------------------------------------- kill -9 during a save
 

@@ -191,7 +191,7 @@ def test_unmatched_pattern_is_an_error(capsys, tmp_path):
     assert "Traceback" not in err
     assert err.startswith(f"swapkit: invalid swapkit config in {path} (1 problem):\n  - select_recompute pattern "
                           "'atention' matches no sub-module in any layer of LlamaModel.layers; did you mean "
-                          "'attention',")
+                          "'attention'?\n")
 
 
 # ---------------------------------------------------------------- subprocess, as a user runs it
@@ -300,3 +300,31 @@ def test_cli_json_overridden_is_exact_for_the_builtin_model(tmp_path, capsys):
     assert main(["plan", str(path), "--json"]) == 0
     layers = json.loads(capsys.readouterr().out)["layers"]
     assert [layer["overridden"] for layer in layers] == [[r".*\.flash_attention"]] * 2
+
+
+def test_table_and_summary_show_patterns_as_written(capsys):
+    r"""A pattern copied from the table back into a config means the same: ``\.`` stays ``\.``."""
+    status, out, err = run_main(capsys, "--log", CONFIGS / "seed001_recompute_pp.yaml")
+    assert status == 0
+    table, summary = out.strip().split("\n\n")
+    assert r"feed_forward\.w1\.activation\.silu, feed_forward\.mul" in table.splitlines()[3]
+    assert r"ffn_norm\.norm, attention_norm\.norm" in table.splitlines()[3]
+    assert r"select recompute feed_forward\.w1\.matmul: layers 25, 29" in summary.splitlines()
+    assert r"comm recompute ffn_norm\.norm: layers 2-3, 5-23, 25-47" in summary.splitlines()
+    # MindFormers' own lines are unchanged: a Python dict repr, backslashes doubled
+    assert ("INFO - Formative select_comm_recompute: {'ffn_norm\\\\.norm': [[4, 5, 5, 5, 5], [5, 5, 5, 5, 4]], "
+            "'attention_norm\\\\.norm': [[4, 5, 5, 5, 5], [5, 5, 5, 5, 4]]}") in err.splitlines()
+    status, out, _ = run_main(capsys, "--json", CONFIGS / "seed001_recompute_pp.yaml")
+    assert json.loads(out)["layers"][25]["select"][2] == r"feed_forward\.w1\.matmul"
+
+
+def test_pattern_from_the_table_works_in_a_config(capsys, tmp_path):
+    path = tmp_path / "op.yaml"
+    path.write_text("model: {model_config: {num_layers: 2}}\nswap_config: {swap: true, op_swap: "
+                    "[{op_name: '.*\\.flash_attention', backward_prefetch: 1, layers: true}]}\n")
+    status, out, err = run_main(capsys, path)
+    assert status == 0, err
+    cell = out.splitlines()[1].split()[6]
+    assert cell == r".*\.flash_attention:1"
+    path.write_text(path.read_text().replace(r".*\.flash_attention", cell[:-2]))
+    assert run_main(capsys, path)[0] == 0

@@ -125,3 +125,68 @@ def test_cuda_verify_checks_every_restored_storage():
     assert session.stats.verified_tensors == session.stats.prefetched_tensors > 0
     for key, value in grads(ref).items():
         assert torch.equal(grads(model)[key], value), key
+
+
+# ---------------------------------------------------------------- coalesced batches on the CUDA engine
+# (swapkit.engine.cuda Note [One job per coalesced batch])
+
+
+def test_offload_many_is_one_event_and_keeps_sources_and_targets_until_it_completed():
+    from swapkit.engine.cuda import CudaCopyEngine
+
+    engine = CudaCopyEngine("cuda")
+    sources = [torch.arange(n, device="cuda").to(torch.uint8) for n in (3, 17, 4096)]
+    region = torch.zeros(3 + 17 + 4096 + 32, dtype=torch.uint8, pin_memory=True)
+    slots = [region[0:3], region[16:33], region[48:48 + 4096]]
+    torch.cuda._sleep(50_000_000)  # the compute stream is busy: the side stream must wait for it
+    copy = engine.offload_many(list(zip(sources, slots)))
+    assert len(engine._inflight) == 1  # one event for the whole batch
+    held = engine._inflight[0][1]
+    assert all(any(s is src for src, _ in held) for s in sources) and all(any(d is dst for _, dst in held)
+                                                                          for d in slots)
+    engine.wait(copy)
+    torch.cuda.current_stream().synchronize()
+    assert engine.ready(copy)
+    assert all(torch.equal(slot, src.cpu()) for slot, src in zip(slots, sources))
+    engine.synchronize()
+    assert not engine._inflight
+
+
+def test_prefetch_keeps_the_host_region_until_its_copy_completed_and_is_read_after_wait():
+    from swapkit.engine.cuda import CudaCopyEngine
+
+    engine = CudaCopyEngine("cuda")
+    region = torch.arange(256, dtype=torch.uint8).pin_memory()
+    device, copy = engine.prefetch(region)
+    assert engine._inflight[-1][1][0] is region and engine._inflight[-1][1][1] is device
+    engine.wait(copy)
+    assert torch.equal(device.cpu(), region)
+
+
+@pytest.mark.parametrize("batch_bytes", [0, 1 << 20])
+@pytest.mark.parametrize("sleepy", [False, True])
+def test_cuda_coalesced_views_and_mixed_dtypes_are_bit_identical(batch_bytes, sleepy):
+    from tests.test_coalesce import MixedNet, run
+
+    reference = MixedNet().cuda()
+    x = torch.linspace(-1, 1, 15, device="cuda").reshape(3, 5)
+    expected = run(reference, x=x.clone().requires_grad_())
+    model = MixedNet().cuda()
+    model.load_state_dict(reference.state_dict())
+    if sleepy:
+        for layer in model.layers:
+            layer.register_forward_pre_hook(lambda *_: torch.cuda._sleep(5_000_000))
+    session = swapkit.apply(model, toy_config(3, **layer_swap(2, offload_batch_bytes=batch_bytes)),
+                            layers="layers")
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        got = run(model, session, x=x.clone().requires_grad_())
+        for key, value in expected.items():
+            assert torch.equal(got[key], value), key
+    stats = session.stats
+    assert stats.prefetched_tensors > 0
+    if batch_bytes:
+        assert stats.offload_copies < stats.offloaded_tensors
+    else:
+        assert stats.offload_copies == stats.offloaded_tensors
+    session.remove()

@@ -96,6 +96,7 @@ class SlowPrefetch(ReadyWhenDone):
         return super().prefetch(src)
 
 
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
 def test_concurrent_unpacks_from_two_autograd_threads():
     """On CUDA, device threads and the CPU thread unpack at once; two backward threads emulate it."""
     model, ref = TwoLosses(), TwoLosses()
@@ -127,8 +128,9 @@ def test_concurrent_unpacks_from_two_autograd_threads():
     assert stats.prefetched_tensors == stats.released_bytes // (16 * 32 * 4)  # each record fetched once
     del a, b
     gc.collect()
-    free = [id(buffer) for buffers in session.pool._free.values() for buffer in buffers]
-    assert len(free) == len(set(free))  # no host buffer went back to the pool twice
+    # no host buffer went back to the pool twice: a second release raises (in a record's __del__ an
+    # unraisable exception, turned into an error by the filterwarnings mark), and every range is back once
+    assert session.pool.free_bytes == session.pool.total_bytes and not session.pool._live
 
 
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype")

@@ -166,8 +166,13 @@ def test_encoder_decoder_numbering_and_auto_detection(caplog):
     family = FAMILIES["t5"]
     model = family.build()
     with pytest.raises(BindError, match=r"several layer containers in T5ForConditionalGeneration: encoder\.block "
-                                        r"\(2 x T5Block\), decoder\.block \(2 x T5Block\); pass layers="):
+                                        r"\(2 x T5Block\), decoder\.block \(2 x T5Block\); say which hold the "
+                                        r"layers, in order\. In Python: pass layers=\['encoder\.block', "
+                                        r"'decoder\.block'\] \(or layers='encoder\.block' for one\) to "
+                                        r"swapkit\.apply\. In a YAML config: set model\.model_config\.layers_path: "
+                                        r"\[encoder\.block, decoder\.block\]") as info:
         swapkit.apply(model, config(family))
+    assert "num_layers" not in str(info.value) and "None" not in str(info.value)  # no internal values
     caplog.set_level(logging.INFO, logger="swapkit")
     cfg = config(family, swap_config={"swap": True, "layer_swap": [{"backward_prefetch": 1, "layers": [1, 2]}]})
     cfg["model"]["model_config"]["layers_path"] = ["encoder.block", "decoder.block"]

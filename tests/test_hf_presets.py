@@ -89,7 +89,50 @@ def test_config_preset_wins_over_detection_and_unknown_names_are_errors():
     assert "model.model_config.preset: unknown model preset 'lama'; did you mean 'llama'?" in str(info.value)
     with pytest.raises(swapkit.BindError) as info:  # gpt2 names (attn) are not in a Llama layer
         swapkit.apply(model, {"model": {"model_config": {"preset": "gpt2"}}, "swap_config": {"swap": True}})
-    assert "op_swap pattern 'attn' matches no sub-module in any layer of LlamaModel.layers" in str(info.value)
+    assert ("op_swap pattern 'attn' matches no sub-module in any layer of LlamaModel.layers. The gpt2 model preset "
+            "translated '.*\\.flash_attention' (swapkit's default swap op for "
+            "swap_config.swap: true) to 'attn'; the gpt2 preset does not fit this model: its attention scope 'attn' "
+            "is not in its layers. Set model.model_config.preset to the model's family or remove it") \
+        in str(info.value)
+
+
+def test_written_mindformers_name_is_named_when_its_translation_binds_nowhere():
+    config = {"swap_config": {"swap": True, "op_swap": [{"op_name": "feed_forward", "backward_prefetch": 1,
+                                                          "layers": True}]}}
+    model = tiny_model("llama")
+    for layer in model.layers:  # a Llama whose MLP is called ffn: the preset's 'mlp' is not there
+        layer.ffn = layer._modules.pop("mlp")
+    with pytest.raises(swapkit.BindError) as info:
+        swapkit.apply(model, config)
+    assert ("op_swap pattern 'mlp' matches no sub-module in any layer of LlamaModel.layers. The llama model preset "
+            "translated 'feed_forward' to 'mlp'; this model's layers have no such scope. "
+            "Write the scope's real name (children: ffn, input_layernorm, post_attention_layernorm, self_attn)") in str(info.value)
+
+
+@pytest.mark.parametrize("written, hint", [
+    ("atention", "; did you mean 'attention' (the llama preset maps it to self_attn)?"),
+    ("feed_forwrd", "; did you mean 'feed_forward' (the llama preset maps it to mlp)?"),
+    ("attention_nrom", "; did you mean 'attention_norm' (the llama preset maps it to input_layernorm)?"),
+    ("attention.wq", r". Components of a pattern are separated by the two characters \. (a bare '.' is a regex "
+                     r"wildcard inside one name): write 'attention\.wq' (the llama preset maps it to "
+                     r"self_attn\.q_proj)"),
+    ("feed_forward.mul", r". Components of a pattern are separated by the two characters \. (a bare '.' is a "
+                         r"regex wildcard inside one name): write 'feed_forward\.mul' (the llama preset has no module for it: the elementwise "
+                         "product in llama's gated MLP is computed inside its forward, not by a module)"),
+    (r"attention\.wq|attention\.wk", r". The llama preset translates a pattern only when it is written exactly as "
+                                     r"one of its names, not inside a larger regex: write 'attention\.wq' and "
+                                     r"'attention\.wk' as separate entries"),
+    ("xyzzy", "; its layers' children are: input_layernorm, mlp, post_attention_layernorm, self_attn; names the "
+              "llama preset translates: attention, flash_attention, feed_forward, attention_norm, ffn_norm"),
+])
+def test_unmatched_pattern_hints_know_the_preset_names(written, hint):
+    config = {"swap_config": {"swap": True, "op_swap": [{"op_name": written, "backward_prefetch": 1,
+                                                          "layers": True}]}}
+    with pytest.raises(swapkit.BindError) as info:
+        swapkit.apply(tiny_model("llama"), config)
+    assert f"op_swap pattern '{written}' matches no sub-module in any layer of LlamaModel.layers{hint}" \
+        in str(info.value)
+    assert "post_attention_layernorm'" not in str(info.value)  # attention_norm is the pre-attention norm
 
 
 def test_num_layers_when_given_must_match_the_model():

@@ -15,7 +15,7 @@ def test_default_swap_on_a_model_without_flash_attention_names_its_attention_sco
     with pytest.raises(swapkit.BindError) as info:
         swapkit.apply(TinyGPT(), {"swap_config": {"swap": True}})
     message = str(info.value)
-    assert "op_swap pattern '.*\\\\.flash_attention' matches no sub-module in any layer of TinyGPT.blocks" in message
+    assert r"op_swap pattern '.*\.flash_attention' matches no sub-module in any layer of TinyGPT.blocks" in message
     assert "attention-like scopes found: attn" in message
     assert "Set model.model_config.preset to the model family, or write swap_config.op_swap: [{op_name: attn, " \
            "backward_prefetch: 1, layers: true}]" in message

@@ -68,17 +68,41 @@ def test_table_and_summary_name_the_preset(capsys, tmp_path):
 
 
 @pytest.mark.parametrize("spec, message", [
-    ("nomodule", "--model: --model 'nomodule': expected pkg.module:factory, hf:<model_type> or hf:<path to "
-                 "config.json>"),
-    ("no_such_pkg:f", "--model 'no_such_pkg:f': cannot import no_such_pkg"),
-    ("tests.user_models:nope", "--model 'tests.user_models:nope': tests.user_models has no attribute 'nope'"),
-    pytest.param("hf:not_a_model", "--model hf:not_a_model: not a transformers model_type or config.json path",
-                 marks=needs_hf),
+    ("nomodule", "--model: 'nomodule': expected pkg.module:factory, hf:<model_type> or hf:<path to config.json>"),
+    ("no_such_pkg:f", "--model: 'no_such_pkg:f': cannot import no_such_pkg"),
+    ("tests.user_models:nope", "--model: 'tests.user_models:nope': tests.user_models has no attribute 'nope'"),
+    ("tests.user_models:torch", "--model: 'tests.user_models:torch': torch is a module, not callable; name a "
+                                "function or class that builds the model with no arguments"),
+    ("tests.user_models:Block", "--model: 'tests.user_models:Block': Block() raised TypeError: "),
+    pytest.param("hf:not_a_model", "--model: hf:not_a_model: not a transformers model_type nor a config.json path; "
+                 "e.g. llama, qwen2, gpt2 or a path to a config.json", marks=needs_hf),
+    pytest.param("hf:lama", "--model: hf:lama: not a transformers model_type nor a config.json path; did you mean "
+                 "llama", marks=needs_hf),
 ])
 def test_bad_model_specs_are_usage_errors(capsys, tmp_path, spec, message):
     status, _, err = plan_json(capsys, tmp_path, "--model", spec)
     assert status == 2
     assert "Traceback" not in err and message in err
+
+
+def test_a_factory_in_the_current_folder_imports_as_with_python_m(capsys, tmp_path, monkeypatch):
+    (tmp_path / "my_models.py").write_text("from tests.user_models import TinyGPT\n\ndef make():\n"
+                                           "    return TinyGPT()\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.path", [p for p in __import__("sys").path if p not in ("", str(tmp_path))])
+    config = "model: {model_config: {preset: gpt2}}\n" + CONFIG
+    status, plan, err = plan_json(capsys, tmp_path, "--model", "my_models:make", config=config)
+    assert status == 0, err
+    assert len(plan["layers"]) == 3
+
+
+@needs_hf
+def test_a_config_for_another_layer_count_says_how_to_let_swapkit_count(capsys, tmp_path):
+    status, _, err = plan_json(capsys, tmp_path, "--model", "hf:gpt2", config="model: {model_config: {num_layers: 4}}\n")
+    assert status == 2
+    assert ("GPT2Model.h holds 12 layers but the config says model.model_config.num_layers: 4; make them agree, or "
+            "leave num_layers out and swapkit counts the layers (on the command line: --set "
+            "model.model_config.num_layers=null)") in err
 
 
 def test_without_model_num_layers_is_required(capsys, tmp_path):
@@ -119,3 +143,28 @@ def test_megatron_module_scope_that_binds_nowhere_is_an_error(capsys, tmp_path):
     assert status == 2
     assert "recompute_config.module_scopes pattern 'ffn' matches no sub-module in any layer of LlamaModel.layers; its layers' " \
            "children are: attention, attention_norm, feed_forward, ffn_norm, hidden_dropout" in err
+
+
+@needs_hf
+def test_several_containers_say_how_to_choose_them(capsys, tmp_path):
+    status, _, err = plan_json(capsys, tmp_path, "--model", "hf:t5")
+    assert status == 2 and "Traceback" not in err
+    assert ("several layer containers in T5Model: encoder.block (6 x T5Block), decoder.block (6 x T5Block); say "
+            "which hold the layers, in order.") in err
+    assert "In a YAML config: set model.model_config.layers_path: [encoder.block, decoder.block]" in err
+    assert "num_layers is" not in err and "None" not in err
+    status, plan, err = plan_json(capsys, tmp_path, "--model", "hf:t5", "--set",
+                                  "model.model_config.layers_path=[encoder.block, decoder.block]")
+    assert status == 0, err
+    assert len(plan["layers"]) == 12  # what the message says to write works
+
+
+def test_preset_that_does_not_fit_the_builtin_model(capsys, tmp_path):
+    config = "model: {model_config: {num_layers: 2, preset: llama}}\nswap_config: {swap: true}\n"
+    status, _, err = plan_json(capsys, tmp_path, config=config)
+    assert status == 2
+    assert ("op_swap pattern 'self_attn' matches no sub-module in any layer of LlamaModel.layers. The llama model preset "
+            "translated '.*\\.flash_attention' (swapkit's default swap op for "
+            "swap_config.swap: true) to 'self_attn', but '.*\\.flash_attention' matches this model's layers as "
+            "written") in err
+    assert "needs no preset: remove model.model_config.preset" in err

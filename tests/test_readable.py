@@ -17,7 +17,7 @@ def test_stats_print_as_a_mib_table():
                       prefetch_lead_ticks=10, late_fetches=1, wait_seconds=0.0025, peak_device_bytes=5 << 20,
                       host_pool_bytes=4 << 20, host_allocations=2, skipped={"parameter": 1 << 19})
     assert str(stats).splitlines() == [
-        "swapkit step 3: session accounting, not RSS",
+        "swapkit step 3: session accounting, not RSS or the allocator's totals",
         "  saved (device-resident, peak)  5.00 MiB of 8.00 MiB saved",
         "  offloaded                      3.00 MiB in 5 tensors",
         "  released after copy            2.00 MiB",
@@ -28,6 +28,19 @@ def test_stats_print_as_a_mib_table():
         "  recomputed outputs             0.00 MiB (0 recipes)",
         "  host pool                      4.00 MiB (2 new buffers)",
         "  kept: parameter                0.50 MiB",
+    ]
+
+
+def test_stats_table_shows_what_reveals_a_no_op_and_the_rest_when_set():
+    stats = SwapStats(step=2, offloaded_by_scope={f"layer {i}: attn": (i + 1) << 20 for i in range(5)},
+                      unused_swaps=["layer 0: self_attn"], resident_bytes=1 << 20, verified_tensors=7, micro_steps=4)
+    assert str(stats).splitlines()[-5:] == [
+        "  offloaded by scope             layer 4: attn 5.00 MiB, layer 3: attn 4.00 MiB, layer 2: attn 3.00 MiB "
+        "(+2 more)",
+        "  UNUSED swaps (no effect)       layer 0: self_attn (see the warning)",
+        "  still held                     1.00 MiB",
+        "  verified (checksums)           7 tensors",
+        "  micro-steps                    4",
     ]
 
 

@@ -28,6 +28,16 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
+class Recorder(transformers.TrainerCallback):
+    """A user's callback (a reporting integration sees the logs the same way)."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict] = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs) -> None:
+        self.seen.append(dict(logs or {}))
+
+
 def run(tmp_path, with_swapkit: bool):
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**DECODER))
@@ -35,7 +45,7 @@ def run(tmp_path, with_swapkit: bool):
         output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=2, gradient_accumulation_steps=2,
         logging_steps=1, learning_rate=1e-3, report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True,
         seed=0, dataloader_num_workers=0)
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens())
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[Recorder()])
     callback = attach(trainer, CONFIG) if with_swapkit else None
     trainer.train()
     return trainer, callback
@@ -57,6 +67,9 @@ def test_trainer_with_swapkit_matches_the_plain_run(tmp_path):
         assert entry["swapkit/saved_MiB"] >= entry["swapkit/peak_saved_MiB"] > 0
         assert entry["swapkit/late_fetches"] >= 0 and entry["swapkit/wait_s"] >= 0
     assert not any(key.startswith("swapkit/") for entry in plain.state.log_history for key in entry)
+    recorder = next(c for c in swapped.callback_handler.callbacks if isinstance(c, Recorder))
+    seen = [entry for entry in recorder.seen if "loss" in entry]
+    assert len(seen) == 3 and all(entry["swapkit/offloaded_MiB"] > 0 for entry in seen)  # callbacks see them too
     callback.session.remove()
 
 

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from swapkit.config.types import ModelConfig
-from swapkit.engine import HostPool, ThreadCopyEngine
+from swapkit.engine import ThreadCopyEngine, make_pool
 from swapkit.train.model import build_model, lm_loss
 
 SMALL = ModelConfig(num_layers=4, hidden_size=32, num_heads=2, intermediate_size=64, vocab_size=64, seq_length=16)
@@ -69,7 +69,7 @@ class GatedEngine(ThreadCopyEngine):
 def install_engine(session, engine) -> None:
     """Give a session a test engine (before its first ``with``)."""
     session.engine = engine
-    session.pool = HostPool(engine.host_buffer, session.plan.runtime.max_host_bytes)
+    session.pool = make_pool(engine, session.plan.runtime.max_host_bytes)
 
 
 def synced_session(model: nn.Module, config: dict):

@@ -138,6 +138,7 @@ RUNTIME_KEYS = {
     "max_host_bytes": Key(optional(integer(1)), None),
     "skip_tail_offload": Key(boolean, True),
     "verify": Key(boolean, False),
+    "offload_batch_bytes": Key(integer(0), 16 << 20),
 }
 ENGINE_OPTION_KEYS = {
     "latency_s": Key(number(0, maximum=LIMITS["latency_s"]), 0.0),

@@ -126,6 +126,7 @@ class RuntimeConfig:
     max_host_bytes: int | None = None
     skip_tail_offload: bool = True
     verify: bool = False  # checksum each swapped storage when offloaded, check it when restored
+    offload_batch_bytes: int = 16 << 20  # bytes per batch of one scope's swapped storages; 0: one copy per storage
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,13 @@ from swapkit.engine.pool import HostPool
 from swapkit.engine.thread import ThreadCopyEngine
 
 
+def make_pool(engine: CopyEngine, max_bytes: int | None) -> HostPool:
+    """The session's host pool: slabs from ``engine.host_buffer`` (pinned on CUDA), ranges reused once
+    the engine's fence passed (``swapkit.engine.pool`` Note [Slab lifetimes]), at most ``max_bytes``
+    (``runtime.max_host_bytes``) held."""
+    return HostPool(engine.host_buffer, max_bytes, fence=engine.fence, granule=engine.host_granule)
+
+
 def make_engine(runtime: RuntimeConfig, device: torch.device) -> CopyEngine:
     """``runtime.engine``: ``auto`` picks cuda for a model on a CUDA device, thread otherwise.
 
@@ -29,4 +36,4 @@ def make_engine(runtime: RuntimeConfig, device: torch.device) -> CopyEngine:
     return ThreadCopyEngine(device, options.latency_s, options.bandwidth_gbps)
 
 
-__all__ = ["CopyEngine", "HostPool", "ThreadCopyEngine", "make_engine"]
+__all__ = ["CopyEngine", "HostPool", "ThreadCopyEngine", "make_engine", "make_pool"]

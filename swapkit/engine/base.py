@@ -52,17 +52,34 @@ class Waited:
         return self._seconds
 
 
+class Fence(Protocol):
+    """A point in an engine's copy queue: passed once every copy queued before it has finished
+    (``swapkit.engine.pool`` Note [Slab lifetimes])."""
+
+    def passed(self) -> bool: ...
+
+    def wait(self) -> None: ...
+
+
 class CopyEngine(Protocol):
     """Asynchronous device<->host copies of flat ``uint8`` buffers."""
 
     name: str
     device: torch.device
+    #: host slabs are multiples of this many bytes (a page when they are registered with CUDA)
+    host_granule: int
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
-        """Allocate a host buffer for the pool (pinned on CUDA)."""
+        """Allocate a flat ``uint8`` host slab of ``nbytes`` for the pool (pinned on CUDA)."""
+
+    def fence(self) -> Fence | None:
+        """A fence after every copy queued so far; ``None`` when none can still be running."""
 
     def offload(self, src: torch.Tensor, dst: torch.Tensor) -> Any:
         """Start copying device bytes ``src`` into host buffer ``dst``; returns a copy handle."""
+
+    def offload_many(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+        """Copy every ``(src, dst)`` pair as one job with one copy handle (a coalesced batch)."""
 
     def prefetch(self, src: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """Allocate a device buffer and start copying host bytes ``src`` into it."""

@@ -24,6 +24,18 @@ import torch
 from swapkit.engine.base import Waited, check_source
 
 
+# Note [Grouped copies]
+# ``offload_many`` moves the storages of one coalesced batch (swapkit.runtime.batch Note [Coalesced
+# copies]) as one job: one hand-off to the worker and one completion flag, and one emulated
+# latency per job (the bandwidth term still counts every byte). The job checks each source
+# (swapkit.runtime.records Note [Storages another component may resize]) and copies it, in a
+# plain loop. An engine whose ``offload`` is replaced (a subclass or an instance attribute: tests
+# inject failures and corruption that way, the benchmark's move check counts copies) still sees,
+# and can change, every copy: the job is then built by calling that ``offload`` for each pair while
+# a group is open on the calling thread, so ``_submit`` collects the jobs instead of queueing them.
+# A failed copy fails the whole batch.
+
+
 class CopyCancelled(RuntimeError):
     """A copy still waiting for its emulated delay when the engine was closed or interrupted."""
 
@@ -48,6 +60,22 @@ class ThreadCopy:
         self.error: BaseException | None = None
 
 
+class ThreadFence:
+    """Passed once the engine's FIFO worker finished ``copy`` and so every copy queued before it
+    (``swapkit.engine.pool`` Note [Slab lifetimes]); a failed or cancelled copy counts as finished."""
+
+    __slots__ = ("_engine", "_copy")
+
+    def __init__(self, engine: ThreadCopyEngine, copy: ThreadCopy) -> None:
+        self._engine, self._copy = engine, copy
+
+    def passed(self) -> bool:
+        return self._copy.done
+
+    def wait(self) -> None:
+        self._engine.wait_done(self._copy)
+
+
 class ThreadCopyEngine:
     """Copies run in FIFO order on one daemon thread.
 
@@ -58,6 +86,7 @@ class ThreadCopyEngine:
     """
 
     name = "thread"
+    host_granule = 1
     #: Bounds of the emulated link (the config checks the same ones, with the key path).
     MAX_LATENCY_S = 1.0
     BANDWIDTH_GBPS = (1e-3, 1e5)
@@ -74,6 +103,10 @@ class ThreadCopyEngine:
         self._waiting = 0
         self._error: BaseException | None = None  # a failed copy nobody was told of yet
         self._closed = False
+        self._last: ThreadCopy | None = None  # the last copy queued
+        self._queue_lock = threading.Lock()
+        self._group: tuple[int, list[Callable[[], None]]] | None = None  # Note [Grouped copies]
+        self._latency_paid = False  # read and written by whichever thread runs a job
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)
@@ -88,9 +121,45 @@ class ThreadCopyEngine:
 
         return self._submit(job)
 
+    def offload_many(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> ThreadCopy:
+        """One job, one completion flag for every ``(src, dst)`` pair (Note [Grouped copies])."""
+        if self._copies_unchanged():
+            sources, targets = [src for src, _ in pairs], [dst for _, dst in pairs]
+            queued = [(src.untyped_storage().nbytes(), src.data_ptr()) for src in sources]
+            return self._submit(lambda: self._copy_all(targets, sources, queued))
+        copy, jobs = ThreadCopy(), []
+        self._group = (threading.get_ident(), jobs)
+        try:
+            for src, dst in pairs:
+                self.offload(src, dst)  # a replaced offload still sees every copy
+        finally:
+            self._group = None
+        return self._submit(_run_all(jobs), copy)
+
+    def _copies_unchanged(self) -> bool:
+        """Neither ``offload`` nor ``_copy`` replaced (Note [Grouped copies])."""
+        cls = type(self)
+        return "offload" not in self.__dict__ and cls.offload is ThreadCopyEngine.offload \
+            and cls._copy is ThreadCopyEngine._copy
+
+    def _copy_all(self, targets: list[torch.Tensor], sources: list[torch.Tensor],
+                  queued: list[tuple[int, int]]) -> None:
+        """Copy every source whose storage still has the size and address it was queued with, in one
+        ``_foreach_copy_`` (one release of the GIL for the batch, not one per storage)."""
+        for src, (nbytes, data_ptr) in zip(sources, queued):  # swapkit.runtime.records Note [Storages another ...]
+            check_source(src, nbytes, data_ptr)
+        self._link_delay(sum(src.numel() for src in sources))
+        torch._foreach_copy_(targets, sources)
+        for src, (nbytes, data_ptr) in zip(sources, queued):
+            check_source(src, nbytes, data_ptr)
+
     def prefetch(self, src: torch.Tensor) -> tuple[torch.Tensor, ThreadCopy]:
         dst = torch.empty(src.numel(), dtype=torch.uint8, device=self.device)
         return dst, self._submit(lambda: self._copy(dst, src))
+
+    def fence(self) -> ThreadFence | None:
+        last = self._last
+        return None if last is None or last.done else ThreadFence(self, last)
 
     def ready(self, copy: ThreadCopy) -> bool:
         """Finished? A failed copy raises here: its bytes must never be trusted (or released)."""
@@ -100,6 +169,13 @@ class ThreadCopyEngine:
 
     def wait(self, copy: ThreadCopy, timed: bool = False) -> Waited:
         start = time.perf_counter()
+        self.wait_done(copy)
+        if copy.error is not None:
+            self._report(copy.error)
+        return Waited(time.perf_counter() - start)
+
+    def wait_done(self, copy: ThreadCopy) -> None:
+        """Block until the worker finished ``copy`` (successfully or not); reports nothing."""
         if not copy.done:
             with self._finished:
                 self._waiting += 1
@@ -108,9 +184,6 @@ class ThreadCopyEngine:
                         self._finished.wait()
                 finally:  # a KeyboardInterrupt in wait() must not leave the counter raised
                     self._waiting -= 1
-        if copy.error is not None:
-            self._report(copy.error)
-        return Waited(time.perf_counter() - start)
 
     def _report(self, error: BaseException) -> None:
         """Raise a copy's error; once raised it is no longer pending for ``synchronize``."""
@@ -142,17 +215,29 @@ class ThreadCopyEngine:
             self._closing.clear()
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        delay = self.latency_s + (src.numel() / (self.bandwidth_gbps * 1e9) if self.bandwidth_gbps else 0.0)
-        if delay and self._closing.wait(delay):  # the bytes arrive only after the link would have delivered them
-            raise CopyCancelled("copy cancelled: the thread copy engine was closed")
+        self._link_delay(src.numel())
         dst.copy_(src)
 
-    def _submit(self, job: Callable[[], None]) -> ThreadCopy:
-        copy = ThreadCopy()
+    def _link_delay(self, nbytes: int) -> None:
+        """Sleep as long as the emulated link takes for ``nbytes`` (its latency once per job); a close
+        or Ctrl-C cancels the sleep (Note [Ctrl-C and the emulated link])."""
+        latency, self._latency_paid = (0.0 if self._latency_paid else self.latency_s), True  # Note [Grouped copies]
+        delay = latency + (nbytes / (self.bandwidth_gbps * 1e9) if self.bandwidth_gbps else 0.0)
+        if delay and self._closing.wait(delay):  # the bytes arrive only after the link would have delivered them
+            raise CopyCancelled("copy cancelled: the thread copy engine was closed")
+
+    def _submit(self, job: Callable[[], None], copy: ThreadCopy | None = None) -> ThreadCopy | None:
+        group = self._group
+        if group is not None and group[0] == threading.get_ident():  # Note [Grouped copies]
+            group[1].append(job)
+            return None
+        copy = copy or ThreadCopy()
         if self._worker is None and not self._ensure_worker():
             self._execute(job, copy)  # Note [Copies after close]
             return copy
-        self._jobs.put((job, copy))
+        with self._queue_lock:  # the last copy queued is the last one in the queue (ThreadFence)
+            self._last = copy
+            self._jobs.put((job, copy))
         return copy
 
     def _ensure_worker(self) -> bool:
@@ -164,6 +249,7 @@ class ThreadCopyEngine:
             return self._worker is not None
 
     def _execute(self, job: Callable[[], None], copy: ThreadCopy) -> None:
+        self._latency_paid = False  # one emulated latency per job (Note [Grouped copies])
         try:
             job()
         except BaseException as err:  # noqa: BLE001 - handed to whoever asks about this copy
@@ -184,6 +270,14 @@ class ThreadCopyEngine:
                 with self._finished:
                     self._finished.notify_all()
             del copy
+
+
+def _run_all(jobs: list[Callable[[], None]]) -> Callable[[], None]:
+    def run() -> None:
+        for job in jobs:
+            job()
+
+    return run
 
 
 def _checked_link(latency_s: float, bandwidth_gbps: float | None) -> tuple[float, float | None]:

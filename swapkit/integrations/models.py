@@ -7,6 +7,8 @@ from its config (:func:`swapkit.integrations.transformers.meta_model`).
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from functools import reduce
 
 import torch
@@ -27,14 +29,27 @@ def build_meta_model(spec: str) -> nn.Module:
     if not sep or not module_name or not attribute:
         raise ValueError(f"--model {spec!r}: expected {MODEL_FORMS}")
     factory = _import(module_name, attribute, spec)
-    with torch.device("meta"):
-        model = factory()
+    if not callable(factory):
+        raise ValueError(f"--model {spec!r}: {attribute} is a {type(factory).__name__}, not callable; name a "
+                         f"function or class that builds the model with no arguments")
+    model = _call(factory, spec, attribute)
     if not isinstance(model, nn.Module):
         raise ValueError(f"--model {spec!r}: {attribute}() returned a {type(model).__name__}, not an nn.Module")
     return model
 
 
+def _call(factory, spec: str, attribute: str) -> object:
+    try:
+        with torch.device("meta"):
+            return factory()
+    except Exception as err:  # the user's factory: report it as a --model problem, not a crash
+        raise ValueError(f"--model {spec!r}: {attribute}() raised {type(err).__name__}: {err}; --model needs a "
+                         f"function or class that builds the model with no arguments") from None
+
+
 def _import(module_name: str, attribute: str, spec: str):
+    if os.getcwd() not in sys.path:  # as `python -m` does; console scripts leave the current folder out
+        sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:

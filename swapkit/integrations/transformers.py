@@ -16,6 +16,7 @@ propagates, and saved-tensor hooks never outlive the run.
 """
 from __future__ import annotations
 
+import difflib
 import functools
 import json
 import logging
@@ -24,7 +25,7 @@ from typing import Any, Mapping
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, TrainerCallback
+from transformers import CONFIG_MAPPING, AutoConfig, AutoModel, AutoModelForCausalLM, TrainerCallback
 
 import swapkit
 from swapkit.config.types import Config
@@ -99,6 +100,7 @@ def attach(trainer: Any, config: Config | Mapping[str, Any] | str | Path, layers
     session = swapkit.apply(trainer.model, config, layers=layers)
     callback = SwapkitCallback(session)
     trainer.add_callback(callback)
+    _run_first(trainer, callback)
     train = trainer.train
 
     @functools.wraps(train)
@@ -113,6 +115,14 @@ def attach(trainer: Any, config: Config | Mapping[str, Any] | str | Path, layers
     return callback
 
 
+def _run_first(trainer: Any, callback: SwapkitCallback) -> None:
+    """Call ``callback`` before the Trainer's other callbacks, so that the printer and every reporting
+    integration (TensorBoard, W&B, ...) see swapkit's keys in the logs it adds (``on_log`` edits them in place)."""
+    callbacks = trainer.callback_handler.callbacks
+    callbacks.remove(callback)
+    callbacks.insert(0, callback)
+
+
 def meta_model(spec: str) -> nn.Module:
     """A transformers model built on the meta device from a ``model_type`` or a ``config.json`` path.
 
@@ -123,10 +133,7 @@ def meta_model(spec: str) -> nn.Module:
     if path.is_dir() or path.suffix == ".json":
         model_config = _config_from_file(path / "config.json" if path.is_dir() else path)
     else:
-        try:
-            model_config = AutoConfig.for_model(spec)
-        except ValueError as err:
-            raise ValueError(f"--model hf:{spec}: not a transformers model_type or config.json path ({err})") from None
+        model_config = _config_for_type(spec)
     with torch.device("meta"):
         return AutoModel.from_config(model_config)
 
@@ -144,6 +151,14 @@ def random_model(spec: str, seed: int = 0) -> nn.Module:
         return AutoModelForCausalLM.from_config(model_config)
     except ValueError:  # a family without a causal-LM head
         return AutoModel.from_config(model_config)
+
+
+def _config_for_type(model_type: str) -> Any:
+    if model_type not in CONFIG_MAPPING:
+        close = difflib.get_close_matches(model_type, list(CONFIG_MAPPING.keys()), n=3, cutoff=0.8)
+        hint = f"did you mean {', '.join(close)}?" if close else "e.g. llama, qwen2, gpt2 or a path to a config.json"
+        raise ValueError(f"--model hf:{model_type}: not a transformers model_type nor a config.json path; {hint}")
+    return AutoConfig.for_model(model_type)
 
 
 def _config_from_file(path: Path) -> Any:

@@ -113,7 +113,8 @@ def _deal_per_stage(value: Any, layout: Layout, path: str, problems: Problems) -
     stages, chunks = layout.pipeline_stage, layout.pp_interleave_num
     if len(value) > stages:
         problems.bad(path, value, f"at most pipeline_stage ({stages}) per-stage counts",
-                     f"it has {len(value)}; use one count per stage")
+                     f"it has {len(value)}; use one count per stage, or, if these are layer indices, set "
+                     "swap_config.swap: true (MindFormers reads the lists as global layer indices in swap mode)")
         return None
     if _negative(value, path, problems):
         return None

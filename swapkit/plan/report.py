@@ -12,13 +12,14 @@ spaces (MindFormers' own line has a doubled space for nested matches).
 """
 from __future__ import annotations
 
-import difflib
-import re
 from dataclasses import dataclass, field, replace
 
 from swapkit.plan import patterns
-from swapkit.plan.normalize import DEFAULT_SWAP_OP
 from swapkit.plan.plan import LayerPlan, Plan
+from swapkit.plan.unmatched import unmatched, unmatched_errors
+
+__all__ = ["LayerScopes", "exact_overridden", "layer_lines", "plan_report", "resolve_layer", "summary", "table",
+           "unmatched", "unmatched_errors", "with_exact_overridden"]
 
 
 @dataclass
@@ -96,70 +97,6 @@ def layer_lines(plan: Plan, layer: LayerPlan, scopes: LayerScopes) -> list[tuple
     return lines
 
 
-def unmatched(plan: Plan, trees: list[dict]) -> list[str]:
-    """Warnings for patterns that match in some bound layers but not in others they apply to.
-
-    A pattern that matches in no layer at all is an error instead (:func:`unmatched_errors`).
-    """
-    return [f"{kind} pattern {pattern!r} matches no sub-module in layer(s) {layers}; it has no effect there"
-            for (kind, pattern), layers in _missing(plan, trees).items() if _matches_somewhere(pattern, trees)]
-
-
-def unmatched_errors(plan: Plan, trees: list[dict], model_name: str = "the model") -> list[str]:
-    """One error per pattern that matches no sub-module in any bound layer (a config that does nothing)."""
-    paths = sorted({path for tree in trees for path in _all_paths(tree)})
-    return [_unmatched_error(kind, pattern, paths, model_name)
-            for (kind, pattern), _ in _missing(plan, trees).items() if not _matches_somewhere(pattern, trees)]
-
-
-def _missing(plan: Plan, trees: list[dict]) -> dict[tuple[str, str], list[int]]:
-    """(setting, pattern) -> the layers it applies to where it matches nothing."""
-    select_kind = "recompute_config.module_scopes" if plan.dialect == "megatron" else "select_recompute"
-    missing: dict[tuple[str, str], list[int]] = {}
-    for layer, tree in zip(plan.layers, trees):
-        for kind, pattern_list in ((select_kind, layer.select), ("select_comm_recompute", layer.comm),
-                                   ("op_swap", tuple(p for p, _ in layer.op_swap))):
-            for pattern in pattern_list:
-                if not patterns.resolve(tree, pattern):
-                    missing.setdefault((kind, pattern), []).append(layer.layer)
-    return missing
-
-
-def _matches_somewhere(pattern: str, trees: list[dict]) -> bool:
-    return any(patterns.resolve(tree, pattern) for tree in trees)
-
-
-def _all_paths(tree: dict, prefix: str = "") -> list[str]:
-    out: list[str] = []
-    for name, subtree in tree.items():
-        path = f"{prefix}.{name}" if prefix else name
-        out += [path] + _all_paths(subtree, path)
-    return out
-
-
-def _unmatched_error(kind: str, pattern: str, paths: list[str], model_name: str) -> str:
-    message = f"{kind} pattern {pattern!r} matches no sub-module in any layer of {model_name}"
-    if pattern == DEFAULT_SWAP_OP:
-        attention = [p for p in paths if re.search(r"attn|attention", p.split(".")[-1], re.IGNORECASE)]
-        found = ", ".join(attention[:6]) or "none"
-        return (f"{message}. It is swapkit's default swap op (swap_config.swap: true without layer_swap/op_swap) "
-                f"and this model has no flash_attention scope; attention-like scopes found: {found}. Set "
-                "model.model_config.preset to the model family, or write swap_config.op_swap: [{op_name: "
-                f"{_as_pattern(attention[0]) if attention else '<scope>'}, backward_prefetch: 1, layers: true}}]")
-    if patterns.display(pattern) == pattern and "." in pattern and pattern in paths:
-        return (f"{message}. Components of a pattern are separated by the two characters \\. (a bare '.' is a "
-                f"regex wildcard inside one name): write '{_as_pattern(pattern)}'")
-    close = difflib.get_close_matches(patterns.display(pattern), paths, n=3, cutoff=0.6)
-    quoted = ", ".join("'" + _as_pattern(c) + "'" for c in close)
-    hint = f"did you mean {quoted}?" if close else \
-        f"its layers' children are: {', '.join(p for p in paths if '.' not in p)}"
-    return f"{message}; {hint}"
-
-
-def _as_pattern(path: str) -> str:
-    return path.replace(".", patterns.SEPARATOR)
-
-
 def plan_report(plan: Plan, trees: list[dict]) -> list[tuple[str, str]]:
     """Every per-layer line, then the partly-unmatched-pattern warnings (see :func:`unmatched_errors`)."""
     lines: list[tuple[str, str]] = []
@@ -174,19 +111,19 @@ def table(plan: Plan) -> str:
     rows = [header]
     for layer in plan.layers:
         swaps = ([f"layer:{layer.layer_swap}"] if layer.layer_swap is not None else []) + [
-            f"{patterns.display(p)}:{k}" for p, k in layer.op_swap]
+            f"{p}:{k}" for p, k in layer.op_swap]
         full = "yes" if layer.full else "-"
         if layer.full and layer.unit and layer.unit[0] != layer.unit[1]:
             full = f"yes [{layer.unit[0]}-{layer.unit[1]}]"
         rows.append((str(layer.layer), str(layer.stage), str(layer.chunk), full,
                      _cell(layer.select), _cell(layer.comm), ", ".join(swaps) or "-",
-                     ", ".join(patterns.display(p) if p != "layer" else p for p in layer.overridden) or "-"))
+                     ", ".join(layer.overridden) or "-"))
     widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
 
 
 def _cell(pattern_list: tuple[str, ...]) -> str:
-    return ", ".join(patterns.display(p) for p in pattern_list) or "-"
+    return ", ".join(pattern_list) or "-"
 
 
 def summary(plan: Plan) -> list[str]:
@@ -198,7 +135,7 @@ def summary(plan: Plan) -> list[str]:
     full = [layer.layer for layer in plan.layers if layer.full]
     lines.append(f"full recompute: {_ranges(full)}")
     for title, attr in (("select recompute", "select"), ("comm recompute", "comm")):
-        lines += [f"{title} {patterns.display(p)}: {_ranges(layers)}" for p, layers in _by_pattern(plan, attr).items()]
+        lines += [f"{title} {p}: {_ranges(layers)}" for p, layers in _by_pattern(plan, attr).items()]
     swapped = [layer.layer for layer in plan.layers if layer.layer_swap is not None]
     if swapped:
         lines.append(f"layer swap: {_ranges(swapped)}")
@@ -206,7 +143,7 @@ def summary(plan: Plan) -> list[str]:
     for layer in plan.layers:
         for pattern, _ in layer.op_swap:
             ops.setdefault(pattern, []).append(layer.layer)
-    lines += [f"op swap {patterns.display(p)}: {_ranges(layers)}" for p, layers in ops.items()]
+    lines += [f"op swap {p}: {_ranges(layers)}" for p, layers in ops.items()]
     overridden = sum(bool(layer.overridden) for layer in plan.layers)
     if overridden:
         lines.append(f"swaps overridden by recompute on {overridden} layer(s) (see the overridden column)")

@@ -71,7 +71,10 @@ save, which is no lag: with copies that finish when issued that estimate charged
 gap to the next save, and the planner then predicted swapped storages held long after the session
 had released them). Twice the largest lag past the link's prediction (a budget is a hard limit,
 and a busy machine's lag varies from run to run) goes into the planner's release rule
-(``swapkit.plan.simulate`` Note [Cost model]); a copy never seen unfinished has no lag.
+(``swapkit.plan.simulate`` Note [Cost model]); a copy never seen unfinished has no lag. The session
+coalesces one scope's swapped storages into one copy, issued when the batch is flushed
+(``swapkit.runtime.batch`` Note [Coalesced copies]); the replay issues each storage's copy at its
+save, so the wait for the flush is part of the lag measured here.
 """
 from __future__ import annotations
 
@@ -89,6 +92,7 @@ from swapkit.plan.simulate import Links
 from swapkit.plan.emit import op_pattern
 from swapkit.plan.trace import PRE, RECOMPUTE, SELECT
 from swapkit.runtime.binding import module_tree
+from swapkit.runtime.records import SwapRecord
 
 PROBE = "probe"
 PROBE_DISTANCE = 1  # the probe swaps every layer with this backward_prefetch
@@ -195,12 +199,12 @@ class Tracer:
         first seen finished (Note [Release lag])."""
         for copy in self._copies:
             if copy[2] is None and copy[0] is not None:
-                d2h = copy[0].d2h  # None while a coalesced copy has not been issued yet
+                d2h = copy[0].batch.d2h  # None until the record's batch is flushed (its copy issued)
                 if d2h is not None and copy[0].step.engine.ready(d2h):
                     copy[2], copy[0] = now, None
                 else:
                     copy[4] = now
-        if record is not None and hasattr(record, "d2h") and id(record) not in self._names:
+        if isinstance(record, SwapRecord) and id(record) not in self._names:
             self._copies.append([record, now, None, record.nbytes, None])
 
     def copy_times(self) -> list[tuple[float, float | None, int]]:

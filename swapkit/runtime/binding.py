@@ -76,12 +76,14 @@ def bind(model: nn.Module, plan: Plan, layers_path: str | Sequence[str] | None =
         BindError: a container cannot be found, the layer count differs from ``num_layers``, or a
             uniform recompute unit spans two containers.
     """
-    found = find_containers(model, plan.layers_path if layers_path is None else layers_path, plan.layout.num_layers)
+    found = find_containers(model, plan.layers_path if layers_path is None else layers_path)
     layers = [layer for _, container in found for layer in container]
     paths = tuple(path for path, _ in found)
     if len(layers) != plan.layout.num_layers:
         raise BindError(f"{type(model).__name__}.{' + '.join(paths)} holds {len(layers)} layers but the config says "
-                        f"model.model_config.num_layers: {plan.layout.num_layers}; make them agree")
+                        f"model.model_config.num_layers: {plan.layout.num_layers}; make them agree, or leave "
+                        "num_layers out and swapkit counts the layers (on the command line: --set "
+                        "model.model_config.num_layers=null)")
     _check_units(plan, found)
     bound = [BoundLayer(i, layer, lp, resolve_layer(lp, module_tree(layer)))
              for i, (layer, lp) in enumerate(zip(layers, plan.layers))]
@@ -99,18 +101,17 @@ def describe(found: list[tuple[str, nn.Module]]) -> str:
     return ", ".join(parts)
 
 
-def find_containers(model: nn.Module, paths: str | Sequence[str] | None,
-                    expected: int | None) -> list[tuple[str, nn.Module]]:
+def find_containers(model: nn.Module, paths: str | Sequence[str] | None) -> list[tuple[str, nn.Module]]:
     """The named containers in order, or the one auto-detected container."""
     if paths is None or isinstance(paths, str):
-        return [find_layers(model, paths, expected)]
+        return [find_layers(model, paths)]
     if not paths or len(set(paths)) != len(paths):
         raise BindError(f"layers={list(paths)!r}: expected distinct container paths, e.g. "
                         "['encoder.block', 'decoder.block']")
     return [(path, _walk(model, path)) for path in paths]
 
 
-def find_layers(model: nn.Module, path: str | None, expected: int | None) -> tuple[str, nn.Module]:
+def find_layers(model: nn.Module, path: str | None) -> tuple[str, nn.Module]:
     """The container at ``path``, or the only outermost list of repeated blocks.
 
     A list inside a layer of another candidate (a layer's experts) is not a candidate: it cannot
@@ -124,9 +125,17 @@ def find_layers(model: nn.Module, path: str | None, expected: int | None) -> tup
     if not candidates:
         raise BindError(f"found no nn.ModuleList of repeated layers in {type(model).__name__}; pass "
                         "layers='path.to.layers' (or set model.model_config.layers_path)")
+    raise BindError(_several_containers(type(model).__name__, candidates))
+
+
+def _several_containers(model_name: str, candidates: list[tuple[str, nn.Module]]) -> str:
+    """What to write to choose among several containers, in the API and in a YAML config."""
     found = ", ".join(f"{n} ({len(m)} x {type(m[0]).__name__})" for n, m in candidates)
-    raise BindError(f"several layer containers in {type(model).__name__}: {found}; pass layers='<one of them>' "
-                    f"or a list of them (or set model.model_config.layers_path); num_layers is {expected}")
+    names = [n for n, _ in candidates]
+    return (f"several layer containers in {model_name}: {found}; say which hold the layers, in order. In Python: "
+            f"pass layers={names!r} (or layers={names[0]!r} for one) to swapkit.apply. In a YAML config: set "
+            f"model.model_config.layers_path: [{', '.join(names)}] (swapkit plan also takes --layers {names[0]} "
+            "for one container)")
 
 
 def _outermost(candidates: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:

@@ -78,6 +78,9 @@ class MicroStep(Step):
         super().unpacked(tick)
         self.group.look_ahead(self, tick)
 
+    def _prefetches_done(self) -> None:
+        """A micro-step keeps watching its unpacks: each one looks ahead into other micro-steps."""
+
     def prefetch_from(self, bound: int) -> None:
         """Issue the prefetch of every released record with horizon ``>= bound`` (Note [Looking ahead ...])."""
         with self.lock:
@@ -134,6 +137,7 @@ class MicroSteps:
 
     def forward_ended(self, step: MicroStep) -> None:
         step.forward_done = True
+        step.flush()  # its saves are done: its open batch's copy can start (swapkit.runtime.batch)
 
     def poll(self, current: MicroStep) -> None:
         for waiting in self._waiting():

@@ -116,37 +116,45 @@ class Saved:
 
 
 class KeptRecord:
-    """A storage that stays on the device; exists for storage de-duplication and accounting."""
+    """A storage that stays on the device; exists for storage de-duplication and accounting.
 
-    __slots__ = ("step", "nbytes", "version", "__weakref__")
-    swapped = False
+    It holds its storage: that adds no lifetime, since every handle of the record holds a keeper
+    of the same storage (swapkit.runtime.step Note [The cost of a save])."""
 
-    def __init__(self, step: StepState, nbytes: int, version: int) -> None:
-        self.step, self.nbytes, self.version = step, nbytes, version
+    __slots__ = ("step", "nbytes", "version", "_storage", "__weakref__")
+    swapped = released = False
+
+    def __init__(self, step: StepState, nbytes: int, version: int, storage: torch.UntypedStorage) -> None:
+        self.step, self.nbytes, self.version, self._storage = step, nbytes, version, storage
+
+    def storage(self) -> torch.UntypedStorage:
+        """The storage this record stands for (``SwapRecord.storage`` is a weak reference)."""
+        return self._storage
 
     def __del__(self) -> None:  # Note [Record lifetime]
         self.step.device_bytes_freed(self.nbytes)
 
 
 class SwapRecord:
-    """A storage copied to host memory, released from the device, and prefetched back."""
+    """A storage copied to host memory, released from the device, and prefetched back.
 
-    __slots__ = ("step", "nbytes", "version", "frame", "horizon", "issued", "keepers", "host", "d2h", "released",
-                 "device_buffer", "h2d", "issued_at", "waited", "resident", "source", "data_ptr", "checksum",
-                 "__weakref__")
+    Its bytes travel in a slot of a :class:`~swapkit.runtime.batch.Batch` (Note [Coalesced copies] in
+    ``swapkit.runtime.batch``): one host region and one copy each way for the storages of a scope."""
+
+    __slots__ = ("step", "nbytes", "version", "frame", "horizon", "keepers", "batch", "offset", "released",
+                 "device_buffer", "h2d", "issued_at", "waited", "resident", "storage", "data_ptr", "checksum",
+                 "needs_host", "__weakref__")
     swapped = True
 
-    def __init__(self, step: StepState, nbytes: int, version: int, frame: Frame, tick: int, host: torch.Tensor,
-                 src: torch.Tensor, issued: int) -> None:
+    def __init__(self, step: StepState, nbytes: int, version: int, frame: Frame, tick: int, batch: Any,
+                 src: torch.Tensor) -> None:  # batch: a swapkit.runtime.batch.Batch (which imports this module)
         self.step, self.nbytes, self.version, self.frame = step, nbytes, version, frame
         self.horizon = tick + frame.prefetch
-        self.issued = issued  # copies finish in issue order (one FIFO queue per engine)
         self.keepers: list[torch.Tensor] = []
-        self.host: torch.Tensor | None = host  # back to the pool by __del__ even if the offload below fails
-        self.resident = False  # not counted in the step's device bytes until construction succeeded
-        self.source, self.data_ptr = weakref.ref(src.untyped_storage()), src.data_ptr()
+        self.storage, self.data_ptr = weakref.ref(src.untyped_storage()), src.data_ptr()
         self.checksum: torch.Tensor | None = None  # Note [Verify mode]
-        self.d2h = step.engine.offload(src, host)
+        self.batch, self.offset = batch, batch.add(src)
+        self.needs_host = True  # holds a share of the batch's host region until it lets go
         self.resident = True
         self.released = False
         self.device_buffer: torch.Tensor | None = None
@@ -160,16 +168,18 @@ class SwapRecord:
 
     def release(self) -> None:
         """Drop every device reference; the copy has finished (Note [Version keepers])."""
-        storage = self.source()  # alive: the keepers hold it until now
+        storage = self.storage()  # alive: the keepers hold it until now
         self._check_source(storage)
         if self.step.verify and storage is not None:  # Note [Verify mode]
             self.checksum = checksum(storage_bytes(storage, self.step.engine.device))
-        for keeper in self.keepers:
-            with torch.autograd._unsafe_preserve_version_counter(keeper):
+        keepers = tuple(self.keepers)
+        with torch.autograd._unsafe_preserve_version_counter(keepers):  # one for all of them
+            for keeper in keepers:
                 keeper.set_()
         self.keepers.clear()
         self.released = True
-        self._set_resident(False)
+        self.resident = False
+        self.step.device_bytes_freed(self.nbytes)
 
     def _check_source(self, storage: torch.UntypedStorage | None) -> None:
         """Note [Storages another component may resize]"""
@@ -182,11 +192,13 @@ class SwapRecord:
         copy queue]``)."""
         if self.device_buffer is not None:
             return
-        step = self.step
+        step, batch = self.step, self.batch
         self.issued_at = tick
-        self.device_buffer, self.h2d = step.engine.prefetch(self.host)
-        step.pool.release(self.host)
-        self.host = None
+        if batch.device is None:
+            batch.fetch()
+            step.stats.prefetch_copies += 1  # under the step's lock (Note [Unpacks from several threads])
+        self.device_buffer, self.h2d = batch.device, batch.h2d  # the whole region: restore reads at offset
+        self._let_go()
         step.prefetched(self.nbytes)
         self._set_resident(True)
 
@@ -196,21 +208,21 @@ class SwapRecord:
         step = self.step
         with step.lock:
             late = self.device_buffer is None or (not self.waited and not step.engine.ready(self.h2d))
-            self.fetch(tick)
+            if self.device_buffer is None:
+                self.fetch(tick)
             buffer, copy, first = self.device_buffer, self.h2d, not self.waited
             self.waited = True
         timing = step.engine.wait(copy, timed=late and first)
         if first:
             step.restored(self.issued_at - tick, timing if late else None)
-            self._verify(buffer)
-        return rebuild(buffer, meta)
+            if self.checksum is not None:
+                self._verify(buffer)
+        return rebuild(buffer, meta, self.offset)
 
     def _verify(self, buffer: torch.Tensor) -> None:
         """Note [Verify mode]"""
         expected, self.checksum = self.checksum, None
-        if expected is None:
-            return
-        got = checksum(buffer)
+        got = checksum(slot(buffer, self.offset, self.nbytes))  # this record's bytes of the batch's region
         if not torch.equal(got, expected):
             raise RuntimeError(
                 f"swapkit verify: the bytes restored for a tensor saved in {self.frame.label} during step "
@@ -221,9 +233,13 @@ class SwapRecord:
 
     def drop_host_copy(self) -> None:
         """Backward began before this storage was released: it is used from the device as is."""
-        if self.host is not None:
-            self.step.pool.release(self.host)
-            self.host = None
+        with self.step.lock:
+            self._let_go()
+
+    def _let_go(self) -> None:
+        if self.needs_host:
+            self.needs_host = False
+            self.batch.let_go()
 
     def _set_resident(self, resident: bool) -> None:
         if resident != self.resident:
@@ -234,11 +250,19 @@ class SwapRecord:
                 self.step.device_bytes_freed(self.nbytes)
 
     def __del__(self) -> None:  # Note [Record lifetime]; slots a failed __init__ never set read as unset
-        host = getattr(self, "host", None)
-        if host is not None:
-            self.step.pool.release(host)
+        if getattr(self, "needs_host", False):
+            with self.step.lock:
+                self._let_go()
         if getattr(self, "resident", False):
             self.step.device_bytes_freed(self.nbytes)
+
+
+def is_parameter(tensor: torch.Tensor) -> bool:
+    """``isinstance(tensor, nn.Parameter)`` without the metaclass hook's cost for plain tensors: a
+    plain tensor counts as a parameter only through an ``_is_param`` attribute in its ``__dict__``."""
+    if type(tensor) is torch.Tensor:
+        return bool(tensor.__dict__) and bool(tensor.__dict__.get("_is_param", False))
+    return isinstance(tensor, torch.nn.Parameter)
 
 
 def checksum(flat: torch.Tensor) -> torch.Tensor:
@@ -248,10 +272,16 @@ def checksum(flat: torch.Tensor) -> torch.Tensor:
     return flat[:head].view(torch.int64).sum() + flat[head:].sum(dtype=torch.int64)
 
 
+def slot(region: torch.Tensor, offset: int, nbytes: int) -> torch.Tensor:
+    """``region[offset:offset + nbytes]`` of a flat ``uint8`` buffer, built with ``set_`` as :func:`rebuild`
+    builds views (no slicing op: a dispatch-mode op count of backward sees none)."""
+    flat = torch.empty(0, dtype=torch.uint8, device=region.device)
+    return flat.set_(region.untyped_storage(), region.storage_offset() + offset, (nbytes,), (1,))
+
+
 def storage_bytes(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
-    """A flat ``uint8`` view of a whole storage."""
-    flat = torch.empty(0, dtype=torch.uint8, device=device)
-    return flat.set_(storage, 0, (storage.nbytes(),), (1,))
+    """A flat ``uint8`` view of a whole storage (``set_``'s one-argument form: its parsing is the cheap one)."""
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
 
 
 def view_meta(tensor: torch.Tensor) -> tuple:
@@ -260,9 +290,11 @@ def view_meta(tensor: torch.Tensor) -> tuple:
             tensor.is_neg())
 
 
-def rebuild(buffer: torch.Tensor, meta: tuple) -> torch.Tensor:
-    """The view ``meta`` describes, on the storage of ``buffer`` (Note [One move per storage])."""
+def rebuild(buffer: torch.Tensor, meta: tuple, at: int = 0) -> torch.Tensor:
+    """The view ``meta`` describes, on the storage of ``buffer`` whose bytes start ``at`` bytes into
+    ``buffer`` (a record's slot of a batch's region, aligned to ``batch.ALIGN``; Note [One move per storage])."""
     dtype, size, stride, offset, conj, neg = meta
+    offset += (buffer.storage_offset() + at) // dtype.itemsize
     out = torch.empty(0, dtype=dtype, device=buffer.device).set_(buffer.untyped_storage(), offset, size, stride)
     if neg:
         out = torch._neg_view(out)

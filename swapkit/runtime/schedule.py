@@ -38,9 +38,11 @@ class TickQueue(Generic[T]):
     def push(self, item: T) -> None:
         heapq.heappush(self._heap, (self._sign * self._key(item), next(self._seq), item))
 
-    def pop_due(self, bound: int) -> list[T]:
-        due: list[T] = []
+    def pop_due(self, bound: int) -> list[T] | tuple[()]:
         limit = self._sign * bound
+        if not self._heap or self._heap[0][0] > limit:
+            return ()  # the common case on every tick: nothing due, nothing built
+        due: list[T] = []
         while self._heap and self._heap[0][0] <= limit:
             pushed, _, item = heapq.heappop(self._heap)
             if self._sign * self._key(item) != pushed:  # Note [Lazy re-keying]

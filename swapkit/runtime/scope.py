@@ -26,6 +26,7 @@ recomputed ops), which limits what a compiler can fuse across them. Wrapping hap
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -45,8 +46,8 @@ class Frame:
     path: str
     prefetch: int | None
 
-    @property
-    def label(self) -> str:
+    @functools.cached_property
+    def label(self) -> str:  # read once per swapped storage: built once per frame
         return f"layer {self.layer}: {self.path}" if self.path else f"layer {self.layer}"
 
 

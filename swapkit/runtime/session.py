@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from swapkit.runtime.binding import Binding
-from swapkit.engine import CopyEngine, HostPool, make_engine
+from swapkit.engine import CopyEngine, HostPool, make_engine, make_pool
 from swapkit.plan.plan import Plan
 from swapkit.runtime.overrides import entry_cause, unused_message
 from swapkit.runtime.recipes import PackedInput, Recipe, tensor_leaves
@@ -163,27 +163,31 @@ class SwapSession:
     # ------------------------------------------------------------------ hooks
 
     def _pack(self, tensor: torch.Tensor) -> Saved:
+        stack = self.tracker.stack
+        frame = stack[-1] if stack else None
         if torch._C._current_graph_task_id() != -1:  # Note [Packs during backward]
-            return Saved(tensor.detach(), tensor._version, None, -1, None, None, self.tracker.top)
+            return Saved(tensor.detach(), tensor._version, None, -1, None, None, frame)
         step = self._step
         if step.backward_started:  # the next micro-batch's forward inside the same block
             step = self._start_step()
-        saved = step.save(tensor, self.tracker.top)
+        saved = step.save(tensor, frame)
         if self.observer is not None:
             self.observer.saved(saved)
         return saved
 
     def _unpack(self, saved: Saved) -> torch.Tensor:
-        if saved.keeper._version != saved.version:
+        keeper = saved.keeper
+        if keeper._version != saved.version:
             raise _modified_error(saved)
-        if saved.step is not None:
-            saved.step.unpacked(saved.tick)
+        step = saved.step
+        if step is not None and step.watch_unpacks:  # swapkit.runtime.step Note [The cost of a save]
+            step.unpacked(saved.tick)
         record = saved.record
-        if record is None or not record.swapped or not record.released:
-            tensor = saved.keeper
+        if record is None or not record.released:  # a kept record is never released
+            tensor = keeper
         else:
             tensor = record.restore(saved.meta, saved.tick)
-        if self.observer is not None and saved.step is not None:
+        if self.observer is not None and step is not None:
             self.observer.unpacked(saved)  # after the restore: a recipe it ran has its bytes counted
         return tensor
 
@@ -226,8 +230,9 @@ class SwapSession:
 
     def _swap_scope_entered(self, frame: Frame) -> None:
         """swapkit.runtime.overrides Note [Swaps nobody reports]"""
-        if self._hooks is not None and torch._C._current_graph_task_id() == -1:
-            self._step.scope_entered(frame, entry_cause(self._pack))
+        step = self._step  # None in a pipeline stage before a chunk's first save opens its micro-step
+        if step is not None and self._hooks is not None and torch._C._current_graph_task_id() == -1:
+            step.scope_entered(frame, entry_cause(self._pack))
 
     def _report_unused(self, step: Step) -> None:
         for layer, path, cause in step.unused_swaps():
@@ -241,7 +246,7 @@ class SwapSession:
             if self.engine is not None:
                 self.engine.close()
             self.engine = make_engine(self.plan.runtime, device)
-            self.pool = HostPool(self.engine.host_buffer, self.plan.runtime.max_host_bytes)
+            self.pool = make_pool(self.engine, self.plan.runtime.max_host_bytes)
             self._forward_ticks = None
 
     # ------------------------------------------------------------------ public

@@ -41,7 +41,7 @@ def bind_stage(chunks: list[nn.Module], plan: Plan, layers_path: str | None, sta
     bound: list[BoundLayer] = []
     path = layers_path or plan.layers_path
     for v, (chunk, ids) in enumerate(zip(chunks, plan.stage_layers(stage))):
-        path, container = find_layers(chunk, path, len(ids))
+        path, container = find_layers(chunk, path)
         layers = list(container)
         if len(layers) != len(ids):
             raise BindError(f"stage {stage} chunk {v} (torch pipeline stage {v * plan.layout.pipeline_stage + stage})"

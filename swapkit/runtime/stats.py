@@ -21,8 +21,10 @@ class SwapStats:
     offloaded_tensors: int = 0  # storages copied device -> host
     offloaded_bytes: int = 0
     released_bytes: int = 0  # device bytes dropped after their copy finished
+    offload_copies: int = 0  # device -> host copy jobs: one per coalesced batch (runtime.offload_batch_bytes)
     prefetched_tensors: int = 0  # storages copied host -> device in backward
     prefetched_bytes: int = 0
+    prefetch_copies: int = 0  # host -> device copy jobs: one per batch brought back
     tail_bytes: int = 0  # offloaded but still on the device when backward began (used as is)
     prefetch_lead_ticks: int = 0  # sum over prefetches of (issue tick - first-use tick)
     recomputed_output_bytes: int = 0  # saves of selected ops' outputs replaced by a recipe (not held)
@@ -74,9 +76,29 @@ def format_stats(stats: SwapStats) -> str:
         ("host pool", f"{_mib(stats.host_pool_bytes)} ({stats.host_allocations} new buffers)"),
     ]
     rows += [(f"kept: {reason}", _mib(size)) for reason, size in sorted(stats.skipped.items())]
+    rows += _optional_rows(stats)
     width = max(len(name) for name, _ in rows)
-    title = f"swapkit step {stats.step}{' (aborted)' if stats.aborted else ''}: session accounting, not RSS"
+    title = (f"swapkit step {stats.step}{' (aborted)' if stats.aborted else ''}: session accounting, not RSS or "
+             f"the allocator's totals")
     return "\n".join([title] + [f"  {name.ljust(width)}  {value}" for name, value in rows])
+
+
+def _optional_rows(stats: SwapStats) -> list[tuple[str, str]]:
+    """Rows shown only when they say something: a swap that moved nothing above all."""
+    rows = []
+    if stats.offloaded_by_scope:
+        scopes = sorted(stats.offloaded_by_scope.items(), key=lambda item: -item[1])
+        shown = ", ".join(f"{scope} {_mib(size)}" for scope, size in scopes[:3])
+        rows.append(("offloaded by scope", shown + (f" (+{len(scopes) - 3} more)" if len(scopes) > 3 else "")))
+    if stats.unused_swaps:
+        rows.append(("UNUSED swaps (no effect)", ", ".join(stats.unused_swaps) + " (see the warning)"))
+    if stats.resident_bytes:
+        rows.append(("still held", _mib(stats.resident_bytes)))
+    if stats.verified_tensors:
+        rows.append(("verified (checksums)", f"{stats.verified_tensors} tensors"))
+    if stats.micro_steps > 1:
+        rows.append(("micro-steps", str(stats.micro_steps)))
+    return rows
 
 
 def _mib(size: int) -> str:

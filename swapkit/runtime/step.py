@@ -30,6 +30,32 @@ found by storage. What is still missed is a parameter's storage reached only thr
 alias or a non-view op (``weight.detach()`` saved by a custom function); if another component
 then resizes it, the copy fails loudly (Note [Storages another component may resize] in
 ``swapkit.runtime.records``).
+
+Note [The cost of a save]
+``save`` and ``unpacked`` run once per saved tensor, so a step of many small ops pays for every
+attribute read there. What keeps them lean, each giving the same guarantee as the longer form:
+- ``save`` makes one index lookup; a storage already recorded in this step costs a detach and a
+  handle, and everything else a new storage needs (parameter, device and recompute checks, the
+  record, the accounting) happens once, in ``_first_save``;
+- the storage index maps ``id(storage)`` to one weak reference to the record; the record knows its
+  storage (a :class:`KeptRecord` holds it, which adds no lifetime because each of its handles holds a
+  keeper of that storage; a :class:`SwapRecord` holds a weak reference), so a recycled id is still
+  caught by ``record.storage() is storage``;
+- ``isinstance(t, nn.Parameter)`` runs the metaclass hook (a failing ``getattr`` on the tensor); a plain
+  ``torch.Tensor`` that is not a view and has no attributes is no parameter, and the others are asked
+  :func:`~swapkit.runtime.records.is_parameter`, which answers from ``type`` and ``__dict__``;
+- the schedule is looked at only once a swap record was queued in the step, the scopes seen only when
+  the frame changed since the previous save, the recomputable outputs only when there are some, and a
+  frame's label (the stats key) is built once per frame;
+- the device-byte counters have their own plain lock (records die on any thread), not the step's
+  re-entrant one;
+- in backward, once nothing is left to prefetch, the step turns ``watch_unpacks`` off and the session's
+  unpack no longer calls it: only backward pops the prefetch queue and nothing pushes to it any more,
+  so an empty queue stays empty (a :class:`~swapkit.runtime.microsteps.MicroStep` keeps watching: it
+  looks ahead into other micro-steps).
+What is left is measured by ``benchmarks/microbench.py`` against bare identity hooks and against the
+floor of any safe keep (a detached keeper and its version, Note [Version keepers] in
+``swapkit.runtime.records``): see ``benchmarks/results/overhead``.
 """
 from __future__ import annotations
 
@@ -40,16 +66,19 @@ from collections import defaultdict
 from typing import Any, Callable
 
 import torch
-from torch import nn
 
 from swapkit.config.types import RuntimeConfig
 from swapkit.engine import CopyEngine, HostPool
+from swapkit.runtime.batch import Batch
 from swapkit.runtime.recipes import Recipe, RecomputedOutput
-from swapkit.runtime.records import KeptRecord, Saved, SwapRecord, is_plain, storage_bytes, view_meta
+from swapkit.runtime.records import (
+    KeptRecord, Saved, SwapRecord, is_parameter, is_plain, storage_bytes, view_meta,
+)
 from swapkit.runtime.schedule import TickQueue
 from swapkit.runtime.overrides import NOT_ENTERED, scope_label
 from swapkit.runtime.scope import Frame
 from swapkit.runtime.stats import SwapStats
+
 
 
 def _horizon(record: SwapRecord) -> int:
@@ -70,11 +99,16 @@ class Step:
         self._on_backward = on_backward
         self.clock = 0
         self.backward_started = self.aborted = False
-        self._index: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+        self.watch_unpacks = True  # the session calls unpacked() (Note [The cost of a save])
+        self._index: dict[int, weakref.ref] = {}  # id(storage) -> its record (Note [The cost of a save])
+        self._batch: Batch | None = None  # the open batch (swapkit.runtime.batch Note [Coalesced copies])
+        self._batches = 0  # batches flushed: their copy order
+        self._scheduled = False  # a swap record was queued this step (Note [The cost of a save])
+        self._last_frame: Frame | None = None  # the frame of the previous save: _seen has it
         self._recomputable: dict[int, tuple[weakref.ref, RecomputedOutput]] = {}
         self._skipped_storages: set[int] = set()
         self._release: TickQueue[SwapRecord] = TickQueue(_horizon)
-        self._pending: list[tuple[int, SwapRecord]] = []  # due, copy unfinished; by issue order
+        self._pending: list[tuple[int, int, SwapRecord]] = []  # due, copy unfinished; by (batch, offset)
         self._prefetch: TickQueue[SwapRecord] = TickQueue(_horizon, descending=True)
         self._timings: list[Any] = []
         self._allocations_at_start = pool.allocations
@@ -84,35 +118,73 @@ class Step:
         self._entered: dict[tuple[int, str], str | None] = {}  # swap scopes entered in forward -> cause
         self._seen: set[tuple[int, str]] = set()  # scopes a forward save reached
         self.lock = threading.RLock()  # swapkit.runtime.records Note [Unpacks from several threads]
+        self._bytes_lock = threading.Lock()  # device_bytes: records die on any thread; taken after self.lock
 
     # ------------------------------------------------------------------ forward
 
     def save(self, tensor: torch.Tensor, frame: Frame | None) -> Saved:
-        """Pack one tensor saved in forward: tick it, then keep it or start its swap."""
+        """Pack one tensor saved in forward: tick it, then keep it or start its swap.
+
+        This runs once per saved tensor: Note [The cost of a save] keeps it lean."""
         tick = self.clock
-        self.clock += 1
-        self._advance(tick)
-        if frame is not None:
-            self._seen.add((frame.layer, frame.path))
+        self.clock = tick + 1
+        if self._scheduled:
+            self._advance(tick)
+        if frame is not self._last_frame:
+            self._frame_seen(frame)
         if not is_plain(tensor):
             return Saved(tensor.detach(), tensor._version, self, tick, None, None, frame)
         storage = tensor.untyped_storage()
-        nbytes, key, swap_k = storage.nbytes(), id(storage), frame.prefetch if frame is not None else None
-        version = tensor._version
-        parameter = self._is_parameter(tensor, key)
-        if parameter or tensor.device != self.device or nbytes == 0:
-            reason = "parameter" if parameter else "not_on_device" if nbytes else None
-            if swap_k is not None and reason is not None:
-                self._skip(reason, key, nbytes)
-            return Saved(tensor.detach(), version, self, tick, None, None, frame)
-        record = self._lookup(key, storage, version)
-        if record is None:
-            recomputed = self._recomputed(key, storage, version)
-            if recomputed is not None:
-                return self._recomputed_handle(tensor, recomputed, tick, frame, version)
-            record = self._new_record(tensor, storage, key, nbytes, tick, frame, version)
+        key, version = id(storage), tensor._version
+        found = self._index.get(key)
+        record = found() if found is not None else None
+        if record is None or record.storage() is not storage or record.version != version:
+            return self._first_save(tensor, storage, key, tick, frame, version)  # new, recycled id, or overwritten
         if not record.swapped:
             return Saved(tensor.detach(), version, self, tick, record, None, frame)
+        return self._swapped_handle(tensor, record, tick, frame, version)
+
+    def _first_save(self, tensor: torch.Tensor, storage: torch.UntypedStorage, key: int, tick: int,
+                    frame: Frame | None, version: int) -> Saved:
+        """A storage this step has no record of: a parameter, foreign or empty (kept, no record), a
+        recomputable output, or a new kept or swapped record."""
+        nbytes = storage.nbytes()
+        parameter = key in self.param_storages or (  # a plain non-view tensor without attributes is none
+            (type(tensor) is not torch.Tensor or tensor._base is not None or tensor.__dict__)
+            and self._is_parameter(tensor, key))
+        if parameter or nbytes == 0 or tensor.device != self.device:
+            self._not_candidate(parameter, key, nbytes, frame)
+            return Saved(tensor.detach(), version, self, tick, None, None, frame)
+        recomputed = self._recomputed(key, storage, version) if self._recomputable else None
+        if recomputed is not None:
+            return self._recomputed_handle(tensor, recomputed, tick, frame, version)
+        record = self._swap_record(tensor, storage, key, nbytes, tick, frame, version) \
+            if frame is not None and frame.prefetch is not None else None
+        self.stats.saved_bytes += nbytes  # only the forward thread saves
+        self.device_bytes_added(nbytes)
+        if record is None:
+            record = KeptRecord(self, nbytes, version, storage)
+            self._index[key] = weakref.ref(record)  # Note [The cost of a save]
+            return Saved(tensor.detach(), version, self, tick, record, None, frame)
+        self._index[key] = weakref.ref(record)
+        keeper = tensor.detach()  # Note [Version keepers] in swapkit.runtime.records
+        record.keepers.append(keeper)
+        return Saved(keeper, version, self, tick, record, view_meta(tensor), frame)
+
+    def _frame_seen(self, frame: Frame | None) -> None:
+        self._last_frame = frame
+        if self._batch is not None and frame is not self._batch.frame:
+            self.flush()  # the scope changed (swapkit.runtime.batch Note [Coalesced copies])
+        if frame is not None:
+            self._seen.add((frame.layer, frame.path))
+
+    def _not_candidate(self, parameter: bool, key: int, nbytes: int, frame: Frame | None) -> None:
+        reason = "parameter" if parameter else "not_on_device" if nbytes else None
+        if frame is not None and frame.prefetch is not None and reason is not None:
+            self._skip(reason, key, nbytes)
+
+    def _swapped_handle(self, tensor: torch.Tensor, record: SwapRecord, tick: int, frame: Frame | None,
+                        version: int) -> Saved:
         record.saved_again(tick)
         keeper = tensor.detach()  # Note [Version keepers] in swapkit.runtime.records
         if record.released:  # the storage lives on elsewhere; its bytes are already on the host
@@ -125,22 +197,11 @@ class Step:
 
     def _is_parameter(self, tensor: torch.Tensor, key: int) -> bool:
         """Note [Parameters are recognised when saved]"""
-        if key in self.param_storages:
-            return True
-        if isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter):
+        base = tensor._base
+        if is_parameter(tensor) or (base is not None and is_parameter(base)):
             self.param_storages.add(key)  # later saves of a detached alias are found by storage
             return True
         return False
-
-    def _lookup(self, key: int, storage: torch.UntypedStorage, version: int) -> Any:
-        found = self._index.get(key)
-        if found is None:
-            return None
-        storage_ref, record_ref = found
-        record = record_ref()
-        if storage_ref() is not storage or record is None or record.version != version:
-            return None  # a new storage at a recycled id, or the old data was overwritten since
-        return record
 
     def register_outputs(self, recipe: Recipe, outputs: list[torch.Tensor], inputs: set[int]) -> None:
         """Outputs a recipe can rebuild (``swapkit.runtime.recipes.Note [Output recompute]``)."""
@@ -185,34 +246,51 @@ class Step:
             self.stats.output_recomputes += 1
             self.device_bytes_added(nbytes)
 
-    def _new_record(self, tensor: torch.Tensor, storage: torch.UntypedStorage, key: int, nbytes: int, tick: int,
-                    frame: Frame | None, version: int) -> Any:
-        record = self._swap_record(tensor, storage, key, nbytes, tick, frame, version)
-        if record is None:
-            record = KeptRecord(self, nbytes, version)
-        self._index[key] = (weakref.ref(storage), weakref.ref(record))
-        self.stats.saved_bytes += nbytes
-        self.device_bytes_added(nbytes)
-        return record
-
     def _swap_record(self, tensor: torch.Tensor, storage: torch.UntypedStorage, key: int, nbytes: int, tick: int,
-                     frame: Frame | None, version: int) -> SwapRecord | None:
-        if frame is None or frame.prefetch is None:
-            return None
+                     frame: Frame, version: int) -> SwapRecord | None:
+        """A swap record for a new storage saved in a swapped scope, or ``None`` (skipped: kept)."""
         if nbytes < self.runtime.min_offload_bytes:
             return self._skip("small", key, nbytes)
         if self.tail_ticks is not None and tick + frame.prefetch >= self.tail_ticks:
             return self._skip("tail", key, nbytes)  # Note [The last k ticks stay on the device]
-        host = self.pool.acquire(nbytes)
-        if host is None:
-            return self._skip("host_cap", key, nbytes)
-        record = SwapRecord(self, nbytes, version, frame, tick, host, storage_bytes(storage, tensor.device),
-                            issued=self.stats.offloaded_tensors)
+        record = SwapRecord(self, nbytes, version, frame, tick, self._open_batch(frame, nbytes),
+                            storage_bytes(storage, tensor.device))
         self.stats.offloaded_tensors += 1
         self.stats.offloaded_bytes += nbytes
         self.stats.offloaded_by_scope[frame.label] += nbytes
         self._release.push(record)
+        self._scheduled = True
+        if not self.runtime.offload_batch_bytes:
+            self.flush()
         return record
+
+    def _open_batch(self, frame: Frame, nbytes: int) -> Batch:
+        """The batch a new swap record joins (swapkit.runtime.batch Note [Coalesced copies])."""
+        batch = self._batch
+        if batch is None or not batch.fits(frame, nbytes, self.runtime.offload_batch_bytes):
+            self.flush()
+            batch = self._batch = Batch(self, frame)
+        return batch
+
+    def flush(self) -> None:
+        """Queue the open batch's copy; if the pool refused its region, its storages stay on the device."""
+        batch, self._batch = self._batch, None
+        if batch is None or batch.flushed:
+            return
+        self._batches += 1
+        if not batch.flush(self._batches):
+            self._skip_failed(batch)
+        elif batch.d2h is not None:
+            self.stats.offload_copies += 1
+
+    def _skip_failed(self, batch: Batch) -> None:
+        stats = self.stats
+        stats.offloaded_tensors -= batch.count
+        stats.offloaded_bytes -= batch.data_bytes
+        stats.offloaded_by_scope[batch.frame.label] -= batch.data_bytes
+        if not stats.offloaded_by_scope[batch.frame.label]:
+            del stats.offloaded_by_scope[batch.frame.label]
+        stats.skipped["host_cap"] += batch.data_bytes
 
     def _skip(self, reason: str, key: int, nbytes: int) -> None:
         if key not in self._skipped_storages:
@@ -223,12 +301,20 @@ class Step:
     def _advance(self, tick: int) -> None:
         """Release the records whose horizon has come and whose copy finished."""
         for record in self._release.pop_due(tick):
-            heapq.heappush(self._pending, (record.issued, record))
-        while self._pending and self.engine.ready(self._pending[0][1].d2h):  # Note [Releases never stall compute]
-            record = heapq.heappop(self._pending)[1]
+            if not record.batch.flushed:
+                self._flush_batch_of(record)
+            if not record.batch.failed:  # a failed batch's storages stay on the device
+                heapq.heappush(self._pending, (record.batch.issued, record.offset, record))  # copy order
+        pending = self._pending
+        while pending and self.engine.ready(pending[0][2].batch.d2h):  # Note [Releases never stall compute]
+            record = heapq.heappop(pending)[2]
             record.release()
             self.stats.released_bytes += record.nbytes
             self._prefetch.push(record)
+
+    def _flush_batch_of(self, record: SwapRecord) -> None:
+        if record.batch is self._batch:  # due before its batch filled (Note [Coalesced copies])
+            self.flush()
 
     def scope_entered(self, frame: Frame, cause: str | None) -> None:
         """A scope that configures a swap was entered in forward (``cause``: why its saves would not
@@ -250,24 +336,35 @@ class Step:
 
     def finish_forward(self) -> None:
         """Forward ended without a backward yet: wait for copies, release what is due."""
+        self.flush()
         self.engine.synchronize()
         self._advance(self.clock - 1)
 
     # ------------------------------------------------------------------ backward
 
     def unpacked(self, tick: int) -> None:
-        """Backward unpacked a tensor saved at ``tick``: prefetch every record due by then."""
+        """Backward unpacked a tensor saved at ``tick``: prefetch every record due by then. Once
+        nothing is left to prefetch, ``watch_unpacks`` turns off and the session stops calling."""
         with self.lock:
             if not self.backward_started and torch._C._current_graph_task_id() != -1:
                 self._begin_backward()
             for record in self._prefetch.pop_due(tick):
                 record.fetch(tick)
+            if self.backward_started and not (self._scheduled and self._prefetch):
+                self._prefetches_done()
+
+    def _prefetches_done(self) -> None:
+        """Only backward pops the prefetch queue and nothing pushes to it any more: an empty queue
+        stays empty (Note [The cost of a save])."""
+        self.watch_unpacks = False
 
     def _begin_backward(self) -> None:
         self.backward_started = True
-        for record in [r for _, r in self._pending] + self._release.drain():  # Note [The last k ticks ...]
+        self.flush()
+        for record in [r for _, _, r in self._pending] + self._release.drain():  # Note [The last k ticks ...]
             record.drop_host_copy()
-            self.stats.tail_bytes += record.nbytes
+            if not record.batch.failed:
+                self.stats.tail_bytes += record.nbytes
         self._pending = []
         self._on_backward(self)
 
@@ -290,17 +387,19 @@ class Step:
     # ------------------------------------------------------------------ accounting and end
 
     def device_bytes_added(self, nbytes: int) -> None:
-        with self.lock:
-            self.device_bytes += nbytes
-            self.stats.peak_device_bytes = max(self.stats.peak_device_bytes, self.device_bytes)
+        with self._bytes_lock:
+            self.device_bytes = now = self.device_bytes + nbytes
+            if now > self.stats.peak_device_bytes:
+                self.stats.peak_device_bytes = now
 
     def device_bytes_freed(self, nbytes: int) -> None:
-        with self.lock:
+        with self._bytes_lock:
             self.device_bytes -= nbytes
 
     def close(self, aborted: bool = False) -> None:
         """Drop the schedule (records live on only through the graph's handles)."""
         self.aborted = self.aborted or aborted
+        self._batch = None  # an open batch's sources go with it; its records keep it for their lifetime
         self._release.drain()
         self._prefetch.drain()
         self._pending = []

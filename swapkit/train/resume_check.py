@@ -9,7 +9,8 @@ field by field:
 - optimizer hyper-parameters (``lr``, ``weight_decay``, ``grad_clip``) take the config's values —
   the optimizer state's own copies are overwritten — and the summary says so;
 - everything else (swap, recompute, runtime, layout, device) does not change the math: allowed,
-  logged and listed in the summary.
+  logged and listed in the summary. A flipped ``swap_config.swap`` also changes what the recompute
+  lists select: a warning shows both readings (Note [Two readings of a recompute list]).
 Run control (``steps``, ``save_dir``, ``save_interval``, ``resume``) is not compared.
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any, Mapping
 
 from swapkit.config.errors import ConfigError, Problem, show
 from swapkit.config.types import Config
+from swapkit.plan.readings import flip_warnings
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +68,15 @@ def apply_resume_config(config: Config, stored: Any, path: Path) -> list[str]:
     notes = [_note(key, old, new) for key, old, new in changes]
     for note in notes:
         logger.info("train.resume: %s", note)
+    _warn_flipped_swap(config, _flat(stored).get("swap_config.swap"), path)
     return notes
+
+
+def _warn_flipped_swap(config: Config, stored_swap: Any, path: Path) -> None:
+    """The recompute lists changed meaning since the checkpoint (Note [Two readings of a recompute list])."""
+    if isinstance(stored_swap, bool):
+        for message in flip_warnings(config, stored_swap, origin=f"{path.name} was written with it {{before}}"):
+            logger.warning("train.resume: %s", message)
 
 
 def differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:

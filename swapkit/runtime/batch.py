@@ -1,0 +1,127 @@
+"""Coalesced copies: the swapped storages of one scope travel as one host region, one copy each way.
+
+Note [Coalesced copies]
+One copy job per swapped storage costs a thread hand-off (thread engine) or a ``wait_stream``, a
+copy and an event (CUDA) per saved tensor, whatever its size. Instead the step keeps one open
+:class:`Batch`: each new swap record takes the next slot of it (its offset, aligned to
+:data:`ALIGN` bytes so every dtype's view can be rebuilt on the region), and nothing is copied yet.
+The batch is *flushed* -- one pooled host region of exactly its size, one copy job with one
+completion handle for all its storages, the slots cut from the region by one ``split_with_sizes`` --
+when:
+- a save arrives from another frame (the scope changed), or the next storage would take the batch
+  past ``runtime.offload_batch_bytes`` (``0``: every storage is its own batch, flushed when saved);
+- one of its records comes due for release (a record is released only after its copy finished,
+  so the copy must have started by its horizon: the batch never holds device memory longer than
+  ``backward_prefetch`` allows, it only moves the copy's start from the save to, at the latest,
+  that horizon);
+- the forward ends (the ``with`` block's exit or the first backward unpack).
+A storage resized or freed between its save and the flush raises there, before any copy is queued
+(``swapkit.runtime.records.Note [Storages another component may resize]``); the engine checks
+again around each copy.
+Copies still finish in issue order (one FIFO queue per engine), so the step's pending releases are
+ordered by ``(batch.issued, offset)``.
+
+Backward brings the batch back with one prefetch: the first record due issues one host-to-device
+copy of the whole region into one device buffer; each record restores from its slice of it. The
+host region then goes back to the pool at once (``swapkit.engine.pool.Note [Host buffer reuse is
+ordered by the copy queue]``), or, for a batch never prefetched, when the last record needing it
+lets go (dropped in the tail, or dead). Lifetimes: records hold their batch, never the reverse, so
+a record still dies with the last handle autograd holds (``swapkit.runtime.records.Note [Record
+lifetime]``); the batch holds its sources only until its copy is queued. The restored views share
+the region's device buffer, so its memory goes when the last of them dies; the session's
+accounting still counts each record's bytes separately. Storages still on the device when backward
+begins (the tail) are copied back as part of the region too: one copy is cheaper than cutting it.
+
+If the pool cannot give the region (``runtime.max_host_bytes``) the batch *fails*: its records
+stay on the device, are never released, and their bytes count as ``skipped["host_cap"]``.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from swapkit.engine.base import storage_changed
+
+if TYPE_CHECKING:
+    from swapkit.runtime.records import StepState
+    from swapkit.runtime.scope import Frame
+
+#: Byte alignment of each storage inside a region (the largest element size, complex128).
+ALIGN = 16
+
+
+class Batch:
+    """Swapped storages of one frame that share one host region and one copy each way."""
+
+    __slots__ = ("step", "frame", "nbytes", "count", "data_bytes", "_sources", "host", "d2h", "issued",
+                 "flushed", "failed", "device", "h2d", "holders")
+
+    def __init__(self, step: StepState, frame: Frame) -> None:
+        self.step, self.frame = step, frame
+        self.nbytes = self.count = self.data_bytes = 0
+        self._sources: list[tuple[torch.Tensor, int, int]] | None = []  # (flat source, offset, address) until flushed
+        self.host: torch.Tensor | None = None
+        self.d2h: Any = None
+        self.issued = -1
+        self.flushed = self.failed = False
+        self.device: torch.Tensor | None = None
+        self.h2d: Any = None
+        self.holders = 0  # records that may still need the host region
+
+    def fits(self, frame: Frame, nbytes: int, limit: int) -> bool:
+        """Can a storage of ``nbytes`` saved in ``frame`` join this open batch?"""
+        return frame is self.frame and (self.nbytes == 0 or self.nbytes + nbytes <= limit)
+
+    def add(self, src: torch.Tensor) -> int:
+        """Take the next slot for the flat source ``src``; returns its byte offset in the region."""
+        offset = self.nbytes
+        self._sources.append((src, offset, src.data_ptr()))
+        nbytes = src.numel()
+        self.nbytes = offset + -(-nbytes // ALIGN) * ALIGN
+        self.count += 1
+        self.data_bytes += nbytes
+        self.holders += 1
+        return offset
+
+    def flush(self, issued: int) -> bool:
+        """Queue the one device-to-host copy (Note [Coalesced copies]); False if the pool refused."""
+        sources, self._sources, self.flushed = self._sources, None, True
+        if self.holders == 0:
+            return True  # every record died before its copy started: nothing to move
+        for src, _, data_ptr in sources:  # swapkit.runtime.records Note [Storages another component may resize]
+            now = src.untyped_storage().nbytes()
+            if now != src.numel() or src.data_ptr() != data_ptr:
+                self.failed = True  # its records are never released: nothing was copied
+                raise storage_changed(src.numel(), now, self.frame.label)
+        host = self.step.pool.acquire(self.nbytes)
+        if host is None:
+            self.failed = True
+            return False
+        self.host, self.issued = host, issued  # returned by the records' let_go even if the copy fails
+        self.d2h = self.step.engine.offload_many(list(zip([src for src, _, _ in sources], self._slots(host, sources))))
+        return True
+
+    def _slots(self, host: torch.Tensor, sources: list[tuple[torch.Tensor, int, int]]) -> list[torch.Tensor]:
+        """Each source's slot of the region, all cut by one ``split_with_sizes`` (data and padding alternate)."""
+        sizes = []
+        for (src, offset, _), end in zip(sources, [o for _, o, _ in sources[1:]] + [host.numel()]):
+            sizes += [src.numel(), end - offset - src.numel()]
+        return list(host.split_with_sizes(sizes)[::2])
+
+    def fetch(self) -> None:
+        """Issue the one host-to-device copy of the region (once); the host region returns to the pool."""
+        if self.device is None:
+            self.device, self.h2d = self.step.engine.prefetch(self.host)
+            self._return_host()
+
+    def let_go(self) -> None:
+        """A record no longer needs the host region (prefetched, used in place, or dead)."""
+        self.holders -= 1
+        if self.holders == 0:
+            self._return_host()
+
+    def _return_host(self) -> None:
+        host, self.host = self.host, None
+        if host is not None:
+            self.step.pool.release(host)

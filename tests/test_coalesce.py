@@ -1,0 +1,288 @@
+"""Coalesced copies (swapkit.runtime.batch Note [Coalesced copies]): views, shared storages, mixed
+dtypes, late fetches, injected copy failures and the host cap, each against an unwrapped reference."""
+from __future__ import annotations
+
+import copy
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import swapkit
+from swapkit.engine import ThreadCopyEngine
+from swapkit.runtime.batch import ALIGN
+from swapkit.engine.base import StorageChangedError
+from swapkit.engine.pool import HostPool
+from tests.toys import (
+    GatedEngine, ReadyWhenDone, ToyNet, assert_grads_equal, grads, install_engine, layer_swap, toy_config,
+)
+
+
+class Mixed(torch.autograd.Function):
+    """Saves views of one storage, float64, bfloat16 and odd sizes; backward reads every one of them."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        wide = x.double() * 1.5
+        half = (x * 0.5).to(torch.bfloat16)
+        ctx.save_for_backward(x, x.t(), x[1:, 2:], wide, half, wide[:, ::2])
+        return x.sin() + wide.float() + half.float()
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:
+        x, xt, corner, wide, half, strided = ctx.saved_tensors
+        out = g * x.cos() + g * xt.t()
+        out[1:, 2:] += corner
+        out += wide.float() * half.float()
+        out[:, ::2] += strided.float()
+        return out
+
+
+class MixedBlock(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return Mixed.apply(x * self.weight)
+
+
+class MixedNet(nn.Module):
+    def __init__(self, layers: int = 3, dim: int = 5) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(MixedBlock(dim) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x.sum()
+
+
+@pytest.fixture(autouse=True)
+def _remove_sessions(monkeypatch):
+    """Every session a test applies is removed after it: no worker thread or pending graph outlives it."""
+    made = []
+    apply = swapkit.apply
+    monkeypatch.setattr(swapkit, "apply", lambda *a, **k: made.append(apply(*a, **k)) or made[-1])
+    yield
+    for session in made:
+        session.remove()
+
+
+def run(model: nn.Module, session=None, x=None):
+    x = torch.linspace(-1, 1, 15).reshape(3, 5).requires_grad_() if x is None else x
+    if session is None:
+        model(x).backward()
+    else:
+        with session:
+            model(x).backward()
+    return {**grads(model), "input": x.grad.clone()}
+
+
+def swapped(model: nn.Module, engine: ThreadCopyEngine | None = None, k: int = 1, **runtime):
+    session = swapkit.apply(model, toy_config(len(model.layers), **layer_swap(k, **runtime)), layers="layers")
+    install_engine(session, engine or ReadyWhenDone())
+    return session
+
+
+@pytest.mark.parametrize("k", [2, 3, 5])
+def test_views_shared_storages_and_mixed_dtypes_are_bit_identical_with_coalescing(k):
+    reference = MixedNet()
+    expected = run(reference)
+    stats = {}
+    for coalesce in (0, 1 << 20):
+        model = copy.deepcopy(reference)
+        model.zero_grad(set_to_none=True)
+        session = swapped(model, k=k, offload_batch_bytes=coalesce)
+        assert_grads_equal(run(model, session), expected)
+        stats[coalesce] = session.stats
+    alone, coalesced = stats[0], stats[1 << 20]
+    assert alone.offload_copies == alone.offloaded_tensors  # one copy per storage without coalescing
+    assert coalesced.offloaded_tensors == alone.offloaded_tensors  # still one move per storage
+    assert coalesced.offloaded_bytes == alone.offloaded_bytes and coalesced.prefetched_bytes == alone.prefetched_bytes
+    assert 0 < coalesced.offload_copies < coalesced.offloaded_tensors
+    assert 0 < coalesced.prefetch_copies < coalesced.prefetched_tensors
+    assert coalesced.prefetched_tensors == alone.prefetched_tensors > 0
+
+
+def test_the_host_region_is_one_buffer_of_aligned_slots_reused_next_step(monkeypatch):
+    requested = []
+    acquire = HostPool.acquire
+    monkeypatch.setattr(HostPool, "acquire", lambda pool, nbytes: requested.append(nbytes) or acquire(pool, nbytes))
+    model = MixedNet(layers=1)
+    session = swapped(model, k=50, skip_tail_offload=False)  # nothing comes due before the forward ends:
+    run(model, session)  # one batch for the layer, in every step
+    first = session.stats
+    assert first.offload_copies == 1 and first.host_allocations == 1
+    sizes = (15 * 4, 15 * 4, 15 * 8, 15 * 2)  # the layer's input, x, wide, half: odd sizes get aligned slots
+    assert requested == [sum(-(-n // ALIGN) * ALIGN for n in sizes)] and requested[0] > sum(sizes)
+    assert first.host_pool_bytes >= requested[0]  # the slab that holds it (swapkit.engine.slabs)
+    run(model, session)
+    assert requested[1:] == requested[:1] and session.stats.offload_copies == 1
+    assert session.stats.host_allocations == 0  # the same region size comes back: reused
+
+
+def test_late_fetches_wait_for_the_batch_copy_and_stay_exact():
+    reference = MixedNet()
+    expected = run(reference)
+    model = copy.deepcopy(reference)
+    model.zero_grad(set_to_none=True)
+    engine = GatedEngine()
+    session = swapped(model, engine, k=2)
+    x = torch.linspace(-1, 1, 15).reshape(3, 5).requires_grad_()
+    engine.gate.set()
+    with session:
+        out = model(x)
+    assert session._step.stats.released_bytes > 0  # the exit waited for the copies and released
+    engine.gate.clear()  # every prefetch now blocks until the timer opens the gate
+    threading.Timer(0.05, engine.gate.set).start()
+    out.backward()
+    assert_grads_equal({**grads(model), "input": x.grad}, expected)
+    stats = session.stats
+    assert stats.late_fetches >= 1 and stats.wait_seconds >= 0.03
+    assert 0 < stats.prefetch_copies < stats.prefetched_tensors
+
+
+class FailsOnSecondCopy(ThreadCopyEngine):
+    """The second storage copied to host fails (inside its batch's one job)."""
+
+    def __init__(self) -> None:
+        super().__init__("cpu")
+        self.offloads = 0
+
+    def offload(self, src, dst):
+        self.offloads += 1
+        if self.offloads == 2:
+            return self._submit(lambda: (_ for _ in ()).throw(MemoryError("host copy failed")))
+        return super().offload(src, dst)
+
+
+def test_an_injected_copy_failure_fails_the_whole_batch_and_the_next_step_is_exact():
+    reference = MixedNet()
+    expected = run(reference)
+    model = copy.deepcopy(reference)
+    model.zero_grad(set_to_none=True)
+    session = swapped(model, FailsOnSecondCopy(), k=1)
+    with pytest.raises(MemoryError, match="host copy failed") as failure:
+        run(model, session)
+    failure.value.__traceback__ = None  # its frames hold the failed step's graph; later tests count records
+    del failure
+    assert session.stats.aborted and not session.active
+    model.zero_grad(set_to_none=True)
+    assert_grads_equal(run(model, session), expected)  # the third and later copies succeed
+    assert session.stats.offload_copies > 0 and not session.stats.aborted
+
+
+def test_a_batch_the_host_cap_refuses_stays_on_the_device_and_is_reported():
+    reference = MixedNet(layers=1)
+    expected = run(reference)
+    model = copy.deepcopy(reference)
+    model.zero_grad(set_to_none=True)
+    session = swapped(model, k=50, max_host_bytes=64)  # the layer's one region needs more
+    assert_grads_equal(run(model, session), expected)
+    stats = session.stats
+    assert stats.offloaded_tensors == stats.offload_copies == stats.prefetched_tensors == 0
+    assert stats.skipped["host_cap"] == stats.saved_bytes and stats.host_pool_bytes == 0
+    assert stats.peak_device_bytes == stats.saved_bytes
+
+
+def test_each_scope_gets_its_own_batch():
+    model = MixedNet(layers=3)
+    session = swapped(model, k=50)  # nothing due before the forward ends: only scope changes flush
+    run(model, session)
+    assert session.stats.offload_copies == 3
+
+
+def test_a_negative_batch_size_is_a_config_error_naming_the_key():
+    with pytest.raises(swapkit.ConfigError, match=r"runtime\.offload_batch_bytes: got -1"):
+        swapkit.load_config({**toy_config(1), "runtime": {"offload_batch_bytes": -1}})
+
+
+class CountsJobs(ThreadCopyEngine):
+    def __init__(self, **link) -> None:
+        super().__init__("cpu", **link)
+        self.jobs = 0
+
+    def _execute(self, job, copy) -> None:
+        self.jobs += 1
+        super()._execute(job, copy)
+
+
+def test_grouped_copies_are_one_job_and_every_byte_arrives():
+    engine = CountsJobs(latency_s=0.02)
+    sources = [torch.arange(n, dtype=torch.uint8) for n in (3, 17, 64)]
+    targets = [torch.zeros(n, dtype=torch.uint8) for n in (3, 17, 64)]
+    start = time.perf_counter()
+    engine.wait(engine.offload_many(list(zip(sources, targets))))
+    elapsed = time.perf_counter() - start
+    engine.close()
+    assert all(torch.equal(s, t) for s, t in zip(sources, targets))
+    assert engine.jobs == 1 and elapsed >= 0.02  # one hand-off to the worker; the emulated link still delays it
+
+
+class GatedBatches(ThreadCopyEngine):
+    """The one-job batch copy (``_copy_all``, Note [Grouped copies]) waits for ``gate``."""
+
+    def __init__(self) -> None:
+        super().__init__("cpu")
+        self.gate = threading.Event()
+
+    def _copy_all(self, *args) -> None:
+        self.gate.wait(timeout=30)
+        super()._copy_all(*args)
+
+
+def test_a_storage_freed_while_its_batch_copy_waits_in_the_queue_raises():
+    from tests.test_lifecycle import FreedByAnother
+
+    engine = GatedBatches()
+    model = ToyNet(layers=1, block=FreedByAnother)
+    session = swapkit.apply(model, toy_config(1, **layer_swap(1, offload_batch_bytes=0)), layers="layers")
+    install_engine(session, engine)  # offload_batch_bytes 0: each copy is queued when its tensor is saved
+    with pytest.raises(StorageChangedError, match="resized or freed by another component"):
+        with session:
+            model(torch.randn(4, 16)).sum()
+            engine.gate.set()  # the batch job runs now, after the storage was freed
+    assert session.stats.aborted
+
+
+class CorruptsOneSlot(ReadyWhenDone):
+    """After the first batch of several storages is copied, one byte of its second slot is overwritten."""
+
+    def __init__(self) -> None:
+        super().__init__("cpu")
+        self.corrupted = False
+
+    def _copy_all(self, targets, sources, queued) -> None:
+        super()._copy_all(targets, sources, queued)
+        if len(targets) > 1 and not self.corrupted:
+            self.corrupted = True
+            targets[1][:1].add_(1)
+
+
+def test_verify_checks_each_storage_of_a_coalesced_batch():
+    reference = MixedNet()
+    expected = run(reference)
+    model = copy.deepcopy(reference)
+    model.zero_grad(set_to_none=True)
+    session = swapped(model, ReadyWhenDone("cpu"), k=2, verify=True)
+    assert_grads_equal(run(model, session), expected)
+    stats = session.stats
+    assert stats.verified_tensors == stats.prefetched_tensors > stats.prefetch_copies > 0
+    assert stats.offload_copies < stats.offloaded_tensors
+    corrupted = swapped(copy.deepcopy(reference), CorruptsOneSlot(), k=2, verify=True)
+    with pytest.raises(RuntimeError, match=r"swapkit verify: .* saved in layer \d during step 1 differ"):
+        run(corrupted.model, corrupted)
+
+
+def test_an_offload_wrapped_on_the_instance_sees_every_copy_of_a_batch():
+    model = MixedNet()
+    session = swapped(model, ThreadCopyEngine("cpu"), k=50)
+    seen = []
+    original = session.engine.offload
+    session.engine.offload = lambda src, dst: seen.append(src.numel()) or original(src, dst)
+    run(model, session)
+    stats = session.stats
+    assert len(seen) == stats.offloaded_tensors > stats.offload_copies and sum(seen) == stats.offloaded_bytes
