@@ -53,7 +53,7 @@ def test_hf_baseline_is_the_sessions_own_peak(planner):
     try:
         for number in (1, 2):
             steps.step(number)
-        assert steps.session.stats.peak_device_bytes == planner.predict((KEEP,) * 3).peak_device_bytes
+        assert steps.session.stats.peak_device_bytes == planner.predict((KEEP,) * 3).peak_device_bytes, planner.trace
     finally:
         steps.close()
 
@@ -71,8 +71,10 @@ def test_hf_llama_planned_yaml_runs_within_5_percent_and_under_budget(planner, t
             steps.step(number)
             if number > 1:  # steady state: the session skips the forward's tail, as predicted
                 peak = steps.session.stats.peak_device_bytes
-                assert peak <= budget
-                assert abs(peak - planned.predicted.peak_device_bytes) <= 0.05 * planned.predicted.peak_device_bytes
+                why = f"{planned.choices} predicted {planned.predicted} measured {peak} links {planner.links}"
+                assert peak <= budget, why
+                predicted = planned.predicted.peak_device_bytes
+                assert abs(peak - predicted) <= 0.05 * predicted, why
     finally:
         steps.close()
 
@@ -102,7 +104,8 @@ def test_hf_fixed_plans_run_at_their_predicted_peak(planner, tmp_path, name):
     try:
         for number in (1, 2):
             steps.step(number)
-        assert abs(steps.session.stats.peak_device_bytes - predicted) <= 0.001 * predicted
+        peak = steps.session.stats.peak_device_bytes
+        assert abs(peak - predicted) <= 0.001 * predicted, f"measured {peak} predicted {predicted} {planner.links}"
     finally:
         steps.close()
 
