@@ -24,7 +24,7 @@ from swapkit.plan.simulate import Link, Links
 SMALL_BYTES = 4096
 
 
-def measure_link(engine: CopyEngine, large_bytes: int = 1 << 20, repeats: int = 15) -> Links:
+def measure_link(engine: CopyEngine, large_bytes: int = 1 << 20, repeats: int = 7) -> Links:
     """Time copies of two sizes in each direction and fit ``latency + bytes / bandwidth``.
 
     Args:
