@@ -1,0 +1,135 @@
+"""The budget planner per pipeline stage: each stage measured in this process, its peak replayed
+in the schedule's order (swapkit.plan.stages Note [Stage peak model]), the emitted plan run
+through the real pipeline (2 gloo ranks, torch.distributed.pipelining) on deterministic copies.
+"""
+from __future__ import annotations
+
+import pytest
+import yaml
+
+import swapkit
+from pipeline_utils import MICRO_BATCHES, MICRO_BATCH_SIZE, TINY, StageRun, spawn
+from swapkit.cli import main
+from swapkit.plan.stages import StageBudgetError, direct_micro_batches, schedule_actions
+from swapkit.planner.command import BudgetPlan, write
+from swapkit.planner.stages import measure_stages, plan_stages, stage_plan_parts
+from toys import ReadyWhenDone
+
+SCHEDULES = ["1f1b", "gpipe"]
+
+
+def stage_config(schedule: str) -> dict:
+    return {"model": {"model_config": dict(TINY)},
+            "parallel_config": {"pipeline_stage": 2, "micro_batch_num": MICRO_BATCHES, "pipeline_schedule": schedule},
+            "train": {"batch_size": MICRO_BATCH_SIZE}, "runtime": {"min_offload_bytes": 0}}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _deterministic_copies(inline_copies, one_thread):
+    """Measured on copies that finish when issued (conftest); the pipeline ranks use ReadyWhenDone."""
+
+
+@pytest.fixture(scope="module", params=SCHEDULES)
+def measured(request):
+    config = swapkit.load_config(stage_config(request.param))
+    return request.param, config, measure_stages(config, steps=2, warmup=1)
+
+
+class TrainBatches(StageRun):
+    """Micro-batches as ``swapkit train`` cuts them: views of one contiguous step batch."""
+
+    def _run(self, x, y, losses) -> None:
+        super()._run(x.contiguous(), y.contiguous(), losses)
+
+
+def _run(rank: int, world: int, schedule: str, planned: dict) -> dict:
+    keep = TrainBatches(rank, world, schedule, stage_config(schedule))
+    run = TrainBatches(rank, world, schedule, planned, engine=ReadyWhenDone())
+    peaks = []
+    for number in (1, 2, 3):
+        keep.step(number)
+        run.step(number)
+        peaks.append(run.session.stats.peak_device_bytes)
+    group = run.session._group
+    forwards = [("F", m.micro_batch) for m in run.session.micro_step_stats]
+    return {"keep": keep.session.stats.peak_device_bytes, "peaks": peaks, "backward": list(group.backward_order),
+            "forwards": forwards, "late": run.session.stats.late_fetches}
+
+
+def _planned(schedule, config, measured, fraction: float):
+    baselines = [p.planned.baseline.peak_device_bytes for p in plan_stages(config, "1TiB", measured=measured)]
+    budget = int(fraction * min(baselines))
+    stages = plan_stages(config, str(budget), measured=measured)
+    raw = stage_config(schedule)
+    plan = BudgetPlan(*stage_plan_parts(config, raw, str(budget), measured=measured))
+    return budget, baselines, stages, plan
+
+
+@pytest.mark.parametrize("fraction", [0.55])
+def test_each_stage_peak_in_the_real_pipeline_is_the_prediction_and_fits(measured, tmp_path, fraction):
+    schedule, config, found = measured
+    budget, baselines, stages, plan = _planned(schedule, config, found, fraction)
+    assert all(p.planned.predicted.peak_device_bytes <= budget for p in stages)
+    assert not all(c.keeps_all for c in plan.planned.choices)
+    write(plan, None)  # loads unchanged
+    ranks = spawn(_run, 2, tmp_path, schedule, plan.config)
+    for one, rank in zip(stages, ranks):
+        assert rank["keep"] == baselines[one.stage]  # the keep-everything replay is the stage session's count
+        predicted = one.planned.predicted.peak_device_bytes
+        steady = rank["peaks"][1:]  # from the second optimizer step on (skip_tail_offload learnt)
+        assert all(abs(peak - predicted) <= 0.05 * predicted for peak in steady), (one.stage, predicted, steady)
+        assert max(steady) <= budget, (one.stage, budget, steady)
+        assert rank["late"] == 0
+
+
+def test_schedule_order_and_direct_micro_batches_are_what_torch_runs(measured, tmp_path):
+    schedule, config, _ = measured
+    ranks = spawn(_run, 2, tmp_path, schedule, stage_config(schedule))
+    for stage, rank in enumerate(ranks):
+        actions = schedule_actions(schedule, 2, stage, MICRO_BATCHES)
+        assert [a for a in actions if a[0] == "F"] == rank["forwards"]
+        assert [("B", m) for _, m in rank["backward"]] == [a for a in actions if a[0] == "B"]
+    assert direct_micro_batches(schedule_actions("1f1b", 2, 1, 4)) == {0, 1, 2, 3}
+    assert direct_micro_batches(schedule_actions("1f1b", 2, 0, 4)) == {3}
+
+
+def test_the_plan_is_one_config_with_global_indices_and_a_stage_column(measured):
+    schedule, config, found = measured
+    _, _, stages, plan = _planned(schedule, config, found, 0.55)
+    assert [row["layer"] for row in plan.document["layers"]] == list(range(8))
+    assert [row["stage"] for row in plan.document["layers"]] == [0] * 4 + [1] * 4
+    assert [s["stage"] for s in plan.document["stages"]] == [0, 1]
+    assert plan.document["stages"][1]["predicted"] == stages[1].planned.predicted.to_json()
+    loaded = swapkit.build_plan(swapkit.load_config(plan.config))
+    for one in stages:
+        for local, layer in enumerate(one.layers):
+            choice = one.planned.choices[local]
+            assert loaded.layers[layer].stage == one.stage
+            assert loaded.layers[layer].full == (choice.action == "recompute"), layer
+            swapped = choice.prefetch if choice.action == "swap" and "" in choice.scopes else None
+            assert loaded.layers[layer].layer_swap == swapped, layer
+    assert "stage 1 predicted" in plan.report
+
+
+def test_a_budget_above_every_baseline_keeps_everything(measured):
+    _, config, found = measured
+    stages = plan_stages(config, "1TiB", measured=found)
+    assert all(c.keeps_all for one in stages for c in one.planned.choices)
+
+
+def test_below_a_stage_minimum_the_error_names_the_stage_and_its_minimum(measured):
+    _, config, found = measured
+    with pytest.raises(StageBudgetError, match=r"pipeline stage 0: .*smallest reachable peak_device_bytes is (\d+)") as err:
+        plan_stages(config, "1KiB,1TiB", measured=found)
+    assert err.value.stage == 0 and err.value.reachable > 1024
+    with pytest.raises(StageBudgetError, match=r"pipeline stage 1: "):
+        plan_stages(config, "1TiB,1KiB", measured=found)
+
+
+def test_cli_exit_2_below_the_minimum_and_bad_budget_lists(tmp_path, capsys):
+    path = tmp_path / "pp.yaml"
+    path.write_text(yaml.safe_dump(stage_config("1f1b")), encoding="utf-8")
+    assert main(["plan", str(path), "--budget", "1KiB"]) == 2
+    assert "pipeline stage 0" in capsys.readouterr().err
+    assert main(["plan", str(path), "--budget", "1MiB,2MiB,3MiB"]) == 2
+    assert "one size for every stage or one per stage" in capsys.readouterr().err
