@@ -239,7 +239,8 @@ def _forward(replay: _MicroReplay, waiting: list[_MicroReplay]) -> None:
     for tick, save in enumerate(replay.step.forward):
         replay.now += save.seconds
         for other in waiting:
-            other.poll()
+            if other.pending:  # only records already due can be released by a poll
+                other.poll()
         for storage in save.frees:
             replay._free(storage)
         replay._advance(tick)
