@@ -24,12 +24,19 @@ single-step replay's rules (``swapkit.plan.simulate`` Note [Cost model]) and the
   into the next micro-step]).
 - Copies of every micro-step share one queue and one compute timeline: the stage's actions one
   after another.
-Where it is wrong: the time a stage waits for its neighbours (the pipeline bubble, sends and
-receives) is not on the timeline. Copies therefore finish *later* in the replay than in the run,
-so a release the replay calls late may come earlier in the run (peak over-predicted, never under,
-when the link is the only thing that moves); the stage's predicted seconds are its busy time, not
-the step time. Interleaved schedules (several chunks per stage) are not replayed. The first
-optimizer step offloads every tail (nothing learnt yet), so its peak may differ from the steady one.
+Where it is wrong:
+- The time a stage waits for its neighbours (the pipeline bubble, sends and receives) is not on the
+  timeline, so copies finish later in the replay than in the run: a release the replay calls late
+  may come earlier in the run (the peak is over-predicted, never under, when that is all that moves).
+- The release lag (``swapkit.planner.measure`` Note [Release lag]) is measured in one process; on
+  the thread engine the ranks' copy threads then compete with every rank's compute for the same
+  cores and see copies finished later than that (``benchmarks/planner_stages.py``: 2 of 12 stage
+  peaks over the budget, by 3.7% and 11%, on a shared 2-core machine; exact with prompt copies).
+- The predicted seconds are the stage's busy time, not the step time: they count the measured
+  step's time outside session events (the loss and the optimizer among it) once per micro-batch,
+  and are not checked against a run.
+- Interleaved schedules (several chunks per stage) are not replayed. The first optimizer step
+  offloads every tail (nothing learnt yet), so its peak may differ from the steady one.
 """
 from __future__ import annotations
 
@@ -37,9 +44,9 @@ import bisect
 import heapq
 from dataclasses import dataclass
 
-from swapkit.plan.planner import BudgetError, Planner
+from swapkit.plan.planner import BudgetError, Choice, Planner
 from swapkit.plan.simulate import Links, Prediction, _Record, _Replay
-from swapkit.plan.trace import FlatStep
+from swapkit.plan.trace import FlatStep, Trace, compose
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -221,8 +228,6 @@ def _stage_replay(step: FlatStep, swap_k, links: Links, schedule: StageSchedule,
     group, micro, waiting = _Group(), {}, []
     for kind, m in actions:
         if kind == "F":
-            for other in waiting[1:]:  # all but the one expected to run backward next
-                other.release_tail()
             micro[m] = _MicroReplay(group, step, swap_k, links, min_offload_bytes, m in direct)
             _forward(micro[m], waiting)
             waiting.append(micro[m])
@@ -234,10 +239,13 @@ def _stage_replay(step: FlatStep, swap_k, links: Links, schedule: StageSchedule,
 
 
 def _forward(replay: _MicroReplay, waiting: list[_MicroReplay]) -> None:
-    """``_Replay.forward`` with the other waiting micro-steps polled at every save."""
+    """``_Replay.forward`` with the other waiting micro-steps polled at every save; the first save
+    opens the micro-step, which releases the tails of all waiting ones but the oldest."""
     last = len(replay.step.forward) - 1
     for tick, save in enumerate(replay.step.forward):
         replay.now += save.seconds
+        for other in waiting[1:] if tick == 0 else ():  # the oldest runs backward next: it keeps its tail
+            other.release_tail()
         for other in waiting:
             if other.pending:  # only records already due can be released by a poll
                 other.poll()
@@ -257,25 +265,22 @@ class StagePlanner(Planner):
     """A :class:`~swapkit.plan.planner.Planner` whose predictions are a pipeline stage's
     (:func:`simulate_stage`); the trace is one micro-batch of the stage's layers."""
 
-    def __init__(self, trace, links: Links, scopes, min_offload_bytes: int, schedule: StageSchedule) -> None:
+    def __init__(self, trace: Trace, links: Links, scopes: list[list[str]], min_offload_bytes: int,
+                 schedule: StageSchedule) -> None:
         super().__init__(trace, links, scopes, min_offload_bytes)
         self.schedule = schedule
 
-    def predict(self, choices) -> Prediction:
+    def predict(self, choices: tuple[Choice, ...]) -> Prediction:
         found = self._cache.get(choices)
         if found is None:
             modes = tuple(c.mode for c in choices)
-            step = self._steps.get(modes) or self._steps.setdefault(modes, _compose(self.trace, modes))
+            step = self._steps.get(modes)
+            if step is None:
+                step = self._steps[modes] = compose(self.trace, modes=modes)
             found = self._cache[choices] = simulate_stage(
                 step, lambda layer, scope: None if layer is None else choices[layer].swap_k(scope), self.links,
                 self.schedule, self.min_bytes)
         return found
-
-
-def _compose(trace, modes):
-    from swapkit.plan.trace import compose
-
-    return compose(trace, modes=modes)
 
 
 class StageBudgetError(BudgetError):
