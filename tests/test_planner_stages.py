@@ -183,3 +183,22 @@ def test_waiting_micro_batches_release_their_tails_except_the_next_one():
     assert predicted.copies == 29 and predicted.moved_bytes_per_step == 29 * N
     first_step = simulate_stage(_step(), swap_k1, FAST, StageSchedule("gpipe", 2, 0, 4, skip_tail_offload=False))
     assert first_step.copies == 30 and first_step.peak_device_bytes == 3 * N
+
+
+def test_one_budget_per_stage(measured):
+    _, config, found = measured
+    baselines = [p.planned.baseline.peak_device_bytes for p in plan_stages(config, "1TiB", measured=found)]
+    budgets = [int(0.5 * baselines[0]), int(0.9 * baselines[1])]
+    stages = plan_stages(config, f"{budgets[0]}B, {budgets[1]}B", measured=found)
+    assert [one.budget for one in stages] == budgets
+    for one in stages:
+        assert one.planned.predicted.peak_device_bytes <= one.budget < one.planned.baseline.peak_device_bytes
+
+
+def test_train_with_a_budget_runs_a_pipeline_config_on_one_process_per_stage(tmp_path, capsys):
+    path = tmp_path / "pp.yaml"
+    path.write_text(yaml.safe_dump(stage_config("1f1b")), encoding="utf-8")
+    assert main(["train", str(path), "--budget", "1TiB", "--steps", "1", "--no-progress"]) == 0
+    out = capsys.readouterr()
+    assert "stage 1 predicted" in out.err  # the plan's report
+    assert "stage 0: peak" in out.out and "stage 1: peak" in out.out  # one row per stage: it ran as a pipeline
