@@ -30,8 +30,9 @@ Where it is wrong:
   may come earlier in the run (the peak is over-predicted, never under, when that is all that moves).
 - The release lag (``swapkit.planner.measure`` Note [Release lag]) is measured in one process; on
   the thread engine the ranks' copy threads then compete with every rank's compute for the same
-  cores and see copies finished later than that (``benchmarks/planner_stages.py``: 2 of 12 stage
-  peaks over the budget, by 3.7% and 11%, on a shared 2-core machine; exact with prompt copies).
+  cores and see copies finished later than that (``benchmarks/planner_stages.py`` on a shared
+  2-core machine, three runs: 2, 0 and 4 of 12 stage peaks over the budget, the worst 2.2 times
+  its prediction; exact with prompt copies).
 - The predicted seconds are the stage's busy time, not the step time: they count the measured
   step's time outside session events (the loss and the optimizer among it) once per micro-batch,
   and are not checked against a run.
