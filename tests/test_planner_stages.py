@@ -122,9 +122,12 @@ def test_a_budget_above_every_baseline_keeps_everything(measured):
 
 def test_below_a_stage_minimum_the_error_names_the_stage_and_its_minimum(measured):
     _, config, found = measured
-    with pytest.raises(StageBudgetError, match=r"pipeline stage 0: .*smallest reachable peak_device_bytes is (\d+)") as err:
+    with pytest.raises(StageBudgetError, match=r"pipeline stage 0: .*smallest reachable peak_device_bytes is \d+"
+                       ) as err:
         plan_stages(config, "1KiB,1TiB", measured=found)
     assert err.value.stage == 0 and err.value.reachable > 1024
+    at_minimum = plan_stages(config, f"{err.value.reachable}B,1TiB", measured=found)[0]  # the minimum can be planned
+    assert at_minimum.planned.predicted.peak_device_bytes <= err.value.reachable
     with pytest.raises(StageBudgetError, match=r"pipeline stage 1: "):
         plan_stages(config, "1TiB,1KiB", measured=found)
 
