@@ -195,6 +195,11 @@ def run_train(args: argparse.Namespace) -> int:
     if args.budget is not None:
         return run_budget_train(args)
     config = load_config(args.config, args.overrides)  # before importing torch: a bad config fails fast
+    return _train(config, args)
+
+
+def _train(config: Config, args: argparse.Namespace) -> int:
+    """Train ``config`` in this process, or one process per rank for a pipeline / data-parallel config."""
     from swapkit.distributed.launch import RankFailed, launch, world_size
     from swapkit.train import format_summary, train
     from swapkit.train.loop import resolve_device, resolve_steps
@@ -218,7 +223,6 @@ def run_budget_train(args: argparse.Namespace) -> int:
     """``swapkit train --budget``: plan first (report to stderr), then train the planned config."""
     from swapkit.plan.planner import BudgetError
     from swapkit.planner.command import budget_plan, write
-    from swapkit.train import format_summary, train
 
     try:
         plan = budget_plan(args.config, args.overrides, args.budget, args.device)
@@ -227,10 +231,9 @@ def run_budget_train(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     write(plan, None)
     print(plan.report, file=sys.stderr)
-    result = train(plan.config, steps=args.steps, device=args.device, metrics_out=args.metrics_out,
-                   progress=not args.no_progress)
-    print(format_summary(result.summary))
-    return EXIT_OK
+    from swapkit.load import load_config
+
+    return _train(load_config(plan.config), args)  # a pipeline config trains on one process per stage
 
 
 if __name__ == "__main__":

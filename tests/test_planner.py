@@ -149,14 +149,16 @@ def test_gradient_accumulation_is_planned_per_micro_batch(planner, tmp_path):
         assert abs(step["peak_device_bytes"] - planned.predicted.peak_device_bytes) <= 0.05 * budget
 
 
-def test_a_pipeline_config_is_a_clean_error(tmp_path, capsys):
-    config = {**CONFIG, "model": {"model_config": {**CONFIG["model"]["model_config"], "num_layers": 4}},
+def test_an_interleaved_pipeline_config_is_a_clean_error(tmp_path, capsys):
+    """Pipeline configs are planned per stage (tests/test_planner_stages.py), but not interleaved ones."""
+    config = {**CONFIG, "model": {"model_config": {**CONFIG["model"]["model_config"], "num_layers": 4,
+                                                   "pp_interleave_num": 2}},
               "parallel_config": {"pipeline_stage": 2}}
     path = tmp_path / "pipeline.yaml"
     path.write_text(yaml.safe_dump(config), encoding="utf-8")
     assert main(["plan", str(path), "--budget", "1MiB"]) == 2
     err = capsys.readouterr().err
-    assert "parallel_config.pipeline_stage" in err and "got 2" in err and "Traceback" not in err
+    assert "parallel_config.pipeline_schedule" in err and "'interleaved_1f1b'" in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize("argv", [["--budget", "lots"], ["--budget", "0"], ["--out", "x.yaml"]])

@@ -39,14 +39,21 @@ def budget_plan(path: str, overrides: Sequence[str], budget_text: str, device: s
     """Measure the configured model (the built-in one, or ``--model hf:...``), plan under the
     budget, build the planned config.
 
+    With ``parallel_config.pipeline_stage`` above 1 every stage is planned under its own budget
+    (``--budget SIZE`` or one size per stage, comma-separated: :mod:`swapkit.planner.stages`).
+
     Raises:
         ConfigError: a bad config or ``--budget``.
-        BudgetError: the budget is below the smallest reachable peak.
+        BudgetError: the budget (a stage's: ``StageBudgetError``) is below the smallest reachable peak.
     """
-    budget = parse_size(budget_text)
     config = load_config(path, overrides)
     problems = Problems()
     raw = apply_overrides(read_yaml_file(Path(path)), overrides, problems)
+    if config.parallel.pipeline_stage > 1 and model is None:  # one plan per stage (swapkit.planner.stages)
+        from swapkit.planner.stages import stage_plan_parts
+
+        return BudgetPlan(*stage_plan_parts(config, raw, budget_text, device))
+    budget = parse_size(budget_text)
     source = source_from_spec(model, config, layers) if model is not None else None
     measured = measure(config, device, model=source)
     logger.info("measured on %s: link d2h %.2f GB/s + %.1f us, h2d %.2f GB/s + %.1f us", measured.device,

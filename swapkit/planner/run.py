@@ -88,13 +88,13 @@ def measure(config: Config, device: str | None = None, steps: int = 3, warmup: i
 
 
 def _check_single_stage(config: Config) -> None:
-    """Per-stage budgets are not planned: a pipeline stage holds several micro-batches in flight
-    (1F1B), which the measured single-process step does not show."""
+    """One measured step is one process's: a pipeline config is planned per stage on the built-in
+    model's stage chunks (:mod:`swapkit.planner.stages`), not here."""
     if config.parallel.pipeline_stage != 1:
         raise ConfigError([Problem("parallel_config.pipeline_stage",
-                                   f"got {config.parallel.pipeline_stage}; the budget planner plans single-stage "
-                                   "runs only (a pipeline stage holds several micro-batches in flight, which it "
-                                   "does not model): set it to 1, or plan without --budget")],
+                                   f"got {config.parallel.pipeline_stage}; a pipeline config is planned per stage "
+                                   "on the built-in model only (swapkit.planner.stages builds its stage chunks): "
+                                   "drop --model, or set it to 1, or plan without --budget")],
                           config.source)
 
 

@@ -1,0 +1,207 @@
+"""The budget planner per pipeline stage: each stage measured in this process, its peak replayed
+in the schedule's order (swapkit.plan.stages Note [Stage peak model]), the emitted plan run
+through the real pipeline (2 gloo ranks, torch.distributed.pipelining) on deterministic copies.
+"""
+from __future__ import annotations
+
+import re
+
+import pytest
+import yaml
+
+import swapkit
+from pipeline_utils import MICRO_BATCHES, MICRO_BATCH_SIZE, TINY, StageRun, spawn
+from swapkit.cli import main
+from swapkit.plan.simulate import Link, Links, simulate
+from swapkit.plan.stages import StageBudgetError, StageSchedule, direct_micro_batches, schedule_actions, simulate_stage
+from swapkit.plan.trace import FlatSave, FlatStep
+from swapkit.planner.command import BudgetPlan, write
+from swapkit.planner.stages import measure_stages, plan_stages, stage_plan_parts
+from toys import ReadyWhenDone
+
+SCHEDULES = ["1f1b", "gpipe"]
+
+
+def stage_config(schedule: str) -> dict:
+    return {"model": {"model_config": {**TINY, "num_layers": 4}},
+            "parallel_config": {"pipeline_stage": 2, "micro_batch_num": MICRO_BATCHES, "pipeline_schedule": schedule},
+            "train": {"batch_size": MICRO_BATCH_SIZE}, "runtime": {"min_offload_bytes": 0}}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _deterministic_copies(inline_copies, one_thread):
+    """Measured on copies that finish when issued (conftest); the pipeline ranks use ReadyWhenDone."""
+
+
+@pytest.fixture(scope="module", params=SCHEDULES)
+def measured(request):
+    config = swapkit.load_config(stage_config(request.param))
+    return request.param, config, measure_stages(config, steps=2, warmup=1)
+
+
+@pytest.fixture(scope="module")
+def ran(measured, tmp_path_factory):
+    """The plan at 0.55 of the smallest stage baseline, run on 2 ranks (one spawn per schedule)."""
+    schedule, config, found = measured
+    baselines = [p.planned.baseline.peak_device_bytes for p in plan_stages(config, "1TiB", measured=found)]
+    budget = int(0.55 * min(baselines))
+    stages = plan_stages(config, str(budget), measured=found)
+    plan = BudgetPlan(*stage_plan_parts(config, stage_config(schedule), str(budget), measured=found))
+    ranks = spawn(_run, 2, tmp_path_factory.mktemp(schedule), schedule, plan.config)
+    return budget, baselines, stages, plan, ranks
+
+
+class TrainBatches(StageRun):
+    """Micro-batches as ``swapkit train`` cuts them: views of one contiguous step batch."""
+
+    def _run(self, x, y, losses) -> None:
+        super()._run(x.contiguous(), y.contiguous(), losses)
+
+
+def _run(rank: int, world: int, schedule: str, planned: dict) -> dict:
+    keep = TrainBatches(rank, world, schedule, stage_config(schedule))
+    run = TrainBatches(rank, world, schedule, planned, engine=ReadyWhenDone())
+    peaks = []
+    for number in (1, 2, 3):
+        keep.step(number)
+        run.step(number)
+        peaks.append(run.session.stats.peak_device_bytes)
+    group = run.session._group
+    forwards = [("F", m.micro_batch) for m in run.session.micro_step_stats]
+    return {"keep": keep.session.stats.peak_device_bytes, "peaks": peaks, "backward": list(group.backward_order),
+            "forwards": forwards, "late": run.session.stats.late_fetches}
+
+
+def test_each_stage_peak_in_the_real_pipeline_is_the_prediction_and_fits(ran):
+    budget, baselines, stages, plan, ranks = ran
+    assert all(p.planned.predicted.peak_device_bytes <= budget for p in stages)
+    assert not all(c.keeps_all for c in plan.planned.choices)
+    write(plan, None)  # loads unchanged
+    for one, rank in zip(stages, ranks):
+        assert rank["keep"] == baselines[one.stage]  # the keep-everything replay is the stage session's count
+        predicted = one.planned.predicted.peak_device_bytes
+        steady = rank["peaks"][1:]  # from the second optimizer step on (skip_tail_offload learnt)
+        assert all(abs(peak - predicted) <= 0.05 * predicted for peak in steady), (one.stage, predicted, steady)
+        assert max(steady) <= budget, (one.stage, budget, steady)
+        assert rank["late"] == 0
+
+
+def test_schedule_order_and_direct_micro_batches_are_what_torch_runs(measured, ran):
+    schedule = measured[0]
+    for stage, rank in enumerate(ran[-1]):
+        actions = schedule_actions(schedule, 2, stage, MICRO_BATCHES)
+        assert [a for a in actions if a[0] == "F"] == rank["forwards"]
+        assert [("B", m) for _, m in rank["backward"]] == [a for a in actions if a[0] == "B"]
+    assert direct_micro_batches(schedule_actions("1f1b", 2, 1, 4)) == {0, 1, 2, 3}
+    assert direct_micro_batches(schedule_actions("1f1b", 2, 0, 4)) == {3}
+    assert direct_micro_batches(schedule_actions("gpipe", 2, 0, 4)) == {3}
+
+
+def test_the_plan_is_one_config_with_global_indices_and_a_stage_column(ran):
+    _, _, stages, plan, _ = ran
+    assert [row["layer"] for row in plan.document["layers"]] == list(range(4))
+    assert [row["stage"] for row in plan.document["layers"]] == [0, 0, 1, 1]
+    assert [s["stage"] for s in plan.document["stages"]] == [0, 1]
+    assert plan.document["stages"][1]["predicted"] == stages[1].planned.predicted.to_json()
+    loaded = swapkit.build_plan(swapkit.load_config(plan.config))
+    for one in stages:
+        for local, layer in enumerate(one.layers):
+            choice = one.planned.choices[local]
+            assert loaded.layers[layer].stage == one.stage
+            assert loaded.layers[layer].full == (choice.action == "recompute"), layer
+            swapped = choice.prefetch if choice.action == "swap" and "" in choice.scopes else None
+            assert loaded.layers[layer].layer_swap == swapped, layer
+    assert "stage 1 predicted" in plan.report
+
+
+def test_a_budget_above_every_baseline_keeps_everything(measured):
+    _, config, found = measured
+    stages = plan_stages(config, "1TiB", measured=found)
+    assert all(c.keeps_all for one in stages for c in one.planned.choices)
+
+
+def test_below_a_stage_minimum_the_error_names_the_stage_and_its_minimum(measured):
+    _, config, found = measured
+    with pytest.raises(StageBudgetError, match=r"pipeline stage 0: .*smallest reachable peak_device_bytes is \d+"
+                       ) as err:
+        plan_stages(config, "1KiB,1TiB", measured=found)
+    assert err.value.stage == 0 and err.value.reachable > 1024
+    at_minimum = plan_stages(config, f"{err.value.reachable}B,1TiB", measured=found)[0]  # the minimum can be planned
+    assert at_minimum.planned.predicted.peak_device_bytes <= err.value.reachable
+    with pytest.raises(StageBudgetError, match=r"pipeline stage 1: "):
+        plan_stages(config, "1TiB,1KiB", measured=found)
+
+
+def test_cli_exit_2_below_the_minimum_and_bad_budget_lists(tmp_path, capsys):
+    path = tmp_path / "pp.yaml"
+    path.write_text(yaml.safe_dump(stage_config("1f1b")), encoding="utf-8")
+    assert main(["plan", str(path), "--budget", "1KiB"]) == 2
+    assert re.search(r"pipeline stage 0: --budget 1024 bytes cannot be met: the smallest reachable "
+                     r"peak_device_bytes is [1-9]\d* bytes", capsys.readouterr().err)
+    assert main(["plan", str(path), "--budget", "1MiB,2MiB,3MiB"]) == 2
+    assert "one size for every stage or one per stage" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------- the replay alone (pure)
+
+def _step(saves: int = 4, nbytes: int = 4096):
+    """One layer saving ``saves`` storages; backward unpacks them last first, each dies after its unpack."""
+    forward = tuple(FlatSave((i,), nbytes, 0, "", 0.001) for i in range(saves))
+    backward = tuple(event for i in reversed(range(saves)) for event in (("u", i, 0.001), ("f", (i,), 0.0)))
+    return FlatStep(forward, backward, 0.0)
+
+
+FAST = Links(Link(0.0, 1e15), Link(0.0, 1e15))
+N = 4096
+
+
+def swap_k1(layer, scope):
+    return 1
+
+
+@pytest.mark.parametrize("schedule,stage,in_flight", [("gpipe", 0, 4), ("gpipe", 1, 4), ("1f1b", 0, 2),
+                                                      ("1f1b", 1, 1)])
+def test_keeping_everything_holds_each_micro_batch_in_flight(schedule, stage, in_flight):
+    predicted = simulate_stage(_step(), lambda layer, scope: None, FAST, StageSchedule(schedule, 2, stage, 4))
+    assert predicted.peak_device_bytes == in_flight * 4 * N
+    assert predicted.moved_bytes_per_step == 0
+
+
+def test_on_the_last_1f1b_stage_each_micro_batch_is_a_single_step():
+    """Every backward directly follows its forward: the stage is the single-step replay, four times."""
+    single = simulate(_step(), swap_k1, FAST)
+    stage = simulate_stage(_step(), swap_k1, FAST, StageSchedule("1f1b", 2, 1, 4))
+    assert stage.peak_device_bytes == single.peak_device_bytes == 2 * N
+    assert stage.moved_bytes_per_step == 4 * single.moved_bytes_per_step
+
+
+def test_waiting_micro_batches_release_their_tails_except_the_next_one():
+    """GPipe, k=1, 4 saves: each forward ends holding its last storage (its tail). A new forward
+    releases the tails of the waiting micro-steps but the oldest (it runs backward next), so B0 holds
+    m0's tail, m3's tail and the storage it fetches: 3 storages (4 forwards' tails would be 5).
+    m0..m2 offload 4 storages each, m3 (its backward directly follows its forward) 3; m0 fetches 3
+    (its tail never left), m1 and m2 fetch 4, m3 3: 29 copies. In the first step m3 offloads its tail too."""
+    predicted = simulate_stage(_step(), swap_k1, FAST, StageSchedule("gpipe", 2, 0, 4))
+    assert predicted.peak_device_bytes == 3 * N
+    assert predicted.copies == 29 and predicted.moved_bytes_per_step == 29 * N
+    first_step = simulate_stage(_step(), swap_k1, FAST, StageSchedule("gpipe", 2, 0, 4, skip_tail_offload=False))
+    assert first_step.copies == 30 and first_step.peak_device_bytes == 3 * N
+
+
+def test_one_budget_per_stage(measured):
+    _, config, found = measured
+    baselines = [p.planned.baseline.peak_device_bytes for p in plan_stages(config, "1TiB", measured=found)]
+    budgets = [int(0.5 * baselines[0]), int(0.9 * baselines[1])]
+    stages = plan_stages(config, f"{budgets[0]}B, {budgets[1]}B", measured=found)
+    assert [one.budget for one in stages] == budgets
+    for one in stages:
+        assert one.planned.predicted.peak_device_bytes <= one.budget < one.planned.baseline.peak_device_bytes
+
+
+def test_train_with_a_budget_runs_a_pipeline_config_on_one_process_per_stage(tmp_path, capsys):
+    path = tmp_path / "pp.yaml"
+    path.write_text(yaml.safe_dump(stage_config("1f1b")), encoding="utf-8")
+    assert main(["train", str(path), "--budget", "1TiB", "--steps", "1", "--no-progress"]) == 0
+    out = capsys.readouterr()
+    assert "stage 1 predicted" in out.err  # the plan's report
+    assert "stage 0: peak" in out.out and "stage 1: peak" in out.out  # one row per stage: it ran as a pipeline
