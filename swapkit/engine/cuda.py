@@ -58,9 +58,12 @@ The cyclic garbage collector runs finalizers (``SwapRecord.__del__``, which give
 to the pool, which asks for a fence) on whatever thread allocates, at any allocation, including
 one made while this engine's lock is held. A finalizer must therefore never wait for that lock:
 ``fence`` reads the last event with one attribute read, no lock (a reference assignment is atomic
-in Python), and :meth:`Inflight.prune` skips its work when the lock is taken (the next copy prunes).
-The lock is only held without allocating Python containers, and only by :meth:`Inflight.keep_until`
-and :meth:`Inflight.forget_last`, which no finalizer calls.
+in Python), and :meth:`Inflight.prune` stops when the lock is taken (the next copy prunes). Nor does
+any code hold the lock across a call that allocates Python objects (the collector runs only at an
+allocation): ``prune`` queries the event outside it and takes it only to pop, ``keep_until`` builds
+its entry before taking it. So no finalizer runs while the lock is held, and a thread holding the
+step's lock that waits for this one (a prefetch issued in an unpack) waits only for a few
+allocation-free lines, never for a finalizer that wants the step's lock.
 
 Note [One job per coalesced batch]
 ``offload_many`` moves the storages of one coalesced batch (``swapkit.runtime.batch`` Note [Coalesced
@@ -165,16 +168,22 @@ class Inflight:
 
     def prune(self, blocking: bool = False) -> None:
         """Drop what completed copies held (one stream: they complete in order). Without ``blocking``
-        it skips when the lock is taken (Note [No lock a finalizer waits on])."""
-        if not self._lock.acquire(blocking=blocking):
-            return
-        finished = []
-        try:
-            while self._entries and self._entries[0][0].query():
-                finished.append(self._entries.popleft())
-        finally:
-            self._lock.release()
-        del finished  # the references go here, outside the lock
+        it stops when the lock is taken (Note [No lock a finalizer waits on])."""
+        entries = self._entries
+        while entries:
+            try:
+                head = entries[0]
+            except IndexError:  # another thread pruned it meanwhile
+                return
+            if not head[0].query():  # outside the lock: a call may allocate, and so collect
+                return
+            if not self._lock.acquire(blocking=blocking):
+                return
+            try:
+                popped = entries.popleft() if entries and entries[0] is head else None
+            finally:
+                self._lock.release()
+            del popped  # its references go here, outside the lock
 
     def forget_last(self, last: Any) -> None:
         """Every copy up to ``last`` completed: unless a later one was queued, no fence is needed."""

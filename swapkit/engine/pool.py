@@ -19,7 +19,7 @@ before the next forward), and it keeps the slabs at the steady state and under t
 non-empty wait holds the CPU back until the side stream has passed that fence; growing instead
 would pin memory the steady state never needs.)
 A slab's memory itself is kept alive by its views: a view handed out, a view an in-flight copy
-holds (``swapkit.engine.cuda`` Note [Copy sources and targets outlive their copies]), or the
+holds (``swapkit.engine.cuda`` Note [Host targets outlive their copies]), or the
 pool. ``clear`` (the session was removed, after its engine synchronized) drops the pool's own
 references; a slab whose ranges are all back is then freed (unregistered on CUDA), one a
 surviving record still uses is freed with that record's view.

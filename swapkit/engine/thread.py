@@ -246,9 +246,10 @@ class ThreadCopyEngine:
         if self._worker is None and not self._ensure_worker():
             self._execute(job, copy)  # Note [Copies after close]
             return copy
+        item = (job, copy)  # built before the lock: swapkit.engine.cuda Note [No lock a finalizer waits on]
         with self._queue_lock:  # the last copy queued is the last one in the queue (ThreadFence)
             self._last = copy
-            self._jobs.put((job, copy))
+            self._jobs.put(item)
         return copy
 
     def _ensure_worker(self) -> bool:

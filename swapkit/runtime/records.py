@@ -65,6 +65,11 @@ Note [Record lifetime]
 Records live exactly as long as the autograd graph holds their handles (plus, briefly, the
 schedule queues). When the last handle dies the record's ``__del__`` returns its host buffer to
 the pool and takes its bytes off the device accounting: nothing is stashed across steps.
+The cyclic collector may run that finalizer on any thread, at any allocation, so it waits only for
+the step's re-entrant lock, whose holders never wait for a lock a finalizer could hold: the pool's
+``release`` never waits for the pool's lock (``swapkit.engine.pool`` Note [Releases never wait for the
+pool's lock]), the engine's fence takes no lock, and the CUDA engine's own lock is never held across
+an allocation (``swapkit.engine.cuda`` Note [No lock a finalizer waits on]).
 """
 from __future__ import annotations
 
