@@ -8,9 +8,9 @@ copy and an event (CUDA) per saved tensor, whatever its size. Instead the step k
 The batch is *flushed* -- one pooled host region of exactly its size, one copy job with one
 completion handle for all its storages, the slots cut from the region by one ``split_with_sizes`` --
 when:
-- a save arrives from another frame (the scope changed), on another stream (Note [A batch has one
-  producer]), or the next storage would take the batch past ``runtime.offload_batch_bytes`` (``0``:
-  every storage is its own batch, flushed when saved);
+- a save arrives from another frame (the scope changed), a new storage is saved on another stream
+  (Note [A batch has one producer]), or the next storage would take the batch past
+  ``runtime.offload_batch_bytes`` (``0``: every storage is its own batch, flushed when saved);
 - one of its records comes due for release (a record is released only once its copy was queued or
   has finished, so the copy must have started by its horizon: the batch never holds device memory
   longer than ``backward_prefetch`` allows, it only moves the copy's start from the save to, at the

@@ -5,30 +5,24 @@ forward pack arrives after the current step's backward began (several micro-batc
 ``with`` block).
 
 Note [Releases never stall compute]
-At each tick the records whose horizon has come are released without waiting for anything: on an
-engine with ``stream_ordered_release`` (CUDA) at once, their copy being queued (Note [Stream-ordered
-release]); on the others (the thread engine) only if their device-to-host copy has finished
-(``engine.ready``), the rest being looked at again on the next tick. A larger ``backward_prefetch``
-therefore holds device memory longer but the forward never waits on a copy. Copies finish in the
-order they were issued (one FIFO queue per engine), so the waiting records are kept by issue order
+At each tick the records whose horizon has come are released without waiting: at once where the
+engine orders reuse after queued copies (Note [Stream-ordered release]), else only if their copy
+has finished (``engine.ready``), the others being looked at again on the next tick. A larger
+``backward_prefetch`` holds device memory longer but the forward never waits on a copy. Copies
+finish in issue order (one FIFO queue per engine), so the waiting records are kept by issue order
 and the check stops at the first unfinished one.
 
 Note [Stream-ordered release]
-Waiting for the copy to *finish* before dropping a storage works when the copies keep up with the
-CPU. On a GPU the CPU usually runs far ahead: when the forward's saves run, none of the copies has
-executed, nothing would be released before backward, and everything would become tail -- the peak of
-a run without swap. The CUDA engine therefore releases a due record as soon as its batch's copy is
-*queued*: the source was ``record_stream``-ed on the side stream when the copy was queued
-(``swapkit.engine.cuda`` Note [Copy sources are released in stream order]), so the caching allocator
-hands its block out again only after the side stream passed the copy, and the bytes count as
-released (``stats.released_bytes``) at once. Nothing waits: not the CPU, not the compute stream
-(the allocator synchronizes only when it runs out of memory and must reclaim such a block). On CPU no
-allocator orders reuse after a queued copy (the thread engine's memcpy would read freed memory), so
-the thread engine keeps the wait for ``ready``. The storage checks at release and verify mode's
-checksum still work: the first sees a change made before the release, and a change after it cannot
-reach the copy (the block is not reused before it); the second reads the device storage in order with
-the copy (``engine.reading_sources``), never the host copy (``swapkit.runtime.records`` Note [Verify
-mode]).
+On a GPU the CPU runs far ahead: at the forward's saves no copy has executed, so waiting for
+finished copies would release nothing before backward and make everything tail (the peak of no
+swap). An engine with ``stream_ordered_release`` (CUDA) releases a due record once its batch's
+copy is *queued*: the source was ``record_stream``-ed on the side stream, so the caching allocator
+reuses its block only after the side stream ran the copy (``swapkit.engine.cuda`` Note [Copy
+sources are released in stream order]); ``released_bytes`` counts it at once. On CPU no allocator
+orders reuse after a queued memcpy, so the thread engine keeps waiting for ``ready``. The release's
+storage check still sees any change made before it, and verify's checksum reads the device storage
+in order with the copy, never the unfinished host copy (``swapkit.runtime.records`` Notes [Storages
+another component may resize], [Verify mode]).
 
 Note [The last k ticks stay on the device]
 Records still unreleased when backward begins (their horizon lies beyond the last forward tick,
