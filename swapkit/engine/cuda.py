@@ -55,8 +55,8 @@ the release is such a fence: no extra event is recorded per release.
 
 Note [No lock a finalizer waits on]
 The cyclic garbage collector runs finalizers (``SwapRecord.__del__``, which gives host regions back
-to the pool, which asks for a fence) on whatever thread allocates, at any allocation, including
-one made while this engine's lock is held. A finalizer must therefore never wait for that lock:
+to the pool, which asks for a fence) on whatever thread allocates, at any allocation: one made while
+that thread holds a lock runs a finalizer that must not wait for the same lock. So:
 ``fence`` reads the last event with one attribute read, no lock (a reference assignment is atomic
 in Python), and :meth:`Inflight.prune` stops when the lock is taken (the next copy prunes). Nor does
 any code hold the lock across a call that allocates Python objects (the collector runs only at an
