@@ -100,8 +100,13 @@ def test_views_shared_storages_and_mixed_dtypes_are_bit_identical_with_coalescin
         stats[coalesce] = session.stats
     alone, coalesced = stats[0], stats[1 << 20]
     assert alone.offload_copies == alone.offloaded_tensors  # one copy per storage without coalescing
-    assert coalesced.offloaded_tensors == alone.offloaded_tensors  # still one move per storage
-    assert coalesced.offloaded_bytes == alone.offloaded_bytes and coalesced.prefetched_bytes == alone.prefetched_bytes
+    # still one move per storage; what coalescing did not copy is the batch still open when backward began,
+    # discarded and kept as tail (swapkit.runtime.batch Note [Coalesced copies])
+    assert coalesced.offloaded_bytes + coalesced.skipped.get("tail", 0) == alone.offloaded_bytes
+    assert coalesced.offloaded_tensors <= alone.offloaded_tensors
+    assert coalesced.released_bytes == alone.released_bytes and coalesced.prefetched_bytes == alone.prefetched_bytes
+    for stats in (alone, coalesced):  # every byte copied came back or was used in place
+        assert stats.offloaded_bytes == stats.released_bytes + stats.tail_bytes
     assert 0 < coalesced.offload_copies < coalesced.offloaded_tensors
     assert 0 < coalesced.prefetch_copies < coalesced.prefetched_tensors
     assert coalesced.prefetched_tensors == alone.prefetched_tensors > 0
@@ -113,15 +118,40 @@ def test_the_host_region_is_one_buffer_of_aligned_slots_reused_next_step(monkeyp
     monkeypatch.setattr(HostPool, "acquire", lambda pool, nbytes: requested.append(nbytes) or acquire(pool, nbytes))
     model = MixedNet(layers=1)
     session = swapped(model, k=50, skip_tail_offload=False)  # nothing comes due before the forward ends:
-    run(model, session)  # one batch for the layer, in every step
+    backward_after_the_block(model, session)  # one batch for the layer, flushed at the exit, in every step
     first = session.stats
     assert first.offload_copies == 1 and first.host_allocations == 1
     sizes = (15 * 4, 15 * 4, 15 * 8, 15 * 2)  # the layer's input, x, wide, half: odd sizes get aligned slots
     assert requested == [sum(-(-n // ALIGN) * ALIGN for n in sizes)] and requested[0] > sum(sizes)
     assert first.host_pool_bytes >= requested[0]  # the slab that holds it (swapkit.engine.slabs)
-    run(model, session)
+    backward_after_the_block(model, session)
     assert requested[1:] == requested[:1] and session.stats.offload_copies == 1
     assert session.stats.host_allocations == 0  # the same region size comes back: reused
+
+
+def backward_after_the_block(model: nn.Module, session) -> None:
+    """A forward whose batches are all flushed (at the block's exit), then its backward."""
+    with session:
+        out = model(torch.linspace(-1, 1, 15).reshape(3, 5).requires_grad_())
+    out.backward()
+
+
+def test_the_batch_open_when_backward_begins_is_never_copied(monkeypatch):
+    """swapkit.runtime.batch Note [Coalesced copies]: no copy, no host region, counted as tail, not offloaded."""
+    requested = []
+    acquire = HostPool.acquire
+    monkeypatch.setattr(HostPool, "acquire", lambda pool, nbytes: requested.append(nbytes) or acquire(pool, nbytes))
+    reference = MixedNet(layers=1)
+    expected = run(reference)
+    model = copy.deepcopy(reference)
+    model.zero_grad(set_to_none=True)
+    session = swapped(model, k=50, skip_tail_offload=False)  # nothing comes due: the one batch stays open
+    assert_grads_equal(run(model, session), expected)  # backward inside the block
+    stats = session.stats
+    assert requested == [] and stats.offload_copies == stats.prefetch_copies == 0
+    assert stats.offloaded_bytes == stats.offloaded_tensors == stats.tail_bytes == 0 and not stats.offloaded_by_scope
+    assert stats.skipped == {"parameter": 5 * 4, "tail": stats.saved_bytes}
+    assert stats.peak_device_bytes == stats.saved_bytes
 
 
 def test_late_fetches_wait_for_the_batch_copy_and_stay_exact():
@@ -181,7 +211,11 @@ def test_a_batch_the_host_cap_refuses_stays_on_the_device_and_is_reported():
     model = copy.deepcopy(reference)
     model.zero_grad(set_to_none=True)
     session = swapped(model, k=50, max_host_bytes=64)  # the layer's one region needs more
-    assert_grads_equal(run(model, session), expected)
+    with session:  # flushed at the block's exit (one open at backward would be discarded, never asking the pool)
+        out = model(torch.linspace(-1, 1, 15).reshape(3, 5).requires_grad_())
+    out.backward()
+    expected.pop("input")
+    assert_grads_equal(grads(model), expected)
     stats = session.stats
     assert stats.offloaded_tensors == stats.offload_copies == stats.prefetched_tensors == 0
     assert stats.skipped["host_cap"] == stats.saved_bytes and stats.host_pool_bytes == 0
@@ -191,7 +225,7 @@ def test_a_batch_the_host_cap_refuses_stays_on_the_device_and_is_reported():
 def test_each_scope_gets_its_own_batch():
     model = MixedNet(layers=3)
     session = swapped(model, k=50)  # nothing due before the forward ends: only scope changes flush
-    run(model, session)
+    backward_after_the_block(model, session)  # and the block's exit
     assert session.stats.offload_copies == 3
 
 

@@ -7,7 +7,7 @@ from torch import nn
 
 import swapkit
 from swapkit.train.model import build_model, lm_loss
-from tests.toys import SMALL, ToyNet, grads, layer_swap, llama_batch, toy_config
+from tests.toys import ReadyWhenDone, SMALL, ToyNet, grads, install_engine, layer_swap, llama_batch, toy_config
 
 pytestmark = pytest.mark.cuda
 
@@ -111,9 +111,14 @@ def test_cpu_tensors_in_a_cuda_forward_are_not_swapped():
     assert session.stats.skipped["not_on_device"] == 2 * 256 * 4
 
 
-def test_cuda_verify_checks_every_restored_storage():
-    """runtime.verify on the CUDA engine: checksums on the compute stream, gradients unchanged."""
+@pytest.mark.parametrize("sleepy", [False, True])
+def test_cuda_verify_checks_every_restored_storage(sleepy):
+    """runtime.verify on the CUDA engine: each checksum is queued on the side stream after its copy (which
+    waited for the producer), so a GPU far behind the CPU changes nothing; gradients unchanged."""
     ref, model = build_model(SMALL, seed=1, device="cuda"), build_model(SMALL, seed=1, device="cuda")
+    if sleepy:  # the releases, and their checksums, are queued long before the data is produced
+        for layer in model.layers:
+            layer.register_forward_pre_hook(lambda *_: torch.cuda._sleep(20_000_000))
     batch = llama_batch()
     cuda_step(ref, batch)
     config = toy_config(4, **layer_swap(1, verify=True))
@@ -131,25 +136,34 @@ def test_cuda_verify_checks_every_restored_storage():
 # (swapkit.engine.cuda Note [One job per coalesced batch])
 
 
-def test_offload_many_is_one_event_and_keeps_sources_and_targets_until_it_completed():
+def test_offload_many_waits_for_the_producer_and_hands_its_sources_to_the_allocator():
+    """swapkit.engine.cuda Notes [D2H waits for the producer], [Copy sources are released in stream order],
+    [Host targets outlive their copies]."""
     from swapkit.engine.cuda import CudaCopyEngine
 
     engine = CudaCopyEngine("cuda")
-    sources = [torch.arange(n, device="cuda").to(torch.uint8) for n in (3, 17, 4096)]
+    sizes = (3, 17, 4096)
+    sources = [torch.zeros(n, dtype=torch.uint8, device="cuda") for n in sizes]
     region = torch.zeros(3 + 17 + 4096 + 32, dtype=torch.uint8, pin_memory=True)
     slots = [region[0:3], region[16:33], region[48:48 + 4096]]
+    with torch.cuda.stream(engine.stream):
+        torch.cuda._sleep(50_000_000)  # the side stream is busy: the batch's copies run long after it is queued
     torch.cuda._sleep(50_000_000)  # the compute stream is busy: the side stream must wait for it
+    for value, src in enumerate(sources, 1):
+        src.fill_(value)  # the data is produced after the sleep, on the compute stream
     copy = engine.offload_many(list(zip(sources, slots)))
-    assert len(engine._inflight) == 1  # one event for the whole batch
-    held = engine._inflight[0][1]
-    assert all(any(s is src for src, _ in held) for s in sources) and all(any(d is dst for _, dst in held)
-                                                                          for d in slots)
+    assert len(engine.inflight) == 1  # one event for the whole batch
+    assert all(held is slot for held, slot in zip(engine.inflight.held()[0], slots))  # the host side only
+    addresses = {src.data_ptr() for src in sources}
+    del src, sources  # the engine holds no source: the allocator must keep their blocks until the copy ran
+    fresh = [torch.full((n,), 0xEE, dtype=torch.uint8, device="cuda") for n in sizes]
+    assert not addresses & {t.data_ptr() for t in fresh}
     engine.wait(copy)
     torch.cuda.current_stream().synchronize()
     assert engine.ready(copy)
-    assert all(torch.equal(slot, src.cpu()) for slot, src in zip(slots, sources))
+    assert all(torch.equal(slot, torch.full_like(slot, value)) for value, slot in enumerate(slots, 1))
     engine.synchronize()
-    assert not engine._inflight
+    assert len(engine.inflight) == 0 and engine.fence() is None
 
 
 def test_prefetch_keeps_the_host_region_until_its_copy_completed_and_is_read_after_wait():
@@ -158,7 +172,7 @@ def test_prefetch_keeps_the_host_region_until_its_copy_completed_and_is_read_aft
     engine = CudaCopyEngine("cuda")
     region = torch.arange(256, dtype=torch.uint8).pin_memory()
     device, copy = engine.prefetch(region)
-    assert engine._inflight[-1][1][0] is region and engine._inflight[-1][1][1] is device
+    assert engine.inflight.held()[-1][0] is region and engine.inflight.held()[-1][1] is device
     engine.wait(copy)
     assert torch.equal(device.cpu(), region)
 
@@ -184,9 +198,105 @@ def test_cuda_coalesced_views_and_mixed_dtypes_are_bit_identical(batch_bytes, sl
         for key, value in expected.items():
             assert torch.equal(got[key], value), key
     stats = session.stats
-    assert stats.prefetched_tensors > 0
+    # A record is released at its horizon as soon as its batch's copy is queued (swapkit.runtime.step Note
+    # [Stream-ordered release]), whatever the GPU has run: with the sleeps no copy has finished at any save,
+    # yet the releases are those of copies that finish at once, and every released storage is prefetched.
+    cpu = MixedNet()
+    cpu_session = swapkit.apply(cpu, toy_config(3, **layer_swap(2, offload_batch_bytes=batch_bytes)), layers="layers")
+    install_engine(cpu_session, ReadyWhenDone())
+    for _ in range(2):
+        run(cpu, cpu_session)
+    assert stats.released_bytes == cpu_session.stats.released_bytes > 0
+    assert stats.prefetched_bytes == stats.released_bytes
+    assert stats.offloaded_bytes == stats.released_bytes + stats.tail_bytes
+    cpu_session.remove()
     if batch_bytes:
         assert stats.offload_copies < stats.offloaded_tensors
     else:
         assert stats.offload_copies == stats.offloaded_tensors
     session.remove()
+
+
+# ---------------------------------------------------------------- streams and a GPU far behind the CPU
+
+
+class Branch(nn.Module):
+    """A layer that runs on a stream of its own, after a sleep there: what it saves is produced late."""
+
+    def __init__(self, dim: int, sleep_cycles: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+        self.sleep_cycles = sleep_cycles
+        self.streams: list[torch.cuda.Stream] = []  # set by the test (a list: not a module attribute)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        stream = self.streams[0]
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            if self.sleep_cycles:
+                torch.cuda._sleep(self.sleep_cycles)
+            return torch.sigmoid(self.lin(x))
+
+
+class TwoBranches(nn.Module):
+    """Two independent layers on two streams: layer 1 never waits for layer 0's stream in forward, and
+    layer 0's stream sleeps long (about 0.1 s) before it writes its sigmoid output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([Branch(64, 200_000_000), Branch(64, 0)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outs = [layer(x) for layer in self.layers]
+        for layer in self.layers:
+            torch.cuda.current_stream().wait_stream(layer.streams[0])
+        return sum(out.sum() for out in outs)
+
+
+def test_saves_on_a_second_stream_are_copied_after_that_stream():
+    """swapkit.runtime.batch Note [A batch has one producer]: layer 0's batch is flushed during layer 1's
+    first save, on layer 1's stream, which never waited for layer 0's; its copy must wait for layer 0's
+    stream, or it reads the sigmoid output before it is written and backward restores garbage."""
+    torch.manual_seed(0)
+    reference = TwoBranches().cuda()
+    model = TwoBranches().cuda()
+    model.load_state_dict(reference.state_dict())
+    for net in (reference, model):
+        for layer in net.layers:
+            layer.streams.append(torch.cuda.Stream())
+    x = torch.randn(32, 64, device="cuda")
+    reference(x).backward()
+    session = swapkit.apply(model, toy_config(2, **layer_swap(1)), layers="layers")
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        with session:
+            model(x).backward()
+        torch.cuda.synchronize()
+        assert session.stats.released_bytes > 0  # layer 0's sigmoid output came back from the host
+        for key, value in grads(reference).items():
+            assert torch.equal(grads(model)[key], value), key
+    session.remove()
+
+
+def test_a_gpu_bound_forward_frees_swapped_memory_before_backward_without_a_synchronize():
+    """swapkit.runtime.step Note [Stream-ordered release]: with the GPU a long sleep behind the CPU, no copy
+    has run when backward begins, yet the due storages went back to the allocator."""
+    def held_before_backward(config):
+        model = build_model(SMALL, seed=1, device="cuda")
+        session = swapkit.apply(model, toy_config(4, **config), layers="layers")
+        tokens, targets = (t.cuda() for t in llama_batch(batch=8))
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        with session:
+            torch.cuda._sleep(1_000_000_000)  # about half a second: the whole forward is queued behind it
+            loss = lm_loss(model(tokens), targets)
+            held = torch.cuda.memory_allocated() - base  # no synchronize
+            released = session._step.stats.released_bytes
+            loss.backward()
+        session.remove()
+        return held, released
+
+    kept, _ = held_before_backward({"runtime": {"min_offload_bytes": 0}})
+    swapped, released = held_before_backward(layer_swap(1))
+    assert released > 0
+    assert swapped <= kept - released // 2  # the released storages really went back to the allocator

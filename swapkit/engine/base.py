@@ -7,6 +7,7 @@ latency and bandwidth, so every scheduling path runs in CPU-only CI).
 """
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 import torch
@@ -68,6 +69,10 @@ class CopyEngine(Protocol):
     device: torch.device
     #: host slabs are multiples of this many bytes (a page when they are registered with CUDA)
     host_granule: int
+    #: a due storage may drop its device copy as soon as its copy to host is *queued*: the device
+    #: allocator orders the memory's reuse after the copy (``swapkit.runtime.step`` Note [Stream-ordered
+    #: release]); False: only once the copy has finished (``ready``)
+    stream_ordered_release: bool
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         """Allocate a flat ``uint8`` host slab of ``nbytes`` for the pool (pinned on CUDA)."""
@@ -78,8 +83,19 @@ class CopyEngine(Protocol):
     def offload(self, src: torch.Tensor, dst: torch.Tensor) -> Any:
         """Start copying device bytes ``src`` into host buffer ``dst``; returns a copy handle."""
 
-    def offload_many(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
-        """Copy every ``(src, dst)`` pair as one job with one copy handle (a coalesced batch)."""
+    def offload_many(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], producer: Any = None) -> Any:
+        """Copy every ``(src, dst)`` pair as one job with one copy handle (a coalesced batch), after
+        the work ``producer`` (what :meth:`producer` returned when the sources were saved; ``None``:
+        the caller's current stream) has queued so far."""
+
+    def producer(self) -> Any:
+        """Where the caller's tensors are being produced now (the current CUDA stream); ``None`` when a
+        saved tensor is always complete when saved (the thread engine). ``swapkit.runtime.batch``
+        Note [A batch has one producer]"""
+
+    def reading_sources(self) -> AbstractContextManager:
+        """A context in which work reads the source of a queued copy in order with it (the side stream
+        on CUDA; nothing on the thread engine, whose releases wait for the copy)."""
 
     def prefetch(self, src: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """Allocate a device buffer and start copying host bytes ``src`` into it."""

@@ -1,31 +1,46 @@
 """CUDA copy engine: a side stream, events per copy, pinned host buffers.
 
 Note [D2H waits for the producer]
-A saved activation may still be being written by kernels queued on the compute stream when the
-pack hook runs (the CPU runs ahead of the GPU). The side stream therefore waits on the compute
-stream before the device-to-host copy, so the copy reads finished data.
+A saved activation may still be being written by kernels queued on its producer stream when the
+pack hook runs (the CPU runs ahead of the GPU). The side stream therefore waits on that stream
+before the device-to-host copy, so the copy reads finished data. The producer is the stream that was
+current when the storage was *saved* (``producer``), which a batch remembers (``swapkit.runtime.batch``
+Note [A batch has one producer]), not the stream current when the batch is flushed: a forward run
+under ``with torch.cuda.stream(s):`` inside ``with session:`` is flushed at the block's exit on the
+default stream, and two branches of a forward on two streams flush each other's batches.
 
 Note [H2D target reuse]
-The device buffer a prefetch fills is allocated on the compute stream, as DESIGN §5 asks: it then
-behaves like any compute-stream tensor once the compute stream has waited on the copy's event.
+The device buffer a prefetch fills is allocated on the compute stream, as DESIGN section 5 asks: it
+then behaves like any compute-stream tensor once the compute stream has waited on the copy's event.
 The caching allocator may hand out a block whose previous owner's last kernels are still queued
 on the compute stream; the side stream waits on the compute stream before writing, so it can
 never overwrite memory such a kernel still reads.
 
-Note [Copy sources and targets outlive their copies]
-The engine keeps every copy's device side (the D2H source, the H2D target) and its host side (a
-view of a pool slab) in ``_inflight`` until the copy's event has completed. Without it, a storage
-record that dies early (its graph freed mid-forward, or a branch whose backward never runs) could
-return memory to the allocator while the side stream still reads or writes it; and host slabs are
-not the CachingHostAllocator's (``swapkit.engine.pinned``), which would record events for them,
-so nothing but this reference keeps a slab mapped while a copy uses it after the pool was cleared.
-This replaces ``record_stream``, which would delay the reuse of *every* freed block until all later
-side-stream work finished.
-Holding the source keeps its storage object alive, not its memory: a component that calls
-``resize_(0)`` on it (FSDP2 resharding) frees the block anyway, and the queued copy would read
-whatever the allocator puts there next. Parameters are therefore never queued, and a size or
-address change is caught when the record releases the device copy (``swapkit.runtime.records``
-Note [Storages another component may resize]).
+Note [Copy sources are released in stream order]
+The device side of a device-to-host copy (a saved storage) is ``record_stream``-ed on the side stream
+when its copy is queued, and the engine keeps no reference to it. Whenever the storage is then
+freed -- released by its record once due (``swapkit.runtime.step`` Note [Stream-ordered release]),
+its graph dropped mid-forward, a branch whose backward never runs, or a component that calls
+``resize_(0)`` on it -- the caching allocator records an event on the side stream at the free and
+hands the block out again only after that event, that is after every side-stream copy queued up to
+the free, this one included. ``torch.cuda.memory_allocated()`` drops at the free; the block
+itself waits (the allocator synchronizes only when it runs out of memory and must reclaim it). So the
+CPU never waits for a copy before dropping a storage, however far ahead of the GPU it runs, and no
+copy can read a reused block. Holding the source until the copy's event completed instead (what
+this engine did before) kept the memory allocated until the CPU next looked after the GPU had run
+the copy: in a GPU-bound forward that is after the forward, and swapping saved nothing.
+The cost: a block freed while the side stream is behind waits for every copy queued before its free,
+not only its own. ``record_stream`` protects only blocks of PyTorch's caching allocator; a saved
+tensor whose memory comes from elsewhere (DLPack from another library) must outlive its copy by
+other means.
+
+Note [Host targets outlive their copies]
+The host side of every copy (a view of a pool slab: the D2H target, the H2D source) and the device
+target of a prefetch stay in :class:`Inflight` until the copy's event has completed. Host slabs are
+not the CachingHostAllocator's (``swapkit.engine.pinned``), which would record events for them, so
+nothing but this reference keeps a slab mapped while a copy uses it after the pool was cleared. A
+prefetch target held here cannot go back to the allocator while the side stream still writes it,
+even if every record that would read it dies first (a graph freed in the middle of its backward).
 
 Note [A prefetched buffer used on another stream]
 A prefetched buffer belongs to the stream that was current when the prefetch was issued. If a
@@ -38,17 +53,29 @@ The pool parks a released host range until a fence passes (``swapkit.engine.pool
 lifetimes]). The side stream runs its copies in order, so the event of the last copy queued before
 the release is such a fence: no extra event is recorded per release.
 
+Note [No lock a finalizer waits on]
+The cyclic garbage collector runs finalizers (``SwapRecord.__del__``, which gives host regions back
+to the pool, which asks for a fence) on whatever thread allocates, at any allocation: one made while
+that thread holds a lock runs a finalizer that must not wait for the same lock. So:
+``fence`` reads the last event with one attribute read, no lock (a reference assignment is atomic
+in Python), and :meth:`Inflight.prune` stops when the lock is taken (the next copy prunes). Nor does
+any code hold the lock across a call that allocates Python objects (the collector runs only at an
+allocation): ``prune`` queries the event outside it and takes it only to pop, ``keep_until`` builds
+its entry before taking it. So no finalizer runs while the lock is held, and a thread holding the
+step's lock that waits for this one (a prefetch issued in an unpack) waits only for a few
+allocation-free lines, never for a finalizer that wants the step's lock.
+
 Note [One job per coalesced batch]
 ``offload_many`` moves the storages of one coalesced batch (``swapkit.runtime.batch`` Note [Coalesced
-copies]) into one pinned host region: one ``wait_stream`` of the side stream on the compute stream
-before any source is read (Note [D2H waits for the producer]), then one ``copy_`` per storage into its
-slot of the region, all queued back to back on the side stream, and one event recorded after the last
-of them: the batch is ready when that event is, and the session never looks at a slot before. The
-prefetch brings the whole region back with one ``copy_`` into one device buffer and one event; every
-record rebuilds its views on that buffer at its offset. Lifetimes: every source and every target of a
-batch stay in ``_inflight`` until the batch's event has completed (Note [Copy sources and targets
-outlive their copies]). Reuse: a region the records let go of goes back to the pool, which hands its
-range out again only after a fence (Note [Fences are the last copy's event]) has passed.
+copies]) into one pinned host region: one ``wait_stream`` of the side stream on the batch's producer
+stream before any source is read (Note [D2H waits for the producer]), then one ``copy_`` per storage
+into its slot of the region, all queued back to back on the side stream, and one event recorded after
+the last of them: the batch is ready when that event is. The prefetch brings the whole region back
+with one ``copy_`` into one device buffer and one event; every record rebuilds its views on that
+buffer at its offset. Lifetimes: Note [Copy sources are released in stream order] for the sources,
+Note [Host targets outlive their copies] for the region. Reuse: a region the records let go of goes
+back to the pool, which hands its range out again only after a fence (Note [Fences are the last
+copy's event]) has passed.
 
 Note [Compute stream is read at use]
 ``torch.cuda.current_stream()`` is read on every call, never cached: backward runs on the
@@ -112,18 +139,70 @@ class CudaFence:
         self.event.synchronize()
 
 
+class Inflight:
+    """The copies still running, each with what it must keep alive, in queue order (Note [Host targets
+    outlive their copies]), and the event of the last one queued (Note [Fences are the last copy's event]).
+
+    An event is anything with ``query()``: no CUDA here, so the locking (Note [No lock a finalizer
+    waits on]) is tested on CPU.
+    """
+
+    def __init__(self) -> None:
+        self._entries: deque[tuple[Any, Any]] = deque()  # (event, what it keeps alive)
+        self.last: Any = None  # read without the lock: Note [No lock a finalizer waits on]
+        self._lock = threading.Lock()  # unpacks run on several autograd threads
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def held(self) -> list[Any]:
+        """What each running copy keeps alive, oldest first."""
+        return [held for _, held in self._entries]
+
+    def keep_until(self, done: Any, held: Any) -> None:
+        """Hold ``held`` until ``done`` has completed; ``done`` is the new last event."""
+        entry = (done, held)  # built before the lock: no allocation under it (Note [No lock a finalizer ...])
+        with self._lock:
+            self._entries.append(entry)
+            self.last = done
+
+    def prune(self, blocking: bool = False) -> None:
+        """Drop what completed copies held (one stream: they complete in order). Without ``blocking``
+        it stops when the lock is taken (Note [No lock a finalizer waits on])."""
+        entries = self._entries
+        while entries:
+            try:
+                head = entries[0]
+            except IndexError:  # another thread pruned it meanwhile
+                return
+            if not head[0].query():  # outside the lock: a call may allocate, and so collect
+                return
+            if not self._lock.acquire(blocking=blocking):
+                return
+            try:
+                popped = entries.popleft() if entries and entries[0] is head else None
+            finally:
+                self._lock.release()
+            del popped  # its references go here, outside the lock
+
+    def forget_last(self, last: Any) -> None:
+        """Every copy up to ``last`` completed: unless a later one was queued, no fence is needed."""
+        with self._lock:
+            if self.last is last:
+                self.last = None
+
+
 class CudaCopyEngine:
     """Device<->host copies on one side stream of ``device``."""
 
     name = "cuda"
     host_granule = PAGE
+    stream_ordered_release = True  # Note [Copy sources are released in stream order]
 
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
         self.stream = torch.cuda.Stream(device=self.device)
-        self._inflight: deque[tuple[torch.cuda.Event, Any]] = deque()  # event, what it must keep alive
-        self._last: torch.cuda.Event | None = None  # the event of the last copy queued
-        self._lock = threading.Lock()  # unpacks run on several autograd threads
+        self.inflight = Inflight()
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         """A pinned slab of exactly ``nbytes`` rounded to a page (Note [Pinned memory without
@@ -131,26 +210,38 @@ class CudaCopyEngine:
         return pinned_host_memory(nbytes)
 
     def fence(self) -> CudaFence | None:
-        with self._lock:
-            return None if self._last is None else CudaFence(self._last)
+        last = self.inflight.last  # no lock: Note [No lock a finalizer waits on]
+        return None if last is None else CudaFence(last)
+
+    def producer(self) -> torch.cuda.Stream:
+        """The stream saved tensors are produced on now (Note [D2H waits for the producer])."""
+        return self._compute()
+
+    def reading_sources(self) -> torch.cuda.StreamContext:
+        """Work that reads a queued copy's source runs after it on the side stream, which waited for the
+        source's producer; the allocator keeps the source's block until the side stream passed it."""
+        return torch.cuda.stream(self.stream)
 
     def offload(self, src: torch.Tensor, dst: torch.Tensor) -> CudaCopy:
         return self.offload_many([(src, dst)])
 
-    def offload_many(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> CudaCopy:
-        """Every pair's copy after one ``wait_stream``, one event for all (Note [One job per coalesced batch])."""
-        self._prune()
-        self.stream.wait_stream(self._compute())  # Note [D2H waits for the producer]
+    def offload_many(self, pairs: list[tuple[torch.Tensor, torch.Tensor]],
+                     producer: torch.cuda.Stream | None = None) -> CudaCopy:
+        """Every pair's copy after one ``wait_stream`` on ``producer`` (the current stream if ``None``),
+        one event for all (Note [One job per coalesced batch])."""
+        self.inflight.prune()
+        self.stream.wait_stream(producer if producer is not None else self._compute())  # Note [D2H waits ...]
         with torch.cuda.stream(self.stream):
             for src, dst in pairs:
+                src.record_stream(self.stream)  # Note [Copy sources are released in stream order]
                 dst.copy_(src, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.stream)
-        self._keep_until(done, pairs)  # Note [Copy sources and targets outlive their copies]
+        self.inflight.keep_until(done, [dst for _, dst in pairs])  # Note [Host targets outlive their copies]
         return CudaCopy(done)
 
     def prefetch(self, src: torch.Tensor) -> tuple[torch.Tensor, CudaCopy]:
-        self._prune()
+        self.inflight.prune()
         compute = self._compute()
         dst = torch.empty(src.numel(), dtype=torch.uint8, device=self.device)  # on the compute stream
         self.stream.wait_stream(compute)  # Note [H2D target reuse]
@@ -158,21 +249,15 @@ class CudaCopyEngine:
             dst.copy_(src, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.stream)
-        self._keep_until(done, (src, dst))
+        self.inflight.keep_until(done, (src, dst))  # Note [Host targets outlive their copies]
         return dst, CudaCopy(done, dst, compute)
 
-    def _keep_until(self, done: torch.cuda.Event, held: Any) -> None:
-        """Hold ``held`` (copy sources and targets) until ``done`` has completed; ``done`` is the new fence."""
-        with self._lock:
-            self._inflight.append((done, held))  # Note [Copy sources and targets outlive their copies]
-            self._last = done  # Note [Fences are the last copy's event]
-
     def ready(self, copy: CudaCopy) -> bool:
-        self._prune()
+        self.inflight.prune()
         return copy.event.query()
 
     def wait(self, copy: CudaCopy, timed: bool = False) -> CudaTiming | NoTiming:
-        self._prune()
+        self.inflight.prune()
         compute = self._compute()
         if copy.buffer is not None and compute != copy.stream:
             copy.buffer.record_stream(compute)  # Note [A prefetched buffer used on another stream]
@@ -186,20 +271,13 @@ class CudaCopyEngine:
         return CudaTiming(start, end)
 
     def synchronize(self) -> None:
-        last = self._last
+        last = self.inflight.last
         self.stream.synchronize()
-        self._prune()  # every copy queued before the synchronize completed; later ones stay tracked
-        with self._lock:
-            if self._last is last:
-                self._last = None  # no copy left that a fence would wait for
+        self.inflight.prune(blocking=True)  # every copy queued before the synchronize completed
+        self.inflight.forget_last(last)  # no copy left that a fence would wait for, unless one came since
 
     def close(self) -> None:
         self.synchronize()
 
     def _compute(self) -> torch.cuda.Stream:
         return torch.cuda.current_stream(self.device)  # Note [Compute stream is read at use]
-
-    def _prune(self) -> None:
-        with self._lock:
-            while self._inflight and self._inflight[0][0].query():  # one stream: completes in order
-                self._inflight.popleft()

@@ -18,7 +18,9 @@ pins ~1.5-2x its bytes. swapkit does not rely on a process-wide option; it alloc
 
 A registered page costs what ``cudaHostAlloc``'s does, and registration runs once per slab
 (``swapkit.engine.slabs`` Note [Slab sizes]), never per saved tensor. The registration functions
-are parameters, so everything but the CUDA calls is tested on CPU.
+are parameters, so everything but the CUDA calls is tested on CPU. A failed registration raises,
+but also stays recorded as the thread's CUDA last error: ``torch.cuda.cudart()`` has no
+``cudaGetLastError`` to reset it (README, Limitations).
 """
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ before the next forward), and it keeps the slabs at the steady state and under t
 non-empty wait holds the CPU back until the side stream has passed that fence; growing instead
 would pin memory the steady state never needs.)
 A slab's memory itself is kept alive by its views: a view handed out, a view an in-flight copy
-holds (``swapkit.engine.cuda`` Note [Copy sources and targets outlive their copies]), or the
+holds (``swapkit.engine.cuda`` Note [Host targets outlive their copies]), or the
 pool. ``clear`` (the session was removed, after its engine synchronized) drops the pool's own
 references; a slab whose ranges are all back is then freed (unregistered on CUDA), one a
 surviving record still uses is freed with that record's view.
@@ -30,6 +30,19 @@ died), even if a copy that uses it is still queued. That is safe: the range is p
 engine's fence passes (Note [Slab lifetimes]), and even without a fence (a pool made with
 ``fence=None``) every copy of an engine runs on one FIFO queue, so the next copy into a reused range
 is queued after every earlier copy that read or wrote it.
+
+Note [Releases never wait for the pool's lock]
+``release`` runs in ``SwapRecord.__del__`` (``swapkit.runtime.records`` Note [Record lifetime]), and the
+cyclic garbage collector runs such finalizers on whatever thread allocates, at any allocation:
+possibly while that very thread holds this pool's lock (inside ``acquire``, or inside ``release``
+while the engine makes a fence object). Waiting for the lock there would wait forever, and waiting
+for it on another thread while holding the step's lock inverts the lock order with a finalizer that
+wants the step's lock. So ``release`` only *tries* the lock: when it is taken, the buffer goes onto
+a deferred queue (``deque.append`` needs no lock), and whoever takes the lock next (``acquire``,
+``release``, ``free_bytes``, ``clear``) gives the deferred buffers back first. A deferred buffer's
+fence is taken when it is drained, later than its release: a later fence is passed only after the
+earlier one, so it is as safe (Note [Slab lifetimes]). A bad buffer (not from this pool, or given back
+twice) raises where it is drained.
 
 Note [Same-size reuse]
 Steady-state training asks for the same sizes every step, so a freed range is first kept whole in
@@ -80,6 +93,7 @@ class HostPool:
         self._kept: dict[int, list[tuple[Block, torch.Tensor]]] = {}  # nbytes -> Note [Same-size reuse]
         self._kept_bytes = 0
         self._lock = threading.Lock()  # buffers come back from autograd threads
+        self._deferred: deque[torch.Tensor] = deque()  # Note [Releases never wait for the pool's lock]
         self.allocations = 0
         self._closed = False
 
@@ -92,6 +106,7 @@ class HostPool:
     def free_bytes(self) -> int:
         """Bytes in free ranges, after reclaiming the ranges whose fences passed."""
         with self._lock:
+            self._drain()
             self._reclaim(wait=False)
             return self._slabs.free_bytes + self._kept_bytes
 
@@ -107,6 +122,7 @@ class HostPool:
             if self._closed:
                 raise ValueError("swapkit: this host pool was cleared (its session was removed); it hands out "
                                  "no buffers")
+            self._drain()
             self._reclaim(wait=False)
             kept = self._kept.get(nbytes)
             if kept:  # Note [Same-size reuse]
@@ -128,21 +144,37 @@ class HostPool:
         """
         if buffer.numel() == 0:
             return
-        with self._lock:
-            entry = self._live.pop(buffer.data_ptr(), None)
-            if entry is None:
-                raise ValueError(f"swapkit host pool: a buffer of {buffer.numel()} bytes at {buffer.data_ptr():#x} "
-                                 "was not handed out by this pool, or was given back twice")
-            fence = self._fence() if self._fence is not None and not self._closed else None
-            if fence is None:
-                self._free(*entry)
-            else:
-                self._parked.append((fence, *entry))
+        if not self._lock.acquire(blocking=False):
+            self._deferred.append(buffer)  # Note [Releases never wait for the pool's lock]
+            return
+        try:
+            self._drain()
+            self._give_back(buffer)
+        finally:
+            self._lock.release()
+
+    def _drain(self) -> None:
+        """Give back the buffers released while the lock was taken (Note [Releases never wait for the pool's lock])."""
+        deferred = self._deferred
+        while deferred:
+            self._give_back(deferred.popleft())
+
+    def _give_back(self, buffer: torch.Tensor) -> None:
+        entry = self._live.pop(buffer.data_ptr(), None)
+        if entry is None:
+            raise ValueError(f"swapkit host pool: a buffer of {buffer.numel()} bytes at {buffer.data_ptr():#x} "
+                             "was not handed out by this pool, or was given back twice")
+        fence = self._fence() if self._fence is not None and not self._closed else None
+        if fence is None:
+            self._free(*entry)
+        else:
+            self._parked.append((fence, *entry))
 
     def clear(self) -> None:
         """Drop every free slab and hand out no more buffers (the session was removed; its engine has
         synchronized). Buffers still out free their slab when the last of them comes back."""
         with self._lock:
+            self._drain()
             self._closed = True
             while self._parked:
                 self._free(*self._parked.popleft()[1:])

@@ -13,6 +13,7 @@ worker: no thread outlives ``close``, and the late backward is still correct.
 """
 from __future__ import annotations
 
+import contextlib
 import queue
 import sys
 import threading
@@ -87,6 +88,8 @@ class ThreadCopyEngine:
 
     name = "thread"
     host_granule = 1
+    #: on CPU nothing orders a freed storage's reuse after a queued copy: release waits for ``ready``
+    stream_ordered_release = False
     #: Bounds of the emulated link (the config checks the same ones, with the key path).
     MAX_LATENCY_S = 1.0
     BANDWIDTH_GBPS = (1e-3, 1e5)
@@ -121,7 +124,15 @@ class ThreadCopyEngine:
 
         return self._submit(job)
 
-    def offload_many(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> ThreadCopy:
+    def producer(self) -> None:
+        """A tensor saved on CPU is complete when saved: nothing to order copies after."""
+        return None
+
+    def reading_sources(self) -> contextlib.nullcontext:
+        """Sources are read after their copy finished (releases wait for ``ready``): no ordering needed."""
+        return contextlib.nullcontext()
+
+    def offload_many(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], producer: None = None) -> ThreadCopy:
         """One job, one completion flag for every ``(src, dst)`` pair (Note [Grouped copies])."""
         if self._copies_unchanged():
             sources, targets = [src for src, _ in pairs], [dst for _, dst in pairs]
@@ -235,9 +246,10 @@ class ThreadCopyEngine:
         if self._worker is None and not self._ensure_worker():
             self._execute(job, copy)  # Note [Copies after close]
             return copy
+        item = (job, copy)  # built before the lock: swapkit.engine.cuda Note [No lock a finalizer waits on]
         with self._queue_lock:  # the last copy queued is the last one in the queue (ThreadFence)
             self._last = copy
-            self._jobs.put((job, copy))
+            self._jobs.put(item)
         return copy
 
     def _ensure_worker(self) -> bool:

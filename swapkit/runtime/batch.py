@@ -8,13 +8,19 @@ copy and an event (CUDA) per saved tensor, whatever its size. Instead the step k
 The batch is *flushed* -- one pooled host region of exactly its size, one copy job with one
 completion handle for all its storages, the slots cut from the region by one ``split_with_sizes`` --
 when:
-- a save arrives from another frame (the scope changed), or the next storage would take the batch
-  past ``runtime.offload_batch_bytes`` (``0``: every storage is its own batch, flushed when saved);
-- one of its records comes due for release (a record is released only after its copy finished,
-  so the copy must have started by its horizon: the batch never holds device memory longer than
-  ``backward_prefetch`` allows, it only moves the copy's start from the save to, at the latest,
-  that horizon);
-- the forward ends (the ``with`` block's exit or the first backward unpack).
+- a save arrives from another frame (the scope changed), a new storage is saved on another stream
+  (Note [A batch has one producer]), or the next storage would take the batch past
+  ``runtime.offload_batch_bytes`` (``0``: every storage is its own batch, flushed when saved);
+- one of its records comes due for release (a record is released only once its copy was queued or
+  has finished, so the copy must have started by its horizon: the batch never holds device memory
+  longer than ``backward_prefetch`` allows, it only moves the copy's start from the save to, at the
+  latest, that horizon);
+- the forward ends without a backward (the ``with`` block's exit).
+A batch still open when backward begins is *discarded* instead: none of its records came due, so
+all of them are in the tail and used from the device as they are (``swapkit.runtime.step`` Note [The
+last k ticks stay on the device]); copying it would only queue a useless copy on the engine's FIFO
+queue ahead of the first prefetches, and take a host region. It takes no region, queues nothing,
+and its bytes count as ``skipped["tail"]``, not as offloaded.
 A storage resized or freed between its save and the flush raises there, before any copy is queued
 (``swapkit.runtime.records.Note [Storages another component may resize]``); the engine checks
 again around each copy.
@@ -32,8 +38,17 @@ the region's device buffer, so its memory goes when the last of them dies; the s
 accounting still counts each record's bytes separately. Storages still on the device when backward
 begins (the tail) are copied back as part of the region too: one copy is cheaper than cutting it.
 
-If the pool cannot give the region (``runtime.max_host_bytes``) the batch *fails*: its records
+If the pool cannot give the region (``runtime.max_host_bytes``) the batch is *kept* too: its records
 stay on the device, are never released, and their bytes count as ``skipped["host_cap"]``.
+
+Note [A batch has one producer]
+On CUDA a saved storage may still be being written by kernels queued on the stream it was saved on
+(``swapkit.engine.cuda`` Note [D2H waits for the producer]), and the copy of a batch waits on one
+stream. So a batch remembers the stream its first storage was saved on (``engine.producer()``,
+read when a new storage joins it) and a storage saved on another stream does not join it: the open
+batch is flushed and a new one opened, and each copy waits on exactly the stream its storages were
+saved on, whichever stream is current when it is flushed. The thread engine's producer is always
+``None`` (a tensor saved on CPU is complete): batches never split there.
 """
 from __future__ import annotations
 
@@ -54,24 +69,26 @@ ALIGN = 16
 class Batch:
     """Swapped storages of one frame that share one host region and one copy each way."""
 
-    __slots__ = ("step", "frame", "nbytes", "count", "data_bytes", "_sources", "host", "d2h", "issued",
-                 "flushed", "failed", "device", "h2d", "holders")
+    __slots__ = ("step", "frame", "producer", "nbytes", "count", "data_bytes", "_sources", "host", "d2h",
+                 "issued", "flushed", "kept", "device", "h2d", "holders")
 
-    def __init__(self, step: StepState, frame: Frame) -> None:
-        self.step, self.frame = step, frame
+    def __init__(self, step: StepState, frame: Frame, producer: Any = None) -> None:
+        self.step, self.frame, self.producer = step, frame, producer  # Note [A batch has one producer]
         self.nbytes = self.count = self.data_bytes = 0
         self._sources: list[tuple[torch.Tensor, int, int]] | None = []  # (flat source, offset, address) until flushed
         self.host: torch.Tensor | None = None
         self.d2h: Any = None
         self.issued = -1
-        self.flushed = self.failed = False
+        self.flushed = False  # closed: copied, kept or discarded
+        self.kept = False  # never copied (refused by the pool, or discarded): its storages stay on the device
         self.device: torch.Tensor | None = None
         self.h2d: Any = None
         self.holders = 0  # records that may still need the host region
 
-    def fits(self, frame: Frame, nbytes: int, limit: int) -> bool:
-        """Can a storage of ``nbytes`` saved in ``frame`` join this open batch?"""
-        return frame is self.frame and (self.nbytes == 0 or self.nbytes + nbytes <= limit)
+    def fits(self, frame: Frame, nbytes: int, limit: int, producer: Any) -> bool:
+        """Can a storage of ``nbytes`` saved in ``frame`` on ``producer`` join this open batch?"""
+        return frame is self.frame and (producer is self.producer or producer == self.producer) and (
+            self.nbytes == 0 or self.nbytes + nbytes <= limit)
 
     def add(self, src: torch.Tensor) -> int:
         """Take the next slot for the flat source ``src``; returns its byte offset in the region."""
@@ -92,15 +109,21 @@ class Batch:
         for src, _, data_ptr in sources:  # swapkit.runtime.records Note [Storages another component may resize]
             now = src.untyped_storage().nbytes()
             if now != src.numel() or src.data_ptr() != data_ptr:
-                self.failed = True  # its records are never released: nothing was copied
+                self.kept = True  # its records are never released: nothing was copied
                 raise storage_changed(src.numel(), now, self.frame.label)
         host = self.step.pool.acquire(self.nbytes)
         if host is None:
-            self.failed = True
+            self.kept = True
             return False
         self.host, self.issued = host, issued  # returned by the records' let_go even if the copy fails
-        self.d2h = self.step.engine.offload_many(list(zip([src for src, _, _ in sources], self._slots(host, sources))))
+        pairs = list(zip([src for src, _, _ in sources], self._slots(host, sources)))
+        self.d2h = self.step.engine.offload_many(pairs, self.producer)  # Note [A batch has one producer]
         return True
+
+    def discard(self) -> None:
+        """Backward began while this batch was open: copy nothing, keep its storages on the device
+        (Note [Coalesced copies]). It never took a host region."""
+        self._sources, self.flushed, self.kept = None, True, True
 
     def _slots(self, host: torch.Tensor, sources: list[tuple[torch.Tensor, int, int]]) -> list[torch.Tensor]:
         """Each source's slot of the region, all cut by one ``split_with_sizes`` (data and padding alternate)."""

@@ -33,29 +33,43 @@ and re-gathers them before its backward. An asynchronous copy of such a storage 
 memory: a crash on the thread engine, silent garbage on CUDA. swapkit never queues one for a
 parameter (Note [Parameters are recognised when saved] in ``swapkit.runtime.step``). For any
 other storage changed behind its back, the record remembers the storage's size and data pointer
-when it queued the copy; the thread engine checks both right before and right after copying,
-and the record checks them again when it releases the device copy (the CUDA engine's copy has
-finished by then, so this is where a resize during a CUDA copy is seen). A mismatch raises
-:class:`~swapkit.engine.base.StorageChangedError` naming the layer and op, never a copy the
-backward would trust. The one window no outside library can close is a resize that runs *during*
-the thread engine's memcpy; that is why recognising parameters, not this check, is the guarantee.
+when it is saved; the batch checks both when it queues the copy, the thread engine right before
+and right after copying, and the record again when it releases the device copy. On CUDA the
+release comes as soon as the copy is queued (``swapkit.runtime.step`` Note [Stream-ordered
+release]), so that check sees a change made between the flush and the release; a resize or free
+after the copy was queued cannot reach the copy at all, since the allocator does not reuse the
+freed block before the side stream passed the copy (``swapkit.engine.cuda`` Note [Copy sources are
+released in stream order]). A mismatch raises :class:`~swapkit.engine.base.StorageChangedError`
+naming the layer and op, never a copy the backward would trust. The one window no outside library
+can close is a resize that runs *during* the thread engine's memcpy; that is why recognising
+parameters, not this check, is the guarantee.
 
 Note [Verify mode]
-With ``runtime.verify: true`` a swapped record takes a checksum of its device storage when it is
-released: the copy to host has finished and the storage still holds the bytes autograd saved.
-When the prefetched copy is first used, after the engine's wait, the checksum of the restored
-buffer must match, or backward raises naming the layer, the op and the step. That covers the
-whole round trip (device-to-host copy, the pooled host buffer while it waits, host-to-device
-copy): a reload race such as NVIDIA/Megatron-LM#7398, which corrupted gradients while the loss
-still fell, fails loudly instead. The checksum is the wrapping sum of the storage read as 64-bit
-words (plus the bytes past the last whole word): one memory-bound pass, run on the compute stream
-after the data is ready, and one host sync per restore to compare. It catches overwritten, stale
-or zeroed buffers; it cannot see two words trading places.
+With ``runtime.verify: true`` a swapped record takes a checksum of its *device* storage when it is
+released, before its keepers let go: the storage still holds the bytes autograd saved. It never
+reads the host copy, which on CUDA may not have been written yet (the release follows the copy's
+queueing, not its completion: ``swapkit.runtime.step`` Note [Stream-ordered release]). The checksum
+is queued where ``engine.reading_sources`` says: on CUDA the side stream, after the copy, which
+waited for the storage's producer stream, while the allocator still holds the block; on the thread
+engine inline, the copy having finished. When the prefetched copy is first used, after the engine's
+wait, the checksum of the restored buffer must match, or backward raises naming the layer, the op
+and the step (on CUDA the compute stream has then waited on the prefetch's event, which the side
+stream recorded after the checksum). That covers the whole round trip (device-to-host copy, the
+pooled host buffer while it waits, host-to-device copy): a reload race such as
+NVIDIA/Megatron-LM#7398, which corrupted gradients while the loss still fell, fails loudly instead.
+The checksum is the wrapping sum of the storage read as 64-bit words (plus the bytes past the last
+whole word): one memory-bound pass on the device, and one host sync per restore to compare. It
+catches overwritten, stale or zeroed buffers; it cannot see two words trading places.
 
 Note [Record lifetime]
 Records live exactly as long as the autograd graph holds their handles (plus, briefly, the
 schedule queues). When the last handle dies the record's ``__del__`` returns its host buffer to
 the pool and takes its bytes off the device accounting: nothing is stashed across steps.
+The cyclic collector may run that finalizer on any thread, at any allocation, so it waits only for
+the step's re-entrant lock, whose holders never wait for a lock a finalizer could hold: the pool's
+``release`` never waits for the pool's lock (``swapkit.engine.pool`` Note [Releases never wait for the
+pool's lock]), the engine's fence takes no lock, and the CUDA engine's own lock is never held across
+an allocation (``swapkit.engine.cuda`` Note [No lock a finalizer waits on]).
 """
 from __future__ import annotations
 
@@ -167,11 +181,14 @@ class SwapRecord:
         self.horizon = max(self.horizon, tick + self.frame.prefetch)
 
     def release(self) -> None:
-        """Drop every device reference; the copy has finished (Note [Version keepers])."""
+        """Drop every device reference; the copy has finished or, on an engine with
+        ``stream_ordered_release``, been queued (Note [Version keepers])."""
         storage = self.storage()  # alive: the keepers hold it until now
         self._check_source(storage)
         if self.step.verify and storage is not None:  # Note [Verify mode]
-            self.checksum = checksum(storage_bytes(storage, self.step.engine.device))
+            engine = self.step.engine
+            with engine.reading_sources():
+                self.checksum = checksum(storage_bytes(storage, engine.device))
         keepers = tuple(self.keepers)
         with torch.autograd._unsafe_preserve_version_counter(keepers):  # one for all of them
             for keeper in keepers:

@@ -5,17 +5,32 @@ forward pack arrives after the current step's backward began (several micro-batc
 ``with`` block).
 
 Note [Releases never stall compute]
-At each tick the records whose horizon has come are released only if their device-to-host copy
-has finished (``engine.ready``); the others are looked at again on the next tick. A larger
-``backward_prefetch`` therefore holds device memory longer but the forward never waits on a copy.
-Copies finish in the order they were issued (one FIFO queue per engine), so the waiting records
-are kept by issue order and the check stops at the first unfinished one.
+At each tick the records whose horizon has come are released without waiting: at once where the
+engine orders reuse after queued copies (Note [Stream-ordered release]), else only if their copy
+has finished (``engine.ready``), the others being looked at again on the next tick. A larger
+``backward_prefetch`` holds device memory longer but the forward never waits on a copy. Copies
+finish in issue order (one FIFO queue per engine), so the waiting records are kept by issue order
+and the check stops at the first unfinished one.
+
+Note [Stream-ordered release]
+On a GPU the CPU runs far ahead: at the forward's saves no copy has executed, so waiting for
+finished copies would release nothing before backward and make everything tail (the peak of no
+swap). An engine with ``stream_ordered_release`` (CUDA) releases a due record once its batch's
+copy is *queued*: the source was ``record_stream``-ed on the side stream, so the caching allocator
+reuses its block only after the side stream ran the copy (``swapkit.engine.cuda`` Note [Copy
+sources are released in stream order]); ``released_bytes`` counts it at once. On CPU no allocator
+orders reuse after a queued memcpy, so the thread engine keeps waiting for ``ready``. The release's
+storage check still sees any change made before it, and verify's checksum reads the device storage
+in order with the copy, never the unfinished host copy (``swapkit.runtime.records`` Notes [Storages
+another component may resize], [Verify mode]).
 
 Note [The last k ticks stay on the device]
 Records still unreleased when backward begins (their horizon lies beyond the last forward tick,
 or their copy had not finished) are used from the device as they are: no round trip, and their
-host copies go straight back to the pool. The session remembers the forward length, and in later
-steps does not offload saves that would land in that tail (``runtime.skip_tail_offload``).
+host copies go straight back to the pool. The batch still open then is discarded, not copied
+(``swapkit.runtime.batch`` Note [Coalesced copies]): its storages count as ``skipped["tail"]``. The
+session remembers the forward length, and in later steps does not offload saves that would land in
+that tail (``runtime.skip_tail_offload``).
 
 Note [Parameters are recognised when saved]
 Parameter storages are never swapped (DESIGN §4). The set the session builds from
@@ -102,6 +117,8 @@ class Step:
         self.watch_unpacks = True  # the session calls unpacked() (Note [The cost of a save])
         self._index: dict[int, weakref.ref] = {}  # id(storage) -> its record (Note [The cost of a save])
         self._batch: Batch | None = None  # the open batch (swapkit.runtime.batch Note [Coalesced copies])
+        self._producer = engine.producer  # swapkit.runtime.batch Note [A batch has one producer]
+        self._release_queued = engine.stream_ordered_release  # Note [Stream-ordered release]
         self._batches = 0  # batches flushed: their copy order
         self._scheduled = False  # a swap record was queued this step (Note [The cost of a save])
         self._last_frame: Frame | None = None  # the frame of the previous save: _seen has it
@@ -265,11 +282,12 @@ class Step:
         return record
 
     def _open_batch(self, frame: Frame, nbytes: int) -> Batch:
-        """The batch a new swap record joins (swapkit.runtime.batch Note [Coalesced copies])."""
-        batch = self._batch
-        if batch is None or not batch.fits(frame, nbytes, self.runtime.offload_batch_bytes):
+        """The batch a new swap record joins (swapkit.runtime.batch Notes [Coalesced copies], [A batch has
+        one producer])."""
+        batch, producer = self._batch, self._producer()
+        if batch is None or not batch.fits(frame, nbytes, self.runtime.offload_batch_bytes, producer):
             self.flush()
-            batch = self._batch = Batch(self, frame)
+            batch = self._batch = Batch(self, frame, producer)
         return batch
 
     def flush(self) -> None:
@@ -279,18 +297,26 @@ class Step:
             return
         self._batches += 1
         if not batch.flush(self._batches):
-            self._skip_failed(batch)
+            self._not_offloaded(batch, "host_cap")
         elif batch.d2h is not None:
             self.stats.offload_copies += 1
 
-    def _skip_failed(self, batch: Batch) -> None:
+    def _discard_open_batch(self) -> None:
+        """Backward began: the open batch is not copied (swapkit.runtime.batch Note [Coalesced copies])."""
+        batch, self._batch = self._batch, None
+        if batch is not None and not batch.flushed:
+            batch.discard()
+            self._not_offloaded(batch, "tail")
+
+    def _not_offloaded(self, batch: Batch, reason: str) -> None:
+        """A batch's storages were counted as offloaded when saved, but stay on the device: ``reason``."""
         stats = self.stats
         stats.offloaded_tensors -= batch.count
         stats.offloaded_bytes -= batch.data_bytes
         stats.offloaded_by_scope[batch.frame.label] -= batch.data_bytes
         if not stats.offloaded_by_scope[batch.frame.label]:
             del stats.offloaded_by_scope[batch.frame.label]
-        stats.skipped["host_cap"] += batch.data_bytes
+        stats.skipped[reason] += batch.data_bytes
 
     def _skip(self, reason: str, key: int, nbytes: int) -> None:
         if key not in self._skipped_storages:
@@ -299,18 +325,25 @@ class Step:
         return None
 
     def _advance(self, tick: int) -> None:
-        """Release the records whose horizon has come and whose copy finished."""
+        """Release the records whose horizon has come and whose copy was queued (Note [Stream-ordered
+        release]) or has finished (Note [Releases never stall compute])."""
         for record in self._release.pop_due(tick):
             if not record.batch.flushed:
                 self._flush_batch_of(record)
-            if not record.batch.failed:  # a failed batch's storages stay on the device
+            if record.batch.kept:  # never copied: its storages stay on the device
+                continue
+            if self._release_queued:
+                self._released(record)
+            else:
                 heapq.heappush(self._pending, (record.batch.issued, record.offset, record))  # copy order
         pending = self._pending
         while pending and self.engine.ready(pending[0][2].batch.d2h):  # Note [Releases never stall compute]
-            record = heapq.heappop(pending)[2]
-            record.release()
-            self.stats.released_bytes += record.nbytes
-            self._prefetch.push(record)
+            self._released(heapq.heappop(pending)[2])
+
+    def _released(self, record: SwapRecord) -> None:
+        record.release()
+        self.stats.released_bytes += record.nbytes
+        self._prefetch.push(record)
 
     def _flush_batch_of(self, record: SwapRecord) -> None:
         if record.batch is self._batch:  # due before its batch filled (Note [Coalesced copies])
@@ -360,10 +393,10 @@ class Step:
 
     def _begin_backward(self) -> None:
         self.backward_started = True
-        self.flush()
+        self._discard_open_batch()
         for record in [r for _, _, r in self._pending] + self._release.drain():  # Note [The last k ticks ...]
             record.drop_host_copy()
-            if not record.batch.failed:
+            if not record.batch.kept:
                 self.stats.tail_bytes += record.nbytes
         self._pending = []
         self._on_backward(self)
