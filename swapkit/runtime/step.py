@@ -95,7 +95,6 @@ from swapkit.runtime.scope import Frame
 from swapkit.runtime.stats import SwapStats
 
 
-
 def _horizon(record: SwapRecord) -> int:
     return record.horizon
 
