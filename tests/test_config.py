@@ -405,7 +405,7 @@ def test_overrides_are_validated_like_the_file():
 
 
 def test_yaml_12_floats(tmp_path):
-    # Note [YAML 1.1 floats]: `1e-3` without a dot is a float, in files and in --set
+    # Note [YAML 1.1 scalars]: `1e-3` without a dot is a float, in files and in --set
     path = write(tmp_path, "model: {model_config: {num_layers: 3, rms_norm_eps: 1e-6}}\ntrain: {lr: 2E-4}\n")
     config = load_config(path, overrides=["train.weight_decay=1e-2"])
     assert (config.model.rms_norm_eps, config.train.lr, config.train.weight_decay) == (1e-6, 2e-4, 1e-2)

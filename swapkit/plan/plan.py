@@ -39,10 +39,6 @@ class LayerPlan:
     op_swap: tuple[tuple[str, int], ...] = ()
     overridden: tuple[str, ...] = ()
 
-    @property
-    def recomputed_patterns(self) -> tuple[str, ...]:
-        return self.select + tuple(p for p in self.comm if p not in self.select)
-
     def to_json(self) -> dict[str, Any]:
         return {
             "layer": self.layer, "stage": self.stage, "chunk": self.chunk, "full": self.full,

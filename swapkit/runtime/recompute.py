@@ -174,7 +174,7 @@ class Recompute:
         if self.use_reentrant:
             _check_reentrant(args, kwargs, label)
             return checkpoint(function, *args, use_reentrant=True, preserve_rng_state=True)
-        # Note [Keyword arguments of checkpointed modules]
+        # see Note [Keyword arguments of checkpointed modules]
         return checkpoint(_call, function, kwargs, *args, use_reentrant=False, preserve_rng_state=True)
 
 
