@@ -24,7 +24,7 @@ peak does not hinge on a copy finishing just in time, and the measured peak land
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 from swapkit.plan.simulate import Links, Prediction, simulate
 from swapkit.plan.trace import SELECT, FlatStep, Trace, compose
@@ -126,9 +126,13 @@ class Planner:
             step = self._steps.get(modes)
             if step is None:
                 step = self._steps[modes] = compose(self.trace, modes=modes)
-            found = self._cache[choices] = simulate(step, lambda layer, scope: None if layer is None else
-                                                    choices[layer].swap_k(scope), self.links, self.min_bytes)
+            found = self._cache[choices] = self._simulate(
+                step, lambda layer, scope: None if layer is None else choices[layer].swap_k(scope))
         return found
+
+    def _simulate(self, step: FlatStep, swap_k: Callable[[int | None, str | None], int | None]) -> Prediction:
+        """Replay one composed step (a pipeline stage's planner replays its schedule instead)."""
+        return simulate(step, swap_k, self.links, self.min_bytes)
 
     def moves(self, choices: tuple[Choice, ...]) -> Iterator[tuple[Choice, ...]]:
         """Every plan that differs from ``choices`` by one step on one layer."""

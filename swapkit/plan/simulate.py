@@ -152,7 +152,7 @@ class _Replay:
 
     def _new(self, save, tick: int, last: int) -> None:
         k = self.swap_k(save.layer, save.scope)
-        if k is not None and (save.nbytes < self.min_bytes or tick + k >= last + 1):
+        if k is not None and (save.nbytes < self.min_bytes or self._in_tail(tick + k, last)):
             k = None  # kept: too small, or in the forward's tail
         record = self.records[save.storage] = _Record(save.nbytes, tick, k, save.layer)
         self._add(save.nbytes)
@@ -161,6 +161,10 @@ class _Replay:
             record.issued = self.issued
             self.issued += 1
             bisect.insort(self.due, (record.horizon, record.issued, record))
+
+    def _in_tail(self, horizon: int, last: int) -> bool:
+        """A save due only after the forward's last tick is not offloaded."""
+        return horizon >= last + 1
 
     def _advance(self, tick: int) -> None:
         while self.due and self.due[0][0] <= tick:
@@ -174,6 +178,10 @@ class _Replay:
             if record.resident:  # not dead already (a record that died in forward)
                 record.released, record.resident = True, False
                 self.bytes -= record.nbytes
+                self._released(record)
+
+    def _released(self, record: _Record) -> None:
+        """A record left the device in forward (a micro-step replay queues it for prefetch)."""
 
     def backward(self) -> None:
         released = sorted((r for r in self.records.values() if r.released), key=lambda r: -r.horizon)

@@ -41,13 +41,13 @@ Where it is wrong:
 """
 from __future__ import annotations
 
-import bisect
 import heapq
 from dataclasses import dataclass
+from typing import Callable
 
 from swapkit.plan.planner import BudgetError, Choice, Planner
 from swapkit.plan.simulate import Links, Prediction, _Record, _Replay
-from swapkit.plan.trace import FlatStep, Trace, compose
+from swapkit.plan.trace import FlatStep, Trace
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -114,17 +114,8 @@ class _MicroReplay(_Replay):
         self.group.bytes += nbytes
         self.group.peak = max(self.group.peak, self.group.bytes)
 
-    def _new(self, save, tick: int, last: int) -> None:
-        k = self.swap_k(save.layer, save.scope)
-        if k is not None and (save.nbytes < self.min_bytes or (self.skip_tail and tick + k >= last + 1)):
-            k = None  # too small, or in a tail the session no longer offloads
-        record = self.records[save.storage] = _Record(save.nbytes, tick, k, save.layer)
-        self._add(save.nbytes)
-        if k is not None:
-            record.d2h_end = self._copy(self.links.d2h, save.nbytes)
-            record.issued = self.issued
-            self.issued += 1
-            bisect.insort(self.due, (record.horizon, record.issued, record))
+    def _in_tail(self, horizon: int, last: int) -> bool:
+        return self.skip_tail and super()._in_tail(horizon, last)  # a tail the session no longer offloads
 
     def saved_again(self, record: _Record, tick: int) -> None:
         """A later save pushes the horizon out; a released record is queued for prefetch again."""
@@ -132,19 +123,8 @@ class _MicroReplay(_Replay):
         if record.released:
             heapq.heappush(self.fetchable, (-record.horizon, record.issued, record))
 
-    def _advance(self, tick: int) -> None:
-        while self.due and self.due[0][0] <= tick:
-            horizon, _, record = self.due.pop(0)
-            if record.horizon != horizon:  # moved out by a later save
-                bisect.insort(self.due, (record.horizon, record.issued, record))
-                continue
-            bisect.insort(self.pending, record, key=lambda r: r.issued)
-        while self.pending and self.pending[0].d2h_end + self.links.release_lag_s < self.now:
-            record = self.pending.pop(0)
-            if record.resident:
-                record.released, record.resident = True, False
-                self.bytes -= record.nbytes
-                heapq.heappush(self.fetchable, (-record.horizon, record.issued, record))
+    def _released(self, record: _Record) -> None:
+        heapq.heappush(self.fetchable, (-record.horizon, record.issued, record))
 
     def release_tail(self) -> None:
         """Every record is due now (``MicroStep.release_tail``)."""
@@ -271,17 +251,8 @@ class StagePlanner(Planner):
         super().__init__(trace, links, scopes, min_offload_bytes)
         self.schedule = schedule
 
-    def predict(self, choices: tuple[Choice, ...]) -> Prediction:
-        found = self._cache.get(choices)
-        if found is None:
-            modes = tuple(c.mode for c in choices)
-            step = self._steps.get(modes)
-            if step is None:
-                step = self._steps[modes] = compose(self.trace, modes=modes)
-            found = self._cache[choices] = simulate_stage(
-                step, lambda layer, scope: None if layer is None else choices[layer].swap_k(scope), self.links,
-                self.schedule, self.min_bytes)
-        return found
+    def _simulate(self, step: FlatStep, swap_k: Callable[[int | None, str | None], int | None]) -> Prediction:
+        return simulate_stage(step, swap_k, self.links, self.schedule, self.min_bytes)
 
 
 class StageBudgetError(BudgetError):
