@@ -34,3 +34,16 @@ def inline_copies():
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(ThreadCopyEngine, "_ensure_worker", lambda self: False)
         yield
+
+
+@pytest.fixture
+def remove_sessions(monkeypatch):
+    """Every session a test applies is removed after it: no worker thread or pending graph outlives it."""
+    import swapkit
+
+    made = []
+    apply = swapkit.apply
+    monkeypatch.setattr(swapkit, "apply", lambda *a, **k: made.append(apply(*a, **k)) or made[-1])
+    yield
+    for session in made:
+        session.remove()

@@ -23,15 +23,7 @@ from tests.toys import (
 F32 = 4
 
 
-@pytest.fixture(autouse=True)
-def _remove_sessions(monkeypatch):
-    """Every session a test applies is removed after it: no worker thread or pending graph outlives it."""
-    made = []
-    apply = swapkit.apply
-    monkeypatch.setattr(swapkit, "apply", lambda *a, **k: made.append(apply(*a, **k)) or made[-1])
-    yield
-    for session in made:
-        session.remove()
+pytestmark = pytest.mark.usefixtures("remove_sessions")
 
 
 # ---------------------------------------------------------------- release once the copy is queued

@@ -135,10 +135,13 @@ class _Replay:
         self.bytes += nbytes
         self.peak = max(self.peak, self.bytes)
 
-    def forward(self) -> None:
+    def forward(self, at_save: Callable[[int], None] | None = None) -> None:
+        """Replay the forward's saves; ``at_save(tick)`` runs first at each (other micro-steps' polls)."""
         last = len(self.step.forward) - 1
         for tick, save in enumerate(self.step.forward):
             self.now += save.seconds
+            if at_save is not None:
+                at_save(tick)
             for storage in save.frees:
                 self._free(storage)
             self._advance(tick)
@@ -147,8 +150,12 @@ class _Replay:
             record = self.records.get(save.storage)
             if record is None:
                 self._new(save, tick, last)
-            elif record.k is not None:  # a later save pushes the horizon out (swapkit.runtime.schedule)
-                record.horizon = max(record.horizon, tick + record.k)
+            elif record.k is not None:
+                self.saved_again(record, tick)
+
+    def saved_again(self, record: _Record, tick: int) -> None:
+        """A later save pushes the horizon out (swapkit.runtime.schedule)."""
+        record.horizon = max(record.horizon, tick + record.k)
 
     def _new(self, save, tick: int, last: int) -> None:
         k = self.swap_k(save.layer, save.scope)

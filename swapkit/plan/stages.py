@@ -119,7 +119,7 @@ class _MicroReplay(_Replay):
 
     def saved_again(self, record: _Record, tick: int) -> None:
         """A later save pushes the horizon out; a released record is queued for prefetch again."""
-        record.horizon = max(record.horizon, tick + record.k)
+        super().saved_again(record, tick)
         if record.released:
             heapq.heappush(self.fetchable, (-record.horizon, record.issued, record))
 
@@ -222,24 +222,14 @@ def _stage_replay(step: FlatStep, swap_k, links: Links, schedule: StageSchedule,
 def _forward(replay: _MicroReplay, waiting: list[_MicroReplay]) -> None:
     """``_Replay.forward`` with the other waiting micro-steps polled at every save; the first save
     opens the micro-step, which releases the tails of all waiting ones but the oldest."""
-    last = len(replay.step.forward) - 1
-    for tick, save in enumerate(replay.step.forward):
-        replay.now += save.seconds
+    def poll_others(tick: int) -> None:
         for other in waiting[1:] if tick == 0 else ():  # the oldest runs backward next: it keeps its tail
             other.release_tail()
         for other in waiting:
             if other.pending:  # only records already due can be released by a poll
                 other.poll()
-        for storage in save.frees:
-            replay._free(storage)
-        replay._advance(tick)
-        if save.storage is None:
-            continue
-        record = replay.records.get(save.storage)
-        if record is None:
-            replay._new(save, tick, last)
-        elif record.k is not None:
-            replay.saved_again(record, tick)
+
+    replay.forward(poll_others)
 
 
 class StagePlanner(Planner):
