@@ -16,7 +16,8 @@ from swapkit.runtime.batch import ALIGN
 from swapkit.engine.base import StorageChangedError
 from swapkit.engine.pool import HostPool
 from tests.toys import (
-    GatedEngine, ReadyWhenDone, ToyNet, assert_grads_equal, grads, install_engine, layer_swap, toy_config,
+    FailsOnSecondCopy, GatedEngine, ReadyWhenDone, ToyNet, assert_grads_equal, grads, install_engine, layer_swap,
+    toy_config,
 )
 
 
@@ -165,20 +166,6 @@ def test_late_fetches_wait_for_the_batch_copy_and_stay_exact():
     stats = session.stats
     assert stats.late_fetches >= 1 and stats.wait_seconds >= 0.03
     assert 0 < stats.prefetch_copies < stats.prefetched_tensors
-
-
-class FailsOnSecondCopy(ThreadCopyEngine):
-    """The second storage copied to host fails (inside its batch's one job)."""
-
-    def __init__(self) -> None:
-        super().__init__("cpu")
-        self.offloads = 0
-
-    def offload(self, src, dst):
-        self.offloads += 1
-        if self.offloads == 2:
-            return self._submit(lambda: (_ for _ in ()).throw(MemoryError("host copy failed")))
-        return super().offload(src, dst)
 
 
 def test_an_injected_copy_failure_fails_the_whole_batch_and_the_next_step_is_exact():

@@ -14,7 +14,8 @@ from torch import nn
 import swapkit
 from swapkit.engine import HostPool, ThreadCopyEngine
 from tests.toys import (
-    ReadyWhenDone, ToyNet, assert_grads_equal, grads, install_engine, layer_swap, synced_session, toy_config,
+    FailsOnSecondCopy, ReadyWhenDone, ToyNet, assert_grads_equal, grads, install_engine, layer_swap, synced_session,
+    toy_config,
 )
 
 
@@ -43,24 +44,10 @@ def test_conj_and_neg_views_come_back_with_their_bits():
     assert_grads_equal(grads(model), grads(ref))
 
 
-class FailingEngine(ThreadCopyEngine):
-    """The second device-to-host copy fails (a host allocation error, say)."""
-
-    def __init__(self):
-        super().__init__("cpu")
-        self.offloads = 0
-
-    def offload(self, src, dst):
-        self.offloads += 1
-        if self.offloads == 2:
-            return self._submit(lambda: (_ for _ in ()).throw(MemoryError("host copy failed")))
-        return super().offload(src, dst)
-
-
 def test_a_failed_copy_fails_the_step_instead_of_releasing_garbage():
     model = ToyNet(layers=3)
     session = swapkit.apply(model, toy_config(3, **layer_swap(1)), layers="layers")
-    install_engine(session, FailingEngine())
+    install_engine(session, FailsOnSecondCopy())
     with pytest.raises(MemoryError, match="host copy failed"):
         with session:
             model(torch.randn(8, 16)).sum().backward()

@@ -107,3 +107,17 @@ def llama_step(model: nn.Module, batch) -> torch.Tensor:
     loss = lm_loss(model(tokens), targets)
     loss.backward()
     return loss.detach()
+
+
+class FailsOnSecondCopy(ThreadCopyEngine):
+    """The second storage copied to host fails (a host allocation error, say; inside its batch's job)."""
+
+    def __init__(self) -> None:
+        super().__init__("cpu")
+        self.offloads = 0
+
+    def offload(self, src, dst):
+        self.offloads += 1
+        if self.offloads == 2:
+            return self._submit(lambda: (_ for _ in ()).throw(MemoryError("host copy failed")))
+        return super().offload(src, dst)
