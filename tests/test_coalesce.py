@@ -236,15 +236,15 @@ def test_grouped_copies_are_one_job_and_every_byte_arrives():
 
 
 class GatedBatches(ThreadCopyEngine):
-    """The one-job batch copy (``_copy_all``, Note [Grouped copies]) waits for ``gate``."""
+    """The one-job batch copy (``_copy_region``, Note [Grouped copies]) waits for ``gate``."""
 
     def __init__(self) -> None:
         super().__init__("cpu")
         self.gate = threading.Event()
 
-    def _copy_all(self, *args) -> None:
+    def _copy_region(self, *args) -> None:
         self.gate.wait(timeout=30)
-        super()._copy_all(*args)
+        super()._copy_region(*args)
 
 
 def test_a_storage_freed_while_its_batch_copy_waits_in_the_queue_raises():
@@ -268,11 +268,12 @@ class CorruptsOneSlot(ReadyWhenDone):
         super().__init__("cpu")
         self.corrupted = False
 
-    def _copy_all(self, targets, sources, queued) -> None:
-        super()._copy_all(targets, sources, queued)
-        if len(targets) > 1 and not self.corrupted:
+    def _copy_region(self, region, sources) -> None:
+        super()._copy_region(region, sources)
+        if len(sources) > 1 and not self.corrupted:
             self.corrupted = True
-            targets[1][:1].add_(1)
+            offset = sources[1][1]
+            region[offset:offset + 1].add_(1)
 
 
 def test_verify_checks_each_storage_of_a_coalesced_batch():

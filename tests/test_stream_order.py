@@ -104,9 +104,9 @@ class NamedStreams(ReadyWhenDone):
     def producer(self) -> str:
         return self.current
 
-    def offload_many(self, pairs, producer=None):
-        self.copies.append((producer, self.current, len(pairs)))
-        return super().offload_many(pairs, producer)
+    def offload_storages(self, region, sources, producer=None):
+        self.copies.append((producer, self.current, len(sources)))
+        return super().offload_storages(region, sources, producer)
 
 
 class TwoStreams(nn.Module):

@@ -8,8 +8,9 @@ import torch
 
 import swapkit
 from swapkit.config.errors import ConfigError
-from swapkit.engine import ThreadCopyEngine
-from tests.toys import assert_grads_equal, grads, install_engine, llama, llama_batch, llama_step, toy_config
+from tests.toys import (
+    ReadyWhenDone, assert_grads_equal, grads, install_engine, llama, llama_batch, llama_step, toy_config,
+)
 
 ATTENTION_SWAP = {"swap_config": {"swap": True, "op_swap": [
     {"op_name": "attention", "backward_prefetch": 1, "layers": [1]}]}}
@@ -19,8 +20,9 @@ def config(verify: bool) -> dict:
     return toy_config(4, **ATTENTION_SWAP, runtime={"min_offload_bytes": 0, "verify": verify})
 
 
-class CorruptingEngine(ThreadCopyEngine):
-    """After the first device-to-host copy, one byte of its host buffer is overwritten (a reload race)."""
+class CorruptingEngine(ReadyWhenDone):
+    """After the first device-to-host copy, one byte of its host buffer is overwritten (a reload race).
+    Releases come exactly at their horizon, so the corrupted storage is always released and prefetched."""
 
     def __init__(self):
         super().__init__("cpu")
@@ -52,6 +54,7 @@ def test_verify_checks_every_restored_storage_and_changes_nothing():
     ref_loss, ref_grads = reference(batch)
     model = llama()
     session = swapkit.apply(model, config(True), layers="layers")
+    install_engine(session, ReadyWhenDone("cpu"))  # released at the horizon, however slow the copy thread
     for _ in range(2):
         model.zero_grad()
         with session:

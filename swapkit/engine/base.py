@@ -8,7 +8,7 @@ latency and bandwidth, so every scheduling path runs in CPU-only CI).
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from typing import Any, Protocol, Tuple
 
 import torch
 
@@ -33,6 +33,32 @@ def check_source(src: torch.Tensor, nbytes: int, data_ptr: int) -> None:
     now = src.untyped_storage().nbytes()
     if now != nbytes or src.data_ptr() != data_ptr:
         raise storage_changed(nbytes, now)
+
+
+#: One storage of a coalesced batch: ``(storage, offset of its slot in the region, its bytes and
+#: address when saved)`` (``swapkit.runtime.batch`` Note [Coalesced copies]).
+Source = Tuple[torch.UntypedStorage, int, int, int]
+
+
+def check_storages(sources: list[Source], where: str = "") -> None:
+    """Raise if a source storage no longer has the size and address it was saved with (``swapkit.runtime.records``
+    Note [Storages another component may resize])."""
+    for storage, _, nbytes, data_ptr in sources:
+        if storage.nbytes() != nbytes or storage.data_ptr() != data_ptr:
+            raise storage_changed(nbytes, storage.nbytes(), where)
+
+
+def region_pairs(region: torch.Tensor, sources: list[Source],
+                 device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(flat uint8 view of each whole source storage on ``device``, its slot of the flat host region)``:
+    the slots cut by one ``split_with_sizes`` (data and padding alternate), the views built with ``set_``
+    on empty tensors made by ``Tensor.new`` (no argument parsing)."""
+    sizes, ends = [], [offset for _, offset, _, _ in sources[1:]] + [region.numel()]
+    for (_, offset, nbytes, _), end in zip(sources, ends):
+        sizes += [nbytes, end - offset - nbytes]
+    new = torch.empty(0, dtype=torch.uint8, device=device).new
+    return [(new().set_(storage), slot) for (storage, _, _, _), slot
+            in zip(sources, region.split_with_sizes(sizes)[::2])]
 
 
 class Timing(Protocol):
@@ -87,6 +113,12 @@ class CopyEngine(Protocol):
         """Copy every ``(src, dst)`` pair as one job with one copy handle (a coalesced batch), after
         the work ``producer`` (what :meth:`producer` returned when the sources were saved; ``None``:
         the caller's current stream) has queued so far."""
+
+    def offload_storages(self, region: torch.Tensor, sources: list[Source], producer: Any = None) -> Any:
+        """Copy each whole source storage into its slot of the flat host ``region`` as one job with one
+        copy handle, after the work ``producer`` has queued so far (as :meth:`offload_many`). The engine
+        builds the flat views, on its own thread where it has one (``swapkit.runtime.batch`` Note [The
+        cost of a swapped save])."""
 
     def producer(self) -> Any:
         """Where the caller's tensors are being produced now (the current CUDA stream); ``None`` when a

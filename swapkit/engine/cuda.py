@@ -90,6 +90,7 @@ from typing import Any
 
 import torch
 
+from swapkit.engine.base import Source, region_pairs
 from swapkit.engine.pinned import PAGE, pinned_host_memory
 
 
@@ -239,6 +240,11 @@ class CudaCopyEngine:
             done.record(self.stream)
         self.inflight.keep_until(done, [dst for _, dst in pairs])  # Note [Host targets outlive their copies]
         return CudaCopy(done)
+
+    def offload_storages(self, region: torch.Tensor, sources: list[Source],
+                         producer: torch.cuda.Stream | None = None) -> CudaCopy:
+        """A coalesced batch: its flat views, then :meth:`offload_many` (copies are queued from this thread)."""
+        return self.offload_many(region_pairs(region, sources, self.device), producer)
 
     def prefetch(self, src: torch.Tensor) -> tuple[torch.Tensor, CudaCopy]:
         self.inflight.prune()

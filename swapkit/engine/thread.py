@@ -22,15 +22,15 @@ from typing import Callable
 
 import torch
 
-from swapkit.engine.base import Waited, check_source
+from swapkit.engine.base import Source, Waited, check_source, check_storages, region_pairs
 
 
 # Note [Grouped copies]
-# ``offload_many`` moves the storages of one coalesced batch (swapkit.runtime.batch Note [Coalesced
+# ``offload_storages`` moves the storages of one coalesced batch (swapkit.runtime.batch Note [Coalesced
 # copies]) as one job: one hand-off to the worker and one completion flag, and one emulated
-# latency per job (the bandwidth term still counts every byte). The job checks each source
-# (swapkit.runtime.records Note [Storages another component may resize]) and copies it, in a
-# plain loop. An engine whose ``offload`` is replaced (a subclass or an instance attribute: tests
+# latency per job (the bandwidth term still counts every byte). The worker checks each source
+# (swapkit.runtime.records Note [Storages another component may resize]), builds the flat views and
+# copies them with one ``_foreach_copy_``: the forward thread only queues the job. An engine whose ``offload`` is replaced (a subclass or an instance attribute: tests
 # inject failures and corruption that way, the benchmark's move check counts copies) still sees,
 # and can change, every copy: the job is then built by calling that ``offload`` for each pair while
 # a group is open on the calling thread, so ``_submit`` collects the jobs instead of queueing them.
@@ -145,7 +145,21 @@ class ThreadCopyEngine:
                 self.offload(src, dst)  # a replaced offload still sees every copy
         finally:
             self._group = None
-        return self._submit(_run_all(jobs), copy)
+        return self._submit(_run_all(jobs), copy)  # offload_many and offload_storages of a replaced copy
+
+    def offload_storages(self, region: torch.Tensor, sources: list[Source], producer: None = None) -> ThreadCopy:
+        """One job for a coalesced batch: the worker checks the sources, builds the flat views and
+        copies (Note [Grouped copies]); the calling thread only queues it."""
+        if not self._copies_unchanged():
+            return self.offload_many(region_pairs(region, sources, self.device), producer)
+        return self._submit(lambda: self._copy_region(region, sources))
+
+    def _copy_region(self, region: torch.Tensor, sources: list[Source]) -> None:
+        pairs = region_pairs(region, sources, self.device)
+        check_storages(sources)  # swapkit.runtime.records Note [Storages another component may resize]
+        self._link_delay(sum(nbytes for _, _, nbytes, _ in sources))
+        torch._foreach_copy_([dst for _, dst in pairs], [src for src, _ in pairs])
+        check_storages(sources)
 
     def _copies_unchanged(self) -> bool:
         """Neither ``offload`` nor ``_copy`` replaced (Note [Grouped copies])."""

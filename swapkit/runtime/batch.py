@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from swapkit.engine.base import storage_changed
+from swapkit.engine.base import Source, StorageChangedError, check_storages
 
 if TYPE_CHECKING:
     from swapkit.runtime.records import StepState
@@ -75,7 +75,7 @@ class Batch:
     def __init__(self, step: StepState, frame: Frame, producer: Any = None) -> None:
         self.step, self.frame, self.producer = step, frame, producer  # Note [A batch has one producer]
         self.nbytes = self.count = self.data_bytes = 0
-        self._sources: list[tuple[torch.Tensor, int, int]] | None = []  # (flat source, offset, address) until flushed
+        self._sources: list[Source] | None = []  # (storage, offset, bytes, address) until flushed
         self.host: torch.Tensor | None = None
         self.d2h: Any = None
         self.issued = -1
@@ -90,11 +90,11 @@ class Batch:
         return frame is self.frame and (producer is self.producer or producer == self.producer) and (
             self.nbytes == 0 or self.nbytes + nbytes <= limit)
 
-    def add(self, src: torch.Tensor) -> int:
-        """Take the next slot for the flat source ``src``; returns its byte offset in the region."""
+    def add(self, storage: torch.UntypedStorage, nbytes: int, data_ptr: int) -> int:
+        """Take the next slot for ``storage`` (``nbytes`` at ``data_ptr`` now); returns its byte offset in
+        the region."""
         offset = self.nbytes
-        self._sources.append((src, offset, src.data_ptr()))
-        nbytes = src.numel()
+        self._sources.append((storage, offset, nbytes, data_ptr))
         self.nbytes = offset + -(-nbytes // ALIGN) * ALIGN
         self.count += 1
         self.data_bytes += nbytes
@@ -106,31 +106,23 @@ class Batch:
         sources, self._sources, self.flushed = self._sources, None, True
         if self.holders == 0:
             return True  # every record died before its copy started: nothing to move
-        for src, _, data_ptr in sources:  # swapkit.runtime.records Note [Storages another component may resize]
-            now = src.untyped_storage().nbytes()
-            if now != src.numel() or src.data_ptr() != data_ptr:
-                self.kept = True  # its records are never released: nothing was copied
-                raise storage_changed(src.numel(), now, self.frame.label)
+        try:  # swapkit.runtime.records Note [Storages another component may resize]
+            check_storages(sources, self.frame.label)
+        except StorageChangedError:
+            self.kept = True  # its records are never released: nothing was copied
+            raise
         host = self.step.pool.acquire(self.nbytes)
         if host is None:
             self.kept = True
             return False
         self.host, self.issued = host, issued  # returned by the records' let_go even if the copy fails
-        pairs = list(zip([src for src, _, _ in sources], self._slots(host, sources)))
-        self.d2h = self.step.engine.offload_many(pairs, self.producer)  # Note [A batch has one producer]
+        self.d2h = self.step.engine.offload_storages(host, sources, self.producer)  # Note [A batch has one producer]
         return True
 
     def discard(self) -> None:
         """Backward began while this batch was open: copy nothing, keep its storages on the device
         (Note [Coalesced copies]). It never took a host region."""
         self._sources, self.flushed, self.kept = None, True, True
-
-    def _slots(self, host: torch.Tensor, sources: list[tuple[torch.Tensor, int, int]]) -> list[torch.Tensor]:
-        """Each source's slot of the region, all cut by one ``split_with_sizes`` (data and padding alternate)."""
-        sizes = []
-        for (src, offset, _), end in zip(sources, [o for _, o, _ in sources[1:]] + [host.numel()]):
-            sizes += [src.numel(), end - offset - src.numel()]
-        return list(host.split_with_sizes(sizes)[::2])
 
     def fetch(self) -> None:
         """Issue the one host-to-device copy of the region (once); the host region returns to the pool."""

@@ -161,13 +161,13 @@ class SwapRecord:
     swapped = True
 
     def __init__(self, step: StepState, nbytes: int, version: int, frame: Frame, tick: int, batch: Any,
-                 src: torch.Tensor) -> None:  # batch: a swapkit.runtime.batch.Batch (which imports this module)
+                 storage: torch.UntypedStorage) -> None:  # batch: a swapkit.runtime.batch.Batch (imports this module)
         self.step, self.nbytes, self.version, self.frame = step, nbytes, version, frame
         self.horizon = tick + frame.prefetch
         self.keepers: list[torch.Tensor] = []
-        self.storage, self.data_ptr = weakref.ref(src.untyped_storage()), src.data_ptr()
+        self.storage, self.data_ptr = weakref.ref(storage), storage.data_ptr()
         self.checksum: torch.Tensor | None = None  # Note [Verify mode]
-        self.batch, self.offset = batch, batch.add(src)
+        self.batch, self.offset = batch, batch.add(storage, nbytes, self.data_ptr)
         self.needs_host = True  # holds a share of the batch's host region until it lets go
         self.resident = True
         self.released = False
@@ -189,10 +189,7 @@ class SwapRecord:
             engine = self.step.engine
             with engine.reading_sources():
                 self.checksum = checksum(storage_bytes(storage, engine.device))
-        keepers = tuple(self.keepers)
-        with torch.autograd._unsafe_preserve_version_counter(keepers):  # one for all of them
-            for keeper in keepers:
-                keeper.set_()
+        empty_keepers(self.keepers)
         self.keepers.clear()
         self.released = True
         self.resident = False
@@ -274,6 +271,21 @@ class SwapRecord:
             self.step.device_bytes_freed(self.nbytes)
 
 
+def empty_keepers(keepers: list[torch.Tensor]) -> None:
+    """Let ``keepers`` stop holding their storage while they go on counting in-place writes (Note [Version
+    keepers]): ``set_()`` each, then put their version counters back as they were. The private setter
+    ``torch.autograd._unsafe_preserve_version_counter`` calls, without its context manager's Python
+    (swapkit.runtime.step Note [The cost of a save])."""
+    keepers = tuple(keepers)
+    versions = tuple([keeper._version for keeper in keepers])
+    for keeper in keepers:
+        keeper.set_()
+    _set_versions(keepers, versions)
+
+
+_set_versions = torch._C._autograd._unsafe_set_version_counter
+
+
 def is_parameter(tensor: torch.Tensor) -> bool:
     """``isinstance(tensor, nn.Parameter)`` without the metaclass hook's cost for plain tensors: a
     plain tensor counts as a parameter only through an ``_is_param`` attribute in its ``__dict__``."""
@@ -307,12 +319,23 @@ def view_meta(tensor: torch.Tensor) -> tuple:
             tensor.is_neg())
 
 
+def _empty(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A new empty tensor: ``Tensor.new`` of a cached one, which skips ``torch.empty``'s argument parsing."""
+    template = _TEMPLATES.get((dtype, device))
+    if template is None:
+        template = _TEMPLATES[(dtype, device)] = torch.empty(0, dtype=dtype, device=device)
+    return template.new()
+
+
+_TEMPLATES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
 def rebuild(buffer: torch.Tensor, meta: tuple, at: int = 0) -> torch.Tensor:
     """The view ``meta`` describes, on the storage of ``buffer`` whose bytes start ``at`` bytes into
     ``buffer`` (a record's slot of a batch's region, aligned to ``batch.ALIGN``; Note [One move per storage])."""
     dtype, size, stride, offset, conj, neg = meta
     offset += (buffer.storage_offset() + at) // dtype.itemsize
-    out = torch.empty(0, dtype=dtype, device=buffer.device).set_(buffer.untyped_storage(), offset, size, stride)
+    out = _empty(dtype, buffer.device).set_(buffer.untyped_storage(), offset, size, stride)
     if neg:
         out = torch._neg_view(out)
     return out.conj() if conj else out

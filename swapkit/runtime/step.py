@@ -87,7 +87,7 @@ from swapkit.engine import CopyEngine, HostPool
 from swapkit.runtime.batch import Batch
 from swapkit.runtime.recipes import Recipe, RecomputedOutput
 from swapkit.runtime.records import (
-    KeptRecord, Saved, SwapRecord, is_parameter, is_plain, storage_bytes, view_meta,
+    KeptRecord, Saved, SwapRecord, empty_keepers, is_parameter, is_plain, view_meta,
 )
 from swapkit.runtime.schedule import TickQueue
 from swapkit.runtime.overrides import NOT_ENTERED, scope_label
@@ -204,8 +204,7 @@ class Step:
         record.saved_again(tick)
         keeper = tensor.detach()  # Note [Version keepers] in swapkit.runtime.records
         if record.released:  # the storage lives on elsewhere; its bytes are already on the host
-            with torch.autograd._unsafe_preserve_version_counter(keeper):
-                keeper.set_()
+            empty_keepers([keeper])
             self._prefetch.push(record)  # its horizon moved out: prefetch earlier
         else:
             record.keepers.append(keeper)
@@ -253,8 +252,7 @@ class Step:
             recomputed.counted = True
             self.stats.recomputed_output_bytes += recomputed.nbytes
         keeper = tensor.detach()
-        with torch.autograd._unsafe_preserve_version_counter(keeper):
-            keeper.set_()  # tracks in-place writes, holds no memory (swapkit.runtime.records Note [Version keepers])
+        empty_keepers([keeper])  # tracks in-place writes, holds no memory (swapkit.runtime.records Note [Version keepers])
         return Saved(keeper, version, self, tick, recomputed, view_meta(tensor), frame)
 
     def output_recomputed(self, nbytes: int) -> None:
@@ -269,8 +267,7 @@ class Step:
             return self._skip("small", key, nbytes)
         if self.tail_ticks is not None and tick + frame.prefetch >= self.tail_ticks:
             return self._skip("tail", key, nbytes)  # Note [The last k ticks stay on the device]
-        record = SwapRecord(self, nbytes, version, frame, tick, self._open_batch(frame, nbytes),
-                            storage_bytes(storage, tensor.device))
+        record = SwapRecord(self, nbytes, version, frame, tick, self._open_batch(frame, nbytes), storage)
         self.stats.offloaded_tensors += 1
         self.stats.offloaded_bytes += nbytes
         self.stats.offloaded_by_scope[frame.label] += nbytes
