@@ -134,7 +134,7 @@ class RecomputedOutput:
             raise RuntimeError("swapkit: recomputing a selected op gave a storage of "
                                f"{output.untyped_storage().nbytes()} bytes, not {self.nbytes}; the op is not "
                                "deterministic in its layout and cannot be recomputed for its consumers")
-        return rebuild(output, meta)
+        return rebuild(output, meta, self.recipe.step.empties)
 
 
 def capture_state(args: tuple, kwargs: dict) -> tuple[tuple, tuple]:

@@ -96,6 +96,7 @@ class StepState(Protocol):
 
     number: int
     verify: bool
+    empties: dict[torch.dtype, torch.Tensor]  # empty tensors on the device, one per dtype (records.new_empty)
     engine: CopyEngine
     pool: HostPool
     lock: threading.RLock
@@ -231,7 +232,7 @@ class SwapRecord:
             step.restored(self.issued_at - tick, timing if late else None)
             if self.checksum is not None:
                 self._verify(buffer)
-        return rebuild(buffer, meta, self.offset)
+        return rebuild(buffer, meta, step.empties, self.offset)
 
     def _verify(self, buffer: torch.Tensor) -> None:
         """Note [Verify mode]"""
@@ -319,23 +320,21 @@ def view_meta(tensor: torch.Tensor) -> tuple:
             tensor.is_neg())
 
 
-def _empty(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A new empty tensor: ``Tensor.new`` of a cached one, which skips ``torch.empty``'s argument parsing."""
-    template = _TEMPLATES.get((dtype, device))
+def new_empty(empties: dict[torch.dtype, torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A new empty tensor: ``Tensor.new`` of one cached per dtype in ``empties`` (a step's, all on its
+    device), which skips ``torch.empty``'s argument parsing (swapkit.runtime.step Note [The cost of a save])."""
+    template = empties.get(dtype)
     if template is None:
-        template = _TEMPLATES[(dtype, device)] = torch.empty(0, dtype=dtype, device=device)
+        template = empties[dtype] = torch.empty(0, dtype=dtype, device=device)
     return template.new()
 
 
-_TEMPLATES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
-
-
-def rebuild(buffer: torch.Tensor, meta: tuple, at: int = 0) -> torch.Tensor:
+def rebuild(buffer: torch.Tensor, meta: tuple, empties: dict[torch.dtype, torch.Tensor], at: int = 0) -> torch.Tensor:
     """The view ``meta`` describes, on the storage of ``buffer`` whose bytes start ``at`` bytes into
     ``buffer`` (a record's slot of a batch's region, aligned to ``batch.ALIGN``; Note [One move per storage])."""
     dtype, size, stride, offset, conj, neg = meta
     offset += (buffer.storage_offset() + at) // dtype.itemsize
-    out = _empty(dtype, buffer.device).set_(buffer.untyped_storage(), offset, size, stride)
+    out = new_empty(empties, dtype, buffer.device).set_(buffer.untyped_storage(), offset, size, stride)
     if neg:
         out = torch._neg_view(out)
     return out.conj() if conj else out

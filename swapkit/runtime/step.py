@@ -127,6 +127,7 @@ class Step:
         self._pending: list[tuple[int, int, SwapRecord]] = []  # due, copy unfinished; by (batch, offset)
         self._prefetch: TickQueue[SwapRecord] = TickQueue(_horizon, descending=True)
         self._timings: list[Any] = []
+        self.empties: dict[torch.dtype, torch.Tensor] = {}  # swapkit.runtime.records.new_empty
         self._allocations_at_start = pool.allocations
         self.stats = SwapStats(step=number, skipped=defaultdict(int), offloaded_by_scope=defaultdict(int))
         self.device_bytes = 0
