@@ -73,7 +73,9 @@ an allocation (``swapkit.engine.cuda`` Note [No lock a finalizer waits on]).
 """
 from __future__ import annotations
 
+import functools
 import weakref
+from operator import itemgetter
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -114,20 +116,24 @@ class StepState(Protocol):
     def output_recomputed(self, nbytes: int) -> None: ...
 
 
-class Saved:
-    """The object autograd stores instead of a saved tensor."""
+class Saved(tuple):
+    """The object autograd stores instead of a saved tensor: ``(keeper, version, step, tick, record, meta,
+    frame)``, read by name. A tuple built by :func:`make_saved` costs one C call, where a class's
+    ``__init__`` costs a Python frame (``swapkit.runtime.step`` Note [The cost of a save]); the hot unpack
+    reads it by index."""
 
-    __slots__ = ("keeper", "version", "step", "tick", "record", "meta", "frame")
+    __slots__ = ()
+    keeper = property(itemgetter(0), doc="Note [Version keepers]")
+    version = property(itemgetter(1), doc="the keeper's version when saved")
+    step = property(itemgetter(2), doc="the step that saved it (None: a pack during backward)")
+    tick = property(itemgetter(3))
+    record = property(itemgetter(4), doc="its storage's record (None: kept without one)")
+    meta = property(itemgetter(5), doc="(dtype, size, stride, storage_offset, conj, neg) of a swapped view")
+    frame = property(itemgetter(6))
 
-    def __init__(self, keeper: torch.Tensor, version: int, step: StepState | None, tick: int,
-                 record: Any, meta: tuple | None, frame: Frame | None) -> None:
-        self.keeper = keeper  # Note [Version keepers]
-        self.version = version
-        self.step = step
-        self.tick = tick
-        self.record = record
-        self.meta = meta  # (dtype, size, stride, storage_offset) of a swapped view
-        self.frame = frame
+
+#: ``make_saved((keeper, version, step, tick, record, meta, frame))``: a :class:`Saved`.
+make_saved = functools.partial(tuple.__new__, Saved)
 
 
 class KeptRecord:
@@ -156,16 +162,17 @@ class SwapRecord:
     Its bytes travel in a slot of a :class:`~swapkit.runtime.batch.Batch` (Note [Coalesced copies] in
     ``swapkit.runtime.batch``): one host region and one copy each way for the storages of a scope."""
 
-    __slots__ = ("step", "nbytes", "version", "frame", "horizon", "keepers", "batch", "offset", "released",
+    __slots__ = ("step", "nbytes", "version", "frame", "horizon", "keeper", "more", "batch", "offset", "released",
                  "device_buffer", "h2d", "issued_at", "waited", "resident", "storage", "data_ptr", "checksum",
                  "needs_host", "__weakref__")
     swapped = True
 
     def __init__(self, step: StepState, nbytes: int, version: int, frame: Frame, tick: int, batch: Any,
-                 storage: torch.UntypedStorage) -> None:  # batch: a swapkit.runtime.batch.Batch (imports this module)
+                 storage: torch.UntypedStorage, keeper: torch.Tensor) -> None:  # batch: a swapkit.runtime.batch.Batch
         self.step, self.nbytes, self.version, self.frame = step, nbytes, version, frame
         self.horizon = tick + frame.prefetch
-        self.keepers: list[torch.Tensor] = []
+        self.keeper: torch.Tensor | None = keeper  # the first save's (Note [Version keepers])
+        self.more: tuple[torch.Tensor, ...] = ()  # later saves' keepers, before the release (no list per record)
         self.storage, self.data_ptr = weakref.ref(storage), storage.data_ptr()
         self.checksum: torch.Tensor | None = None  # Note [Verify mode]
         self.batch, self.offset = batch, batch.add(storage, nbytes, self.data_ptr)
@@ -190,8 +197,8 @@ class SwapRecord:
             engine = self.step.engine
             with engine.reading_sources():
                 self.checksum = checksum(storage_bytes(storage, engine.device))
-        empty_keepers(self.keepers)
-        self.keepers.clear()
+        empty_keepers((self.keeper, *self.more))
+        self.keeper, self.more = None, ()
         self.released = True
         self.resident = False
         self.step.device_bytes_freed(self.nbytes)
@@ -272,12 +279,11 @@ class SwapRecord:
             self.step.device_bytes_freed(self.nbytes)
 
 
-def empty_keepers(keepers: list[torch.Tensor]) -> None:
+def empty_keepers(keepers: tuple[torch.Tensor, ...]) -> None:
     """Let ``keepers`` stop holding their storage while they go on counting in-place writes (Note [Version
     keepers]): ``set_()`` each, then put their version counters back as they were. The private setter
     ``torch.autograd._unsafe_preserve_version_counter`` calls, without its context manager's Python
     (swapkit.runtime.step Note [The cost of a save])."""
-    keepers = tuple(keepers)
     versions = tuple([keeper._version for keeper in keepers])
     for keeper in keepers:
         keeper.set_()

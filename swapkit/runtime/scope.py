@@ -56,6 +56,7 @@ class ScopeTracker:
 
     def __init__(self) -> None:
         self.stack: list[Frame] = []
+        self.current: Frame | None = None  # the top of the stack, read once per saved tensor
         self._handles: list[tuple[nn.Module, RemovableHandle]] = []
         # called with the frame of every scope that configures its own swap, when it is entered
         self.on_swap_enter: Callable[[Frame], None] | None = None
@@ -63,7 +64,10 @@ class ScopeTracker:
 
     @property
     def top(self) -> Frame | None:
-        return self.stack[-1] if self.stack else None
+        return self.current
+
+    def _moved(self) -> None:
+        self.current = self.stack[-1] if self.stack else None
 
     def install(self, binding: Binding) -> None:
         for layer in binding.layers:
@@ -79,6 +83,7 @@ class ScopeTracker:
             handle.remove()
         self._handles.clear()
         self.stack.clear()
+        self.current = None
         self.swap_scopes.clear()
 
     def detach_copies(self, memo: dict) -> None:
@@ -92,6 +97,7 @@ class ScopeTracker:
     def reset(self) -> None:
         """Forget frames left behind by an interrupted forward."""
         self.stack.clear()
+        self.current = None
 
     def _hook(self, module: nn.Module, layer: int, path: str, prefetch: int | None) -> None:
         if prefetch is not None:
@@ -108,6 +114,7 @@ class ScopeTracker:
             if frame is None:
                 frame = frames[k] = Frame(layer, path, k)
             self.stack.append(frame)
+            self.current = frame
             if prefetch is not None and self.on_swap_enter is not None:
                 self.on_swap_enter(frame)  # swapkit.runtime.overrides Note [Swaps nobody reports]
 
@@ -116,6 +123,7 @@ class ScopeTracker:
                 frame = self.stack[depth]
                 if frame.layer == layer and frame.path == path:
                     del self.stack[depth:]
+                    self._moved()
                     return
 
         eager = torch.compiler.disable  # Note [Bookkeeping stays out of compiled graphs]

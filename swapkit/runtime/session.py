@@ -49,12 +49,13 @@ from swapkit.plan.plan import Plan
 from swapkit.runtime.overrides import entry_cause, unused_message
 from swapkit.runtime.recipes import PackedInput, Recipe, tensor_leaves
 from swapkit.runtime.recompute import Recompute
-from swapkit.runtime.records import Saved, is_plain
+from swapkit.runtime.records import Saved, is_plain, make_saved
 from swapkit.runtime.scope import Frame, ScopeTracker
 from swapkit.runtime.stats import SwapStats
 from swapkit.runtime.step import Step
 
 logger = logging.getLogger(__name__)
+_graph_task_id = torch._C._current_graph_task_id  # -1 outside a backward
 
 
 class SwapSession:
@@ -163,10 +164,9 @@ class SwapSession:
     # ------------------------------------------------------------------ hooks
 
     def _pack(self, tensor: torch.Tensor) -> Saved:
-        stack = self.tracker.stack
-        frame = stack[-1] if stack else None
-        if torch._C._current_graph_task_id() != -1:  # Note [Packs during backward]
-            return Saved(tensor.detach(), tensor._version, None, -1, None, None, frame)
+        frame = self.tracker.current
+        if _graph_task_id() != -1:  # Note [Packs during backward]
+            return make_saved((tensor.detach(), tensor._version, None, -1, None, None, frame))
         step = self._step
         if step.backward_started:  # the next micro-batch's forward inside the same block
             step = self._start_step()
@@ -176,17 +176,15 @@ class SwapSession:
         return saved
 
     def _unpack(self, saved: Saved) -> torch.Tensor:
-        keeper = saved.keeper
-        if keeper._version != saved.version:
+        keeper, version, step, tick, record = saved[:5]  # by index: swapkit.runtime.step Note [The cost of a save]
+        if keeper._version != version:
             raise _modified_error(saved)
-        step = saved.step
-        if step is not None and step.watch_unpacks:  # swapkit.runtime.step Note [The cost of a save]
-            step.unpacked(saved.tick)
-        record = saved.record
+        if step is not None and step.watch_unpacks:
+            step.unpacked(tick)
         if record is None or not record.released:  # a kept record is never released
             tensor = keeper
         else:
-            tensor = record.restore(saved.meta, saved.tick)
+            tensor = record.restore(saved[5], tick)
         if self.observer is not None and step is not None:
             self.observer.unpacked(saved)  # after the restore: a recipe it ran has its bytes counted
         return tensor

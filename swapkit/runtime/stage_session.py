@@ -34,7 +34,7 @@ from torch.utils.hooks import RemovableHandle
 
 from swapkit.runtime.microsteps import Key, MicroStep, MicroSteps, MicroStepStats
 from swapkit.runtime.overrides import entry_cause
-from swapkit.runtime.records import Saved
+from swapkit.runtime.records import Saved, make_saved
 from swapkit.runtime.scope import Frame
 from swapkit.runtime.session import SwapSession
 from swapkit.runtime.stats import SwapStats
@@ -86,7 +86,7 @@ class StageSession(SwapSession):
 
     def _pack(self, tensor: torch.Tensor) -> Saved:
         if torch._C._current_graph_task_id() != -1 or self._open() is None:  # Note [Opening a micro-step ...]
-            return Saved(tensor.detach(), tensor._version, None, -1, None, None, self.tracker.top)
+            return make_saved((tensor.detach(), tensor._version, None, -1, None, None, self.tracker.top))
         return self._current.save(tensor, self.tracker.top)
 
     def _open(self) -> MicroStep | None:

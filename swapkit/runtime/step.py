@@ -87,12 +87,15 @@ from swapkit.engine import CopyEngine, HostPool
 from swapkit.runtime.batch import Batch
 from swapkit.runtime.recipes import Recipe, RecomputedOutput
 from swapkit.runtime.records import (
-    KeptRecord, Saved, SwapRecord, empty_keepers, is_parameter, is_plain, view_meta,
+    KeptRecord, Saved, SwapRecord, empty_keepers, is_parameter, is_plain, make_saved, view_meta,
 )
 from swapkit.runtime.schedule import TickQueue
 from swapkit.runtime.overrides import NOT_ENTERED, scope_label
 from swapkit.runtime.scope import Frame
 from swapkit.runtime.stats import SwapStats
+
+
+_TENSOR, _PARAMETER, _STRIDED = torch.Tensor, torch.nn.Parameter, torch.strided
 
 
 def _horizon(record: SwapRecord) -> int:
@@ -149,8 +152,9 @@ class Step:
             self._advance(tick)
         if frame is not self._last_frame:
             self._frame_seen(frame)
-        if not is_plain(tensor):
-            return Saved(tensor.detach(), tensor._version, self, tick, None, None, frame)
+        if (type(tensor) is not _TENSOR and type(tensor) is not _PARAMETER) or tensor.layout is not _STRIDED \
+                or tensor.is_nested or tensor.is_quantized:  # not swapkit.runtime.records.is_plain: inlined
+            return make_saved((tensor.detach(), tensor._version, self, tick, None, None, frame))
         storage = tensor.untyped_storage()
         key, version = id(storage), tensor._version
         found = self._index.get(key)
@@ -158,7 +162,7 @@ class Step:
         if record is None or record.storage() is not storage or record.version != version:
             return self._first_save(tensor, storage, key, tick, frame, version)  # new, recycled id, or overwritten
         if not record.swapped:
-            return Saved(tensor.detach(), version, self, tick, record, None, frame)
+            return make_saved((tensor.detach(), version, self, tick, record, None, frame))
         return self._swapped_handle(tensor, record, tick, frame, version)
 
     def _first_save(self, tensor: torch.Tensor, storage: torch.UntypedStorage, key: int, tick: int,
@@ -171,22 +175,21 @@ class Step:
             and self._is_parameter(tensor, key))
         if parameter or nbytes == 0 or tensor.device != self.device:
             self._not_candidate(parameter, key, nbytes, frame)
-            return Saved(tensor.detach(), version, self, tick, None, None, frame)
+            return make_saved((tensor.detach(), version, self, tick, None, None, frame))
         recomputed = self._recomputed(key, storage, version) if self._recomputable else None
         if recomputed is not None:
             return self._recomputed_handle(tensor, recomputed, tick, frame, version)
-        record = self._swap_record(tensor, storage, key, nbytes, tick, frame, version) \
+        keeper = tensor.detach()  # Note [Version keepers] in swapkit.runtime.records
+        record = self._swap_record(storage, key, nbytes, tick, frame, version, keeper) \
             if frame is not None and frame.prefetch is not None else None
         self.stats.saved_bytes += nbytes  # only the forward thread saves
         self.device_bytes_added(nbytes)
         if record is None:
             record = KeptRecord(self, nbytes, version, storage)
             self._index[key] = weakref.ref(record)  # Note [The cost of a save]
-            return Saved(tensor.detach(), version, self, tick, record, None, frame)
+            return make_saved((keeper, version, self, tick, record, None, frame))
         self._index[key] = weakref.ref(record)
-        keeper = tensor.detach()  # Note [Version keepers] in swapkit.runtime.records
-        record.keepers.append(keeper)
-        return Saved(keeper, version, self, tick, record, view_meta(tensor), frame)
+        return make_saved((keeper, version, self, tick, record, view_meta(tensor), frame))
 
     def _frame_seen(self, frame: Frame | None) -> None:
         self._last_frame = frame
@@ -205,11 +208,11 @@ class Step:
         record.saved_again(tick)
         keeper = tensor.detach()  # Note [Version keepers] in swapkit.runtime.records
         if record.released:  # the storage lives on elsewhere; its bytes are already on the host
-            empty_keepers([keeper])
+            empty_keepers((keeper,))
             self._prefetch.push(record)  # its horizon moved out: prefetch earlier
         else:
-            record.keepers.append(keeper)
-        return Saved(keeper, version, self, tick, record, view_meta(tensor), frame)
+            record.more += (keeper,)
+        return make_saved((keeper, version, self, tick, record, view_meta(tensor), frame))
 
     def _is_parameter(self, tensor: torch.Tensor, key: int) -> bool:
         """Note [Parameters are recognised when saved]"""
@@ -253,22 +256,22 @@ class Step:
             recomputed.counted = True
             self.stats.recomputed_output_bytes += recomputed.nbytes
         keeper = tensor.detach()
-        empty_keepers([keeper])  # tracks in-place writes, holds no memory (swapkit.runtime.records Note [Version keepers])
-        return Saved(keeper, version, self, tick, recomputed, view_meta(tensor), frame)
+        empty_keepers((keeper,))  # tracks in-place writes, holds no memory (swapkit.runtime.records Note [Version keepers])
+        return make_saved((keeper, version, self, tick, recomputed, view_meta(tensor), frame))
 
     def output_recomputed(self, nbytes: int) -> None:
         with self.lock:
             self.stats.output_recomputes += 1
             self.device_bytes_added(nbytes)
 
-    def _swap_record(self, tensor: torch.Tensor, storage: torch.UntypedStorage, key: int, nbytes: int, tick: int,
-                     frame: Frame, version: int) -> SwapRecord | None:
+    def _swap_record(self, storage: torch.UntypedStorage, key: int, nbytes: int, tick: int, frame: Frame,
+                     version: int, keeper: torch.Tensor) -> SwapRecord | None:
         """A swap record for a new storage saved in a swapped scope, or ``None`` (skipped: kept)."""
         if nbytes < self.runtime.min_offload_bytes:
             return self._skip("small", key, nbytes)
         if self.tail_ticks is not None and tick + frame.prefetch >= self.tail_ticks:
             return self._skip("tail", key, nbytes)  # Note [The last k ticks stay on the device]
-        record = SwapRecord(self, nbytes, version, frame, tick, self._open_batch(frame, nbytes), storage)
+        record = SwapRecord(self, nbytes, version, frame, tick, self._open_batch(frame, nbytes), storage, keeper)
         self.stats.offloaded_tensors += 1
         self.stats.offloaded_bytes += nbytes
         self.stats.offloaded_by_scope[frame.label] += nbytes
