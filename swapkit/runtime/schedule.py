@@ -39,13 +39,15 @@ class TickQueue(Generic[T]):
         heapq.heappush(self._heap, (self._sign * self._key(item), next(self._seq), item))
 
     def pop_due(self, bound: int) -> list[T] | tuple[()]:
+        heap = self._heap
         limit = self._sign * bound
-        if not self._heap or self._heap[0][0] > limit:
+        if not heap or heap[0][0] > limit:
             return ()  # the common case on every tick: nothing due, nothing built
         due: list[T] = []
-        while self._heap and self._heap[0][0] <= limit:
-            pushed, _, item = heapq.heappop(self._heap)
-            if self._sign * self._key(item) != pushed:  # Note [Lazy re-keying]
+        key, sign, pop = self._key, self._sign, heapq.heappop
+        while heap and heap[0][0] <= limit:
+            pushed, _, item = pop(heap)
+            if sign * key(item) != pushed:  # Note [Lazy re-keying]
                 self.push(item)
             else:
                 due.append(item)

@@ -75,6 +75,7 @@ floor of any safe keep (a detached keeper and its version, Note [Version keepers
 from __future__ import annotations
 
 import heapq
+import operator
 import threading
 import weakref
 from collections import defaultdict
@@ -98,8 +99,7 @@ from swapkit.runtime.stats import SwapStats
 _TENSOR, _PARAMETER, _STRIDED = torch.Tensor, torch.nn.Parameter, torch.strided
 
 
-def _horizon(record: SwapRecord) -> int:
-    return record.horizon
+_horizon = operator.attrgetter("horizon")  # a record's tick key, read in C (Note [The cost of a save])
 
 
 class Step:
