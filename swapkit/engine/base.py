@@ -117,8 +117,9 @@ class CopyEngine(Protocol):
     def offload_storages(self, region: torch.Tensor, sources: list[Source], producer: Any = None) -> Any:
         """Copy each whole source storage into its slot of the flat host ``region`` as one job with one
         copy handle, after the work ``producer`` has queued so far (as :meth:`offload_many`). The engine
-        builds the flat views, on its own thread where it has one (``swapkit.runtime.batch`` Note [The
-        cost of a swapped save])."""
+        builds the flat views (:func:`region_pairs`), on its own thread where it has one, so the
+        forward thread pays nothing per storage for them (``swapkit.runtime.step`` Note [The cost of a
+        save])."""
 
     def producer(self) -> Any:
         """Where the caller's tensors are being produced now (the current CUDA stream); ``None`` when a

@@ -66,8 +66,10 @@ step's lock that waits for this one (a prefetch issued in an unpack) waits only 
 allocation-free lines, never for a finalizer that wants the step's lock.
 
 Note [One job per coalesced batch]
-``offload_many`` moves the storages of one coalesced batch (``swapkit.runtime.batch`` Note [Coalesced
-copies]) into one pinned host region: one ``wait_stream`` of the side stream on the batch's producer
+``offload_storages`` moves the storages of one coalesced batch (``swapkit.runtime.batch`` Note [Coalesced
+copies]) into one pinned host region: it builds a flat ``uint8`` view of each whole storage on this
+device and its slot of the region (``swapkit.engine.base.region_pairs``), then ``offload_many`` queues
+one ``wait_stream`` of the side stream on the batch's producer
 stream before any source is read (Note [D2H waits for the producer]), then one ``copy_`` per storage
 into its slot of the region, all queued back to back on the side stream, and one event recorded after
 the last of them: the batch is ready when that event is. The prefetch brings the whole region back

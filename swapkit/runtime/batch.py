@@ -5,9 +5,10 @@ One copy job per swapped storage costs a thread hand-off (thread engine) or a ``
 copy and an event (CUDA) per saved tensor, whatever its size. Instead the step keeps one open
 :class:`Batch`: each new swap record takes the next slot of it (its offset, aligned to
 :data:`ALIGN` bytes so every dtype's view can be rebuilt on the region), and nothing is copied yet.
-The batch is *flushed* -- one pooled host region of exactly its size, one copy job with one
-completion handle for all its storages, the slots cut from the region by one ``split_with_sizes`` --
-when:
+The batch holds each storage with its offset, size and address, not a view of it. It is *flushed* --
+one pooled host region of exactly its size, one copy job with one completion handle for all its
+storages (``engine.offload_storages``: the engine builds a flat view of each storage and cuts the
+slots from the region by one ``split_with_sizes``, on its worker thread where it has one) -- when:
 - a save arrives from another frame (the scope changed), a new storage is saved on another stream
   (Note [A batch has one producer]), or the next storage would take the batch past
   ``runtime.offload_batch_bytes`` (``0``: every storage is its own batch, flushed when saved);

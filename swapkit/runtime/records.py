@@ -15,9 +15,10 @@ which shares the tensor's storage and version counter but not its ``grad_fn``. H
 tensor itself would tie a cycle for every op that saves its own output (output -> grad_fn ->
 saved variable -> handle -> output) through C++ autograd nodes, which Python's gc cannot see:
 a graph dropped without backward would then never be freed, with its records, host buffers
-and device memory. When a swapped storage is released, its keepers are emptied with ``set_()`` under
-``_unsafe_preserve_version_counter``: they stop holding device memory but keep counting in-place
-writes, so unpack can still raise instead of returning stale data.
+and device memory. When a swapped storage is released, its keepers are emptied with ``set_()`` and
+their version counters set back to what they were (:func:`empty_keepers`, what
+``torch.autograd._unsafe_preserve_version_counter`` does): they stop holding device memory but keep
+counting in-place writes, so unpack can still raise instead of returning stale data.
 
 Note [Unpacks from several threads]
 Autograd runs nodes of different devices on different threads at once (a CUDA device thread and

@@ -67,7 +67,19 @@ attribute read there. What keeps them lean, each giving the same guarantee as th
 - in backward, once nothing is left to prefetch, the step turns ``watch_unpacks`` off and the session's
   unpack no longer calls it: only backward pops the prefetch queue and nothing pushes to it any more,
   so an empty queue stays empty (a :class:`~swapkit.runtime.microsteps.MicroStep` keeps watching: it
-  looks ahead into other micro-steps).
+  looks ahead into other micro-steps);
+- the handle is a tuple (:class:`~swapkit.runtime.records.Saved`, built by one C call, unpacked by
+  index), the current frame is one attribute of the scope tracker, the plain-tensor test is inlined
+  here, and the tick queues read a record's horizon with ``attrgetter``;
+- a swapped storage costs the forward thread no tensor per copy: its batch keeps the storage and the
+  engine builds the copy views, on its worker thread where it has one (``swapkit.runtime.batch`` Note
+  [Coalesced copies]); a release empties the keepers and sets their version counters back with one
+  call (:func:`~swapkit.runtime.records.empty_keepers`), and a restore builds its view with
+  ``Tensor.new`` of a per-step empty tensor, not ``torch.empty``'s argument parsing;
+- a swap record keeps its first keeper in a slot: a list per record would be one more object for the
+  cyclic garbage collector to scan in every collection while the step lives. Those collections are
+  a large share of what is left: every object a save leaves alive until backward brings the next
+  collection nearer (``benchmarks/results/overhead``).
 What is left is measured by ``benchmarks/microbench.py`` against bare identity hooks and against the
 floor of any safe keep (a detached keeper and its version, Note [Version keepers] in
 ``swapkit.runtime.records``): see ``benchmarks/results/overhead``.
