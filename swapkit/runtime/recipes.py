@@ -37,6 +37,7 @@ own recomputation.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -135,6 +136,50 @@ class RecomputedOutput:
                                f"{output.untyped_storage().nbytes()} bytes, not {self.nbytes}; the op is not "
                                "deterministic in its layout and cannot be recomputed for its consumers")
         return rebuild(output, meta, self.recipe.step.empties)
+
+
+class RecomputableOutputs:
+    """The outputs of a step's selected scopes that a later save may stand in for, by storage: ``id(storage)``
+    -> a weak reference to the storage (a recycled id is caught) and its :class:`RecomputedOutput`."""
+
+    __slots__ = ("device", "entries")
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.entries: dict[int, tuple[weakref.ref, RecomputedOutput]] = {}
+
+    def register(self, recipe: Recipe, outputs: list[torch.Tensor], inputs: set[int], parameters: set[int]) -> None:
+        """The plain outputs of ``recipe`` on the step's device that hold memory of their own (not an input
+        passed through, not a parameter's storage)."""
+        for index, output in enumerate(outputs):
+            if not is_plain(output):
+                continue
+            storage = output.untyped_storage()
+            key = id(storage)
+            if key in inputs or key in parameters or output.device != self.device or not storage.nbytes():
+                continue  # an input passed through, or nothing to free
+            entry = RecomputedOutput(recipe, index, output._version, storage.nbytes())
+            self.entries[key] = (weakref.ref(storage, self._forget(key)), entry)
+
+    def _forget(self, key: int) -> Callable[[weakref.ref], None]:
+        def forget(ref: weakref.ref) -> None:  # the storage died: no later save can find it
+            found = self.entries.get(key)
+            if found is not None and found[0] is ref:
+                del self.entries[key]
+
+        return forget
+
+    def find(self, key: int, storage: torch.UntypedStorage, version: int) -> RecomputedOutput | None:
+        """The output a save of ``storage`` at ``version`` can stand in for, if it is unchanged."""
+        found = self.entries.get(key)
+        if found is None or found[0]() is not storage or found[1].version != version:
+            return None  # unknown, recycled id, or changed in place after the op produced it
+        if not found[1].recipe.inputs_unchanged():
+            return None  # Note [Inputs changed in place after the scope ran]
+        return found[1]
+
+    def clear(self) -> None:
+        self.entries.clear()
 
 
 def capture_state(args: tuple, kwargs: dict) -> tuple[tuple, tuple]:

@@ -98,9 +98,9 @@ import torch
 from swapkit.config.types import RuntimeConfig
 from swapkit.engine import CopyEngine, HostPool
 from swapkit.runtime.batch import Batch
-from swapkit.runtime.recipes import Recipe, RecomputedOutput
+from swapkit.runtime.recipes import Recipe, RecomputableOutputs, RecomputedOutput
 from swapkit.runtime.records import (
-    KeptRecord, Saved, SwapRecord, empty_keepers, is_parameter, is_plain, make_saved, view_meta,
+    KeptRecord, Saved, SwapRecord, empty_keepers, is_parameter, make_saved, view_meta,
 )
 from swapkit.runtime.schedule import TickQueue
 from swapkit.runtime.overrides import NOT_ENTERED, scope_label
@@ -136,7 +136,7 @@ class Step:
         self._batches = 0  # batches flushed: their copy order
         self._scheduled = False  # a swap record was queued this step (Note [The cost of a save])
         self._last_frame: Frame | None = None  # the frame of the previous save: _seen has it
-        self._recomputable: dict[int, tuple[weakref.ref, RecomputedOutput]] = {}
+        self._recomputable = RecomputableOutputs(self.device)
         self._skipped_storages: set[int] = set()
         self._release: TickQueue[SwapRecord] = TickQueue(_horizon)
         self._pending: list[tuple[int, int, SwapRecord]] = []  # due, copy unfinished; by (batch, offset)
@@ -188,7 +188,7 @@ class Step:
         if parameter or nbytes == 0 or tensor.device != self.device:
             self._not_candidate(parameter, key, nbytes, frame)
             return make_saved((tensor.detach(), version, self, tick, None, None, frame))
-        recomputed = self._recomputed(key, storage, version) if self._recomputable else None
+        recomputed = self._recomputable.find(key, storage, version) if self._recomputable.entries else None
         if recomputed is not None:
             return self._recomputed_handle(tensor, recomputed, tick, frame, version)
         keeper = tensor.detach()  # Note [Version keepers] in swapkit.runtime.records
@@ -236,31 +236,7 @@ class Step:
 
     def register_outputs(self, recipe: Recipe, outputs: list[torch.Tensor], inputs: set[int]) -> None:
         """Outputs a recipe can rebuild (``swapkit.runtime.recipes.Note [Output recompute]``)."""
-        for index, output in enumerate(outputs):
-            if not is_plain(output):
-                continue
-            storage = output.untyped_storage()
-            key = id(storage)
-            if key in inputs or key in self.param_storages or output.device != self.device or not storage.nbytes():
-                continue  # an input passed through, or nothing to free
-            entry = RecomputedOutput(recipe, index, output._version, storage.nbytes())
-            self._recomputable[key] = (weakref.ref(storage, self._forget_recomputable(key)), entry)
-
-    def _forget_recomputable(self, key: int) -> Callable[[weakref.ref], None]:
-        def forget(ref: weakref.ref) -> None:  # the storage died: no later save can find it
-            found = self._recomputable.get(key)
-            if found is not None and found[0] is ref:
-                del self._recomputable[key]
-
-        return forget
-
-    def _recomputed(self, key: int, storage: torch.UntypedStorage, version: int) -> RecomputedOutput | None:
-        found = self._recomputable.get(key)
-        if found is None or found[0]() is not storage or found[1].version != version:
-            return None  # unknown, recycled id, or changed in place after the op produced it
-        if not found[1].recipe.inputs_unchanged():
-            return None  # swapkit.runtime.recipes Note [Inputs changed in place after the scope ran]
-        return found[1]
+        self._recomputable.register(recipe, outputs, inputs, self.param_storages)
 
     def _recomputed_handle(self, tensor: torch.Tensor, recomputed: RecomputedOutput, tick: int,
                            frame: Frame | None, version: int) -> Saved:
