@@ -268,8 +268,8 @@ class CorruptsOneSlot(ReadyWhenDone):
         super().__init__("cpu")
         self.corrupted = False
 
-    def _copy_region(self, region, sources) -> None:
-        super()._copy_region(region, sources)
+    def _copy_region(self, region, sources, where="") -> None:
+        super()._copy_region(region, sources, where)
         if len(sources) > 1 and not self.corrupted:
             self.corrupted = True
             offset = sources[1][1]
@@ -300,3 +300,38 @@ def test_an_offload_wrapped_on_the_instance_sees_every_copy_of_a_batch():
     run(model, session)
     stats = session.stats
     assert len(seen) == stats.offloaded_tensors > stats.offload_copies and sum(seen) == stats.offloaded_bytes
+
+
+class CountsBatches(ReadyWhenDone):
+    """An engine written against ``offload_many`` (Note [Grouped copies] in swapkit.engine.thread)."""
+
+    def __init__(self) -> None:
+        super().__init__("cpu")
+        self.batches = 0
+
+    def offload_many(self, pairs, producer=None):
+        self.batches += 1
+        return super().offload_many(pairs, producer)
+
+
+def test_an_engine_that_replaces_offload_many_sees_every_batch_copy():
+    model = ToyNet(layers=3)
+    session = swapkit.apply(model, toy_config(3, **layer_swap(1)), layers="layers")
+    engine = CountsBatches()
+    install_engine(session, engine)
+    with session:
+        model(torch.randn(8, 16)).sum().backward()
+    assert session.stats.offload_copies > 0
+    assert engine.batches == session.stats.offload_copies
+
+
+def test_a_storage_changed_on_the_copy_thread_names_its_scope():
+    engine = ThreadCopyEngine("cpu")
+    data = torch.ones(64, dtype=torch.uint8)
+    storage = data.untyped_storage()
+    sources = [(storage, 0, 64, data.data_ptr())]
+    storage.resize_(0)  # freed by another component after the batch was flushed
+    copy = engine.offload_storages(torch.empty(64, dtype=torch.uint8), sources, None, "layer 3: mlp")
+    with pytest.raises(StorageChangedError, match="saved in layer 3: mlp"):
+        engine.wait(copy)
+    engine.close()

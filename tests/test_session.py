@@ -537,3 +537,54 @@ def test_recompute_in_backward_does_not_move_the_clock(reentrant):
     assert torch.equal(loss.detach(), ref_loss)
     for name, grad in grads(ref).items():
         torch.testing.assert_close(grads(model)[name], grad, rtol=0, atol=0)
+
+
+class CollectsHandles:
+    """A session observer that keeps every handle the pack hook returned."""
+
+    def __init__(self) -> None:
+        self.handles: list = []
+
+    def saved(self, saved) -> None:
+        self.handles.append(saved)
+
+    def unpacked(self, saved) -> None:
+        pass
+
+
+def test_saved_handles_compare_by_identity():
+    """A handle is a tuple (swapkit.runtime.records.Saved), but equal only to itself: comparing two must not
+    compare their tensors."""
+    model = ToyNet(layers=2)
+    session = swapkit.apply(model, toy_config(2, **layer_swap(1)), layers="layers")
+    session.observer = observer = CollectsHandles()
+    with session:
+        loss = model(torch.randn(8, 16)).sum()
+    first, rest = observer.handles[0], observer.handles[1:]
+    assert first == first and first not in rest and len({*observer.handles}) == len(observer.handles)
+    loss.backward()
+
+
+def test_emptying_keepers_sets_their_versions_back_even_when_a_set_fails():
+    """A release empties a record's keepers (swapkit.runtime.records.empty_keepers); if one ``set_`` is refused
+    (a user's dispatch mode, say), the keepers already emptied must not look modified in place."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from swapkit.runtime.records import empty_keepers
+
+    class RefusesSecondSet(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.set_.default:
+                RefusesSecondSet.calls += 1
+                if RefusesSecondSet.calls == 2:
+                    raise RuntimeError("set_ refused")
+            return func(*args, **(kwargs or {}))
+
+    a, b = torch.ones(4).detach(), torch.ones(4).detach()
+    versions = (a._version, b._version)
+    with pytest.raises(RuntimeError, match="set_ refused"), RefusesSecondSet():
+        empty_keepers((a, b))
+    assert a.untyped_storage().nbytes() == 0  # the first one was emptied
+    assert (a._version, b._version) == versions

@@ -104,9 +104,9 @@ class NamedStreams(ReadyWhenDone):
     def producer(self) -> str:
         return self.current
 
-    def offload_storages(self, region, sources, producer=None):
+    def offload_storages(self, region, sources, producer=None, where=""):
         self.copies.append((producer, self.current, len(sources)))
-        return super().offload_storages(region, sources, producer)
+        return super().offload_storages(region, sources, producer, where)
 
 
 class TwoStreams(nn.Module):

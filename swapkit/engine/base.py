@@ -114,12 +114,13 @@ class CopyEngine(Protocol):
         the work ``producer`` (what :meth:`producer` returned when the sources were saved; ``None``:
         the caller's current stream) has queued so far."""
 
-    def offload_storages(self, region: torch.Tensor, sources: list[Source], producer: Any = None) -> Any:
+    def offload_storages(self, region: torch.Tensor, sources: list[Source], producer: Any = None,
+                         where: str = "") -> Any:
         """Copy each whole source storage into its slot of the flat host ``region`` as one job with one
         copy handle, after the work ``producer`` has queued so far (as :meth:`offload_many`). The engine
         builds the flat views (:func:`region_pairs`), on its own thread where it has one, so the
         forward thread pays nothing per storage for them (``swapkit.runtime.step`` Note [The cost of a
-        save])."""
+        save]). ``where`` (the scope's label) names the scope in a storage-changed error."""
 
     def producer(self) -> Any:
         """Where the caller's tensors are being produced now (the current CUDA stream); ``None`` when a

@@ -244,7 +244,7 @@ class CudaCopyEngine:
         return CudaCopy(done)
 
     def offload_storages(self, region: torch.Tensor, sources: list[Source],
-                         producer: torch.cuda.Stream | None = None) -> CudaCopy:
+                         producer: torch.cuda.Stream | None = None, where: str = "") -> CudaCopy:
         """A coalesced batch: its flat views, then :meth:`offload_many` (copies are queued from this thread)."""
         return self.offload_many(region_pairs(region, sources, self.device), producer)
 

@@ -30,10 +30,12 @@ from swapkit.engine.base import Source, Waited, check_source, check_storages, re
 # copies]) as one job: one hand-off to the worker and one completion flag, and one emulated
 # latency per job (the bandwidth term still counts every byte). The worker checks each source
 # (swapkit.runtime.records Note [Storages another component may resize]), builds the flat views and
-# copies them with one ``_foreach_copy_``: the forward thread only queues the job. An engine whose ``offload`` is replaced (a subclass or an instance attribute: tests
-# inject failures and corruption that way, the benchmark's move check counts copies) still sees,
-# and can change, every copy: the job is then built by calling that ``offload`` for each pair while
-# a group is open on the calling thread, so ``_submit`` collects the jobs instead of queueing them.
+# copies them with one ``_foreach_copy_``: the forward thread only queues the job. An engine whose
+# ``offload``, ``offload_many`` or ``_copy`` is replaced (a subclass or an instance attribute: tests
+# inject failures and corruption that way, the benchmark's move check counts copies) still sees, and
+# can change, every copy: ``offload_storages`` then builds the views on the calling thread and calls
+# ``offload_many``, which builds the job by calling ``offload`` for each pair while a group is open on
+# the calling thread, so ``_submit`` collects the jobs instead of queueing them.
 # A failed copy fails the whole batch.
 
 
@@ -147,25 +149,26 @@ class ThreadCopyEngine:
             self._group = None
         return self._submit(_run_all(jobs), copy)  # offload_many and offload_storages of a replaced copy
 
-    def offload_storages(self, region: torch.Tensor, sources: list[Source], producer: None = None) -> ThreadCopy:
+    def offload_storages(self, region: torch.Tensor, sources: list[Source], producer: None = None,
+                         where: str = "") -> ThreadCopy:
         """One job for a coalesced batch: the worker checks the sources, builds the flat views and
         copies (Note [Grouped copies]); the calling thread only queues it."""
         if not self._copies_unchanged():
             return self.offload_many(region_pairs(region, sources, self.device), producer)
-        return self._submit(lambda: self._copy_region(region, sources))
+        return self._submit(lambda: self._copy_region(region, sources, where))
 
-    def _copy_region(self, region: torch.Tensor, sources: list[Source]) -> None:
+    def _copy_region(self, region: torch.Tensor, sources: list[Source], where: str = "") -> None:
         pairs = region_pairs(region, sources, self.device)
-        check_storages(sources)  # swapkit.runtime.records Note [Storages another component may resize]
+        check_storages(sources, where)  # swapkit.runtime.records Note [Storages another component may resize]
         self._link_delay(sum(nbytes for _, _, nbytes, _ in sources))
         torch._foreach_copy_([dst for _, dst in pairs], [src for src, _ in pairs])
-        check_storages(sources)
+        check_storages(sources, where)
 
     def _copies_unchanged(self) -> bool:
-        """Neither ``offload`` nor ``_copy`` replaced (Note [Grouped copies])."""
-        cls = type(self)
-        return "offload" not in self.__dict__ and cls.offload is ThreadCopyEngine.offload \
-            and cls._copy is ThreadCopyEngine._copy
+        """None of ``offload``, ``offload_many`` and ``_copy`` replaced (Note [Grouped copies])."""
+        cls, own = type(self), self.__dict__
+        return "offload" not in own and "offload_many" not in own and cls.offload is ThreadCopyEngine.offload \
+            and cls.offload_many is ThreadCopyEngine.offload_many and cls._copy is ThreadCopyEngine._copy
 
     def _copy_all(self, targets: list[torch.Tensor], sources: list[torch.Tensor],
                   queued: list[tuple[int, int]]) -> None:

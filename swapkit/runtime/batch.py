@@ -117,7 +117,8 @@ class Batch:
             self.kept = True
             return False
         self.host, self.issued = host, issued  # returned by the records' let_go even if the copy fails
-        self.d2h = self.step.engine.offload_storages(host, sources, self.producer)  # Note [A batch has one producer]
+        self.d2h = self.step.engine.offload_storages(  # Note [A batch has one producer]
+            host, sources, self.producer, self.frame.label)
         return True
 
     def discard(self) -> None:

@@ -124,6 +124,7 @@ class Saved(tuple):
     reads it by index."""
 
     __slots__ = ()
+    __eq__, __ne__, __hash__ = object.__eq__, object.__ne__, object.__hash__  # a handle is equal only to itself
     keeper = property(itemgetter(0), doc="Note [Version keepers]")
     version = property(itemgetter(1), doc="the keeper's version when saved")
     step = property(itemgetter(2), doc="the step that saved it (None: a pack during backward)")
@@ -286,9 +287,11 @@ def empty_keepers(keepers: tuple[torch.Tensor, ...]) -> None:
     ``torch.autograd._unsafe_preserve_version_counter`` calls, without its context manager's Python
     (swapkit.runtime.step Note [The cost of a save])."""
     versions = tuple([keeper._version for keeper in keepers])
-    for keeper in keepers:
-        keeper.set_()
-    _set_versions(keepers, versions)
+    try:
+        for keeper in keepers:
+            keeper.set_()
+    finally:  # a failed set_ (a dispatch mode refusing it) must not leave a false in-place write behind
+        _set_versions(keepers, versions)
 
 
 _set_versions = torch._C._autograd._unsafe_set_version_counter
