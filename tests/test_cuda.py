@@ -166,6 +166,32 @@ def test_offload_many_waits_for_the_producer_and_hands_its_sources_to_the_alloca
     assert len(engine.inflight) == 0 and engine.fence() is None
 
 
+def test_offload_storages_copies_whole_storages_into_their_slots_after_the_producer():
+    """What a coalesced batch calls (swapkit.engine.base.region_pairs): flat views of whole storages of any
+    dtype, built on this thread; the sources dropped once queued are kept by the allocator until copied."""
+    from swapkit.engine.cuda import CudaCopyEngine
+
+    engine = CudaCopyEngine("cuda")
+    tensors = [torch.zeros(5, dtype=torch.float32, device="cuda"), torch.zeros(3, dtype=torch.int64, device="cuda")]
+    region = torch.zeros(64, dtype=torch.uint8, pin_memory=True)
+    torch.cuda._sleep(50_000_000)  # the compute stream is busy: the copy must wait for the fills below
+    tensors[0].fill_(1.5)
+    tensors[1].fill_(7)
+    sources = [(t.untyped_storage(), offset, t.untyped_storage().nbytes(), t.data_ptr())
+               for t, offset in zip(tensors, (0, 32))]
+    expected = [torch.full((5,), 1.5), torch.full((3,), 7, dtype=torch.int64)]
+    copy = engine.offload_storages(region, sources, engine.producer(), "layer 0")
+    addresses = {t.data_ptr() for t in tensors}
+    del tensors, sources
+    fresh = [torch.full((64,), 0xEE, dtype=torch.uint8, device="cuda") for _ in range(2)]
+    assert not addresses & {t.data_ptr() for t in fresh}
+    engine.wait(copy)
+    torch.cuda.current_stream().synchronize()
+    assert torch.equal(region[0:20].view(torch.float32), expected[0])
+    assert torch.equal(region[32:56].view(torch.int64), expected[1])
+    engine.synchronize()
+
+
 def test_prefetch_keeps_the_host_region_until_its_copy_completed_and_is_read_after_wait():
     from swapkit.engine.cuda import CudaCopyEngine
 
