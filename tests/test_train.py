@@ -270,3 +270,40 @@ def test_summary_table_labels_cpu_memory_as_accounting():
     table = format_summary(summary)
     assert "peak device-resident saved bytes (session accounting, not RSS)" in table
     assert "late fetches" in table and "host pool bytes" in table and "median step time" in table
+
+
+# ---------------------------------------------------------------- train.gc_interval (swapkit.train.collector)
+
+
+def test_gc_interval_turns_automatic_collection_off_and_collects_every_n_steps(monkeypatch):
+    import gc
+
+    seen = []  # (step, automatic collection on) as each step starts
+    step_fn = train_mod._train_step
+
+    def watched(run, step):
+        seen.append((step, gc.isenabled()))
+        return step_fn(run, step)
+
+    full = []  # full collections, by the step count when they started
+
+    def on_collect(phase, info):
+        if phase == "start" and info["generation"] == 2:
+            full.append(len(seen))
+
+    monkeypatch.setattr(train_mod, "_train_step", watched)
+    gc.callbacks.append(on_collect)
+    try:
+        result = train(small_config(swap=SWAP, gc_interval=2), steps=5, progress=False)
+    finally:
+        gc.callbacks.remove(on_collect)
+    assert len(result.losses) == 5
+    assert seen == [(step, False) for step in range(1, 6)]  # off for the whole run
+    assert 0 in full and [n for n in full if n] == [2, 4]  # before the first step, then after steps 2 and 4
+    assert gc.isenabled()  # back as it was
+
+
+def test_gc_interval_is_validated_with_its_key_path():
+    with pytest.raises(ConfigError, match=r"train\.gc_interval"):
+        small_config(gc_interval=0)
+    assert small_config().train.gc_interval is None  # Python's automatic collector by default

@@ -159,6 +159,7 @@ TRAIN_KEYS = {
     "save_interval": Key(optional(integer(1, LIMITS["steps"])), None),
     "resume": Key(boolean, False),
     "collective_timeout_s": Key(number(positive=True, maximum=86_400.0), 300.0),  # several ranks: a stuck peer fails, never hangs
+    "gc_interval": Key(optional(integer(1, LIMITS["steps"])), None),  # swapkit.train.collector
 }
 
 # MindSpore `context` settings: none of them has a PyTorch eager equivalent.

@@ -146,6 +146,7 @@ class TrainConfig:
     save_interval: int | None = None
     resume: bool = False
     collective_timeout_s: float = 300.0
+    gc_interval: int | None = None  # automatic garbage collection off, a full one every N steps
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from swapkit.config.schema import LIMITS
 from swapkit.config.types import Config
 from swapkit.load import load_config
 from swapkit.train.checkpoint import checkpoint_due, resume, save_checkpoint
+from swapkit.train.collector import collector_schedule
 from swapkit.train.budget import check_memory
 from swapkit.train.data import SyntheticTokens
 from swapkit.train.errors import RunFailed
@@ -181,10 +182,12 @@ def drive(run: RunState, progress: bool, train_step: Callable[[int], dict[str, A
     """
     bar_off = not progress or not sys.stderr.isatty()
     with tqdm(total=run.total_steps, initial=run.step, disable=bar_off, unit="step", file=sys.stderr,
-              dynamic_ncols=True, desc="swapkit train") as bar:
+              dynamic_ncols=True, desc="swapkit train") as bar, \
+            collector_schedule(run.config.train.gc_interval) as after_step:
         while run.step < run.total_steps:
             record = train_step(run.step + 1)
             run.step += 1
+            after_step(run.step)
             if record is not None:
                 run.records.append(record)
                 report(run, record, bar, bar_off)

@@ -11,7 +11,7 @@ field by field:
 - everything else (swap, recompute, runtime, layout, device) does not change the math: allowed,
   logged and listed in the summary. A flipped ``swap_config.swap`` also changes what the recompute
   lists select: a warning shows both readings (Note [Two readings of a recompute list]).
-Run control (``steps``, ``save_dir``, ``save_interval``, ``resume``) is not compared.
+Run control (``steps``, ``save_dir``, ``save_interval``, ``resume``, ``gc_interval``) is not compared.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ SECTIONS = {"model": "model.model_config", "parallel": "parallel_config", "recom
             "swap": "swap_config", "runtime": "runtime", "train": "train"}
 MODEL_OR_DATA = ("train.seed", "train.batch_size", "train.gradient_accumulation_steps", "train.dtype")
 OPTIMIZER = ("train.lr", "train.weight_decay", "train.grad_clip")
-NOT_COMPARED = ("train.steps", "train.save_dir", "train.save_interval", "train.resume")
+NOT_COMPARED = ("train.steps", "train.save_dir", "train.save_interval", "train.resume", "train.gc_interval")
 ABSENT = "(absent)"
 
 
