@@ -17,7 +17,7 @@ from swapkit.engine.base import StorageChangedError
 from swapkit.engine.pool import HostPool
 from tests.toys import (
     FailsOnSecondCopy, GatedEngine, ReadyWhenDone, ToyNet, assert_grads_equal, grads, install_engine, layer_swap,
-    toy_config,
+    open_gate_when_blocked, toy_config,
 )
 
 
@@ -159,8 +159,8 @@ def test_late_fetches_wait_for_the_batch_copy_and_stay_exact():
     with session:
         out = model(x)
     assert session._step.stats.released_bytes > 0  # the exit waited for the copies and released
-    engine.gate.clear()  # every prefetch now blocks until the timer opens the gate
-    threading.Timer(0.05, engine.gate.set).start()
+    engine.gate.clear()  # every prefetch now blocks until the gate opens, 50 ms after backward first waits
+    open_gate_when_blocked(engine, 0.05)
     out.backward()
     assert_grads_equal({**grads(model), "input": x.grad}, expected)
     stats = session.stats

@@ -322,8 +322,11 @@ def test_ctrl_c_with_a_slow_emulated_link_exits_at_once(tmp_path):
     text = BASE.replace("num_layers: 2", "num_layers: 4") + "  steps: 100\nswap_config:\n  swap: true\n"
     text += "  layer_swap: [{backward_prefetch: 2, layers: true}]\nruntime:\n  min_offload_bytes: 0\n"
     config = _write(tmp_path, text + "  engine_options: {latency_s: 1.0}\n")  # ~40 copies queued: 40 s to drain
+    # A suite started as a background job of a script (`pytest &`, nohup) inherits SIGINT ignored, and Python
+    # keeps an inherited SIG_IGN: the child would never see the Ctrl-C. Give it the default disposition.
     child = subprocess.Popen([sys.executable, "-m", "swapkit.cli", "train", str(config), "--no-progress"],
-                             stderr=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
+                             stderr=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1],
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         for line in child.stderr:  # the plan is logged just before the first step
             if "Set layer swap at layer 3" in line:

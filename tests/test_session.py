@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import gc
-import threading
 
 import pytest
 import torch
@@ -11,7 +10,7 @@ from torch import nn
 import swapkit
 from tests.toys import (
     GatedEngine, ToyNet, assert_grads_equal, grads, install_engine, layer_swap, llama, llama_batch, llama_step,
-    synced_session, toy_config,
+    open_gate_when_blocked, synced_session, toy_config,
 )
 
 F32 = 4
@@ -159,8 +158,8 @@ def test_late_fetch_waits_and_is_counted():
     with session:
         out = model(x).sum()
     assert session._step.stats.released_bytes > 0  # the exit waited for the copies and released
-    engine.gate.clear()  # every prefetch now blocks until the timer opens the gate
-    threading.Timer(0.05, engine.gate.set).start()
+    engine.gate.clear()  # every prefetch now blocks until the gate opens, 50 ms after backward first waits
+    open_gate_when_blocked(engine, 0.05)
     out.backward()
     ref(x).sum().backward()
     assert_grads_equal(grads(model), grads(ref))

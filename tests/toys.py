@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import threading
-
+import time
 
 import torch
 from torch import nn
@@ -55,15 +55,40 @@ class ReadyWhenDone(ThreadCopyEngine):
 
 
 class GatedEngine(ThreadCopyEngine):
-    """Copies block until ``gate`` is set: nothing is ready, every fetch is late."""
+    """Copies block until ``gate`` is set: nothing is ready, every fetch is late. ``blocked`` is set
+    when a caller starts waiting for a copy that has not finished (see :func:`open_gate_when_blocked`)."""
 
     def __init__(self) -> None:
         super().__init__("cpu")
         self.gate = threading.Event()
+        self.blocked = threading.Event()
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         self.gate.wait(timeout=30)
         super()._copy(dst, src)
+
+    def wait_done(self, copy) -> None:
+        if not copy.done:
+            self.blocked.set()
+        super().wait_done(copy)
+
+
+def open_gate_when_blocked(engine: GatedEngine, after_s: float) -> threading.Thread:
+    """Open ``engine.gate`` ``after_s`` seconds after a caller first blocked on an unfinished copy.
+
+    A timer started before backward is not enough on a loaded machine: if backward reaches its first
+    fetch only after the timer fired, nothing waits (no late fetch) or the wait is shorter than
+    ``after_s``. Counting from the moment a caller blocks, the wait lasts at least ``after_s``."""
+    engine.blocked.clear()
+
+    def open_gate() -> None:
+        engine.blocked.wait(timeout=30)
+        time.sleep(after_s)
+        engine.gate.set()
+
+    opener = threading.Thread(target=open_gate, name="open-gate", daemon=True)
+    opener.start()
+    return opener
 
 
 def install_engine(session, engine) -> None:
