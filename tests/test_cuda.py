@@ -63,13 +63,18 @@ def test_cuda_swap_is_bit_identical(name, sleepy):
     session.remove()
 
 
+def _small_llama_on_cuda(config):
+    """The SMALL model with ``config`` applied, a batch on the GPU, and the bytes allocated before its forward."""
+    model = build_model(SMALL, seed=1, device="cuda")
+    session = swapkit.apply(model, toy_config(4, **config), layers="layers")
+    tokens, targets = (t.cuda() for t in llama_batch(batch=8))
+    torch.cuda.synchronize()
+    return model, session, tokens, targets, torch.cuda.memory_allocated()
+
+
 def test_swap_frees_device_memory_before_backward():
     def allocated_after_forward(config):
-        model = build_model(SMALL, seed=1, device="cuda")
-        session = swapkit.apply(model, toy_config(4, **config), layers="layers")
-        tokens, targets = (t.cuda() for t in llama_batch(batch=8))
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
+        model, session, tokens, targets, base = _small_llama_on_cuda(config)
         with session:
             loss = lm_loss(model(tokens), targets)
         torch.cuda.synchronize()
@@ -308,11 +313,7 @@ def test_a_gpu_bound_forward_frees_swapped_memory_before_backward_without_a_sync
     """swapkit.runtime.step Note [Stream-ordered release]: with the GPU a long sleep behind the CPU, no copy
     has run when backward begins, yet the due storages went back to the allocator."""
     def held_before_backward(config):
-        model = build_model(SMALL, seed=1, device="cuda")
-        session = swapkit.apply(model, toy_config(4, **config), layers="layers")
-        tokens, targets = (t.cuda() for t in llama_batch(batch=8))
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
+        model, session, tokens, targets, base = _small_llama_on_cuda(config)
         with session:
             torch.cuda._sleep(1_000_000_000)  # about half a second: the whole forward is queued behind it
             loss = lm_loss(model(tokens), targets)

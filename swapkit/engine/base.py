@@ -48,11 +48,16 @@ def check_storages(sources: list[Source], where: str = "") -> None:
             raise storage_changed(nbytes, storage.nbytes(), where)
 
 
+def storage_bytes(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
+    """A flat ``uint8`` view of a whole storage (``set_``'s one-argument form: its parsing is the cheap one)."""
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+
+
 def region_pairs(region: torch.Tensor, sources: list[Source],
                  device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``(flat uint8 view of each whole source storage on ``device``, its slot of the flat host region)``:
-    the slots cut by one ``split_with_sizes`` (data and padding alternate), the views built with ``set_``
-    on empty tensors made by ``Tensor.new`` (no argument parsing)."""
+    the slots cut by one ``split_with_sizes`` (data and padding alternate), the views as :func:`storage_bytes`
+    builds them, but on empty tensors made by ``Tensor.new`` of one (no argument parsing per storage)."""
     sizes, ends = [], [offset for _, offset, _, _ in sources[1:]] + [region.numel()]
     for (_, offset, nbytes, _), end in zip(sources, ends):
         sizes += [nbytes, end - offset - nbytes]

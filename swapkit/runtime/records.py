@@ -81,7 +81,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from swapkit.engine.base import storage_changed
+from swapkit.engine.base import storage_bytes, storage_changed
 
 if TYPE_CHECKING:
     import threading
@@ -317,11 +317,6 @@ def slot(region: torch.Tensor, offset: int, nbytes: int) -> torch.Tensor:
     builds views (no slicing op: a dispatch-mode op count of backward sees none)."""
     flat = torch.empty(0, dtype=torch.uint8, device=region.device)
     return flat.set_(region.untyped_storage(), region.storage_offset() + offset, (nbytes,), (1,))
-
-
-def storage_bytes(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
-    """A flat ``uint8`` view of a whole storage (``set_``'s one-argument form: its parsing is the cheap one)."""
-    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
 
 
 def view_meta(tensor: torch.Tensor) -> tuple:
