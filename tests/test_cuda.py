@@ -153,7 +153,7 @@ def test_offload_many_waits_for_the_producer_and_hands_its_sources_to_the_alloca
     slots = [region[0:3], region[16:33], region[48:48 + 4096]]
     with torch.cuda.stream(engine.stream):
         torch.cuda._sleep(50_000_000)  # the side stream is busy: the batch's copies run long after it is queued
-    torch.cuda._sleep(50_000_000)  # the compute stream is busy: the side stream must wait for it
+    torch.cuda._sleep(500_000_000)  # the compute stream is busy (~0.25 s): the side stream must wait for it
     for value, src in enumerate(sources, 1):
         src.fill_(value)  # the data is produced after the sleep, on the compute stream
     copy = engine.offload_many(list(zip(sources, slots)))
@@ -162,6 +162,7 @@ def test_offload_many_waits_for_the_producer_and_hands_its_sources_to_the_alloca
     addresses = {src.data_ptr() for src in sources}
     del src, sources  # the engine holds no source: the allocator must keep their blocks until the copy ran
     fresh = [torch.full((n,), 0xEE, dtype=torch.uint8, device="cuda") for n in sizes]
+    assert not engine.ready(copy), "the GPU got through the sleep before the check: the test proves nothing here"
     assert not addresses & {t.data_ptr() for t in fresh}
     engine.wait(copy)
     torch.cuda.current_stream().synchronize()
@@ -179,7 +180,9 @@ def test_offload_storages_copies_whole_storages_into_their_slots_after_the_produ
     engine = CudaCopyEngine("cuda")
     tensors = [torch.zeros(5, dtype=torch.float32, device="cuda"), torch.zeros(3, dtype=torch.int64, device="cuda")]
     region = torch.zeros(64, dtype=torch.uint8, pin_memory=True)
-    torch.cuda._sleep(50_000_000)  # the compute stream is busy: the copy must wait for the fills below
+    # the compute stream is busy (about 0.25 s: a loaded host may be slow to reach the check below): the
+    # copy must wait for the fills below
+    torch.cuda._sleep(500_000_000)
     tensors[0].fill_(1.5)
     tensors[1].fill_(7)
     sources = [(t.untyped_storage(), offset, t.untyped_storage().nbytes(), t.data_ptr())
@@ -189,6 +192,7 @@ def test_offload_storages_copies_whole_storages_into_their_slots_after_the_produ
     addresses = {t.data_ptr() for t in tensors}
     del tensors, sources
     fresh = [torch.full((64,), 0xEE, dtype=torch.uint8, device="cuda") for _ in range(2)]
+    assert not engine.ready(copy), "the GPU got through the sleep before the check: the test proves nothing here"
     assert not addresses & {t.data_ptr() for t in fresh}
     engine.wait(copy)
     torch.cuda.current_stream().synchronize()
@@ -206,6 +210,52 @@ def test_prefetch_keeps_the_host_region_until_its_copy_completed_and_is_read_aft
     assert engine.inflight.held()[-1][0] is region and engine.inflight.held()[-1][1] is device
     engine.wait(copy)
     assert torch.equal(device.cpu(), region)
+
+
+def test_current_stream_follows_the_current_stream_and_reuses_one_wrapper_per_stream():
+    """Note [Compute stream is read at use]: read at every call, one ``Stream`` wrapper per stream."""
+    from swapkit.engine.cuda import CurrentStream
+
+    current = CurrentStream(torch.device("cuda"))
+    default = current()
+    assert default == torch.cuda.current_stream() and current() is default
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        assert current() == side and current() is current()
+    assert current() is default
+    current.MAX_STREAMS = 2
+    streams = [torch.cuda.Stream() for _ in range(3)]
+    for one in streams:
+        with torch.cuda.stream(one):
+            assert current() == one
+    assert len(current._streams) <= 2  # started over instead of growing
+
+
+def test_a_prefetch_is_joined_once_per_stream_and_read_correctly_on_each():
+    """Note [A copy is joined once per stream]: the second wait from a stream queues nothing; another
+    stream waits (and records the buffer) on its own, and both read the copied bytes."""
+    from swapkit.engine.cuda import CudaCopyEngine
+
+    engine = CudaCopyEngine("cuda")
+    region = torch.arange(1 << 20, dtype=torch.int32).view(torch.uint8).pin_memory()
+    torch.cuda._sleep(2_000_000)  # the copy queues behind this: a missing wait would read garbage
+    device, copy = engine.prefetch(region)
+    engine.wait(copy)
+    assert copy.joined == (torch.cuda.current_stream(),)
+    engine.wait(copy)
+    assert len(copy.joined) == 1
+    other = torch.cuda.Stream()
+    with torch.cuda.stream(other):
+        engine.wait(copy)
+        on_other = device.view(torch.int32).sum(dtype=torch.int64)
+    assert copy.joined == (torch.cuda.current_stream(), other)
+    engine.wait(copy, timed=True).seconds()  # a timed wait always measures its own wait
+    assert len(copy.joined) == 3
+    expected = (1 << 20) * ((1 << 20) - 1) // 2
+    assert device.view(torch.int32).sum(dtype=torch.int64).item() == expected
+    torch.cuda.synchronize()
+    assert on_other.item() == expected
+    engine.close()
 
 
 @pytest.mark.parametrize("batch_bytes", [0, 1 << 20])
