@@ -86,7 +86,7 @@ def batch(model: dict) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(model["vocab_size"], (MICRO_BATCHES * MICRO_BATCH_SIZE, model["seq_length"] + 1),
                            generator=gen)
-    return tokens[:, :-1], tokens[:, 1:]
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()  # torch 2.11's stages check strides
 
 
 def measure(rank: int, schedule: str, model: dict, reps: int) -> list[dict]:

@@ -55,7 +55,7 @@ def batch(step: int, sizes: dict) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(100 + step)
     tokens = torch.randint(sizes["vocab_size"], (MICRO_BATCHES * MICRO_BATCH_SIZE, sizes["seq_length"] + 1),
                            generator=gen)
-    return tokens[:, :-1], tokens[:, 1:]
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()  # torch 2.11's stages check strides
 
 
 class StageRun:

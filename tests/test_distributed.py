@@ -9,6 +9,7 @@ import contextlib
 
 import pytest
 import torch
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
@@ -45,6 +46,9 @@ def build(seed: int = 1) -> torch.nn.Module:
 
 
 def shard(model: torch.nn.Module, reshard: bool, **options) -> torch.nn.Module:
+    # A CPU mesh: without one fully_shard meshes the accelerator when the machine has one and moves
+    # the parameters there, while these tests feed CPU batches (seen on an H100 host).
+    options.setdefault("mesh", init_device_mesh("cpu", (torch.distributed.get_world_size(),)))
     for layer in model.layers:
         fully_shard(layer, reshard_after_forward=reshard, **options)
     fully_shard(model, reshard_after_forward=reshard, **options)

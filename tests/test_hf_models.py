@@ -207,10 +207,16 @@ def test_op_swap_inside_hf_gradient_checkpointing_is_reported(caplog):
     caplog.set_level(logging.WARNING, logger="swapkit")
     train(model, family, session)
     assert_grads_equal(grads(model), grads(reference))
-    assert session.stats.unused_swaps == ["layer 0: self_attn", "layer 1: self_attn"]
-    # the layer swap still offloads what the checkpoint region saves outside itself (its inputs)
-    assert set(session.stats.offloaded_by_scope) == {"layer 0"}
+    # The op swaps run inside the checkpoint region: always reported. Whether the layer swap sees a saved
+    # tensor depends on transformers: 5.23 saves the checkpointed layer's inputs outside the region (the
+    # layer swap offloads them), 5.17 checkpoints the whole layer call (seen on an H100 host), and then
+    # the layer swap is reported too. Either way, a swap is reported exactly when it offloaded nothing.
+    layer_swap_used = "layer 0" in session.stats.offloaded_by_scope
+    assert set(session.stats.offloaded_by_scope) == ({"layer 0"} if layer_swap_used else set())
+    assert session.stats.unused_swaps == ([] if layer_swap_used else ["layer 0"]) + ["layer 0: self_attn",
+                                                                                    "layer 1: self_attn"]
     reported = [m for m in caplog.messages if "saw no saved tensor" in m]
-    assert [m.split(" saw ")[0] for m in reported] == ["swapkit: op swap at layer 0: self_attn",
-                                                       "swapkit: op swap at layer 1: self_attn"]
+    assert [m.split(" saw ")[0] for m in reported] == (
+        ([] if layer_swap_used else ["swapkit: layer swap at layer 0"])
+        + ["swapkit: op swap at layer 0: self_attn", "swapkit: op swap at layer 1: self_attn"])
     assert all("another saved_tensors_hooks context" in m for m in reported)

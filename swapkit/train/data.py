@@ -37,4 +37,6 @@ class SyntheticTokens:
         tokens[:, 0] = torch.randint(self.vocab_size, (self.batch_size,), generator=gen)
         for t in range(1, self.seq_length + 1):
             tokens[:, t] = self.successor[tokens[:, t - 1]]
-        return tokens[:, :-1], tokens[:, 1:]
+        # Contiguous: a pipeline schedule splits them into micro-batches, and torch 2.11's stage checks a
+        # micro-batch's strides against the contiguous ones it inferred (seen on an H100 host).
+        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
