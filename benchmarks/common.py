@@ -13,6 +13,7 @@ import dataclasses
 import datetime
 import os
 import platform
+import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,6 +123,7 @@ def environment(setup: Setup, engine: str, variant_configs: dict[str, Any]) -> d
     if setup.device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(setup.device)
         env["cuda"] = torch.version.cuda
+        env["driver"] = nvidia_driver()
     return env
 
 
@@ -136,12 +138,23 @@ def cpu_model() -> str:
 
 def hardware_line(env: dict[str, Any]) -> str:
     """One line: CPU, cores, RAM, GPU, versions."""
-    gpu = f", GPU {env['gpu']} (CUDA {env['cuda']})" if "gpu" in env else ""
+    gpu = f", GPU {env['gpu']} (CUDA {env['cuda']}, driver {env.get('driver') or 'unknown'})" if "gpu" in env else ""
+    deterministic = "; deterministic kernels" if env.get("deterministic") else ""
     return (f"{env['cpu']}, {env['cpu_count']} cores ({env['torch_threads']} torch threads), "
             f"{env['ram_bytes'] / 2**30:.0f} GiB RAM{gpu}; torch {env['torch']}, Python {env['python']}, "
             f"swapkit {env['swapkit']}; device {env['device']}, engine {env['engine']}; {env['date']}; "
             f"load average (1/5/15 min) at start {_load(env.get('load_average_at_start'))}, at end "
-            f"{_load(env.get('load_average_at_end'))}")
+            f"{_load(env.get('load_average_at_end'))}{deterministic}")
+
+
+def nvidia_driver() -> str | None:
+    """The NVIDIA driver version as ``nvidia-smi`` reports it, or ``None`` where it cannot be read."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.strip().splitlines()[0] if out.strip() else None
 
 
 def _load(values: Any) -> str:

@@ -42,7 +42,7 @@ def timing_row(runner: Runner, baseline: Runner) -> dict[str, Any]:
            "step_time_p75_s": _quantile(seconds, 0.75), "time_ratio": pairwise_ratio(runner, baseline),
            "main_thread_cpu_median_s": statistics.median(s.cpu_seconds for s in runner.samples)}
     peaks = [s.cuda_peak_bytes for s in runner.samples if s.cuda_peak_bytes is not None]
-    row["cuda_max_memory_allocated"] = int(statistics.median(peaks)) if peaks else None
+    row["cuda_step_peak_bytes"] = int(statistics.median(peaks)) if peaks else None  # Note [A step's CUDA peak]
     return row
 
 
@@ -84,7 +84,7 @@ def probe_fields(runner: Runner, batch: tuple[torch.Tensor, torch.Tensor],
 def add_ratios(rows: list[dict[str, Any]], baseline: dict[str, Any]) -> None:
     """Memory ratios to the baseline row, for each memory figure both rows have."""
     pairs = [("peak_device_bytes", "memory_ratio"), ("probe_forward_end_bytes", "probe_forward_end_ratio"),
-             ("probe_peak_live_bytes", "probe_peak_ratio"), ("cuda_max_memory_allocated", "cuda_memory_ratio")]
+             ("probe_peak_live_bytes", "probe_peak_ratio"), ("cuda_step_peak_bytes", "cuda_memory_ratio")]
     for row in rows:
         for key, ratio in pairs:
             ok = row.get(key) is not None and baseline.get(key)

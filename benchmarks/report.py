@@ -107,7 +107,7 @@ def variant_table(rows: list[dict[str, Any]], cuda: bool) -> list[str]:
     header = ["variant", "time ratio", "step ms", "peak saved MiB (session)", "memory ratio",
               "probe: live at fwd end MiB", "probe: step peak MiB", "probe peak ratio", "moved MiB/step",
               "late fetches", "exposed wait ms", "host pool MiB"]
-    header += ["cuda max alloc MiB", "cuda ratio"] if cuda else []
+    header += ["cuda step peak MiB", "cuda ratio"] if cuda else []
     body = []
     for r in rows:
         line = [r["name"], _num(r["time_ratio"]), _ms(r["step_time_median_s"]), _mib(r["peak_device_bytes"]),
@@ -115,7 +115,7 @@ def variant_table(rows: list[dict[str, Any]], cuda: bool) -> list[str]:
                 _num(r["probe_peak_ratio"]),
                 _mib(r["moved_bytes"]), _num(r["late_fetches"], "{:g}"), _ms(r["wait_seconds"]),
                 _mib(r["host_pool_bytes"])]
-        line += [_mib(r["cuda_max_memory_allocated"]), _num(r["cuda_memory_ratio"])] if cuda else []
+        line += [_mib(r["cuda_step_peak_bytes"]), _num(r["cuda_memory_ratio"])] if cuda else []
         body.append(line)
     return _table(header, body)
 
@@ -263,7 +263,7 @@ def plot_tradeoff(rows: list[dict[str, Any]], path: Path) -> None:
     ax.axvline(1.05, color="grey", linestyle=":", linewidth=1, label="target: step time <= 1.05 x baseline")
     ax.axhline(0.25, color="grey", linestyle="--", linewidth=1, label="target: memory <= 0.25 x baseline (75% cut)")
     ax.set_xlabel(f"step time / {BASELINE} (median of pairwise ratios)")
-    ax.set_ylabel("torch.cuda.max_memory_allocated / baseline" if key == "cuda_memory_ratio" else
+    ax.set_ylabel("CUDA step peak (max_memory_allocated above the step's start) / baseline" if key == "cuda_memory_ratio" else
                   "step-peak live activation bytes / baseline (independent probe)")
     ax.set_title("swap vs recompute: memory against time (lower left is better)")
     ax.grid(True, alpha=0.3)

@@ -7,10 +7,10 @@ What it measures
      layer, recompute full, Megatron selective core_attn and mlp, layer swap + recompute of
      feed_forward; on CUDA also the peers ``save_on_cpu(pin_memory=True)`` and torchtune's
      ``OffloadActivations``. Per variant: median step time and the median of per-repetition ratios
-     to the baseline, peak device-resident saved bytes (session accounting; on CUDA also
-     ``torch.cuda.max_memory_allocated``) and an independent live-bytes probe, bytes moved, late
-     fetches, exposed wait, host pool bytes, and checks: no parameter bytes moved, no storage moved
-     twice, loss and gradients against the baseline.
+     to the baseline, peak device-resident saved bytes (session accounting; on CUDA also the
+     step's ``torch.cuda.max_memory_allocated`` above its start) and an independent live-bytes
+     probe, bytes moved, late fetches, exposed wait, host pool bytes, and checks: no parameter bytes
+     moved, no storage moved twice, loss and gradients against the baseline.
   2. A prefetch-distance sweep of the layer swap over a throttled thread engine that emulates a
      PCIe-to-compute ratio (see ``sweep.py``, Note [Emulated link]).
   3. A microbenchmark of the session's per-saved-tensor cost against identity hooks and no hooks.
@@ -28,6 +28,10 @@ Run (from the repository root):
     python benchmarks/swap_vs_recompute.py --device cuda          # CUDA engine, cuda memory, peers
     python benchmarks/swap_vs_recompute.py --config configs/tiny.yaml --reps 10
     python benchmarks/swap_vs_recompute.py --threads 1 --out bench-out/threads1  # a core for the copy thread
+    python benchmarks/swap_vs_recompute.py --device cuda --config benchmarks/configs/gpu.yaml --deterministic
+
+A GPU's default kernels (cuBLAS split reductions, attention backward) may not give the same bits twice,
+so a bit-identity check there needs ``--deterministic`` (Note [Deterministic kernels for the checks]).
 """
 from __future__ import annotations
 
@@ -78,6 +82,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int,
                         help="torch intra-op threads (default: torch's choice); 1 on a 2-core machine leaves a core "
                              "to the copy thread, like a GPU's copy engine")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="torch.use_deterministic_algorithms(True) and a fixed cuBLAS workspace, so the "
+                             "loss/gradient checks compare bits on a GPU; timings then are the deterministic kernels'")
     parser.add_argument("--link-fraction", type=float, default=0.5,
                         help="sweep: one layer's copy time / its forward time on the emulated link")
     return parser.parse_args(argv)
@@ -147,6 +154,21 @@ def layer_swap_overhead(setup: Setup, rows: list[dict[str, Any]], micro: dict[st
     return overhead_estimate(layer, rows[0], micro, copy)
 
 
+# Note [Deterministic kernels for the checks]
+# The checks compare every variant's loss and gradients with the baseline's bit for bit. On a GPU the
+# default kernels may not reproduce their own bits: cuBLAS picks split reductions and the
+# memory-efficient attention backward accumulates with atomics, so the baseline differs from itself
+# (the report then says so, via the re-probe). ``--deterministic`` asks torch for deterministic
+# kernels and sets the cuBLAS workspace that makes its GEMMs reproducible (CUBLAS_WORKSPACE_CONFIG
+# must be set before cuBLAS starts, hence before the first CUDA matmul of the process). Not
+# ``warn_only``: with it the memory-efficient attention backward only warns and keeps its atomics
+# (measured on an H100: the baseline still differed from itself); an op with no deterministic kernel
+# stops the run with torch's error naming it.
+def deterministic_kernels() -> None:
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -154,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.deterministic:
+        deterministic_kernels()
     logging.getLogger("swapkit").setLevel(logging.ERROR)  # the plan log lines of every apply() are noise here
     started = time.perf_counter()
     setup, plan = load_setup(args.config, args.quick, args.device), run_plan(args)
@@ -162,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = setup.runtime.get("engine", "auto")
     engine = ("cuda" if setup.device.type == "cuda" else "thread") if engine == "auto" else engine
     env = environment(setup, engine, {v.name: v.sections for v in variants})
+    env["deterministic"] = args.deterministic
     env["skipped_peers"] = missing_peers() if setup.device.type == "cuda" else []
     for note in env["skipped_peers"]:
         print(f"NOTE: {note}", file=sys.stderr)

@@ -110,6 +110,16 @@ def sweep_variants(prefetches: list[int], runtime: dict[str, Any]) -> list[Varia
             for k in prefetches]
 
 
+# Note [A step's CUDA peak]
+# Every variant keeps its own model copy on the device for the whole run, so the allocator's
+# ``max_memory_allocated`` during one variant's step also counts every other variant's parameters and
+# gradients (the 12 copies of benchmarks/configs/gpu.yaml hold about 15 GiB of parameters alone, and its
+# baseline step peaked at 33 GiB with 4 GiB of activations, measured on an H100). A
+# step's CUDA peak is therefore ``max_memory_allocated`` minus what was allocated when the step
+# began: the activations, the prefetched buffers, what recompute re-materializes and the gradients
+# the step adds on top of what was resident.
+
+
 @dataclass
 class Sample:
     """One timed step of one variant."""
@@ -117,7 +127,7 @@ class Sample:
     seconds: float
     cpu_seconds: float  # the calling thread's CPU time (time.thread_time)
     stats: SwapStats | None
-    cuda_peak_bytes: int | None
+    cuda_peak_bytes: int | None  # Note [A step's CUDA peak]
 
 
 @dataclass
@@ -151,10 +161,11 @@ class Runner:
     def step(self, batch: tuple[torch.Tensor, torch.Tensor], record: bool = True) -> Sample:
         """Run one timed step; ``record`` keeps the sample (warm-up steps pass ``False``)."""
         cuda = self.setup.device.type == "cuda"
-        if cuda:
+        if cuda:  # Note [A step's CUDA peak]
             torch.cuda.reset_peak_memory_stats(self.setup.device)
+            resident = torch.cuda.memory_allocated(self.setup.device)
         seconds, cpu_seconds = timed_step(self.model, batch, self.context, self.backward_inside)
-        peak = torch.cuda.max_memory_allocated(self.setup.device) if cuda else None
+        peak = torch.cuda.max_memory_allocated(self.setup.device) - resident if cuda else None
         sample = Sample(seconds, cpu_seconds, self.session.stats if self.session is not None else None, peak)
         if record:
             self.samples.append(sample)
