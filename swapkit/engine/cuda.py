@@ -87,7 +87,8 @@ same stream has nothing to add and returns at once. ``joined`` lists the streams
 (the wrappers are ``CurrentStream``'s, so ``in`` matches by identity first). A stream is added only
 after its ``wait_event`` is queued, so two threads racing on one copy may both wait (harmless),
 never neither. A timed wait (a late fetch) always queues its events: the measurement is of that
-wait.
+wait. ``Stream`` equality is by handle, so the one case that would skip a needed wait is a user
+destroying an external stream while a copy is live and creating another that gets the same handle.
 
 Note [Compute stream is read at use]
 The current stream is read on every call, never cached: backward runs on the autograd device thread
@@ -218,6 +219,7 @@ class CurrentStream:
     MAX_STREAMS = 256  # distinct streams remembered; past it the map starts over (wrappers are cheap)
 
     def __init__(self, device: torch.device) -> None:
+        torch.cuda._lazy_init()  # what torch.cuda.current_stream does first; the raw getter does not
         self.index = torch.cuda._utils._get_device_index(device, optional=True)
         self._raw = getattr(torch._C, "_cuda_getCurrentStream", None)
         self._streams: dict[tuple[int, int, int], torch.cuda.Stream] = {}
@@ -244,6 +246,8 @@ class CudaCopyEngine:
 
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
+        if self.device.index is None:  # "cuda": the current device, fixed now (as self.stream is)
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.stream = torch.cuda.Stream(device=self.device)
         self.inflight = Inflight()
         self.current = CurrentStream(self.device)
@@ -320,7 +324,8 @@ class CudaCopyEngine:
         start.record(compute)
         compute.wait_event(copy.event)
         end.record(compute)
-        copy.joined += (compute,)
+        if compute not in copy.joined:
+            copy.joined += (compute,)
         return CudaTiming(start, end)
 
     def synchronize(self) -> None:
