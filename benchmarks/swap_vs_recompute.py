@@ -164,9 +164,14 @@ def layer_swap_overhead(setup: Setup, rows: list[dict[str, Any]], micro: dict[st
 # ``warn_only``: with it the memory-efficient attention backward only warns and keeps its atomics
 # (measured on an H100: the baseline still differed from itself); an op with no deterministic kernel
 # stops the run with torch's error naming it.
-def deterministic_kernels() -> None:
+def deterministic_kernels() -> str:
+    """Deterministic kernels; returns the cuBLAS workspace setting in force (a user's own is kept)."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
+    # Deterministic mode also fills every torch.empty by default: an extra kernel per prefetch buffer
+    # that changes the timings and no result (every buffer is fully written before it is read).
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    return os.environ["CUBLAS_WORKSPACE_CONFIG"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -176,8 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.deterministic:
-        deterministic_kernels()
+    cublas_workspace = deterministic_kernels() if args.deterministic else None
     logging.getLogger("swapkit").setLevel(logging.ERROR)  # the plan log lines of every apply() are noise here
     started = time.perf_counter()
     setup, plan = load_setup(args.config, args.quick, args.device), run_plan(args)
@@ -187,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = ("cuda" if setup.device.type == "cuda" else "thread") if engine == "auto" else engine
     env = environment(setup, engine, {v.name: v.sections for v in variants})
     env["deterministic"] = args.deterministic
+    env["cublas_workspace_config"] = cublas_workspace
     env["skipped_peers"] = missing_peers() if setup.device.type == "cuda" else []
     for note in env["skipped_peers"]:
         print(f"NOTE: {note}", file=sys.stderr)

@@ -116,8 +116,9 @@ def sweep_variants(prefetches: list[int], runtime: dict[str, Any]) -> list[Varia
 # gradients (the 12 copies of benchmarks/configs/gpu.yaml hold about 15 GiB of parameters alone, and its
 # baseline step peaked at 33 GiB with 4 GiB of activations, measured on an H100). A
 # step's CUDA peak is therefore ``max_memory_allocated`` minus what was allocated when the step
-# began: the activations, the prefetched buffers, what recompute re-materializes and the gradients
-# the step adds on top of what was resident.
+# began: the activations, the prefetched buffers, what recompute re-materializes and the gradients.
+# The previous step's gradients are freed before that reading (``timed_step`` would free them only
+# inside the step, and the rise would then come out short by up to the model's gradient bytes).
 
 
 @dataclass
@@ -162,6 +163,7 @@ class Runner:
         """Run one timed step; ``record`` keeps the sample (warm-up steps pass ``False``)."""
         cuda = self.setup.device.type == "cuda"
         if cuda:  # Note [A step's CUDA peak]
+            self.model.zero_grad(set_to_none=True)  # the step's own zero_grad would free them after the reading
             torch.cuda.reset_peak_memory_stats(self.setup.device)
             resident = torch.cuda.memory_allocated(self.setup.device)
         seconds, cpu_seconds = timed_step(self.model, batch, self.context, self.backward_inside)

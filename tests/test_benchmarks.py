@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,12 +13,17 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_quick_benchmark_writes_results_and_checks_hold(tmp_path):
     out = tmp_path / "bench"
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "swap_vs_recompute.py"), "--quick",
-                             "--reps", "2", "--out", str(out)], capture_output=True, text=True, timeout=300)
+                             "--reps", "2", "--deterministic", "--out", str(out)],
+                            capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     for name in ("results.json", "results.md", "tradeoff.png", "prefetch_sweep.png"):
         assert (out / name).stat().st_size > 0, name
     data = json.loads((out / "results.json").read_text())
     assert {"torch", "cpu_count"} <= set(data["env"])
+    # --deterministic (Note [Deterministic kernels for the checks]) is recorded, with the cuBLAS setting used
+    assert data["env"]["deterministic"] is True
+    assert data["env"]["cublas_workspace_config"] == os.environ.get("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    assert "deterministic kernels" in (out / "results.md").read_text()
     variants = {v["name"]: v for v in data["variants"]}
     for key in ("time_ratio", "step_time_median_s", "peak_device_bytes", "memory_ratio", "moved_bytes",
                 "late_fetches", "wait_seconds"):
