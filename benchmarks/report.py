@@ -263,7 +263,8 @@ def plot_tradeoff(rows: list[dict[str, Any]], path: Path) -> None:
     ax.axvline(1.05, color="grey", linestyle=":", linewidth=1, label="target: step time <= 1.05 x baseline")
     ax.axhline(0.25, color="grey", linestyle="--", linewidth=1, label="target: memory <= 0.25 x baseline (75% cut)")
     ax.set_xlabel(f"step time / {BASELINE} (median of pairwise ratios)")
-    ax.set_ylabel("CUDA step peak (max_memory_allocated above the step's start) / baseline" if key == "cuda_memory_ratio" else
+    cuda_label = "CUDA step peak (max_memory_allocated above the step's start) / baseline"
+    ax.set_ylabel(cuda_label if key == "cuda_memory_ratio" else
                   "step-peak live activation bytes / baseline (independent probe)")
     ax.set_title("swap vs recompute: memory against time (lower left is better)")
     ax.grid(True, alpha=0.3)
