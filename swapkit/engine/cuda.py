@@ -221,12 +221,10 @@ class CurrentStream:
     def __init__(self, device: torch.device) -> None:
         torch.cuda._lazy_init()  # what torch.cuda.current_stream does first; the raw getter does not
         self.index = torch.cuda._utils._get_device_index(device, optional=True)
-        self._raw = getattr(torch._C, "_cuda_getCurrentStream", None)
+        self._raw = torch._C._cuda_getCurrentStream  # what torch.cuda.current_stream calls (every CUDA build)
         self._streams: dict[tuple[int, int, int], torch.cuda.Stream] = {}
 
     def __call__(self) -> torch.cuda.Stream:
-        if self._raw is None:  # a torch without the getter: the public function
-            return torch.cuda.current_stream(self.index)
         raw = self._raw(self.index)
         stream = self._streams.get(raw)
         if stream is None:
