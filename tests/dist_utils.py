@@ -1,4 +1,4 @@
-"""Multi-process test helpers: run a function on N ranks (gloo, CPU), collect what each rank returns.
+"""Multi-process test helpers: run a function on N ranks (gloo on CPU by default), collect what each rank returns.
 
 Ranks rendezvous through a ``FileStore`` in a temporary directory, so concurrent test runs on one
 machine never compete for a port. Each rank's return value is saved with ``torch.save`` and handed
@@ -30,8 +30,11 @@ import torch.multiprocessing as mp
 DEFAULT_TIMEOUT_S = 120.0
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout_s: float = DEFAULT_TIMEOUT_S) -> list:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return their results.
+def run_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout_s: float = DEFAULT_TIMEOUT_S,
+              backend: str = "gloo") -> list:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return their results.
+
+    ``backend="nccl"`` gives rank ``r`` the GPU ``r`` (its current device) before the group starts.
 
     Raises:
         RuntimeError: a rank raised (its traceback is in the message), died (the signal is named), or the
@@ -39,7 +42,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout_s
     """
     with tempfile.TemporaryDirectory(prefix="swapkit-dist-") as tmp:
         root = Path(tmp)
-        context = mp.start_processes(_rank_main, args=(world_size, str(root), fn, args), nprocs=world_size,
+        context = mp.start_processes(_rank_main, args=(world_size, str(root), fn, args, backend), nprocs=world_size,
                                      join=False, start_method="spawn")
         _join(context, root, timeout_s)
         return [torch.load(root / f"result{rank}.pt", weights_only=False) for rank in range(world_size)]
@@ -60,11 +63,13 @@ def _join(context: Any, root: Path, timeout_s: float) -> None:
                 process.kill()
 
 
-def _rank_main(rank: int, world_size: int, root: str, fn: Callable[..., Any], args: tuple) -> None:
+def _rank_main(rank: int, world_size: int, root: str, fn: Callable[..., Any], args: tuple, backend: str) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
     store = dist.FileStore(os.path.join(root, "store"), world_size)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, os.path.join(root, f"result{rank}.pt"))

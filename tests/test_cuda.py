@@ -1,6 +1,8 @@
 """The CUDA engine: side stream, events, pinned pool. Skipped without a CUDA device."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -86,6 +88,35 @@ def test_swap_frees_device_memory_before_backward():
     swapped, stats = allocated_after_forward(layer_swap(2))
     assert stats.released_bytes > 0
     assert swapped <= kept - stats.released_bytes // 2  # released storages really went back to the allocator
+
+
+def test_a_gpu_bound_backward_frees_used_prefetch_buffers_without_a_synchronize():
+    """swapkit.engine.cuda Note [A joined prefetch target is stream-ordered]: with the GPU a long sleep
+    behind the CPU, backward issues every prefetch before the GPU has run one; each buffer must still go
+    back to the allocator once its records are used, or every layer's activations come back at once."""
+    cfg = dataclasses.replace(SMALL, num_layers=8)
+
+    def backward_growth(config):
+        model = build_model(cfg, seed=1, device="cuda")
+        session = swapkit.apply(model, toy_config(8, **config), layers="layers")
+        tokens, targets = (t.cuda() for t in llama_batch(batch=8, cfg=cfg))
+        with session:
+            loss = lm_loss(model(tokens), targets)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            start = torch.cuda.memory_allocated()
+            torch.cuda._sleep(1_000_000_000)  # about half a second: the whole backward is queued behind it
+            loss.backward()
+        torch.cuda.synchronize()
+        session.remove()
+        return torch.cuda.max_memory_allocated() - start, session.stats
+
+    keep = {"runtime": {"min_offload_bytes": 0}}
+    backward_growth(keep)  # warm-up: the first backward also allocates cuBLAS's workspace (32 MiB)
+    kept, _ = backward_growth(keep)
+    swapped, stats = backward_growth(layer_swap(1))
+    assert stats.prefetched_bytes > 0
+    assert swapped < kept + stats.prefetched_bytes // 2, (swapped, kept, stats.prefetched_bytes)
 
 
 def test_cpu_tensors_in_a_cuda_forward_are_not_swapped():
@@ -206,9 +237,17 @@ def test_prefetch_keeps_the_host_region_until_its_copy_completed_and_is_read_aft
 
     engine = CudaCopyEngine("cuda")
     region = torch.arange(256, dtype=torch.uint8).pin_memory()
+    torch.cuda._sleep(500_000_000)  # about 0.25 s: the copy is still queued at every check below
     device, copy = engine.prefetch(region)
+    assert not engine.ready(copy)
     assert engine.inflight.held()[-1][0] is region and engine.inflight.held()[-1][1] is device
+    with torch.cuda.stream(torch.cuda.Stream()):
+        engine.wait(copy)  # another stream joined: the target's own stream has not, so it stays held
+    assert engine.inflight.held()[-1][1] is device
     engine.wait(copy)
+    assert not engine.ready(copy)
+    held = engine.inflight.held()[-1]
+    assert len(held) == 1 and held[0] is region  # Note [A joined prefetch target is stream-ordered]
     assert torch.equal(device.cpu(), region)
 
 

@@ -1,4 +1,5 @@
-"""swapkit under data parallelism: FSDP2 (``fully_shard``) and DDP on 2 gloo ranks (CPU).
+"""swapkit under data parallelism: FSDP2 (``fully_shard``) and DDP on 2 gloo ranks (CPU), and FSDP2 on
+one NCCL rank with the CUDA engine (``@pytest.mark.cuda``).
 
 Each test starts one pair of processes (``tests.dist_utils.run_ranks``) and runs every case inside it:
 FSDP2 with ``reshard_after_forward`` True and False, against FSDP2 alone, over 3 optimizer steps.
@@ -75,22 +76,23 @@ def _local(param: torch.Tensor) -> torch.Tensor:
 
 
 def local_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {name: p.grad.to_local().clone() for name, p in model.named_parameters()}
+    """Each parameter's local gradient shard, copied to the CPU (what a rank hands back)."""
+    return {name: p.grad.to_local().to("cpu", copy=True) for name, p in model.named_parameters()}
 
 
-def train(model: torch.nn.Module, rank: int, session=None) -> list[dict]:
+def train(model: torch.nn.Module, rank: int, session=None, device: str = "cpu") -> list[dict]:
     """3 SGD steps on rank-specific batches; the local gradient shards and stats of each step."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     out = []
     for step in range(STEPS):
-        batch = llama_batch(seed=10 * step + rank, cfg=TINY)
+        batch = tuple(t.to(device) for t in llama_batch(seed=10 * step + rank, cfg=TINY))
         opt.zero_grad()
         if session is None:
             loss = llama_step(model, batch)
         else:
             with session:
                 loss = llama_step(model, batch)
-        out.append({"loss": loss, "grads": local_grads(model), "stats": session.stats if session else None})
+        out.append({"loss": loss.cpu(), "grads": local_grads(model), "stats": session.stats if session else None})
         opt.step()
     return out
 
@@ -198,6 +200,40 @@ def test_fsdp2_resharded_parameters_never_swapped_over_20_runs():
         assert offloaded > 0 and parameter_bytes > 0
         # every step moves the same bytes (step 1 on: minus the forward's tail, Note [The last k ticks ...])
         assert len(set(result["moved"][1:])) == 1
+
+
+def fsdp_on_cuda(rank: int, world_size: int) -> dict:
+    """FSDP2 on the GPU (its all-gathers and reduce-scatters on its own streams) with the CUDA engine."""
+    torch.use_deterministic_algorithms(True)  # CUBLAS_WORKSPACE_CONFIG is set by the caller, before CUDA starts
+    mesh = init_device_mesh("cuda", (world_size,))
+    results = {}
+    for reshard in (True, False):
+        reference = train(shard(build().cuda(), reshard, mesh=mesh), rank, device="cuda")
+        model = build().cuda()
+        session = swapkit.apply(model, toy_config(4, **CONFIGS["swap_and_recompute"]), layers="layers")
+        shard(model, reshard, mesh=mesh)
+        results[reshard] = (reference, train(model, rank, session, device="cuda"), session.engine.name)
+        session.remove()
+    return results
+
+
+@pytest.mark.cuda
+def test_fsdp2_on_cuda_swap_and_recompute_bit_identical(monkeypatch):
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # inherited by the spawned rank
+    result, = run_ranks(fsdp_on_cuda, 1, backend="nccl")
+    moved = {}
+    for reshard, (reference, swapped, engine) in result.items():
+        assert engine == "cuda"
+        for step, (ref, got) in enumerate(zip(reference, swapped)):
+            where = f"reshard_after_forward={reshard}, step {step}"
+            assert torch.equal(ref["loss"], got["loss"]), where
+            for param, grad in ref["grads"].items():
+                assert torch.equal(grad, got["grads"][param]), f"{where}: grad of {param}"
+            stats = got["stats"]
+            assert stats.offloaded_bytes > 0 and stats.recomputed_output_bytes > 0, where
+            assert stats.skipped.get("parameter", 0) > 0, where  # gathered weights seen, and kept
+        moved[reshard] = [got["stats"].offloaded_bytes for got in swapped]
+    assert moved[True] == moved[False], moved  # resharding or not, the same activations move
 
 
 def ddp_cases(rank: int, world_size: int) -> dict:

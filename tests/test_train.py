@@ -181,6 +181,21 @@ def test_swap_is_bit_identical_to_training_without_swapkit(train_keys):
     assert result.losses == plain_losses(config, 4)[0]
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("train_keys", [{}, {"gradient_accumulation_steps": 2}, {"dtype": "bf16"}],
+                         ids=["fp32", "accumulation", "bf16"])
+def test_swap_on_cuda_is_bit_identical_to_the_same_run_without_swap(train_keys, monkeypatch):
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    try:
+        swapped = train(small_config(swap=SWAP, **train_keys), steps=4, device="cuda", progress=False)
+        kept = train(small_config(**train_keys), steps=4, device="cuda", progress=False)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert swapped.summary["offloaded_bytes_per_step"] > 0 and kept.summary["offloaded_bytes_per_step"] == 0
+    assert swapped.losses == kept.losses
+
+
 def test_recompute_matches_training_without_swapkit():
     config = small_config(recompute=RECOMPUTE)
     torch.testing.assert_close(train(config, steps=4, progress=False).losses, plain_losses(config, 4)[0])
