@@ -7,6 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -106,3 +109,44 @@ def test_planner_frontier_quick_run_writes_results(tmp_path):
     for link in data["links"]:
         for plan in link["plans"].values():
             assert "error" in plan or plan["measured"]["peak_device_bytes"] > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown when CUDA is missing")
+def test_memory_cap_without_cuda_exits_2_with_a_clear_message(tmp_path):
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "memory_cap.py"), "--out", str(tmp_path)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "needs a CUDA device" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_memory_cap_report_names_what_ran_out_of_memory_and_where():
+    memory_cap = _bench_module("memory_cap")
+    fit = {"times": [0.2, 0.22, 0.21], "oom_at_step": None, "alloc_retries": 3,
+           "peak_reserved_bytes": 3 << 30, "peak_allocated_bytes": 2 << 30}
+    oom = {"times": [], "oom_at_step": 2, "alloc_retries": 1, "peak_reserved_bytes": 4 << 30,
+           "peak_allocated_bytes": 4 << 30}
+    rows = [memory_cap.summarize("swap", [fit, fit], 0.2), memory_cap.summarize("plain", [oom, fit], 0.2)]
+    assert rows[0]["fits"] and rows[0]["time_ratio"] == pytest.approx(1.05)
+    assert rows[0]["alloc_retries_per_round"] == [3, 3]
+    assert not rows[1]["fits"] and rows[1]["oom_at_steps"] == [2] and rows[1]["time_ratio"] is None
+    env = {"cpu": "cpu", "cpu_count": 2, "torch_threads": 2, "ram_bytes": 1 << 30, "torch": "2", "python": "3",
+           "swapkit": "0", "device": "cuda", "engine": "cuda", "date": "today",
+           "pytorch_cuda_alloc_conf": "expandable_segments:True"}
+    results = {"env": env, "variants": rows, "run": {"rounds": 2, "warmup": 1, "steps": 3, "prefetch": 8},
+               "cap": {"fraction": 0.6, "need_bytes": 6 << 30, "cap_bytes": 4 << 30, "process_fraction": 0.05,
+                       "baseline_uncapped_s": 0.2}}
+    text = "\n".join(memory_cap.report_lines(results))
+    assert "| swap | yes | 210.0 | 1.050 | 3072 | 2048 | [3, 3] |" in text
+    assert "| plain | no: out of memory at step 2 | — | — | 4096 | 4096 | [1, 3] |" in text
+    assert "expandable_segments:True" in text
+
+
+@pytest.mark.cuda
+def test_memory_cap_runs_on_a_gpu(tmp_path):
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "memory_cap.py"), "--config",
+                             str(ROOT / "configs" / "tiny.yaml"), "--cap", "1", "--warmup", "1", "--steps", "1",
+                             "--rounds", "1", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    data = json.loads((tmp_path / "memory_cap.json").read_text())
+    assert len(data["variants"]) == 5 and data["cap"]["need_bytes"] > 0
+    assert (tmp_path / "memory_cap.md").stat().st_size > 0
