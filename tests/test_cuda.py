@@ -107,16 +107,20 @@ def test_a_gpu_bound_backward_frees_used_prefetch_buffers_without_a_synchronize(
             start = torch.cuda.memory_allocated()
             torch.cuda._sleep(1_000_000_000)  # about half a second: the whole backward is queued behind it
             loss.backward()
+            behind = not torch.cuda.current_stream().query()  # the CPU finished backward before the GPU did
         torch.cuda.synchronize()
         session.remove()
-        return torch.cuda.max_memory_allocated() - start, session.stats
+        return torch.cuda.max_memory_allocated() - start, session.stats, behind, grads(model)
 
     keep = {"runtime": {"min_offload_bytes": 0}}
     backward_growth(keep)  # warm-up: the first backward also allocates cuBLAS's workspace (32 MiB)
-    kept, _ = backward_growth(keep)
-    swapped, stats = backward_growth(layer_swap(1))
+    kept, _, _, kept_grads = backward_growth(keep)
+    swapped, stats, behind, swapped_grads = backward_growth(layer_swap(1))
+    assert behind, "the GPU caught up with the CPU during backward: the test proves nothing here"
     assert stats.prefetched_bytes > 0
     assert swapped < kept + stats.prefetched_bytes // 2, (swapped, kept, stats.prefetched_bytes)
+    for name, grad in kept_grads.items():  # the early frees are safe: every gradient is the kept run's
+        assert torch.equal(swapped_grads[name], grad), name
 
 
 def test_cpu_tensors_in_a_cuda_forward_are_not_swapped():
@@ -239,7 +243,7 @@ def test_prefetch_keeps_the_host_region_until_its_copy_completed_and_is_read_aft
     region = torch.arange(256, dtype=torch.uint8).pin_memory()
     torch.cuda._sleep(500_000_000)  # about 0.25 s: the copy is still queued at every check below
     device, copy = engine.prefetch(region)
-    assert not engine.ready(copy)
+    assert not engine.ready(copy), "the GPU got through the sleep before the check: the test proves nothing here"
     assert engine.inflight.held()[-1][0] is region and engine.inflight.held()[-1][1] is device
     with torch.cuda.stream(torch.cuda.Stream()):
         engine.wait(copy)  # another stream joined: the target's own stream has not, so it stays held
@@ -248,7 +252,32 @@ def test_prefetch_keeps_the_host_region_until_its_copy_completed_and_is_read_aft
     assert not engine.ready(copy)
     held = engine.inflight.held()[-1]
     assert len(held) == 1 and held[0] is region  # Note [A joined prefetch target is stream-ordered]
+    assert copy.held is None  # nor does the copy keep the host view
     assert torch.equal(device.cpu(), region)
+
+
+def test_a_joined_prefetch_target_is_reused_only_after_its_copy_and_an_unjoined_one_not_at_all():
+    """Note [A joined prefetch target is stream-ordered], end to end: once its own stream has joined, the
+    target's block may go to the next allocation while the copy is still queued, and that allocation's
+    kernels run after the copy (its bytes survive); a target nobody joined is not handed out at all."""
+    from swapkit.engine.cuda import CudaCopyEngine
+
+    engine = CudaCopyEngine("cuda")
+    n = 1 << 20
+    region = torch.arange(n, dtype=torch.int32).view(torch.uint8).pin_memory()
+    torch.cuda._sleep(500_000_000)  # about 0.25 s: both copies are still queued at every check below
+    joined, copy = engine.prefetch(region)
+    engine.wait(copy)
+    unjoined, other = engine.prefetch(region)
+    joined_ptr, unjoined_ptr = joined.data_ptr(), unjoined.data_ptr()
+    del joined, copy, unjoined, other
+    fresh = [torch.full((4 * n,), 0xEE, dtype=torch.uint8, device="cuda") for _ in range(2)]
+    assert len(engine.inflight) == 2, "the GPU got through the sleep before the check: the test proves nothing here"
+    pointers = {t.data_ptr() for t in fresh}
+    assert joined_ptr in pointers  # the joined target went back to the allocator before its copy ran
+    assert unjoined_ptr not in pointers  # still held for its queued copy
+    torch.cuda.synchronize()
+    assert all(bool((t == 0xEE).all()) for t in fresh)  # no copy wrote into a block given out again
 
 
 def test_current_stream_follows_the_current_stream_and_reuses_one_wrapper_per_stream():

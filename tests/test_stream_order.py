@@ -253,3 +253,17 @@ def test_the_cuda_fence_and_prune_never_wait_for_the_inflight_lock():
     inflight.prune(blocking=True)
     inflight.forget_last(running)
     assert len(inflight) == 0 and engine.fence() is None
+
+
+def test_a_completed_copy_lets_go_of_what_it_held_even_where_a_copy_handle_shares_it():
+    """swapkit.engine.cuda Note [Host targets outlive their copies]: once pruned, a prefetch's held list
+    (shared with its CudaCopy, Note [A joined prefetch target is stream-ordered]) keeps nothing alive."""
+    inflight = Inflight()
+    held = ["host view", "device target"]
+    done = Event(False)
+    inflight.keep_until(done, held)
+    inflight.prune()
+    assert held == ["host view", "device target"]  # still running: both kept
+    done.done = True
+    inflight.prune()
+    assert len(inflight) == 0 and held == []  # a handle that still shares the list reaches nothing

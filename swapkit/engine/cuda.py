@@ -55,7 +55,11 @@ target stayed allocated at once, and the step's peak (``max_memory_allocated``) 
 saved bytes fell by 82% (an H100, benchmarks/results/cuda). ``record_stream`` on the side stream
 would not help: the allocator would then wait for the side stream to pass the free, which is as far
 behind. A target whose own stream never joins (the records die unread, or only another stream reads
-them) stays held until the copy completed, as before.
+them) stays held until the copy completed, as before. It must be the target's *own* stream: a block
+goes back only to the stream it was allocated on, and with expandable segments the allocator unmaps
+memory after synchronizing that stream alone, so a wait queued on any other stream would leave the
+side-stream copy unordered against both. This relies on a stream-ordered allocator (the native
+caching allocator, or ``cudaMallocAsync``), as Note [Copy sources are released in stream order] does.
 
 Note [A prefetched buffer used on another stream]
 A prefetched buffer belongs to the stream that was current when the prefetch was issued. If a
@@ -144,7 +148,8 @@ class CudaCopy:
         if stream not in self.joined:
             self.joined += (stream,)
         if stream == self.stream and self.held is not None:
-            del self.held[1:]  # Note [A joined prefetch target is stream-ordered]
+            held, self.held = self.held, None  # the copy no longer reaches the host view either
+            del held[1:]  # Note [A joined prefetch target is stream-ordered]
 
 
 class CudaTiming:
@@ -226,6 +231,8 @@ class Inflight:
                 popped = entries.popleft() if entries and entries[0] is head else None
             finally:
                 self._lock.release()
+            if popped is not None and isinstance(popped[1], list):
+                popped[1].clear()  # a prefetch's CudaCopy shares this list: it must not keep the host view
             del popped  # its references go here, outside the lock
 
     def forget_last(self, last: Any) -> None:
