@@ -194,6 +194,9 @@ def test_swap_on_cuda_is_bit_identical_to_the_same_run_without_swap(train_keys, 
         torch.use_deterministic_algorithms(False)
     assert swapped.summary["offloaded_bytes_per_step"] > 0 and kept.summary["offloaded_bytes_per_step"] == 0
     assert swapped.losses == kept.losses
+    summary = swapped.summary  # swapkit.train.summary Note [Memory figures]
+    assert summary["cuda_max_memory_reserved"] >= summary["cuda_max_memory_allocated"] > 0
+    assert "torch.cuda.max_memory_reserved (allocator retries)" in format_summary(summary)
 
 
 def test_recompute_matches_training_without_swapkit():
@@ -307,6 +310,17 @@ def test_summary_table_labels_cpu_memory_as_accounting():
     table = format_summary(summary)
     assert "peak device-resident saved bytes (session accounting, not RSS)" in table
     assert "late fetches" in table and "host pool bytes" in table and "median step time" in table
+    assert "torch.cuda" not in table and not any(key.startswith("cuda_") for key in summary)
+
+
+def test_summary_table_shows_the_allocators_figures_on_cuda():
+    summary = {**train(small_config(swap=SWAP), steps=2, progress=False).summary, "device": "cuda",
+               "cuda_max_memory_allocated": 3 << 20, "cuda_max_memory_reserved": 5 << 20, "cuda_alloc_retries": 4}
+    table = format_summary(summary)
+    assert "peak device-resident saved bytes (session accounting)" in table  # not RSS only on CPU
+    assert "torch.cuda.max_memory_allocated" in table
+    line, = [row for row in table.splitlines() if "max_memory_reserved" in row]
+    assert line.split()[0] == "torch.cuda.max_memory_reserved" and line.endswith("(4)")
 
 
 # ---------------------------------------------------------------- train.gc_interval (swapkit.train.collector)

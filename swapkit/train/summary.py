@@ -3,7 +3,13 @@
 Note [Memory figures]
 ``peak_device_bytes`` and friends are the swap session's accounting of device-resident saved
 activations. On CPU the "device" and the host share RAM: they are not the process's RSS. On CUDA
-the summary adds ``torch.cuda.max_memory_allocated``.
+the summary adds ``torch.cuda.max_memory_allocated``, ``max_memory_reserved`` and the allocator's
+retries (``num_alloc_retries``: mallocs that found no free block, freed the cache, which
+synchronizes the device, and tried again). Reserved is what a memory cap limits: a swapped storage
+freed while its copy to host is queued is no longer allocated, but its block stays reserved until
+the side stream ran the copy (``swapkit.engine.cuda`` Note [Copy sources are released in stream
+order]); on an H100 under a cap the layer swap's reserved bytes ran about 560 MiB above its
+allocated bytes, with about one retry per step (benchmarks/results/cuda/memory_cap).
 """
 from __future__ import annotations
 
@@ -66,8 +72,10 @@ def summarize(run: RunState) -> dict[str, Any]:
     summary["process_rss_bytes"] = psutil.Process().memory_info().rss  # the whole process, for scale
     if "stages" in run.records[0]:
         summary["stages"] = _stage_summary([r["stages"] for r in run.records])
-    if run.device.type == "cuda":
+    if run.device.type == "cuda":  # Note [Memory figures]
         summary["cuda_max_memory_allocated"] = torch.cuda.max_memory_allocated(run.device)
+        summary["cuda_max_memory_reserved"] = torch.cuda.max_memory_reserved(run.device)
+        summary["cuda_alloc_retries"] = torch.cuda.memory_stats(run.device).get("num_alloc_retries", 0)
     return summary
 
 
@@ -99,6 +107,9 @@ def format_summary(summary: Mapping[str, Any]) -> str:
             ("process RSS (psutil, whole process)", human_bytes(summary["process_rss_bytes"]))]
     if "cuda_max_memory_allocated" in summary:
         rows.append(("torch.cuda.max_memory_allocated", human_bytes(summary["cuda_max_memory_allocated"])))
+    if "cuda_max_memory_reserved" in summary:  # Note [Memory figures]
+        rows.append(("torch.cuda.max_memory_reserved (allocator retries)",
+                     f"{human_bytes(summary['cuda_max_memory_reserved'])} ({summary['cuda_alloc_retries']})"))
     if "resumed_from" in summary:
         rows.append(("resumed from", summary["resumed_from"]))
         rows += [("  changed since", note) for note in summary["resume_changes"]]
