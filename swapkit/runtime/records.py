@@ -320,8 +320,13 @@ def slot(region: torch.Tensor, offset: int, nbytes: int) -> torch.Tensor:
 
 
 def view_meta(tensor: torch.Tensor) -> tuple:
-    """What ``rebuild`` needs, including the lazy conjugate / negative bits of a view."""
-    return (tensor.dtype, tensor.size(), tensor.stride(), tensor.storage_offset(), tensor.is_conj(),
+    """What ``rebuild`` needs, including the lazy conjugate / negative bits of a view.
+
+    Every item is an object the cyclic garbage collector does not track: the size is a plain tuple,
+    not a ``torch.Size`` (a tuple subclass, which the collector tracks for life). So the collector
+    untracks the whole tuple at its first look and never carries it into the old generation, whose
+    growth triggers full collections (swapkit.runtime.step Note [The cost of a save])."""
+    return (tensor.dtype, tuple(tensor.size()), tensor.stride(), tensor.storage_offset(), tensor.is_conj(),
             tensor.is_neg())
 
 

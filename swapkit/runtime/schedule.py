@@ -8,6 +8,13 @@ Note [Lazy re-keying]
 A storage saved again later (a view, or Q/K/V reading one input) pushes its horizon out. Rather
 than searching the heap, the queue stores the key it was pushed with and, when that key comes
 due, compares it to the item's current key: if the item moved, it is pushed again.
+
+Note [Heap entries the collector does not see]
+A queue holds a swap record from its release until backward, across the whole forward. A heap
+entry ``(key, seq, record)`` would be one more object the cyclic garbage collector tracks per
+swapped storage for that long, and objects that old drive its full collections
+(``swapkit.runtime.step`` Note [The cost of a save]). So the heap holds ``(key, seq)`` pairs of
+integers, which the collector untracks at its first look, and the items sit in one dict by ``seq``.
 """
 from __future__ import annotations
 
@@ -29,14 +36,17 @@ class TickQueue(Generic[T]):
     def __init__(self, key: Callable[[T], int], descending: bool = False) -> None:
         self._key = key
         self._sign = -1 if descending else 1
-        self._heap: list[tuple[int, int, T]] = []
+        self._heap: list[tuple[int, int]] = []  # (signed key when pushed, seq)
+        self._items: dict[int, T] = {}  # seq -> item (Note [Heap entries the collector does not see])
         self._seq = itertools.count()  # ties pop in push order
 
     def __len__(self) -> int:
         return len(self._heap)
 
     def push(self, item: T) -> None:
-        heapq.heappush(self._heap, (self._sign * self._key(item), next(self._seq), item))
+        seq = next(self._seq)
+        self._items[seq] = item
+        heapq.heappush(self._heap, (self._sign * self._key(item), seq))
 
     def pop_due(self, bound: int) -> list[T] | tuple[()]:
         heap = self._heap
@@ -44,9 +54,10 @@ class TickQueue(Generic[T]):
         if not heap or heap[0][0] > limit:
             return ()  # the common case on every tick: nothing due, nothing built
         due: list[T] = []
-        key, sign, pop = self._key, self._sign, heapq.heappop
+        key, sign, pop, items = self._key, self._sign, heapq.heappop, self._items
         while heap and heap[0][0] <= limit:
-            pushed, _, item = pop(heap)
+            pushed, seq = pop(heap)
+            item = items.pop(seq)
             if sign * key(item) != pushed:  # Note [Lazy re-keying]
                 self.push(item)
             else:
@@ -54,6 +65,7 @@ class TickQueue(Generic[T]):
         return due
 
     def drain(self) -> list[T]:
-        items = [item for _, _, item in self._heap]
+        items = list(self._items.values())
         self._heap.clear()
+        self._items.clear()
         return items

@@ -79,7 +79,10 @@ attribute read there. What keeps them lean, each giving the same guarantee as th
 - a swap record keeps its first keeper in a slot: a list per record would be one more object for the
   cyclic garbage collector to scan in every collection while the step lives. Those collections are
   a large share of what is left: every object a save leaves alive until backward brings the next
-  collection nearer (``benchmarks/results/overhead``).
+  collection nearer (``benchmarks/results/overhead``). For the same reason a handle's view metadata
+  holds its size as a plain tuple, not a ``torch.Size`` (:func:`~swapkit.runtime.records.view_meta`),
+  and the tick queues' heap entries are pairs of integers (``swapkit.runtime.schedule`` Note [Heap
+  entries the collector does not see]): a swapped save leaves about five tracked objects, not seven.
 What is left is measured by ``benchmarks/microbench.py`` against bare identity hooks and against the
 floor of any safe keep (a detached keeper and its version, Note [Version keepers] in
 ``swapkit.runtime.records``): see ``benchmarks/results/overhead``.
