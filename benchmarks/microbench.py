@@ -8,7 +8,23 @@ Four ways of running the same step, interleaved:
 session that keeps everything (accounting only); (d) a swapkit session that swaps everything
 (layer swap, ``min_offload_bytes: 0``) through the unthrottled thread engine, with coalesced copies
 (the default ``runtime.offload_batch_bytes``); (e) the same with ``offload_batch_bytes: 0``, one copy job per
-storage as before coalescing, so the before/after ratio comes from one run.
+storage as before coalescing, so the before/after ratio comes from one run; (f) the floor of any safe
+keep (below). Two more ways take (d) apart (Note [Taking the swap way apart]): (g) as (d) with Python's
+cyclic garbage collector off during the step, (h) as (d) with every copy run on the thread that queues
+it (CPU only).
+
+Note [Taking the swap way apart]
+Two costs of (d) are not the session's bookkeeping, and each has its own way, run in the same
+repetitions, so that no cross-run difference (another process's load moves the thread engine's cost
+by half) enters the comparison:
+- (g) disables the cyclic collector for the step only (``gc.disable()`` inside the step's context,
+  enabled again after): (d) - (g) is what the collections that the step's live objects bring cost.
+- (h) closes its session's thread engine after the warm-up, so every copy runs inline on the thread
+  that queues it (``swapkit.engine.thread`` Note [Copies after close]): the same copies and the same
+  session work, without the hand-off to the copy thread. (d) - (h) is what the hand-offs cost the
+  main thread: waking the worker and the interpreter lock passing back and forth while both run
+  Python. The CUDA engine has no such thread (its copies are queued on a stream), so (h) is the
+  closer stand-in for the session's own cost on a GPU host, and it runs on CPU only.
 
 Note [Paired per-tensor costs]
 Each repetition runs every way once, in a fixed order. A way's cost per saved tensor in one repetition is
@@ -104,6 +120,19 @@ def _floor_hooks() -> ContextManager:
     return torch.autograd.graph.saved_tensors_hooks(_Keeper, _unpack_keeper)
 
 
+@contextlib.contextmanager
+def _without_collector(session: swapkit.SwapSession):
+    """``session`` with the cyclic garbage collector off until the step ends (way (g))."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with session:
+            yield session
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def count_saved(model: nn.Module, x: torch.Tensor) -> int:
     """Tensors autograd saves in one forward, counted with a pack hook."""
     count = 0
@@ -129,7 +158,7 @@ def _step(model: nn.Module, x: torch.Tensor, context: Callable[[], ContextManage
     return time.perf_counter() - start, time.thread_time() - cpu
 
 
-WAYS = ("none", "identity", "keep", "swap", "swap_per_tensor", "floor")
+WAYS = ("none", "identity", "keep", "swap", "swap_per_tensor", "floor", "swap_no_gc", "swap_inline")
 
 
 def run(device: torch.device, length: int, reps: int, width: int = 16, ways: tuple[str, ...] = WAYS) -> dict[str, Any]:
@@ -137,28 +166,43 @@ def run(device: torch.device, length: int, reps: int, width: int = 16, ways: tup
     (a) (Note [Paired per-tensor costs])."""
     x = torch.randn(width, device=device)
     models = {name: TinyModel(length, width).to(device) for name in WAYS if name in ways or name in WAYS[:2]}
+    if device.type != "cpu":
+        models.pop("swap_inline", None)  # Note [Taking the swap way apart]: the thread engine's hand-offs
     makers = {"keep": lambda m: _session(m, False), "swap": lambda m: _session(m, True),
-              "swap_per_tensor": lambda m: _session(m, True, coalesce=False)}
+              "swap_per_tensor": lambda m: _session(m, True, coalesce=False),
+              "swap_no_gc": lambda m: _session(m, True), "swap_inline": lambda m: _session(m, True)}
     sessions = {name: make(models[name]) for name, make in makers.items() if name in models}
     contexts = {"none": contextlib.nullcontext, "identity": _identity_hooks, "floor": _floor_hooks,
                 **{name: (lambda s=session: s) for name, session in sessions.items()}}
+    if "swap_no_gc" in sessions:
+        contexts["swap_no_gc"] = lambda s=sessions["swap_no_gc"]: _without_collector(s)
     saved = count_saved(models["none"], x)
     load_before = os.getloadavg()
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in models}
     for rep in range(reps + 2):  # two warm-up rounds
+        if rep == 2 and "swap_inline" in sessions:
+            sessions["swap_inline"].engine.close()  # Note [Taking the swap way apart]
         for name, model in models.items():
             seconds = _step(model, x, contexts[name])
             if rep >= 2:
                 times[name].append(seconds)
     stats = {name: session.stats for name, session in sessions.items()}
+    copy_threads = {name: _copy_thread_alive(session) for name, session in sessions.items()}
     for session in sessions.values():
         session.remove()
     summary = _summary(times, saved, length, width, stats.get("swap"))
     summary["load_average"] = {"before": load_before, "after": os.getloadavg()}
-    for name in ("swap", "swap_per_tensor"):
+    for name in ("swap", "swap_per_tensor", "swap_no_gc", "swap_inline"):
         jobs = getattr(stats.get(name), "offload_copies", None)  # a tree without coalescing has no such counter
         summary[f"{name}_copy_jobs"] = None if jobs is None else jobs + stats[name].prefetch_copies
+        summary[f"{name}_copy_thread"] = copy_threads.get(name)
     return summary
+
+
+def _copy_thread_alive(session: swapkit.SwapSession) -> bool | None:
+    """Whether the session's engine copies on a thread of its own (``None``: not a thread engine)."""
+    worker = getattr(session.engine, "_worker", False)
+    return None if worker is False else worker is not None and worker.is_alive()
 
 
 def _costs(times: dict[str, list[tuple[float, float]]], saved: int, clock: int) -> dict[str, float]:
@@ -271,7 +315,9 @@ def report_lines(result: dict[str, Any]) -> list[str]:
 LABELS = {"none": "(a) no hooks", "identity": "(b) identity saved_tensors_hooks",
           "keep": "(c) swapkit session, keep all", "swap": "(d) swapkit session, swap all (min_offload_bytes 0)",
           "swap_per_tensor": "(e) as (d), offload_batch_bytes 0 (one copy job per storage)",
-          "floor": "(f) floor: detached keeper + version check, no bookkeeping"}
+          "floor": "(f) floor: detached keeper + version check, no bookkeeping",
+          "swap_no_gc": "(g) as (d), cyclic GC off during the step",
+          "swap_inline": "(h) as (d), copies inline on the queueing thread (no copy thread)"}
 
 
 if __name__ == "__main__":

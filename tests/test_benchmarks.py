@@ -57,6 +57,23 @@ def _bench_module(name: str):
         sys.path.pop(0)
 
 
+def test_microbench_takes_the_swap_way_apart_and_leaves_the_collector_on():
+    """Ways (g) and (h) (Note [Taking the swap way apart] in benchmarks/microbench.py) run beside (d) in
+    the same repetitions; (g) turns the collector off for its steps only, and (h)'s copies run without
+    the copy thread, yet still move storages."""
+    import gc
+
+    microbench = _bench_module("microbench")
+    assert gc.isenabled()
+    micro = microbench.run(torch.device("cpu"), length=60, reps=1)
+    assert gc.isenabled()
+    assert set(microbench.WAYS) - {"none"} == set(micro["cpu_us_per_saved_tensor"])
+    assert micro["swap_inline_copy_jobs"] > 0 and micro["swap_copy_jobs"] > 0
+    assert micro["swap_inline_copy_thread"] is False and micro["swap_copy_thread"] is True
+    assert "(h) as (d), copies inline" in "\n".join(microbench.report_lines({"microbench": micro, "env": {
+        "date": "-", "torch": "-", "cpu_count": 2, "torch_threads": 2, "device": "cpu"}}))
+
+
 def test_default_output_is_not_the_committed_results():
     args = _bench_module("swap_vs_recompute").parse_args([])
     assert args.out == Path("bench-out")  # git-ignored; benchmarks/results/ only with an explicit --out
