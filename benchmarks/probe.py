@@ -11,8 +11,11 @@ copies live in the same RAM but come from the pool made in earlier steps, so the
 Whatever is alive at the end of the forward and not saved for backward (the loss) counts too.
 
 Note [Move check]
-For one step the engine's ``offload`` is wrapped to record the storage behind every
-device-to-host copy (held strongly for that step, so no address is reused). Two facts are then
+For one step the engine's ``offload_storages`` (the one way a batch's copy reaches any engine:
+``swapkit.runtime.batch`` Note [Coalesced copies]) is wrapped to record the storage behind every
+device-to-host copy (held strongly for that step, so no address is reused). Wrapping ``offload``
+instead saw only the thread engine's copies: the CUDA engine's batches never call it, and the first
+H100 runs reported 0 copies there. Two facts are then
 checked from the outside: no recorded storage overlaps a parameter or buffer, and no storage was
 copied twice.
 """
@@ -108,17 +111,17 @@ def move_check(runner: Runner, batch: tuple[torch.Tensor, torch.Tensor]) -> dict
     """Note [Move check]: parameter bytes moved and storages moved twice in one step."""
     engine = runner.session.engine
     copied: list[torch.UntypedStorage] = []
-    original = engine.offload
+    original = engine.offload_storages
 
-    def offload(src: torch.Tensor, dst: torch.Tensor) -> Any:
-        copied.append(src.untyped_storage())
-        return original(src, dst)
+    def offload_storages(region: torch.Tensor, sources: list, *args: Any, **kwargs: Any) -> Any:
+        copied.extend(storage for storage, _, _, _ in sources)
+        return original(region, sources, *args, **kwargs)
 
-    engine.offload = offload
+    engine.offload_storages = offload_storages
     try:
         runner.step(batch, record=False)
     finally:
-        del engine.offload  # back to the class's method
+        del engine.offload_storages  # back to the class's method
     stats = runner.session.stats
     return {"offload_copies": len(copied), "distinct_storages_moved": len({id(s) for s in copied}),
             "moved_twice": len(copied) - len({id(s) for s in copied}),

@@ -37,8 +37,10 @@ def test_quick_benchmark_writes_results_and_checks_hold(tmp_path):
         checks = row["checks"]
         assert checks["loss_equal"] and checks["grads_equal"], row["name"]
         assert checks["parameter_bytes_moved"] == 0 and checks["moved_twice"] == 0, row["name"]
+        assert checks["offload_copies"] == checks["stats_offloaded_tensors"], row["name"]  # Note [Move check]
     layer, saved = variants["swap layer (every layer)"], variants["session, nothing configured"]["peak_device_bytes"]
     assert layer["moved_bytes"] > 0.5 * saved  # copied to host whatever the copy thread's speed
+    assert layer["checks"]["offload_copies"] > 0  # the move check saw the batches' copies
     loaded = any("the machine was loaded" in w for w in data["warnings"])
     if not loaded:  # the thread engine releases a storage only once its copy finished: timing-dependent
         assert layer["memory_ratio"] < 0.5  # (swapkit.runtime.step Note [Releases never stall compute])
