@@ -9,6 +9,8 @@ whose inputs swapkit cannot know: plan those from Python with
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 
@@ -48,6 +50,11 @@ def _tokens(vocab: int, shape: tuple[int, int], seed: int) -> dict[str, torch.Te
 
 
 def _loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The step's loss, without a key/value cache: training needs none, and a cache in a recomputed
+    layer would only bring swapkit's warning (``swapkit.runtime.kv_cache``), which a CLI user could
+    not act on."""
+    if "use_cache" in inspect.signature(model.forward).parameters:
+        batch = {**batch, "use_cache": False}
     out = model(**batch, labels=batch["input_ids"]) if _has_lm_head(model) else model(**batch)
     return out.loss if _has_lm_head(model) else out[0].float().pow(2).mean()
 
