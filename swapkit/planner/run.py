@@ -40,7 +40,8 @@ from swapkit.train.loop import resolve_device
 
 logger = logging.getLogger(__name__)
 LAG_SAFETY = 2.0  # the planner assumes copies may be seen finished twice as late as the probe saw
-SELECT_RUNS = 2  # op scopes measured select-recomputed, one run each
+FIRST_MODES = (KEEP, RECOMPUTE, PROBE)  # measured first; then up to SELECT_RUNS op scopes select-recomputed
+SELECT_RUNS = 2
 
 
 @dataclass(frozen=True)
@@ -69,8 +70,7 @@ def measure(config: Config, device: str | None = None, steps: int = 3, warmup: i
     """
     _check_single_stage(config)
     where = resolve_device(config, device)
-    first = {mode: mode_config(config, mode) for mode in (KEEP, RECOMPUTE, PROBE)}
-    _check_memory(config, where, model, len(first) + (SELECT_RUNS if select else 0))
+    _check_memory(config, where, model, len(FIRST_MODES) + (SELECT_RUNS if select else 0))
     if model is not None:
         config = with_num_layers(model.factory(), config, model.layers)
     patterns = _config_patterns(config)
@@ -80,6 +80,7 @@ def measure(config: Config, device: str | None = None, steps: int = 3, warmup: i
                                    config.runtime.min_offload_bytes, SELECT_RUNS) if select else []
         return {SELECT + scope: mode_config(config, SELECT + scope) for scope in picked}
 
+    first = {mode: mode_config(config, mode) for mode in FIRST_MODES}
     results = measure_modes(first, later, where, patterns, steps, warmup, model)
     runs = {mode: result[0] for mode, result in results.items() if mode != PROBE}
     _, scope_seconds, scopes, _, keep_step = results[KEEP]
@@ -105,7 +106,8 @@ def _check_single_stage(config: Config) -> None:
 def _check_memory(config: Config, where: torch.device, model: ModelSource | None, runs: int) -> None:
     """Before any weights are built: the measurement runs fit in memory (``swapkit.train.budget``
     Note [Memory estimate]). On CPU all ``runs`` are held side by side (``swapkit.planner.sampling``
-    Note [Measuring modes side by side]); on a GPU they run one after another. A user's factory without an estimate is not checked."""
+    Note [Measuring modes side by side]); on a GPU they run one after another. A user's factory without
+    an estimate is not checked."""
     copies = runs if where.type == "cpu" else 1
     if model is None:
         build_plan(config)  # the built-in model needs num_layers: a missing one is a ConfigError here
