@@ -16,6 +16,7 @@ from swapkit.config.errors import BindError, ConfigError, Problem, clip
 if TYPE_CHECKING:
     from swapkit.config.types import Config
     from swapkit.plan.plan import Plan
+    from swapkit.planner.command import BudgetPlan
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 logger = logging.getLogger("swapkit")
@@ -198,8 +199,9 @@ def run_train(args: argparse.Namespace) -> int:
     return _train(config, args)
 
 
-def _train(config: Config, args: argparse.Namespace) -> int:
-    """Train ``config`` in this process, or one process per rank for a pipeline / data-parallel config."""
+def _train(config: Config, args: argparse.Namespace, plan: BudgetPlan | None = None) -> int:
+    """Train ``config`` in this process, or one process per rank for a pipeline / data-parallel config;
+    with the ``plan`` it came from (``--budget``), its measured peaks are checked against the budget."""
     from swapkit.distributed.launch import RankFailed, launch, world_size
     from swapkit.train import format_summary, train
     from swapkit.train.loop import resolve_device, resolve_steps
@@ -215,8 +217,14 @@ def _train(config: Config, args: argparse.Namespace) -> int:
             print(f"swapkit: {err}", file=sys.stderr)
             return EXIT_FAILED
     if result is not None:  # under torchrun only rank 0 has the result
-        print(format_summary(result.summary))
+        print(format_summary(result.summary if plan is None else _budget_checked(plan, result.summary)))
     return EXIT_OK
+
+
+def _budget_checked(plan: BudgetPlan, summary: dict[str, Any]) -> dict[str, Any]:
+    from swapkit.planner.command import budget_check
+
+    return budget_check(plan, summary)  # swapkit.planner.command Note [Measured peak over budget]
 
 
 def run_budget_train(args: argparse.Namespace) -> int:
@@ -233,7 +241,7 @@ def run_budget_train(args: argparse.Namespace) -> int:
     print(plan.report, file=sys.stderr)
     from swapkit.load import load_config
 
-    return _train(load_config(plan.config), args)  # a pipeline config trains on one process per stage
+    return _train(load_config(plan.config), args, plan)  # a pipeline config trains on one process per stage
 
 
 if __name__ == "__main__":

@@ -183,3 +183,39 @@ def test_empty_interior_chunk_across_interleave_rows():
     message = offset_error(8, 2, 2, [[1, 1], [-2, 0]])
     assert "leave chunk(s) [2] (row-major) empty" in message
     assert message.count("model.model_config.offset") == 1
+
+
+# ---------------------------------------------------------------- fewer layers than chunks
+
+def test_more_stages_than_layers_says_so_before_any_offset_arithmetic(capsys):
+    from swapkit.cli import main
+
+    assert main(["plan", "configs/tiny.yaml", "--set", "parallel_config.pipeline_stage=8"]) == 2
+    err = capsys.readouterr().err
+    assert ("  - parallel_config.pipeline_stage: got 8; expected no more chunks (pipeline_stage x pp_interleave_num "
+            "= 8 x 1 = 8) than model.model_config.num_layers (4) can fill: 8 chunks need num_layers >= 8, one layer "
+            "per chunk with offset 0. Set parallel_config.pipeline_stage to at most 4, or num_layers to at least 8"
+            ) in err, err
+    assert "add up to" not in err and "(1 problem)" in err
+
+
+def test_interleave_chunks_count_too():
+    message = offset_error(4, 2, 3, 0)
+    assert "parallel_config.pipeline_stage: got 2; expected no more chunks (pipeline_stage x pp_interleave_num = " \
+           "2 x 3 = 6) than model.model_config.num_layers (4)" in message
+    assert "Set parallel_config.pipeline_stage to at most 1 (or lower model.model_config.pp_interleave_num), or " \
+           "num_layers to at least 6" in message and OFFSET_PATH not in message
+
+
+def test_with_offsets_only_the_first_and_last_chunk_may_be_empty():
+    message = offset_error(4, 8, 1, [0, 1, 1, 1, 1, 0, 0, 0])
+    assert "8 chunks need num_layers >= 6, whatever the offset, only the first and the last chunk may be empty. " \
+           "Set parallel_config.pipeline_stage to at most 6, or num_layers to at least 6" in message
+    assert layout_of(6, 8, 1, [0, 1, 1, 1, 1, 1, 1, 0]).layer_list == ((0, 1, 1, 1, 1, 1, 1, 0),)  # 6 still fits
+    assert layout_of(8, 8).layer_list == ((1,) * 8,)
+
+
+def test_too_few_layers_and_a_malformed_offset_are_both_reported():
+    message = offset_error(4, 8, 1, [1, 2])
+    assert "(2 problems)" in message and "model.model_config.offset: got [1, 2]" in message
+    assert "parallel_config.pipeline_stage: got 8" in message and "num_layers >= 6" in message

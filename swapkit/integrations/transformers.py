@@ -147,6 +147,21 @@ def random_model(spec: str, seed: int = 0) -> nn.Module:
     """
     model_config = meta_model(spec).config
     torch.manual_seed(seed)
+    return _training_form(model_config)
+
+
+def meta_random_model(spec: str) -> nn.Module:
+    """:func:`random_model`'s model on the meta device: its parameters counted with no memory used.
+
+    Raises:
+        ValueError: as :func:`meta_model`.
+    """
+    model_config = meta_model(spec).config
+    with torch.device("meta"):
+        return _training_form(model_config)
+
+
+def _training_form(model_config: Any) -> nn.Module:
     try:
         return AutoModelForCausalLM.from_config(model_config)
     except ValueError:  # a family without a causal-LM head

@@ -62,7 +62,7 @@ def build_layout(
     """Compute the layout, recording problems (bad offset shape, sums, empty chunks) in ``problems``."""
     stages, chunks = pipeline_stage, pp_interleave_num
     grid = _broadcast_offset(offset, stages, chunks, problems)
-    if grid is None:
+    if not _enough_layers(num_layers, stages, chunks, grid, problems) or grid is None:
         return None
     if stages * chunks == 1:
         grid = ((0,),)  # MindFormers master ignores the offset without pipeline or interleave
@@ -93,6 +93,30 @@ def _broadcast_offset(offset: Any, stages: int, chunks: int, problems: Problems)
         problems.bad(OFFSET_PATH, offset, shape, f"found {found}")
         return None
     return tuple(tuple(row) for row in offset)
+
+
+def _enough_layers(num_layers: int, stages: int, chunks: int, grid: Grid | None, problems: Problems) -> bool:
+    """Fewer layers than chunks, said before any offset arithmetic (whose sums would read ``add up to 0``).
+
+    With offset 0 every chunk holds ``num_layers // (P*V)`` layers, so ``num_layers >= P*V``; whatever
+    the offset only the first and the last chunk may be empty, so never fewer than ``P*V - 2``
+    (``grid`` is ``None`` when the offset is malformed: then only that bound is known).
+    """
+    n_chunks = stages * chunks
+    zero_offset = grid is not None and not any(cell for row in grid for cell in row)
+    need, why = (n_chunks, "one layer per chunk with offset 0") if zero_offset else (
+        n_chunks - 2, "whatever the offset, only the first and the last chunk may be empty")
+    if n_chunks == 1 or num_layers >= need:
+        return True
+    cap = num_layers + n_chunks - need  # the most chunks num_layers can fill
+    lower = (f"parallel_config.pipeline_stage to at most {cap // chunks}" if cap // chunks >= 1 else
+             f"pipeline_stage x pp_interleave_num to at most {cap}")
+    also = " (or lower model.model_config.pp_interleave_num)" if chunks > 1 else ""
+    problems.bad("parallel_config.pipeline_stage", stages,
+                 f"no more chunks (pipeline_stage x pp_interleave_num = {stages} x {chunks} = {n_chunks}) than "
+                 f"model.model_config.num_layers ({num_layers}) can fill: {n_chunks} chunks need num_layers >= "
+                 f"{need}, {why}", f"set {lower}{also}, or num_layers to at least {need}")
+    return False
 
 
 def _check_layer_list(layer_list: Grid, num_layers: int, n_chunks: int, problems: Problems) -> bool:

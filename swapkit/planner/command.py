@@ -1,10 +1,21 @@
-"""``swapkit plan CONFIG --budget SIZE`` and ``swapkit train CONFIG --budget SIZE``: the planner's CLI glue."""
+"""``swapkit plan CONFIG --budget SIZE`` and ``swapkit train CONFIG --budget SIZE``: the planner's CLI glue.
+
+Note [Measured peak over budget]
+The budget constrains the peak of device-resident saved bytes (``peak_device_bytes``, the swap
+session's accounting; per stage for a pipeline: each stage has its own budget). The planner only
+predicts that peak from its measurement runs; ``swapkit train --budget`` then measures it, and the
+two can differ: a swapped storage leaves the device only once its copy is done, so copies that
+finish later than in the measurement runs (a busier machine, another link) hold more at once.
+When a measured peak is over its budget the run still trained correctly, so, as MindFormers and
+Megatron report memory, it is a WARNING naming the stage, both figures and what to do, and a
+row of the summary, not a failed run (exit status 0).
+"""
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import yaml
 
@@ -17,6 +28,7 @@ from swapkit.plan.planner import Planned
 from swapkit.plan.size import parse_size
 from swapkit.planner.run import measure, plan_for_budget
 from swapkit.planner.sources import source_from_spec
+from swapkit.train.summary import human_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -72,3 +84,58 @@ def write(plan: BudgetPlan, out: str | None) -> None:
     if out is not None:
         Path(out).write_text(plan.yaml(), encoding="utf-8")
         logger.info("wrote the planned config to %s", out)
+
+
+def budget_check(plan: BudgetPlan, summary: Mapping[str, Any]) -> dict[str, Any]:
+    """``summary`` with ``budget_check`` rows: per stage (one row without a pipeline) the measured
+    peak of device-resident saved bytes against its budget and the planner's prediction; a WARNING
+    is logged for each row over budget (Note [Measured peak over budget]).
+
+    Args:
+        plan: the plan the run trained (its ``document`` holds the budgets and predictions).
+        summary: the run's summary (``swapkit.train.summary.summarize``).
+
+    Returns:
+        A copy of ``summary``, with ``budget_check`` when a step ran.
+    """
+    if "peak_device_bytes" not in summary:  # no step ran: nothing was measured
+        return dict(summary)
+    rows = budget_rows(plan.document, summary)
+    for row in rows:
+        if row["over_budget"]:
+            logger.warning(overrun_message(row, rows))
+    return {**summary, "budget_check": rows}
+
+
+def budget_rows(document: Mapping[str, Any], summary: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Per stage (``stage`` None without a pipeline): budget, predicted and measured peak, over or not."""
+    if "stages" not in document:
+        return [_row(None, document["budget_bytes"], document["predicted"], summary["peak_device_bytes"])]
+    measured = {stage["stage"]: stage["peak_device_bytes"] for stage in summary.get("stages", ())}
+    return [_row(stage["stage"], stage["budget_bytes"], stage["predicted"], measured[stage["stage"]])
+            for stage in document["stages"] if stage["stage"] in measured]
+
+
+def _row(stage: int | None, budget: int, predicted: Mapping[str, Any], measured: int) -> dict[str, Any]:
+    return {"stage": stage, "budget_bytes": budget, "predicted_peak_bytes": predicted["peak_device_bytes"],
+            "measured_peak_bytes": measured, "over_budget": measured > budget}
+
+
+def overrun_message(row: Mapping[str, Any], rows: list[Mapping[str, Any]]) -> str:
+    """The WARNING for one row over budget: where, the figures, what to do (Note [Measured peak over budget])."""
+    where = "the run" if row["stage"] is None else f"stage {row['stage']}"
+    measured, budget = row["measured_peak_bytes"], row["budget_bytes"]
+    return (f"{where}: the measured peak of device-resident saved bytes, {human_bytes(measured)} ({measured:,} "
+            f"bytes), is over --budget {human_bytes(budget)} ({budget:,} bytes) by {100 * (measured / budget - 1):.0f}%"
+            f"; the planner predicted {human_bytes(row['predicted_peak_bytes'])}. The run trained correctly but the "
+            f"plan did not hold: plan under a lower budget (--budget {lower_budgets(rows)}), or add swap or "
+            f"recompute to {where}'s layers (swap_config, recompute_config). Measured peaks exceed predicted ones "
+            "when swapped copies finish later than in the planner's measurement runs (a busier machine): a swapped "
+            "activation leaves the device only once its copy is done")
+
+
+def lower_budgets(rows: list[Mapping[str, Any]]) -> str:
+    """``--budget`` text that takes each overrun off its own budget (one size per stage for a pipeline)."""
+    sizes = [r["budget_bytes"] * r["budget_bytes"] // r["measured_peak_bytes"] if r["over_budget"] else r["budget_bytes"]
+             for r in rows]
+    return ",".join(str(size) for size in sizes)

@@ -24,6 +24,7 @@ from swapkit.planner.segments import build_trace, to_segments
 from swapkit.planner.sampling import measure_modes
 from swapkit.planner.steps import ModelSource
 from swapkit.runtime.resolve import with_num_layers
+from swapkit.train.budget import BUILTIN_FIX, builtin_sizes, check_step_memory
 from swapkit.train.loop import resolve_device
 
 # Note [Copy overhead]
@@ -39,6 +40,8 @@ from swapkit.train.loop import resolve_device
 
 logger = logging.getLogger(__name__)
 LAG_SAFETY = 2.0  # the planner assumes copies may be seen finished twice as late as the probe saw
+FIRST_MODES = (KEEP, RECOMPUTE, PROBE)  # measured first; then up to SELECT_RUNS op scopes select-recomputed
+SELECT_RUNS = 2
 
 
 @dataclass(frozen=True)
@@ -62,20 +65,22 @@ def measure(config: Config, device: str | None = None, steps: int = 3, warmup: i
     own swap step, so the peak is per micro-batch) and the predicted step time counts every one.
 
     Raises:
-        ConfigError: ``parallel_config.pipeline_stage`` is not 1, or the device is unavailable.
+        ConfigError: ``parallel_config.pipeline_stage`` is not 1, the device is unavailable, or the
+            runs cannot fit in its memory (``swapkit.train.budget`` Note [Memory estimate]).
     """
     _check_single_stage(config)
     where = resolve_device(config, device)
+    _check_memory(config, where, model, len(FIRST_MODES) + (SELECT_RUNS if select else 0))
     if model is not None:
         config = with_num_layers(model.factory(), config, model.layers)
     patterns = _config_patterns(config)
 
     def later(tracer: Tracer, scopes: list[list[str]]) -> dict[str, Config]:
         picked = select_candidates(_warm_trace(tracer, config.model.num_layers), scopes[0],
-                                   config.runtime.min_offload_bytes) if select else []
+                                   config.runtime.min_offload_bytes, SELECT_RUNS) if select else []
         return {SELECT + scope: mode_config(config, SELECT + scope) for scope in picked}
 
-    first = {mode: mode_config(config, mode) for mode in (KEEP, RECOMPUTE, PROBE)}
+    first = {mode: mode_config(config, mode) for mode in FIRST_MODES}
     results = measure_modes(first, later, where, patterns, steps, warmup, model)
     runs = {mode: result[0] for mode, result in results.items() if mode != PROBE}
     _, scope_seconds, scopes, _, keep_step = results[KEEP]
@@ -96,6 +101,19 @@ def _check_single_stage(config: Config) -> None:
                                    "on the built-in model only (swapkit.planner.stages builds its stage chunks): "
                                    "drop --model, or set it to 1, or plan without --budget")],
                           config.source)
+
+
+def _check_memory(config: Config, where: torch.device, model: ModelSource | None, runs: int) -> None:
+    """Before any weights are built: the measurement runs fit in memory (``swapkit.train.budget``
+    Note [Memory estimate]). On CPU all ``runs`` are held side by side (``swapkit.planner.sampling``
+    Note [Measuring modes side by side]); on a GPU they run one after another. A user's factory without
+    an estimate is not checked."""
+    copies = runs if where.type == "cpu" else 1
+    if model is None:
+        build_plan(config)  # the built-in model needs num_layers: a missing one is a ConfigError here
+        check_step_memory(builtin_sizes(config), where, "the built-in model", BUILTIN_FIX, config.source, copies)
+    elif model.check_memory is not None:
+        model.check_memory(where, copies)
 
 
 def _measure_links(config: Config, where: torch.device, trace: Trace, copies: list) -> Links:

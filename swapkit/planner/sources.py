@@ -10,14 +10,15 @@ whose inputs swapkit cannot know: plan those from Python with
 from __future__ import annotations
 
 import inspect
+from typing import Callable
 
 import torch
 from torch import nn
 
 from swapkit.config.errors import ConfigError, Problem
 from swapkit.config.types import Config
-from swapkit.integrations.models import build_meta_model
 from swapkit.planner.steps import ModelSource
+from swapkit.train.budget import StepSizes, check_step_memory
 
 
 def source_from_spec(spec: str, config: Config, layers: str | None) -> ModelSource:
@@ -31,17 +32,39 @@ def source_from_spec(spec: str, config: Config, layers: str | None) -> ModelSour
                                               "hf:<config.json> models itself; for your own factory call "
                                               "swapkit.planner.measure(config, model=ModelSource(...)) from Python")])
     try:
-        from swapkit.integrations.transformers import random_model
+        from swapkit.integrations.transformers import meta_random_model, random_model
 
-        model_config = build_meta_model(spec).config
+        meta = meta_random_model(spec[len("hf:"):])
     except (ImportError, ValueError) as err:
         raise ConfigError([Problem("--model", str(err))]) from None
-    vocab = int(getattr(model_config, "vocab_size", 0) or 0)
+    vocab = int(getattr(meta.config, "vocab_size", 0) or 0)
     if vocab < 2:
         raise ConfigError([Problem("--model", f"{spec}: the planner feeds random token ids and needs a vocab_size")])
     seed, shape = config.train.seed, (config.train.batch_size, config.model.seq_length)
     return ModelSource(lambda: random_model(spec[len("hf:"):], seed), lambda step: _tokens(vocab, shape, seed + step),
-                       _loss, layers)
+                       _loss, layers, _memory_check(spec, hf_sizes(meta, config), config.source))
+
+
+def hf_sizes(meta: nn.Module, config: Config) -> StepSizes:
+    """A transformers model's sizes (its config's, through the family's attribute map: ``n_embd`` is
+    ``hidden_size`` for gpt2) and the config's micro-batch, for the memory estimate."""
+    model_config = meta.config
+
+    def size(name: str, default: int = 0) -> int:
+        return int(getattr(model_config, name, None) or default)
+
+    hidden = size("hidden_size")
+    return StepSizes(sum(p.numel() for p in meta.parameters()), size("num_hidden_layers"), hidden,
+                     size("intermediate_size", 4 * hidden), size("num_attention_heads"), size("vocab_size"),
+                     config.model.seq_length, config.train.batch_size)
+
+
+def _memory_check(spec: str, sizes: StepSizes, source: str | None) -> Callable[[torch.device, int], None]:
+    """``swapkit.train.budget`` Note [Memory estimate] for ``--model hf:...``, run before its weights are built."""
+    fix = ("Plan a smaller model: --model hf:<config.json> with fewer num_hidden_layers or a smaller hidden_size "
+           "(model.model_config.num_layers only counts the model's layers), or lower train.batch_size or "
+           "model.model_config.seq_length")
+    return lambda device, copies: check_step_memory(sizes, device, f"--model {spec}", fix, source, copies)
 
 
 def _tokens(vocab: int, shape: tuple[int, int], seed: int) -> dict[str, torch.Tensor]:

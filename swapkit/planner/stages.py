@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -25,6 +25,7 @@ from swapkit.plan.size import parse_size
 from swapkit.plan.stages import SCHEDULES, StageBudgetError, StagePlanner, StageSchedule
 from swapkit.planner.run import Measured, measure
 from swapkit.planner.steps import ModelSource
+from swapkit.train.budget import BUILTIN_FIX, builtin_sizes, check_step_memory
 from swapkit.train.model import lm_loss
 
 
@@ -156,7 +157,14 @@ def stage_source(config: Config, stage: int) -> ModelSource:
         with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
             return lm_loss(output, data["y"])
 
-    return ModelSource(factory, batch, loss, "layers")
+    return ModelSource(factory, batch, loss, "layers", _stage_memory(config, stage, len(plan.stage_layers(stage)[0])))
+
+
+def _stage_memory(config: Config, stage: int, num_layers: int) -> Callable[[torch.device, int], None]:
+    """The memory check of stage ``stage``'s chunk (``swapkit.train.budget`` Note [Memory estimate]):
+    an upper bound, the embedding and the head counted on every stage."""
+    sizes, what = builtin_sizes(measuring_config(config, num_layers)), f"stage {stage}'s chunk of the built-in model"
+    return lambda device, copies: check_step_memory(sizes, device, what, BUILTIN_FIX, config.source, copies)
 
 
 def global_choices(stages: list[StagePlanned], num_layers: int) -> tuple[Choice, ...]:

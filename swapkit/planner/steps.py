@@ -27,12 +27,16 @@ class ModelSource:
         batch: step number -> the batch the loss takes.
         loss: ``(model, batch) -> scalar loss``.
         layers: dotted path of the layer container (``"model.layers"``); ``None`` auto-detects.
+        check_memory: ``(device, copies) -> None``, raising a ConfigError when ``copies`` runs of the
+            model cannot fit on ``device`` (:func:`swapkit.train.budget.check_step_memory`); the
+            planner calls it before the factory. ``None``: not checked.
     """
 
     factory: Callable[[], nn.Module]
     batch: Callable[[int], Any]
     loss: Callable[[nn.Module, Any], torch.Tensor]
     layers: str | None = None
+    check_memory: Callable[[torch.device, int], None] | None = None
 
 
 class BuiltinSteps:

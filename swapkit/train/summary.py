@@ -117,8 +117,19 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         rows.append((f"stage {stage['stage']}: peak / swapped per step / late",
                      f"{human_bytes(stage['peak_device_bytes'])} / {human_bytes(stage['offloaded_bytes_per_step'])} / "
                      f"{stage['late_fetches']} ({stage['micro_steps']} micro-steps per step)"))
+    rows += [_budget_row(row) for row in summary.get("budget_check", ())]
     width = max(len(name) for name, _ in rows)
     return "\n".join(["swapkit train summary"] + [f"  {name.ljust(width)}  {value}" for name, value in rows])
+
+
+def _budget_row(row: Mapping[str, Any]) -> tuple[str, str]:
+    """``swapkit train --budget``: a stage's measured peak against its budget
+    (``swapkit.planner.command`` Note [Measured peak over budget])."""
+    where = "" if row["stage"] is None else f" stage {row['stage']}"
+    verdict = "OVER BUDGET (see the WARNING)" if row["over_budget"] else "within budget"
+    return (f"--budget{where}: measured peak / budget / predicted",
+            f"{human_bytes(row['measured_peak_bytes'])} / {human_bytes(row['budget_bytes'])} / "
+            f"{human_bytes(row['predicted_peak_bytes'])}: {verdict}")
 
 
 def human_bytes(nbytes: float) -> str:
