@@ -400,8 +400,8 @@ def test_overrides_are_yaml_values(tmp_path):
 
 def test_overrides_are_validated_like_the_file():
     problems = problems_of(MINIMAL, overrides=["train.steps=0", "swap_config.sawp=true"])
-    assert sorted(problems) == ["swap_config.sawp: unknown key; did you mean 'swap'?",
-                                "train.steps: got 0; expected an integer >= 1"]
+    assert sorted(problems) == ["swap_config.sawp (from --set swap_config.sawp=true): unknown key; did you mean 'swap'?",
+                                "train.steps (from --set train.steps=0): got 0; expected an integer >= 1"]
 
 
 def test_yaml_12_floats(tmp_path):
@@ -432,7 +432,7 @@ def test_bad_overrides(override, expected):
 def test_bad_overrides_are_collected_with_other_problems():
     problems = problems_of(with_sections(train={"lr": -1}), overrides=["nonsense", "train.steps=x"])
     assert problems[0].startswith("--set: got 'nonsense'")
-    assert "train.steps: got 'x'; expected an integer >= 1" in problems
+    assert "train.steps (from --set train.steps=x): got 'x'; expected an integer >= 1" in problems
     assert "train.lr: got -1; expected a number > 0" in problems
 
 

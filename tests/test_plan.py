@@ -121,7 +121,7 @@ def test_layer_swap_first_entry_wins():
 
 
 def test_layer_swap_true_covers_every_layer():
-    plan = plan_of(3, swap={"swap": True, "layer_swap": {"backward_prefetch": 2, "layers": True}})
+    plan = plan_of(3, swap={"swap": True, "layer_swap": [{"backward_prefetch": 2, "layers": True}]})
     assert [layer.layer_swap for layer in plan.layers] == [2, 2, 2]
 
 

@@ -162,3 +162,5 @@ class Config:
     #: key paths that were accepted but have no effect in PyTorch eager (MindSpore-only keys)
     no_effect: tuple[str, ...] = ()
     source: str | None = None
+    #: settings that load but do less than written, one message each (logged once by ``load_config``)
+    warnings: tuple[str, ...] = ()
