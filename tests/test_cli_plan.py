@@ -189,9 +189,9 @@ def test_unmatched_pattern_is_an_error(capsys, tmp_path):
     status, out, err = run_main(capsys, path)
     assert status == 2 and out == ""
     assert "Traceback" not in err
-    assert err.startswith(f"swapkit: invalid swapkit config in {path} (1 problem):\n  - select_recompute pattern "
-                          "'atention' matches no sub-module in any layer of LlamaModel.layers; did you mean "
-                          "'attention'?\n")
+    assert err == (f"swapkit: invalid swapkit config in {path} (1 problem):\n  - recompute_config.select_recompute[0]: "
+                   "select_recompute pattern 'atention' matches no sub-module in any layer of LlamaModel.layers; did "
+                   "you mean 'attention'? Replace 'atention' with 'attention'\n")
 
 
 # ---------------------------------------------------------------- subprocess, as a user runs it
@@ -363,3 +363,20 @@ def test_a_bad_swap_override_is_not_called_a_flip(capsys):
     assert status == 2
     assert err == ("swapkit: invalid swapkit command line (1 problem):\n"
                    "  - swap_config.swap (from --set swap_config.swap=y): got 'y'; expected true or false\n")
+
+
+def test_an_op_swap_typo_names_its_key_value_and_fix(capsys, tmp_path):
+    path = tmp_path / "typo.yaml"
+    path.write_text("model: {model_config: {num_layers: 2}}\nswap_config:\n  swap: true\n  op_swap:\n"
+                    "    - op_name: atention\n      backward_prefetch: 1\n      layers: [0]\n")
+    status, out, err = run_main(capsys, path)
+    assert status == 2 and out == ""
+    assert err == (f"swapkit: invalid swapkit config in {path} (1 problem):\n"
+                   "  - swap_config.op_swap[0].op_name: op_swap pattern 'atention' matches no sub-module in any layer "
+                   "of LlamaModel.layers; did you mean 'attention'? Replace 'atention' with 'attention'\n")
+    status, _, err = run_main(capsys, CONFIGS / "tiny.yaml", "--set",
+                              "swap_config.op_swap=[{op_name: atention, backward_prefetch: 1, layers: [1]}]")
+    assert status == 2
+    assert err.startswith("swapkit: invalid swapkit command line (1 problem):\n  - swap_config.op_swap[0].op_name "
+                          "(from --set swap_config.op_swap=[{op_name: atention, backward_prefetch: 1, layers: [1]}]): "
+                          "op_swap pattern 'atention' matches no sub-module")
