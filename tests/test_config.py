@@ -411,6 +411,38 @@ def test_yaml_12_floats(tmp_path):
     assert (config.model.rms_norm_eps, config.train.lr, config.train.weight_decay) == (1e-6, 2e-4, 1e-2)
 
 
+def test_booleans_are_read_as_pyyaml_and_mindformers_read_them(tmp_path):
+    """Note [YAML 1.1 booleans]: yes/no/on/off are booleans (as in MindFormers), y/n are text."""
+    path = write(tmp_path, "model: {model_config: {num_layers: 2}}\nswap_config: {swap: yes}\n"
+                           "recompute_config: {use_reentrant: On, recompute: NO}\nruntime: {verify: off}\n")
+    config = load_config(path)
+    assert (config.swap.swap, config.recompute.use_reentrant, config.recompute.recompute, config.runtime.verify) == (
+        True, True, False, False)
+    assert load_config(path, overrides=["swap_config.swap=off"]).swap.swap is False
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()  # says so, not "YAML 1.2" for all
+    assert ("Booleans are read as PyYAML (YAML 1.1) and so MindFormers reads them, so a MindFormers file means the "
+            "same here: `true`/`false`, `yes`/`no`, `on`/`off` (lower, Title or UPPER case) are booleans; `y`, `n` and "
+            "quoted words are text") in readme
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("swap_config: {swap: y}", "swap_config.swap: got 'y'; expected true or false. Write true or false, unquoted (y, n "
+                               "and quoted words are text; unquoted yes/no/on/off are booleans, as PyYAML and "
+                               "MindFormers read them)"),
+    ("recompute_config: {use_reentrant: 'yes'}", "recompute_config.use_reentrant: got 'yes'; expected true or false. "
+                                                 "Write true or false, unquoted"),
+    ("train: {dtype: off}", "train.dtype: got false; expected one of 'fp32', 'bf16'. An unquoted true/false, yes/no or "
+                            "on/off is a boolean in YAML; quote it ('off') if you mean the text"),
+    ("train: {save_dir: no}", "train.save_dir: got false; expected a non-empty string. An unquoted true/false"),
+])
+def test_boolean_and_text_mixups_say_what_to_write(tmp_path, text, expected):
+    path = write(tmp_path, f"model: {{model_config: {{num_layers: 2}}}}\n{text}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    (problem,) = info.value.problems
+    assert str(problem).startswith(expected), str(problem)
+
+
 def test_override_into_a_null_section():
     config = load_config({"model": {"model_config": {"num_layers": 2}}, "train": None}, overrides=["train.steps=7"])
     assert config.train.steps == 7
