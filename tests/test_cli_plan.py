@@ -361,8 +361,9 @@ def test_the_last_set_that_wrote_a_key_is_named(capsys):
 def test_a_bad_swap_override_is_not_called_a_flip(capsys):
     status, _, err = run_main(capsys, CONFIGS / "tiny.yaml", "--set", "swap_config.swap=y")
     assert status == 2
-    assert err == ("swapkit: invalid swapkit command line (1 problem):\n"
-                   "  - swap_config.swap (from --set swap_config.swap=y): got 'y'; expected true or false\n")
+    assert err.startswith("swapkit: invalid swapkit command line (1 problem):\n"
+                          "  - swap_config.swap (from --set swap_config.swap=y): got 'y'; expected true or false. ")
+    assert "flips" not in err
 
 
 def test_an_op_swap_typo_names_its_key_value_and_fix(capsys, tmp_path):
