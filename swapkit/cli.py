@@ -127,7 +127,9 @@ def run_plan(args: argparse.Namespace) -> int:
     if not (args.log or args.verbose):
         logger.setLevel(logging.WARNING)
     config = load_config(args.config, args.overrides)  # before importing torch: a bad config fails fast
-    from swapkit.plan.report import plan_report, summary, table, unmatched_errors, with_exact_overridden
+    from swapkit.config.errors import Problems
+    from swapkit.config.loader import blame_overrides
+    from swapkit.plan.report import plan_report, summary, table, unmatched_problems, with_exact_overridden
     from swapkit.runtime.binding import bind, module_tree
 
     model, plan = _plan_model(args, config)
@@ -137,9 +139,10 @@ def run_plan(args: argparse.Namespace) -> int:
         logger.warning(message)
     binding = bind(model, plan, args.layers)
     trees = [module_tree(layer.module) for layer in binding.layers]
-    errors = unmatched_errors(plan, trees, f"{type(model).__name__}.{binding.layers_path}")
-    if errors:
-        raise ConfigError([Problem("", message) for message in errors], config.source)
+    problems = Problems()
+    problems.items = unmatched_problems(plan, trees, f"{type(model).__name__}.{binding.layers_path}")
+    blame_overrides(problems, args.overrides)  # Note [Blame the command line]
+    problems.raise_if_any(config.source)
     for level, message in plan_report(plan, trees):
         logger.log(logging.getLevelName(level), message)
     plan = with_exact_overridden(plan, trees)

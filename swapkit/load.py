@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from swapkit.config.errors import Problems
-from swapkit.config.loader import read_config, source_name, warn_inactive_swap, warn_no_effect
+from swapkit.config.loader import (blame_overrides, read_config, source_name, warn_inactive_swap, warn_no_effect,
+                                   warn_written)
 from swapkit.config.types import Config
 from swapkit.plan.plan import check_plan
 from swapkit.plan.readings import count_shaped_warnings, flip_warnings
@@ -42,11 +43,13 @@ def load_config(source: str | Path | Mapping[str, Any], overrides: Sequence[str]
     config = read_config(source, overrides, problems)
     if config is not None and config.model.num_layers is not None:  # else the model counts them (apply)
         check_plan(config, problems, for_model=False)
+    blame_overrides(problems, overrides)  # Note [Blame the command line]
     if problems and config is not None:
         _blame_the_flip(source, overrides, config, problems)
     problems.raise_if_any(source_name(source))
     warn_no_effect(config)
     warn_inactive_swap(config)
+    warn_written(config)
     for message in _flipped(source, overrides, config) or count_shaped_warnings(config):
         logger.warning(message)  # Note [Two readings of a recompute list]
     return config
@@ -65,6 +68,8 @@ def _blame_the_flip(source: str | Path | Mapping[str, Any], overrides: Sequence[
                     problems: Problems) -> None:
     """A config that fails after ``--set swap_config.swap`` flipped the file: say the flip changed the lists' reading."""
     file_swap = _file_swap(source, overrides)
+    if not isinstance(config.swap.swap, bool):  # the override's value is itself wrong (reported): no flip
+        return
     if file_swap is not None and file_swap != config.swap.swap and flip_warnings(config, file_swap):
         now, before = ("true", "false") if config.swap.swap else ("false", "true")
         problems.add(SWAP_KEY, f"--set {SWAP_KEY}={now} flips the file's {before}, and with it what the recompute "

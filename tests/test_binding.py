@@ -107,9 +107,10 @@ def test_pattern_matching_nothing_in_any_layer_is_an_error():
     with pytest.raises(swapkit.BindError) as info:
         swapkit.apply(model, config, layers="layers")
     assert str(info.value) == (
-        "the config names op scopes this model does not have:\n  - op_swap pattern 'no_such_op' matches no "
-        "sub-module in any layer of LlamaModel.layers; its layers' children are: attention, attention_norm, "
-        "feed_forward, ffn_norm, hidden_dropout")
+        "the config names op scopes this model does not have:\n  - swap_config.op_swap[0].op_name: op_swap pattern "
+        "'no_such_op' matches no sub-module in any layer of LlamaModel.layers; its layers' children are: attention, "
+        "attention_norm, feed_forward, ffn_norm, hidden_dropout. Write one of these names, or a path below one with "
+        "\\. between the names (e.g. 'attention\\.flash_attention')")
     assert not hasattr(model, "_swapkit_applied")  # nothing was installed: apply again works
     swapkit.apply(model, toy_config(4), layers="layers").remove()
 

@@ -189,9 +189,9 @@ def test_unmatched_pattern_is_an_error(capsys, tmp_path):
     status, out, err = run_main(capsys, path)
     assert status == 2 and out == ""
     assert "Traceback" not in err
-    assert err.startswith(f"swapkit: invalid swapkit config in {path} (1 problem):\n  - select_recompute pattern "
-                          "'atention' matches no sub-module in any layer of LlamaModel.layers; did you mean "
-                          "'attention'?\n")
+    assert err == (f"swapkit: invalid swapkit config in {path} (1 problem):\n  - recompute_config.select_recompute[0]: "
+                   "select_recompute pattern 'atention' matches no sub-module in any layer of LlamaModel.layers; did "
+                   "you mean 'attention'? Replace 'atention' with 'attention'\n")
 
 
 # ---------------------------------------------------------------- subprocess, as a user runs it
@@ -328,3 +328,56 @@ def test_pattern_from_the_table_works_in_a_config(capsys, tmp_path):
     assert cell == r".*\.flash_attention:1"
     path.write_text(path.read_text().replace(r".*\.flash_attention", cell[:-2]))
     assert run_main(capsys, path)[0] == 0
+
+
+# ---------------------------------------------------------------- Note [Blame the command line]
+
+def test_a_bad_key_from_set_names_the_set_not_the_file(capsys):
+    status, out, err = run_main(capsys, CONFIGS / "tiny.yaml", "--set", "swap_config.swp=true")
+    assert status == 2 and out == ""
+    assert err == ("swapkit: invalid swapkit command line (1 problem):\n"
+                   "  - swap_config.swp (from --set swap_config.swp=true): unknown key; did you mean 'swap'?\n")
+
+
+def test_file_and_set_problems_are_each_blamed_on_their_source(capsys, tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("model: {model_config: {num_layers: 4}}\ntrain: {lr: -1}\n")
+    status, _, err = run_main(capsys, path, "--set", "swap_config.layer_swap=[{layers: [9], backward_prefetch: 1}]",
+                              "--set", "train.steps=0")
+    assert status == 2
+    assert err == (f"swapkit: invalid swapkit config in {path} (3 problems):\n"
+                   "  - swap_config.layer_swap[0].layers (from --set swap_config.layer_swap=[{layers: [9], "
+                   "backward_prefetch: 1}]): got [9]; expected layer indices >= 0 < num_layers (4). Out of range: [9]\n"
+                   "  - train.lr: got -1; expected a number > 0\n"
+                   "  - train.steps (from --set train.steps=0): got 0; expected an integer >= 1\n")
+
+
+def test_the_last_set_that_wrote_a_key_is_named(capsys):
+    status, _, err = run_main(capsys, CONFIGS / "tiny.yaml", "--set", "train.steps=2", "--set", "train={steps: 0}")
+    assert status == 2
+    assert "  - train.steps (from --set train={steps: 0}): got 0; expected an integer >= 1\n" in err
+
+
+def test_a_bad_swap_override_is_not_called_a_flip(capsys):
+    status, _, err = run_main(capsys, CONFIGS / "tiny.yaml", "--set", "swap_config.swap=y")
+    assert status == 2
+    assert err.startswith("swapkit: invalid swapkit command line (1 problem):\n"
+                          "  - swap_config.swap (from --set swap_config.swap=y): got 'y'; expected true or false. ")
+    assert "flips" not in err
+
+
+def test_an_op_swap_typo_names_its_key_value_and_fix(capsys, tmp_path):
+    path = tmp_path / "typo.yaml"
+    path.write_text("model: {model_config: {num_layers: 2}}\nswap_config:\n  swap: true\n  op_swap:\n"
+                    "    - op_name: atention\n      backward_prefetch: 1\n      layers: [0]\n")
+    status, out, err = run_main(capsys, path)
+    assert status == 2 and out == ""
+    assert err == (f"swapkit: invalid swapkit config in {path} (1 problem):\n"
+                   "  - swap_config.op_swap[0].op_name: op_swap pattern 'atention' matches no sub-module in any layer "
+                   "of LlamaModel.layers; did you mean 'attention'? Replace 'atention' with 'attention'\n")
+    status, _, err = run_main(capsys, CONFIGS / "tiny.yaml", "--set",
+                              "swap_config.op_swap=[{op_name: atention, backward_prefetch: 1, layers: [1]}]")
+    assert status == 2
+    assert err.startswith("swapkit: invalid swapkit command line (1 problem):\n  - swap_config.op_swap[0].op_name "
+                          "(from --set swap_config.op_swap=[{op_name: atention, backward_prefetch: 1, layers: [1]}]): "
+                          "op_swap pattern 'atention' matches no sub-module")

@@ -400,8 +400,8 @@ def test_overrides_are_yaml_values(tmp_path):
 
 def test_overrides_are_validated_like_the_file():
     problems = problems_of(MINIMAL, overrides=["train.steps=0", "swap_config.sawp=true"])
-    assert sorted(problems) == ["swap_config.sawp: unknown key; did you mean 'swap'?",
-                                "train.steps: got 0; expected an integer >= 1"]
+    assert sorted(problems) == ["swap_config.sawp (from --set swap_config.sawp=true): unknown key; did you mean 'swap'?",
+                                "train.steps (from --set train.steps=0): got 0; expected an integer >= 1"]
 
 
 def test_yaml_12_floats(tmp_path):
@@ -409,6 +409,38 @@ def test_yaml_12_floats(tmp_path):
     path = write(tmp_path, "model: {model_config: {num_layers: 3, rms_norm_eps: 1e-6}}\ntrain: {lr: 2E-4}\n")
     config = load_config(path, overrides=["train.weight_decay=1e-2"])
     assert (config.model.rms_norm_eps, config.train.lr, config.train.weight_decay) == (1e-6, 2e-4, 1e-2)
+
+
+def test_booleans_are_read_as_pyyaml_and_mindformers_read_them(tmp_path):
+    """Note [YAML 1.1 booleans]: yes/no/on/off are booleans (as in MindFormers), y/n are text."""
+    path = write(tmp_path, "model: {model_config: {num_layers: 2}}\nswap_config: {swap: yes}\n"
+                           "recompute_config: {use_reentrant: On, recompute: NO}\nruntime: {verify: off}\n")
+    config = load_config(path)
+    assert (config.swap.swap, config.recompute.use_reentrant, config.recompute.recompute, config.runtime.verify) == (
+        True, True, False, False)
+    assert load_config(path, overrides=["swap_config.swap=off"]).swap.swap is False
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()  # says so, not "YAML 1.2" for all
+    assert ("Booleans are read as PyYAML (YAML 1.1) and so MindFormers reads them, so a MindFormers file means the "
+            "same here: `true`/`false`, `yes`/`no`, `on`/`off` (lower, Title or UPPER case) are booleans; `y`, `n` and "
+            "quoted words are text") in readme
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("swap_config: {swap: y}", "swap_config.swap: got 'y'; expected true or false. Write true or false, unquoted (y, n "
+                               "and quoted words are text; unquoted yes/no/on/off are booleans, as PyYAML and "
+                               "MindFormers read them)"),
+    ("recompute_config: {use_reentrant: 'yes'}", "recompute_config.use_reentrant: got 'yes'; expected true or false. "
+                                                 "Write true or false, unquoted"),
+    ("train: {dtype: off}", "train.dtype: got false; expected one of 'fp32', 'bf16'. An unquoted true/false, yes/no or "
+                            "on/off is a boolean in YAML; quote it ('off') if you mean the text"),
+    ("train: {save_dir: no}", "train.save_dir: got false; expected a non-empty string. An unquoted true/false"),
+])
+def test_boolean_and_text_mixups_say_what_to_write(tmp_path, text, expected):
+    path = write(tmp_path, f"model: {{model_config: {{num_layers: 2}}}}\n{text}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    (problem,) = info.value.problems
+    assert str(problem).startswith(expected), str(problem)
 
 
 def test_override_into_a_null_section():
@@ -432,7 +464,7 @@ def test_bad_overrides(override, expected):
 def test_bad_overrides_are_collected_with_other_problems():
     problems = problems_of(with_sections(train={"lr": -1}), overrides=["nonsense", "train.steps=x"])
     assert problems[0].startswith("--set: got 'nonsense'")
-    assert "train.steps: got 'x'; expected an integer >= 1" in problems
+    assert "train.steps (from --set train.steps=x): got 'x'; expected an integer >= 1" in problems
     assert "train.lr: got -1; expected a number > 0" in problems
 
 

@@ -117,7 +117,8 @@ CASES = [
     ("lr-nan", "train", BASE + "  lr: .nan\n", [], 2, ["train.lr: got nan"]),
     ("sexagesimal-steps", "train", BASE + "  steps: 1:30\n", [], 2, ["train.steps: got '1:30'", "base-60"]),
     ("octal-seed", "train", BASE + "  seed: 010\n", [], 2, ["train.seed: got '010'", "octal"]),
-    ("sexagesimal-set", "train", BASE, ["--set", "train.steps=1:30"], 2, ["train.steps: got '1:30'", "base-60"]),
+    ("sexagesimal-set", "train", BASE, ["--set", "train.steps=1:30"], 2,
+     ["train.steps (from --set train.steps=1:30): got '1:30'", "base-60"]),
     # ---- outputs checked before the first step
     ("metrics-missing-parent", "train", BASE, ["--metrics-out", "{tmp}/missing/m.json"], 2,
      ["--metrics-out: got", "does not exist"]),

@@ -233,3 +233,13 @@ def test_megatron_with_swap():
     plan = build_plan(load_config(config))
     assert plan.layers[0].overridden == ("layer",)
     assert plan.layers[1].overridden == () and plan.layers[1].layer_swap == 2
+
+
+def test_the_keys_written_are_recorded_but_are_not_a_setting_a_checkpoint_compares():
+    """Note [Where a pattern was written]: errors name the key written; a resume compares settings only."""
+    from swapkit.train.resume_check import config_record
+
+    config = load_config({"model": {"model_config": {"num_layers": 2}},
+                          "recompute_config": {"recompute_granularity": "selective", "module_scopes": {"mlp": "x"}}})
+    assert config.recompute.given == ("module_scopes", "recompute_granularity", "module_scopes.mlp")
+    assert "given" not in config_record(config)["recompute_config"]

@@ -1,9 +1,12 @@
 """swap_config normalization (DESIGN §3 "swap_config"): default strategy, layer_swap, op_swap."""
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from swapkit import ConfigError, build_plan, load_config
+from swapkit.config.errors import show
 from swapkit.plan.normalize import DEFAULT_SWAP_OP, SwapRule
 
 
@@ -46,14 +49,29 @@ def test_no_swap_rules_when_swap_is_off():
     assert result.log_lines(swap_on=False)[-1].startswith("Formative select_comm_recompute_exclude")
 
 
-def test_layer_swap_list_and_single_mapping():
+def test_layer_swap_list():
     result = formative({"swap": True, "layer_swap": [{"backward_prefetch": 20, "layers": [0, 3]},
                                                           {"backward_prefetch": 5, "layers": [3, 1]}]})
     assert result.layer_swap == (SwapRule(20, (0, 3)), SwapRule(5, (3, 1)))
     assert result.op_swap == {}
-    single = formative({"swap": True, "layer_swap": {"backward_prefetch": 2, "layers": [1]}})
+    single = formative({"swap": True, "layer_swap": [{"backward_prefetch": 2, "layers": [1]}]})
     assert single.layer_swap == (SwapRule(2, (1,)),)
     assert single.log_lines(True)[-2] == "Formative layer swap: [{'backward_prefetch': 2, 'layers': [1]}]"
+
+
+@pytest.mark.parametrize("key, entry, written", [
+    ("layer_swap", {"backward_prefetch": 2, "layers": [1]}, "[{backward_prefetch: 2, layers: [1]}]"),
+    ("op_swap", {"op_name": "attention", "backward_prefetch": 7, "layers": True},
+     "[{op_name: attention, backward_prefetch: 7, layers: true}]"),
+])
+def test_a_single_mapping_is_refused_with_the_list_to_write(key, entry, written):
+    """MindFormers refuses a layer_swap that is not a list (Note [A swap list is a list])."""
+    with pytest.raises(ConfigError) as info:
+        load_config({"model": {"model_config": {"num_layers": 4}}, "swap_config": {"swap": True, key: entry}})
+    (problem,) = info.value.problems
+    assert problem.path == f"swap_config.{key}"
+    assert problem.message.startswith(f"got {show(entry)}; expected a list of ")
+    assert f"Write a list: {key}: {written} (in block style, put '- ' before the entry's first key)" in problem.message
 
 
 def test_op_swap_groups_by_op_name_in_order_of_first_appearance():
@@ -69,8 +87,8 @@ def test_op_swap_groups_by_op_name_in_order_of_first_appearance():
     assert result.op_swap[r".*\.norm"] == (SwapRule(3, True),)
 
 
-def test_op_swap_single_mapping():
-    result = formative({"swap": True, "op_swap": {"op_name": "attention", "backward_prefetch": 7, "layers": True}})
+def test_op_swap_one_item_list():
+    result = formative({"swap": True, "op_swap": [{"op_name": "attention", "backward_prefetch": 7, "layers": True}]})
     assert result.op_swap == {"attention": (SwapRule(7, True),)}
 
 
@@ -156,3 +174,71 @@ def test_swap_lists_of_the_wrong_type():
     message = error({"swap": True, "layer_swap": "all", "op_swap": 3})
     assert "swap_config.layer_swap: got 'all'; expected a list of {backward_prefetch, layers} mappings" in message
     assert "swap_config.op_swap: got 3; expected a list of {op_name, backward_prefetch, layers} mappings" in message
+
+
+# ---------------------------------------------------------------- Note [Swap settings that do less than written]
+
+def swap_warnings(caplog, swap, num_layers=4) -> list[str]:
+    with caplog.at_level(logging.WARNING, logger="swapkit"):
+        load_config({"model": {"model_config": {"num_layers": num_layers}}, "swap_config": swap})
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+
+@pytest.mark.parametrize("key, entry", [
+    ("layer_swap", {"backward_prefetch": 2, "layers": [0, 3, 0, 3, 1]}),
+    ("op_swap", {"op_name": "attention", "backward_prefetch": 2, "layers": [0, 3, 0, 3, 1]}),
+])
+def test_a_layer_listed_twice_is_warned_once(caplog, key, entry):
+    warnings = swap_warnings(caplog, {"swap": True, key: [{**entry, "layers": [2]}, entry]}, num_layers=6)
+    assert warnings == [f"swap_config.{key}[1].layers lists layer(s) [0, 3] more than once ([0, 3, 0, 3, 1]); a "
+                        "layer is swapped once, the repeats do nothing: list each layer once"]
+
+
+def test_overlapping_layer_swap_entries_warn_which_wins(caplog):
+    swap = {"swap": True, "layer_swap": [{"backward_prefetch": 20, "layers": [0, 3]},
+                                         {"backward_prefetch": 5, "layers": [3, 1]},
+                                         {"backward_prefetch": 20, "layers": [0]}]}  # same value: harmless
+    assert swap_warnings(caplog, swap) == [
+        "swap_config.layer_swap[0] and swap_config.layer_swap[1] both list layer(s) [3] with different "
+        "backward_prefetch (20 and 5); the first entry wins: they get backward_prefetch 20 from "
+        "swap_config.layer_swap[0], and swap_config.layer_swap[1]'s 5 is ignored for them; list each layer in one entry"]
+    plan = build_plan(load_config({"model": {"model_config": {"num_layers": 4}}, "swap_config": swap}))
+    assert [layer.layer_swap for layer in plan.layers] == [20, 5, None, 20]  # what the warning says
+
+
+def test_overlapping_op_swap_entries_warn_per_op_name(caplog):
+    swap = {"swap": True, "op_swap": [{"op_name": ["attention", "feed_forward"], "backward_prefetch": 2, "layers": [1]},
+                                      {"op_name": "feed_forward", "backward_prefetch": 2, "layers": [1, 2]},
+                                      {"op_name": "attention", "backward_prefetch": 9, "layers": [1, 2]}]}
+    assert swap_warnings(caplog, swap) == [
+        "swap_config.op_swap[0] and swap_config.op_swap[2] for op_name 'attention' both list layer(s) [1] with "
+        "different backward_prefetch (2 and 9); the first entry wins: they get backward_prefetch 2 from "
+        "swap_config.op_swap[0], and swap_config.op_swap[2]'s 9 is ignored for them; list each layer in one entry"]
+    plan = build_plan(load_config({"model": {"model_config": {"num_layers": 4}}, "swap_config": swap}))
+    assert plan.layers[1].op_swap == (("attention", 2), ("feed_forward", 2))
+
+
+def test_many_overlaps_are_counted_not_listed(caplog):
+    entries = [{"backward_prefetch": 1 + i, "layers": [0]} for i in range(9)]
+    warnings = swap_warnings(caplog, {"swap": True, "layer_swap": entries})
+    assert len(warnings) == 5
+    assert warnings[-1].endswith("(3 more overlapping pairs of swap_config.layer_swap not listed)")
+
+
+@pytest.mark.parametrize("lists, given", [
+    ({"layer_swap": [{"backward_prefetch": 3, "layers": [0]}]}, "swap_config.layer_swap is given"),
+    ({"op_swap": []}, "swap_config.op_swap is given"),  # an empty list turns the default strategy off too
+    ({"layer_swap": [], "op_swap": []}, "swap_config.layer_swap and swap_config.op_swap are given"),
+])
+def test_default_prefetch_next_to_swap_lists_is_warned(caplog, lists, given):
+    warnings = swap_warnings(caplog, {"swap": True, "default_prefetch": 10, **lists})
+    assert warnings == [
+        "swap_config.default_prefetch (10) is ignored: it applies only to the default swap strategy "
+        f"(swap_config.swap: true with neither layer_swap nor op_swap), as in MindFormers, and {given}; set "
+        "backward_prefetch in each entry and remove default_prefetch"]
+
+
+def test_settings_that_do_what_they_say_are_not_warned(caplog):
+    assert swap_warnings(caplog, {"swap": True, "default_prefetch": 10}) == []
+    assert swap_warnings(caplog, {"swap": True, "layer_swap": [{"backward_prefetch": 3, "layers": [0, 1]},
+                                                                {"backward_prefetch": 4, "layers": [2]}]}) == []

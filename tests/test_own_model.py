@@ -78,3 +78,67 @@ def test_swapkit_train_needs_num_layers_for_the_builtin_model(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "Traceback" not in err
     assert "model.model_config.num_layers: missing; give the layer count" in err
+
+
+# ---------------------------------------------------------------- Note [Where a pattern was written]
+
+def bind_error(config) -> list[str]:
+    with pytest.raises(swapkit.BindError) as info:
+        swapkit.apply(TinyGPT(), config)
+    head, *problems = str(info.value).split("\n  - ")
+    assert head == "the config names op scopes this model does not have:"
+    return problems
+
+
+CHILDREN = "its layers' children are: attn, ln_1, ln_2, mlp"
+
+
+def test_default_select_recompute_on_an_own_model_says_what_to_write():
+    assert bind_error({"recompute_config": {"select_recompute": True}}) == [
+        "recompute_config.select_recompute: got true, which selects the default op patterns 'feed_forward\\.mul', "
+        "'feed_forward\\.w1\\.activation\\.silu' (MindFormers' Llama names, which swapkit's built-in model has), and "
+        f"they match no sub-module in any layer of TinyGPT.blocks; {CHILDREN}. Write an explicit op list instead, "
+        "e.g. select_recompute: {mlp: true}, or set model.model_config.preset to the model family"]
+    swapkit.apply(TinyGPT(), {"recompute_config": {"select_recompute": {"mlp": True}}}).remove()  # the fix binds
+
+
+def test_default_select_comm_recompute_suggests_a_norm_child():
+    (problem,) = bind_error({"recompute_config": {"select_comm_recompute": [1]}})
+    assert problem.startswith("recompute_config.select_comm_recompute: got [1], which selects the default op "
+                              "pattern '.*\\.norm' (")
+    assert problem.endswith("e.g. select_comm_recompute: {ln_1: [1]}, or set model.model_config.preset to the "
+                            "model family")
+    swapkit.apply(TinyGPT(), {"recompute_config": {"select_comm_recompute": {"ln_1": [1]}}}).remove()
+
+
+@pytest.mark.parametrize("written, key, value", [
+    ({"recompute_granularity": "selective"}, "recompute_granularity", "'selective'"),
+    ({"recompute_activations": True}, "recompute_activations", "true"),
+    ({"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}, "recompute_modules", "['core_attn']"),
+])
+def test_megatron_selective_on_an_own_model_names_the_megatron_key(written, key, value):
+    """The built-in scope of core_attn came from no key the user wrote: name theirs, not module_scopes."""
+    assert bind_error({"recompute_config": written}) == [
+        f"recompute_config.{key}: got {value}, so module 'core_attn' is recomputed at swapkit's built-in scope "
+        "'attention\\.flash_attention' (the built-in model's name), and it matches no sub-module in any layer of "
+        f"TinyGPT.blocks; {CHILDREN}. Map the module to this model's scope: recompute_config.module_scopes: "
+        "{core_attn: attn}, or set model.model_config.preset to the model family"]
+    fixed = {**written, "module_scopes": {"core_attn": "attn"}}
+    swapkit.apply(TinyGPT(), {"recompute_config": fixed}).remove()
+
+
+def test_a_written_module_scope_is_blamed_where_it_was_written():
+    (problem,) = bind_error({"recompute_config": {"recompute_granularity": "selective", "recompute_modules": ["mlp"],
+                                                  "module_scopes": {"mlp": "ffn"}}})
+    assert problem.startswith("recompute_config.module_scopes.mlp: recompute_config.module_scopes pattern 'ffn' "
+                              f"matches no sub-module in any layer of TinyGPT.blocks; {CHILDREN}. Write one of these "
+                              "names, or a path below one with \\. between the names (e.g. 'attn\\.out_proj')")
+
+
+def test_an_op_name_in_a_list_is_blamed_at_its_position():
+    config = {"swap_config": {"swap": True, "op_swap": [
+        {"op_name": "mlp", "backward_prefetch": 1, "layers": [0]},
+        {"op_name": ["mlp", "atn"], "backward_prefetch": 1, "layers": True}]}}
+    assert bind_error(config) == [
+        "swap_config.op_swap[1].op_name[1]: op_swap pattern 'atn' matches no sub-module in any layer of "
+        "TinyGPT.blocks; did you mean 'attn'? Replace 'atn' with 'attn'"]

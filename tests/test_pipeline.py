@@ -135,8 +135,8 @@ def test_wrong_chunk_count_and_missing_stage_are_bind_errors():
 
 
 def test_log_lines_use_global_layer_ids(caplog):
-    config, chunks = tiny_stage(stage=1, swap_config={"swap": True, "layer_swap": {"backward_prefetch": 3,
-                                                                                    "layers": [1, 5]}})
+    config, chunks = tiny_stage(stage=1, swap_config={"swap": True, "layer_swap": [{"backward_prefetch": 3,
+                                                                                     "layers": [1, 5]}]})
     with caplog.at_level(logging.INFO, logger="swapkit"):
         session = swapkit.apply(chunks, config, layers="layers", stage=1)
     assert "Set layer swap at layer 5 and value is: 3" in caplog.messages
@@ -151,8 +151,8 @@ def _forward(chunk, x):
 
 def test_a_later_forward_leaves_earlier_micro_steps_alone():
     """F0 F1 B0 B1 by hand: each forward is a micro-step; the no-grad pass opens none; bytes add up."""
-    config, (chunk,) = tiny_stage(stage=1, swap_config={"swap": True, "layer_swap": {"backward_prefetch": 2,
-                                                                                      "layers": True}},
+    config, (chunk,) = tiny_stage(stage=1, swap_config={"swap": True, "layer_swap": [{"backward_prefetch": 2,
+                                                                                       "layers": True}]},
                                   runtime={"min_offload_bytes": 0})
     session = swapkit.apply(chunk, config, layers="layers", stage=1)
     install_engine(session, ReadyWhenDone())
@@ -175,7 +175,7 @@ def test_a_later_forward_leaves_earlier_micro_steps_alone():
 @pytest.mark.cuda
 def test_micro_steps_with_the_cuda_engine_keep_gradients_bit_identical():
     """F0 F1 B0 B1 by hand on a GPU: the CUDA engine's streams under micro-steps."""
-    swap = {"swap_config": {"swap": True, "layer_swap": {"backward_prefetch": 2, "layers": True}},
+    swap = {"swap_config": {"swap": True, "layer_swap": [{"backward_prefetch": 2, "layers": True}]},
             "runtime": {"min_offload_bytes": 0}}
     config = pipeline_config("1f1b", **swap)
     plan = swapkit.build_plan(swapkit.load_config(config))

@@ -121,7 +121,7 @@ def test_layer_swap_first_entry_wins():
 
 
 def test_layer_swap_true_covers_every_layer():
-    plan = plan_of(3, swap={"swap": True, "layer_swap": {"backward_prefetch": 2, "layers": True}})
+    plan = plan_of(3, swap={"swap": True, "layer_swap": [{"backward_prefetch": 2, "layers": True}]})
     assert [layer.layer_swap for layer in plan.layers] == [2, 2, 2]
 
 
@@ -273,8 +273,9 @@ def test_unmatched_patterns_are_reported_once():
     plan = plan_of(3, recompute={"select_recompute": ["missing_op", "attention"]})
     assert unmatched(plan, [LLAMA_LAYER] * 3) == []  # nowhere: an error, below
     assert unmatched_errors(plan, [LLAMA_LAYER] * 3) == [
-        "select_recompute pattern 'missing_op' matches no sub-module in any layer of the model; its layers' "
-        "children are: attention, attention_norm, feed_forward, ffn_norm"]
+        "recompute_config.select_recompute[0]: select_recompute pattern 'missing_op' matches no sub-module in any "
+        "layer of the model; its layers' children are: attention, attention_norm, feed_forward, ffn_norm. Write one "
+        "of these names, or a path below one with \\. between the names (e.g. 'attention\\.flash_attention')"]
     partial = [LLAMA_LAYER, {"mlp": {}}, LLAMA_LAYER]
     assert unmatched(plan, partial) == [
         "select_recompute pattern 'attention' matches no sub-module in layer(s) [1]; it has no effect there"]

@@ -27,9 +27,11 @@ class Problem:
 
     path: str
     message: str
+    origin: str | None = None  # ``--set key=value`` when the value at ``path`` came from the command line
 
     def __str__(self) -> str:
-        return f"{self.path}: {self.message}" if self.path else self.message
+        where = f"{self.path} (from {self.origin})" if self.origin else self.path
+        return f"{where}: {self.message}" if where else self.message
 
 
 class ConfigError(ValueError):
@@ -40,12 +42,16 @@ class ConfigError(ValueError):
         self.source = source
         where = f" in {clip(source, 200)}" if source else ""
         count = len(self.problems)
-        what = "command line" if all(p.path.startswith("--") for p in self.problems) else f"config{where}"
+        what = "command line" if all(_from_command_line(p) for p in self.problems) else f"config{where}"
         lines = [f"invalid swapkit {what} ({count:,} problem{'s' if count != 1 else ''}):"]
         lines += [f"  - {p}" for p in self.problems[:MAX_LISTED_PROBLEMS]]
         if count > MAX_LISTED_PROBLEMS:
             lines.append(f"  ... and {_more(self.problems[MAX_LISTED_PROBLEMS:])}")
         super().__init__("\n".join(lines))
+
+
+def _from_command_line(problem: Problem) -> bool:
+    return problem.path.startswith("--") or problem.origin is not None
 
 
 def _more(rest: tuple[Problem, ...]) -> str:

@@ -24,10 +24,20 @@ def is_int(value: Any) -> bool:
 
 
 def boolean(value: Any, path: str, problems: Problems) -> Any:
+    """``true``/``false``; YAML's ``yes``/``no``/``on``/``off`` arrive here as booleans (Note [YAML 1.1 booleans])."""
     if isinstance(value, bool):
         return value
-    problems.bad(path, value, "true or false")
+    fix = None
+    if isinstance(value, str):
+        fix = ("write true or false, unquoted (y, n and quoted words are text; unquoted yes/no/on/off are booleans, "
+               "as PyYAML and MindFormers read them)")
+    problems.bad(path, value, "true or false", fix)
     return INVALID
+
+
+#: The fix for a text key that got a boolean: the user may have written a bare ``off`` or ``no``
+#: (Note [YAML 1.1 booleans]).
+BOOLEAN_AS_TEXT = "an unquoted true/false, yes/no or on/off is a boolean in YAML; quote it ('off') if you mean the text"
 
 
 def integer(minimum: int | None = None, maximum: int | None = None) -> Check:
@@ -113,7 +123,8 @@ def choice(*options: str, aliases: Mapping[str, str] | None = None) -> Check:
             return value
         if isinstance(value, str) and value in aliases:
             return aliases[value]
-        problems.bad(path, value, "one of " + ", ".join(repr(o) for o in options))
+        problems.bad(path, value, "one of " + ", ".join(repr(o) for o in options),
+                     BOOLEAN_AS_TEXT if isinstance(value, bool) else None)
         return INVALID
 
     return check
@@ -122,7 +133,7 @@ def choice(*options: str, aliases: Mapping[str, str] | None = None) -> Check:
 def string(value: Any, path: str, problems: Problems) -> Any:
     if isinstance(value, str) and value:
         return value
-    problems.bad(path, value, "a non-empty string")
+    problems.bad(path, value, "a non-empty string", BOOLEAN_AS_TEXT if isinstance(value, bool) else None)
     return INVALID
 
 

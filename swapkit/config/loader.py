@@ -9,6 +9,7 @@ layout (list lengths, negative counts, layer indices out of range, ...) are adde
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -16,7 +17,7 @@ from swapkit.config import fields as F
 from swapkit.config import schema
 from swapkit.config.errors import ConfigError, Problem, Problems, clip, join
 from swapkit.config.megatron import read_megatron
-from swapkit.config.swap_entries import read_swap_entries
+from swapkit.config.swap_entries import read_swap_entries, swap_warnings
 from swapkit.config.yaml_reader import MAX_DEPTH, parse_yaml, read_yaml_file
 from swapkit.config.types import (
     Config,
@@ -53,6 +54,12 @@ def warn_no_effect(config: Config) -> None:
     """Report, once per load, the MindSpore-only keys that were accepted and ignored."""
     for path in config.no_effect:
         logger.warning("%s has no effect in PyTorch eager; accepted and ignored", path)
+
+
+def warn_written(config: Config) -> None:
+    """Report, once per load, settings that load but do less than written (swap lists, ...)."""
+    for message in config.warnings:
+        logger.warning(message)
 
 
 def warn_inactive_swap(config: Config) -> None:
@@ -99,6 +106,35 @@ def apply_overrides(raw: Any, overrides: Sequence[str], problems: Problems) -> A
     return raw
 
 
+def blame_overrides(problems: Problems, overrides: Sequence[str]) -> None:
+    """A problem under a key that ``--set`` wrote names that ``--set`` (Note [Blame the command line])."""
+    written = _override_keys(overrides)
+    problems.items[:] = [_blamed(problem, written) for problem in problems.items]
+
+
+# Note [Blame the command line]
+# `swapkit train tiny.yaml --set swap_config.swp=true` used to report "invalid swapkit config in
+# tiny.yaml": the file was blamed for a key it does not have. An override replaces the whole value at
+# its dotted key, so every problem at that key path or below it came from the command line. The last
+# override whose key is a prefix of the problem's path wrote it (overrides apply in order).
+def _override_keys(overrides: Sequence[str]) -> list[tuple[str, str]]:
+    """(dotted key, the ``--set`` item) for each well-formed override, in the order they apply."""
+    keys = []
+    for item in overrides:
+        key, sep, _ = item.partition("=")
+        if sep and all(key.strip().split(".")):
+            keys.append((key.strip(), item))
+    return keys
+
+
+def _blamed(problem: Problem, written: list[tuple[str, str]]) -> Problem:
+    if problem.origin is not None or problem.path.startswith("--"):
+        return problem
+    path = problem.path
+    items = [item for key, item in written if path == key or path.startswith((f"{key}.", f"{key}["))]
+    return replace(problem, origin=f"--set {clip(items[-1], 120)}") if items else problem
+
+
 def _set_path(raw: dict, parts: list[str], value: Any, problems: Problems, item: str) -> dict:
     node = raw
     for depth, part in enumerate(parts[:-1]):
@@ -126,6 +162,7 @@ def _read_config(raw: Any, problems: Problems, name: str | None) -> Config:
         top["parallel_config"], "parallel_config", schema.PARALLEL_KEYS, problems, schema.PARALLEL_NO_EFFECT, notices))
     recompute = _read_recompute(top["recompute_config"], problems, notices)
     swap = _read_swap(top["swap_config"], problems, model)
+    warnings = swap_warnings(top["swap_config"], swap)
     _read_context(top["context"], problems, notices)  # before no_effect is frozen into the Config
     config = Config(
         model=model,
@@ -136,6 +173,7 @@ def _read_config(raw: Any, problems: Problems, name: str | None) -> Config:
         train=TrainConfig(**F.read_section(top["train"], "train", schema.TRAIN_KEYS, problems)),
         no_effect=tuple(notices),
         source=name,
+        warnings=tuple(warnings),
     )
     return config
 

@@ -56,7 +56,14 @@ def read_megatron(values: dict, given: set[str], path: str, problems: Problems, 
         distribute_saved_activations=bool(distribute),
         module_scopes=scopes if scopes is not F.INVALID else dict(BUILTIN_MODULE_SCOPES),
         use_reentrant=values["use_reentrant"],
+        given=_given(given, values["module_scopes"]),
     )
+
+
+def _given(given: set[str], module_scopes: Any) -> tuple[str, ...]:
+    """The keys written, with ``module_scopes.<module>`` for each module the user mapped."""
+    mapped = [f"module_scopes.{name}" for name in module_scopes] if isinstance(module_scopes, dict) else []
+    return tuple(sorted(given)) + tuple(mapped)
 
 
 def _check_selective(values: dict, given: set[str], modules: Any, path: str, problems: Problems) -> Any:

@@ -1,10 +1,13 @@
 """Reading ``swap_config.layer_swap`` / ``swap_config.op_swap`` items into :class:`SwapEntry`."""
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
+import yaml
+
 from swapkit.config import fields as F
-from swapkit.config.errors import Problems, join, show
+from swapkit.config.errors import Problems, clip, join, show
 from swapkit.config.types import SwapConfig, SwapEntry
 from swapkit.config.fields import Key
 
@@ -14,14 +17,12 @@ SWAP_FIX = "list global layer indices such as [0, 3], or true for every layer"
 def read_swap_entries(
     value: Any, path: str, problems: Problems, with_op: bool, num_layers: int | None
 ) -> tuple[SwapEntry, ...] | None:
-    """Validate one swap list (``None`` = not given). A single mapping counts as a one-item list."""
+    """Validate one swap list (``None`` = not given); a single mapping is refused (Note [A swap list is a list])."""
     if value is None or value is F.INVALID:
         return value
-    if isinstance(value, dict):
-        value = [value]
     if not isinstance(value, list):
         what = "{op_name, backward_prefetch, layers}" if with_op else "{backward_prefetch, layers}"
-        problems.bad(path, value, f"a list of {what} mappings")
+        problems.bad(path, value, f"a list of {what} mappings", _list_fix(value, path))
         return F.INVALID
     keys = {
         "backward_prefetch": Key(F.integer(1), required=True),
@@ -38,6 +39,25 @@ def read_swap_entries(
         return F.INVALID
     names = {name for entry in entries for name in entry.op_names}
     return tuple(entries) if F.few_patterns(len(names), value, path, problems) else F.INVALID
+
+
+# Note [A swap list is a list]
+# MindFormers' swap check refuses anything but a list (or null) for layer_swap ("Type of layer_swap
+# must be list or NoneType"), and its op_swap reader iterates list items. An earlier swapkit quietly
+# wrapped a single mapping into a one-item list; a MindFormers user would get an error for the same
+# file, so swapkit refuses it too and shows the one-item list to write.
+def _list_fix(value: Any, path: str) -> str | None:
+    """For a single mapping: the one-item list to write instead, in YAML flow style."""
+    if not isinstance(value, dict):
+        return None
+    key = path.rsplit(".", 1)[-1]
+    entry = "{...}"
+    if not show(value).endswith("..."):  # small enough to write out (Note [Bounded rendering])
+        try:
+            entry = clip(yaml.safe_dump(value, default_flow_style=True, sort_keys=False, width=10**6).strip(), 100)
+        except yaml.YAMLError:  # a dict config holding a non-YAML object
+            pass
+    return f"write a list: {key}: [{entry}] (in block style, put '- ' before the entry's first key)"
 
 
 def _layers(num_layers: int | None) -> F.Check:
@@ -91,3 +111,82 @@ def check_swap_layers(swap: SwapConfig, num_layers: int, problems: Problems) -> 
             if bad:
                 problems.bad(join(join(join("swap_config", key), index), "layers"), list(entry.layers),
                              f"layer indices >= 0 < num_layers ({num_layers})", f"out of range: {bad}")
+
+
+# Note [Swap settings that do less than written]
+# Three swap settings load (MindFormers accepts them too) but do less than they say, so each gets one
+# WARNING naming the key path when the config is loaded:
+# - a layer listed twice in one entry's `layers` (`[0, 0]`): the repeat does nothing;
+# - two entries (of layer_swap, or of op_swap for one op name) that list the same layer with
+#   different backward_prefetch values: the first entry wins for that layer (DESIGN §3, as MindFormers
+#   builds its per-layer dict), the later value is silently dropped there;
+# - `default_prefetch` next to `layer_swap` or `op_swap`: MindFormers uses it only for the default
+#   strategy ("only takes effect when swap=True, layer_swap=None, and op_swap=None", seed 001).
+#: At most this many overlap warnings per list; the rest are counted in the last one.
+MAX_OVERLAP_WARNINGS = 5
+
+
+def swap_warnings(raw: Any, swap: SwapConfig) -> list[str]:
+    """Warnings for swap settings that do less than written (Note [Swap settings that do less than written])."""
+    if any(getattr(swap, key) is F.INVALID for key in ("layer_swap", "op_swap", "default_prefetch")):
+        return []
+    out = _ignored_default_prefetch(raw, swap)
+    for key in ("layer_swap", "op_swap"):
+        out += _repeated_layers(getattr(swap, key) or (), join("swap_config", key))
+    out += _overlaps(list(enumerate(swap.layer_swap or ())), "swap_config.layer_swap", "")
+    grouped: dict[str, list[tuple[int, SwapEntry]]] = {}
+    for index, entry in enumerate(swap.op_swap or ()):
+        for name in entry.op_names:
+            grouped.setdefault(name, []).append((index, entry))
+    for name, items in grouped.items():
+        out += _overlaps(items, "swap_config.op_swap", f" for op_name {name!r}")
+    return out
+
+
+def _ignored_default_prefetch(raw: Any, swap: SwapConfig) -> list[str]:
+    given = [key for key in ("layer_swap", "op_swap") if getattr(swap, key) is not None]
+    if not (isinstance(raw, dict) and "default_prefetch" in raw and given):
+        return []
+    return [f"swap_config.default_prefetch ({swap.default_prefetch}) is ignored: it applies only to the default "
+            "swap strategy (swap_config.swap: true with neither layer_swap nor op_swap), as in MindFormers, and "
+            f"swap_config.{' and swap_config.'.join(given)} {'are' if len(given) > 1 else 'is'} given; set "
+            "backward_prefetch in each entry and remove default_prefetch"]
+
+
+def _repeated_layers(entries: tuple[SwapEntry, ...], path: str) -> list[str]:
+    out = []
+    for index, entry in enumerate(entries):
+        if isinstance(entry.layers, bool):
+            continue
+        repeated = sorted(layer for layer, count in Counter(entry.layers).items() if count > 1)
+        if repeated:
+            out.append(f"{join(join(path, index), 'layers')} lists layer(s) {repeated} more than once "
+                       f"({show(list(entry.layers))}); a layer is swapped once, the repeats do nothing: "
+                       "list each layer once")
+    return out
+
+
+def _overlaps(items: list[tuple[int, SwapEntry]], path: str, what: str) -> list[str]:
+    """Entries listing a layer that an earlier entry with another backward_prefetch already claimed."""
+    claimed: dict[int, tuple[int, int]] = {}  # layer -> (entry index, prefetch) of the first entry listing it
+    shared: dict[tuple[int, int], list[int]] = {}  # (first, later) entry index -> layers both list
+    prefetch = {index: entry.backward_prefetch for index, entry in items}
+    for index, entry in items:
+        if isinstance(entry.layers, bool):  # true collapses (equal prefetch checked), false lists nothing
+            continue
+        for layer in dict.fromkeys(entry.layers):
+            first = claimed.setdefault(layer, (index, entry.backward_prefetch))
+            if first[0] != index and first[1] != entry.backward_prefetch:
+                shared.setdefault((first[0], index), []).append(layer)
+    out = [_overlap_message(path, what, first, later, sorted(layers), prefetch)
+           for (first, later), layers in list(shared.items())[:MAX_OVERLAP_WARNINGS]]
+    if len(shared) > MAX_OVERLAP_WARNINGS:
+        out[-1] += f" ({len(shared) - MAX_OVERLAP_WARNINGS:,} more overlapping pairs of {path} not listed)"
+    return out
+
+
+def _overlap_message(path: str, what: str, first: int, later: int, layers: list[int], prefetch: dict) -> str:
+    a, b = join(path, first), join(path, later)
+    return (f"{a} and {b}{what} both list layer(s) {show(layers)} with different backward_prefetch "
+            f"({prefetch[first]} and {prefetch[later]}); the first entry wins: they get backward_prefetch "
+            f"{prefetch[first]} from {a}, and {b}'s {prefetch[later]} is ignored for them; list each layer in one entry")

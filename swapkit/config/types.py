@@ -84,6 +84,9 @@ class MegatronRecompute:
     module_scopes: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: dict(BUILTIN_MODULE_SCOPES))
     use_reentrant: bool = False
     dialect: str = field(default="megatron", init=False)
+    #: the keys written under recompute_config (``module_scopes.<module>`` for each mapped module), so an
+    #: error names a key the user wrote, not a default (Note [Where a pattern was written])
+    given: tuple[str, ...] = ()
 
 
 RecomputeConfig = Union[MindFormersRecompute, MegatronRecompute]
@@ -162,3 +165,5 @@ class Config:
     #: key paths that were accepted but have no effect in PyTorch eager (MindSpore-only keys)
     no_effect: tuple[str, ...] = ()
     source: str | None = None
+    #: settings that load but do less than written, one message each (logged once by ``load_config``)
+    warnings: tuple[str, ...] = ()

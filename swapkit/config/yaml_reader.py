@@ -158,7 +158,8 @@ def yaml_message(err: yaml.YAMLError) -> str:
 
 
 class StrictLoader(yaml.SafeLoader):
-    """SafeLoader that refuses duplicate keys and reads numbers as YAML 1.2 does (Note [YAML 1.1 scalars])."""
+    """SafeLoader that refuses duplicate keys and reads numbers as YAML 1.2 does (Note [YAML 1.1 scalars]);
+    booleans as PyYAML and MindFormers do (Note [YAML 1.1 booleans])."""
 
     _depth = 0
     _written = 0
@@ -206,6 +207,15 @@ class StrictLoader(yaml.SafeLoader):
 # allowed), 0x hex, floats with a dot and/or an exponent, .inf/.nan (which the number checks then
 # refuse). Anything else, `1:30` and `010` included, stays a string, and the integer and number
 # checks say what YAML 1.1 would have made of it (:func:`swapkit.config.fields.yaml11_hint`).
+#
+# Note [YAML 1.1 booleans]
+# Booleans are deliberately *not* read as YAML 1.2: they stay PyYAML's set, true/false, yes/no and
+# on/off (each as lower, Title or UPPER case), which is what MindFormers reads its files with. A
+# MindFormers file with `swap: yes` or `use_reentrant: on` means true there and must load unchanged
+# here (DESIGN §2); reading `yes` as the string 'yes' would turn files that work in MindFormers into
+# errors, and nothing is read differently from MindFormers. PyYAML never read `y`/`n` as booleans,
+# so they are text, and a boolean key given text says to write true or false; a text key given a
+# boolean (a bare `off`) says to quote it (:func:`swapkit.config.fields.boolean`, ``BOOLEAN_AS_TEXT``).
 _RESOLVED_ELSEWHERE = {"tag:yaml.org,2002:int", "tag:yaml.org,2002:float", "tag:yaml.org,2002:timestamp"}
 StrictLoader.yaml_implicit_resolvers = {
     first: [(tag, regexp) for tag, regexp in resolvers if tag not in _RESOLVED_ELSEWHERE]

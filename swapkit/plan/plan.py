@@ -18,6 +18,7 @@ from swapkit.config.fields import INVALID
 from swapkit.plan.layout import Layout, build_layout
 from swapkit.plan.megatron import describe, megatron_formative, megatron_layers
 from swapkit.plan.normalize import Formative, normalize_recompute, normalize_swap, swap_mode_warnings
+from swapkit.plan.origins import Origin, pattern_origins
 from swapkit.plan.presets import Preset, preset_named
 
 NUM_LAYERS_FIX = ("missing; give the layer count, or pass the model to swapkit.apply (or `swapkit plan --model`), "
@@ -65,6 +66,7 @@ class Plan:
     preset: str | None = None  # the model family whose names the patterns were translated to
     notes: tuple[str, ...] = ()  # how the preset translated MindFormers / Megatron names (INFO lines)
     warnings: tuple[str, ...] = ()  # settings that are accepted but (partly) do nothing
+    origins: tuple[Origin, ...] = ()  # the key path of each op pattern (Note [Where a pattern was written])
 
     def log_lines(self) -> list[str]:
         """Layout and "Formative ..." lines exactly as MindFormers logs them."""
@@ -174,7 +176,7 @@ def check_plan(config: Config, problems: Problems, preset: Preset | None = None,
     warnings = (swap_mode_warnings(formative, layout.num_layers) if swap_mode else []) + dropped
     return Plan(layout, formative, layers, rc.dialect, config.swap.swap, rc.use_reentrant, config.runtime,
                 model.layers_path, describe(rc) if isinstance(rc, MegatronRecompute) else None,
-                preset.name if preset else None, tuple(notes), tuple(warnings))
+                preset.name if preset else None, tuple(notes), tuple(warnings), pattern_origins(config))
 
 
 def _preset(name: str | None, given: Preset | None, problems: Problems) -> Preset | None:

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field, replace
 
 from swapkit.plan import patterns
 from swapkit.plan.plan import LayerPlan, Plan
-from swapkit.plan.unmatched import unmatched, unmatched_errors
+from swapkit.plan.unmatched import unmatched, unmatched_errors, unmatched_problems
 
 __all__ = ["LayerScopes", "exact_overridden", "layer_lines", "plan_report", "resolve_layer", "summary", "table",
-           "unmatched", "unmatched_errors", "with_exact_overridden"]
+           "unmatched", "unmatched_errors", "unmatched_problems", "with_exact_overridden"]
 
 
 @dataclass

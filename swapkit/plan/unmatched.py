@@ -20,8 +20,10 @@ from __future__ import annotations
 import difflib
 import re
 
+from swapkit.config.errors import Problem
 from swapkit.plan import patterns
 from swapkit.plan.normalize import DEFAULT_SWAP_OP
+from swapkit.plan.origins import MODULE_SCOPES, Origin, find
 from swapkit.plan.plan import Plan
 from swapkit.plan.presets import ALIASES, Preset, preset_named
 
@@ -45,21 +47,39 @@ def unmatched(plan: Plan, trees: list[dict]) -> list[str]:
 
 
 def unmatched_errors(plan: Plan, trees: list[dict], model_name: str = "the model") -> list[str]:
-    """One error per pattern that matches no sub-module in any bound layer (a config that does nothing).
+    """:func:`unmatched_problems` as ``key.path: message`` lines."""
+    return [str(problem) for problem in unmatched_problems(plan, trees, model_name)]
 
-    Each error carries a hint: a did-you-mean over the layers' real names and the preset's names,
-    the ``\\.`` separator when a dotted path was written, or how the preset produced the pattern
-    (Note [Unmatched after translation]).
+
+def unmatched_problems(plan: Plan, trees: list[dict], model_name: str = "the model") -> list[Problem]:
+    """One problem per pattern that matches no sub-module in any bound layer (a config that does nothing).
+
+    Each names the key the pattern was written at (Note [Where a pattern was written]) and carries a
+    hint and a fix: a did-you-mean over the layers' real names and the preset's names, the ``\\.``
+    separator when a dotted path was written, how the preset produced the pattern (Note [Unmatched
+    after translation]), or, for a default pattern list, the explicit list to write instead.
     """
     paths = sorted({path for tree in trees for path in _all_paths(tree)})
     preset = preset_named(plan.preset) if plan.preset else None
-    return [_unmatched_error(kind, pattern, paths, model_name, preset, plan, trees)
-            for (kind, pattern), _ in _missing(plan, trees).items() if not _matches_somewhere(pattern, trees)]
+    found: list[Problem] = []
+    defaults: dict[tuple[str, str | None], tuple[Origin, list[str]]] = {}
+    for (kind, pattern), _ in _missing(plan, trees).items():
+        if _matches_somewhere(pattern, trees):
+            continue
+        written = _written_for(pattern, preset, plan)
+        origin = find(plan.origins, kind, [pattern, *written])
+        if origin is not None and origin.default is not None and not written and pattern != DEFAULT_SWAP_OP:
+            defaults.setdefault((origin.path, origin.module), (origin, []))[1].append(pattern)
+            continue
+        message = _unmatched_error(kind, pattern, paths, model_name, preset, plan, trees)
+        found.append(Problem(origin.path if origin else "", message))
+    return found + [Problem(origin.path, _default_error(origin, names, paths, model_name))
+                    for origin, names in defaults.values()]
 
 
 def _missing(plan: Plan, trees: list[dict]) -> dict[tuple[str, str], list[int]]:
     """(setting, pattern) -> the layers it applies to where it matches nothing."""
-    select_kind = "recompute_config.module_scopes" if plan.dialect == "megatron" else "select_recompute"
+    select_kind = MODULE_SCOPES if plan.dialect == "megatron" else "select_recompute"
     missing: dict[tuple[str, str], list[int]] = {}
     for layer, tree in zip(plan.layers, trees):
         for kind, pattern_list in ((select_kind, layer.select), ("select_comm_recompute", layer.comm),
@@ -92,6 +112,40 @@ def _unmatched_error(kind: str, pattern: str, paths: list[str], model_name: str,
         return f"{message}. {_default_op_hint(paths)}"
     hint = _dotted_hint(pattern, paths, preset) or _inside_hint(pattern, preset)
     return f"{message}. {hint}" if hint else f"{message}; {_did_you_mean(pattern, paths, preset)}"
+
+
+#: Child names that play a role, for the example in a fix (``attn`` for attention, ``mlp`` for the MLP, ...).
+_ROLE_NAMES = {"attention": r"attn|attention", "feed_forward": r"mlp|ffn|feed_forward|fc", "norm": r"norm|ln"}
+#: The role of each default pattern list, and of each Megatron module.
+_ROLE_OF = {"select_recompute": "feed_forward", "select_comm_recompute": "norm", "core_attn": "attention",
+            "mlp": "feed_forward", "layernorm": "norm"}
+
+
+def _default_error(origin: Origin, names: list[str], paths: list[str], model_name: str) -> str:
+    """A default pattern list (or a Megatron module's built-in scope) that binds nowhere: the explicit
+    setting to write instead (Note [Where a pattern was written])."""
+    children = [p for p in paths if "." not in p]
+    example = _example(_ROLE_OF.get(origin.module or origin.kind), children)
+    nowhere = (f"{'it matches' if len(names) == 1 else 'they match'} no sub-module in any layer of {model_name}; "
+               f"its layers' children are: {', '.join(children)}")
+    shown = ", ".join(quoted(n) for n in names)
+    if origin.module is not None:
+        return (f"got {origin.default}, so module {origin.module!r} is recomputed at swapkit's built-in scope "
+                f"{shown} (the built-in model's name), and {nowhere}. Map the module to this model's scope: "
+                f"recompute_config.module_scopes: {{{origin.module}: {example}}}, or set model.model_config.preset "
+                "to the model family")
+    key = origin.path.rsplit(".", 1)[-1]
+    return (f"got {origin.default}, which selects the default op pattern{'s' if len(names) > 1 else ''} {shown} "
+            f"(MindFormers' Llama names, which swapkit's built-in model has), and {nowhere}. Write an explicit op "
+            f"list instead, e.g. {key}: {{{example}: {origin.default}}}, or set "
+            "model.model_config.preset to the model family")
+
+
+def _example(role: str | None, children: list[str]) -> str:
+    """A child name for ``role`` (the first child when none has a telling name), as a YAML scalar."""
+    regex = _ROLE_NAMES.get(role or "")
+    telling = [c for c in children if regex and re.search(regex, c, re.IGNORECASE)]
+    return (telling or children or ["<scope>"])[0]
 
 
 def _default_op_hint(paths: list[str]) -> str:
@@ -188,10 +242,20 @@ def _did_you_mean(pattern: str, paths: list[str], preset: Preset | None) -> str:
     candidates.update({a: f" ({what})" for a, what in aliases.items() if a not in candidates})
     close = _closest(patterns.display(pattern), candidates)
     if close:
-        return "did you mean " + " or ".join(quoted(c) + candidates[c] for c in close) + "?"
+        fix = quoted(close[0]) if len(close) == 1 else "one of them"
+        return ("did you mean " + " or ".join(quoted(c) + candidates[c] for c in close)
+                + f"? Replace {quoted(pattern)} with {fix}")
     hint = f"its layers' children are: {', '.join(p for p in paths if '.' not in p)}"
     plain = [a for a in aliases if "\\" not in a]
-    return hint + (f"; names the {preset.name} preset translates: {', '.join(plain)}" if plain and preset else "")
+    hint += f"; names the {preset.name} preset translates: {', '.join(plain)}" if plain and preset else ""
+    return f"{hint}. {_names_fix(paths)}"
+
+
+def _names_fix(paths: list[str]) -> str:
+    """How to write a pattern that binds: a child's name, or a path below one with \\. between names."""
+    below = next((p for p in paths if "." in p), None)
+    example = f" (e.g. {quoted(_as_pattern(below))})" if below else ""
+    return f"Write one of these names, or a path below one with \\. between the names{example}"
 
 
 def _closest(word: str, candidates: dict[str, str]) -> list[str]:

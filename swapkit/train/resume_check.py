@@ -30,13 +30,16 @@ SECTIONS = {"model": "model.model_config", "parallel": "parallel_config", "recom
             "swap": "swap_config", "runtime": "runtime", "train": "train"}
 MODEL_OR_DATA = ("train.seed", "train.batch_size", "train.gradient_accumulation_steps", "train.dtype")
 OPTIMIZER = ("train.lr", "train.weight_decay", "train.grad_clip")
+#: Fields that record how a setting was written, not a setting (Note [Where a pattern was written]).
+NOT_SETTINGS = ("given",)
 NOT_COMPARED = ("train.steps", "train.save_dir", "train.save_interval", "train.resume", "train.gc_interval")
 ABSENT = "(absent)"
 
 
 def config_record(config: Config) -> dict[str, dict[str, Any]]:
     """The config as plain data (``torch.load(weights_only=True)`` reads it back), keyed by YAML section."""
-    return {name: _plain(dataclasses.asdict(getattr(config, field))) for field, name in SECTIONS.items()}
+    return {name: _plain({key: value for key, value in dataclasses.asdict(getattr(config, field)).items()
+                          if key not in NOT_SETTINGS}) for field, name in SECTIONS.items()}
 
 
 def _plain(value: Any) -> Any:
