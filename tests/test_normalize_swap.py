@@ -59,19 +59,15 @@ def test_layer_swap_list():
     assert single.log_lines(True)[-2] == "Formative layer swap: [{'backward_prefetch': 2, 'layers': [1]}]"
 
 
-@pytest.mark.parametrize("key, entry, written", [
-    ("layer_swap", {"backward_prefetch": 2, "layers": [1]}, "[{backward_prefetch: 2, layers: [1]}]"),
-    ("op_swap", {"op_name": "attention", "backward_prefetch": 7, "layers": True},
-     "[{op_name: attention, backward_prefetch: 7, layers: true}]"),
+@pytest.mark.parametrize("key, entry", [
+    ("layer_swap", {"backward_prefetch": 2, "layers": [1]}),
+    ("op_swap", {"op_name": "attention", "backward_prefetch": 7, "layers": True}),
 ])
-def test_a_single_mapping_is_refused_with_the_list_to_write(key, entry, written):
-    """MindFormers refuses a layer_swap that is not a list (Note [A swap list is a list])."""
-    with pytest.raises(ConfigError) as info:
-        load_config({"model": {"model_config": {"num_layers": 4}}, "swap_config": {"swap": True, key: entry}})
-    (problem,) = info.value.problems
-    assert problem.path == f"swap_config.{key}"
-    assert problem.message.startswith(f"got {show(entry)}; expected a list of ")
-    assert f"Write a list: {key}: {written} (in block style, put '- ' before the entry's first key)" in problem.message
+def test_a_single_mapping_counts_as_a_one_item_list(key, entry):
+    """DESIGN §3: ``layer_swap`` / ``op_swap`` take a list or one dict."""
+    single = load_config({"model": {"model_config": {"num_layers": 4}}, "swap_config": {"swap": True, key: entry}})
+    listed = load_config({"model": {"model_config": {"num_layers": 4}}, "swap_config": {"swap": True, key: [entry]}})
+    assert getattr(single.swap, key) == getattr(listed.swap, key) and len(getattr(single.swap, key)) == 1
 
 
 def test_op_swap_groups_by_op_name_in_order_of_first_appearance():

@@ -4,10 +4,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-import yaml
-
 from swapkit.config import fields as F
-from swapkit.config.errors import Problems, clip, join, show
+from swapkit.config.errors import Problems, join, show
 from swapkit.config.types import SwapConfig, SwapEntry
 from swapkit.config.fields import Key
 
@@ -17,12 +15,15 @@ SWAP_FIX = "list global layer indices such as [0, 3], or true for every layer"
 def read_swap_entries(
     value: Any, path: str, problems: Problems, with_op: bool, num_layers: int | None
 ) -> tuple[SwapEntry, ...] | None:
-    """Validate one swap list (``None`` = not given); a single mapping is refused (Note [A swap list is a list])."""
+    """Validate one swap list (``None`` = not given). A single mapping counts as a one-item list
+    (DESIGN §3: "list (or one dict)")."""
     if value is None or value is F.INVALID:
         return value
+    if isinstance(value, dict):
+        value = [value]
     if not isinstance(value, list):
         what = "{op_name, backward_prefetch, layers}" if with_op else "{backward_prefetch, layers}"
-        problems.bad(path, value, f"a list of {what} mappings", _list_fix(value, path))
+        problems.bad(path, value, f"a list of {what} mappings")
         return F.INVALID
     keys = {
         "backward_prefetch": Key(F.integer(1), required=True),
@@ -39,25 +40,6 @@ def read_swap_entries(
         return F.INVALID
     names = {name for entry in entries for name in entry.op_names}
     return tuple(entries) if F.few_patterns(len(names), value, path, problems) else F.INVALID
-
-
-# Note [A swap list is a list]
-# MindFormers' swap check refuses anything but a list (or null) for layer_swap ("Type of layer_swap
-# must be list or NoneType"), and its op_swap reader iterates list items. An earlier swapkit quietly
-# wrapped a single mapping into a one-item list; a MindFormers user would get an error for the same
-# file, so swapkit refuses it too and shows the one-item list to write.
-def _list_fix(value: Any, path: str) -> str | None:
-    """For a single mapping: the one-item list to write instead, in YAML flow style."""
-    if not isinstance(value, dict):
-        return None
-    key = path.rsplit(".", 1)[-1]
-    entry = "{...}"
-    if not show(value).endswith("..."):  # small enough to write out (Note [Bounded rendering])
-        try:
-            entry = clip(yaml.safe_dump(value, default_flow_style=True, sort_keys=False, width=10**6).strip(), 100)
-        except yaml.YAMLError:  # a dict config holding a non-YAML object
-            pass
-    return f"write a list: {key}: [{entry}] (in block style, put '- ' before the entry's first key)"
 
 
 def _layers(num_layers: int | None) -> F.Check:
