@@ -192,7 +192,7 @@ def test_more_stages_than_layers_says_so_before_any_offset_arithmetic(capsys):
 
     assert main(["plan", "configs/tiny.yaml", "--set", "parallel_config.pipeline_stage=8"]) == 2
     err = capsys.readouterr().err
-    assert ("  - parallel_config.pipeline_stage: got 8; expected no more chunks (pipeline_stage x pp_interleave_num "
+    assert ("  - parallel_config.pipeline_stage (from --set parallel_config.pipeline_stage=8): got 8; expected no more chunks (pipeline_stage x pp_interleave_num "
             "= 8 x 1 = 8) than model.model_config.num_layers (4) can fill: 8 chunks need num_layers >= 8, one layer "
             "per chunk with offset 0. Set parallel_config.pipeline_stage to at most 4, or num_layers to at least 8"
             ) in err, err
