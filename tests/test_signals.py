@@ -147,6 +147,14 @@ def test_a_second_signal_does_not_cut_the_cleanup_short():
     assert cleaned == [True] and info.value.signum == signal.SIGTERM
 
 
+def test_a_signal_after_an_interrupt_was_caught_raises_again():
+    with StopOnSignal():
+        with pytest.raises(Interrupted):
+            signal.raise_signal(signal.SIGINT)
+        with pytest.raises(Interrupted):  # something caught the first and went on: Ctrl-C still works
+            signal.raise_signal(signal.SIGINT)
+
+
 def test_a_failure_after_a_stop_signal_is_reported_as_the_stop():
     with pytest.raises(Interrupted) as info:
         with StopOnSignal():

@@ -37,7 +37,7 @@ import torch.multiprocessing as mp
 from swapkit.config.errors import ConfigError, Problem
 from swapkit.config.types import Config
 from swapkit.distributed.pipeline import micro_batches
-from swapkit.distributed.signals import POLL_S, ForwardSignals, StopOnSignal, stopped_ranks
+from swapkit.distributed.signals import POLL_S, ForwardSignals, StopOnSignal, ignore_stop_signals, stopped_ranks
 from swapkit.train.state import TrainResult
 
 logger = logging.getLogger(__name__)
@@ -154,10 +154,11 @@ def _torchrun_rank(config: Config, device: torch.device, world: int, options: di
 
 def _spawned_rank(rank: int, world: int, config: Config, device_type: str, folder: str, level: int,
                   options: dict) -> None:
-    # Note [Interrupts and finalizers]. Kept until the process ends: a late second Ctrl-C must not print a
-    # traceback from the interpreter's shutdown. torch.multiprocessing exits quietly on Interrupted.
-    StopOnSignal().install()
-    _rank_main(rank, world, config, device_type, folder, level, options)
+    StopOnSignal().install()  # Note [Interrupts and finalizers]; torch.multiprocessing exits quietly on Interrupted
+    try:
+        _rank_main(rank, world, config, device_type, folder, level, options)
+    finally:  # ending: a late signal must not raise in the interpreter's shutdown (the parent reaps this rank)
+        ignore_stop_signals()
 
 
 def _rank_main(rank: int, world: int, config: Config, device_type: str, folder: str, level: int,

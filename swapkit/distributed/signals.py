@@ -18,9 +18,13 @@ returns host memory to the pool, swapkit.runtime.records Note [Record lifetime])
 Python prints ``Exception ignored in ...`` with a traceback, the finalizer stops half-way, and the
 interrupt is lost. :class:`StopOnSignal` therefore raises only where no ``__del__`` is on the
 interrupted stack; inside one it asks for the signal again a few milliseconds later, by which time
-the finalizer has returned. It raises once: a second signal (Ctrl-C reaches a rank both from the
-terminal and from the parent) is remembered, not raised, so it cannot cut the cleanup that the first
-one started. Nothing is swallowed: the one :class:`Interrupted` propagates like ``KeyboardInterrupt``.
+the finalizer has returned. A second signal (Ctrl-C reaches a rank both from the terminal and from
+the parent) while the first :class:`Interrupted` propagates (an exception is being handled: an
+``except``, ``finally`` or ``__exit__`` on the stack) is remembered, not raised, so it cannot cut the
+cleanup that the first one started; if something caught the first and went on, the next signal raises
+again. Nothing is swallowed: each :class:`Interrupted` propagates like ``KeyboardInterrupt``. A
+spawned rank ignores both signals once its work has ended, so nothing interrupts the interpreter's
+shutdown (the parent reaps it, or kills it after the grace period).
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ import logging
 import multiprocessing.connection
 import os
 import signal
+import sys
 import threading
 import time
 from types import FrameType
@@ -64,6 +69,12 @@ def _installable(signums: Sequence[int]) -> list[int]:
     if threading.current_thread() is not threading.main_thread():
         return []
     return [s for s in signums if signal.getsignal(s) is not signal.SIG_IGN]
+
+
+def ignore_stop_signals() -> None:
+    """A spawned rank whose work has ended: SIGINT and SIGTERM no longer interrupt it (Note [Interrupts and finalizers])."""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
 
 
 def _in_finalizer(frame: FrameType | None) -> bool:
@@ -113,8 +124,8 @@ class StopOnSignal:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.signum is None:
             self.signum = signum
-        if self._raised:
-            return  # already stopping: a second signal must not cut the cleanup short
+        if self._raised and sys.exc_info()[1] is not None:
+            return  # the first is propagating: a second signal must not cut its cleanup short
         if _in_finalizer(frame):
             threading.Timer(RETRY_S, self._again).start()
             return
