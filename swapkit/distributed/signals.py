@@ -5,7 +5,8 @@ A scheduler (or ``kill -INT PID``) signals only the process it started: the pare
 ranks. The parent forwards the stop to every rank, waits for them, kills (SIGKILL) any that is still
 alive after ``grace_s`` (one stuck in native code), reaps them all, and only then raises
 :class:`Interrupted`; the CLI prints its one line and exits ``128 + signal``. A second signal to the
-parent kills the ranks at once. The parent forwards SIGTERM whatever it received: a rank still
+parent kills the ranks at once. A rank that fails while the others stop (its collective sees a peer
+gone) is part of the stop, not a failure to report. The parent forwards SIGTERM whatever it received: a rank still
 importing (before it installed :class:`StopOnSignal`) then exits at once and quietly, where SIGINT
 would print a ``KeyboardInterrupt`` traceback from the interpreter's start-up; once installed, the
 rank treats both alike. A ``SIG_IGN`` inherited for a signal (``nohup``, a background job of a
@@ -85,8 +86,33 @@ def _in_finalizer(frame: FrameType | None) -> bool:
     return False
 
 
-class StopOnSignal:
-    """SIGINT and SIGTERM raise one :class:`Interrupted`, never inside a finalizer (Note [Interrupts and finalizers]).
+class _StopHandlers:
+    """SIGINT and SIGTERM go to ``self._handle`` while installed (main thread only, an inherited ignore kept)."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> _StopHandlers:
+        """Take over the stop signals; leaving a ``with`` block restores the previous handlers."""
+        for signum in _installable(STOP_SIGNALS):
+            self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __enter__(self) -> _StopHandlers:
+        return self.install()
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        previous, self._previous = self._previous, {}
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        raise NotImplementedError
+
+
+class StopOnSignal(_StopHandlers):
+    """SIGINT and SIGTERM raise :class:`Interrupted`, never inside a finalizer (Note [Interrupts and finalizers]).
 
     For processes swapkit owns: a rank, or the CLI's single-process run. Installed on entry (on the
     main thread only), the previous handlers restored on exit. An ``Exception`` leaving the block after
@@ -98,23 +124,11 @@ class StopOnSignal:
     """
 
     def __init__(self) -> None:
-        self.signum: int | None = None
+        super().__init__()
         self._raised = False
-        self._previous: dict[int, Any] = {}
-
-    def install(self) -> StopOnSignal:
-        """Take over SIGINT and SIGTERM (on the main thread, unless inherited as ignored); ``with`` restores them."""
-        for signum in _installable(STOP_SIGNALS):
-            self._previous[signum] = signal.signal(signum, self._handle)
-        return self
-
-    def __enter__(self) -> StopOnSignal:
-        return self.install()
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
-        previous, self._previous = self._previous, {}
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+        super().__exit__(exc_type, exc, tb)
         if isinstance(exc, Exception) and self.signum is not None:
             # After a stop signal a failure is its consequence (a peer rank gone, a cleanup cut short by
             # the interrupt): report the stop, keep the failure as the cause (`-v` logs it).
@@ -137,7 +151,7 @@ class StopOnSignal:
             signal.pthread_kill(threading.main_thread().ident, self.signum)
 
 
-class ForwardSignals:
+class ForwardSignals(_StopHandlers):
     """The parent's side of Note [Stopping the ranks]: remember SIGINT / SIGTERM, stop and reap the ranks.
 
     Attributes:
@@ -146,19 +160,8 @@ class ForwardSignals:
     """
 
     def __init__(self) -> None:
-        self.signum: int | None = None
+        super().__init__()
         self.repeated = False
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> ForwardSignals:
-        for signum in _installable(STOP_SIGNALS):
-            self._previous[signum] = signal.signal(signum, self._handle)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        previous, self._previous = self._previous, {}
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.signum is None:
