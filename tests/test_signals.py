@@ -34,10 +34,10 @@ def start_train():
         os.setsid()
         signal.signal(signal.SIGINT, signal.SIG_DFL)
 
-    def start(*args: str) -> subprocess.Popen:
-        children.append(subprocess.Popen([sys.executable, "-m", "swapkit.cli", "train", *args, "--no-progress"],
-                                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                         preexec_fn=child_setup))
+    def start(*args: str, launcher: tuple[str, ...] = ()) -> subprocess.Popen:
+        command = [sys.executable, "-m", *launcher, "swapkit.cli", "train", *args, "--no-progress"]
+        children.append(subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                         text=True, preexec_fn=child_setup))
         return children[-1]
 
     yield start
@@ -89,6 +89,19 @@ def test_a_pipeline_run_stops_every_rank_on_a_signal(start_train, signum, code, 
     assert f"swapkit: interrupted by {signal.Signals(signum).name}: stopped 2 rank processes\n" in err
     assert "Traceback" not in output and "Exception ignored" not in output, output[-3000:]
     assert "step 100000/" not in output  # stopped, not finished
+    assert_all_gone(processes)
+
+
+def test_under_torchrun_each_rank_stops_with_one_line(start_train):
+    """torchrun forwards the signal to its ranks (the README's torchrun command); its own report is torchrun's."""
+    torchrun = ("torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", "127.0.0.1:0", "-m")
+    child = start_train(str(ROOT / "configs" / "pp2.yaml"), "--steps", "100000", launcher=torchrun)
+    seen = wait_for_step(child)
+    err, processes = interrupt(child, signal.SIGTERM, whole_group=False)
+    output = "".join(seen) + err
+    assert output.count("swapkit: interrupted by SIGTERM\n") == 2, output[-3000:]
+    assert "swapkit: failed" not in output and "Exception ignored" not in output, output[-3000:]
     assert_all_gone(processes)
 
 
