@@ -73,7 +73,7 @@ def _installable(signums: Sequence[int]) -> list[int]:
 
 
 def ignore_stop_signals() -> None:
-    """A spawned rank whose work has ended: SIGINT and SIGTERM no longer interrupt it (Note [Interrupts and finalizers])."""
+    """A spawned rank whose work has ended: stop signals no longer interrupt it (Note [Interrupts and finalizers])."""
     for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
 
