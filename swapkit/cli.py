@@ -1,6 +1,7 @@
 """``swapkit`` command line: ``swapkit plan CONFIG`` and ``swapkit train CONFIG``.
 
-Exit status: 0 success, 1 runtime failure, 2 bad config or usage, 130 interrupted (Ctrl-C).
+Exit status: 0 success, 1 runtime failure, 2 bad config or usage, 130 interrupted (Ctrl-C, SIGINT), 143
+stopped by SIGTERM (``128 + signal``; ``swapkit.distributed.signals`` Note [Stopping the ranks]).
 Logs go to stderr on the ``swapkit`` logger in MindFormers' ``LEVEL - message`` form.
 """
 from __future__ import annotations
@@ -12,6 +13,7 @@ import sys
 from typing import TYPE_CHECKING, Any, Sequence
 
 from swapkit.config.errors import BindError, ConfigError, Problem, clip
+from swapkit.distributed.signals import Interrupted
 
 if TYPE_CHECKING:
     from swapkit.config.types import Config
@@ -31,6 +33,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, BindError) as err:
         print(f"swapkit: {err}", file=sys.stderr)
         return EXIT_USAGE
+    except Interrupted as err:  # swapkit train's processes: SIGINT or SIGTERM, named
+        sys.stderr.write(f"swapkit: {err}\n")  # one write: torchrun's ranks share the terminal
+        return 128 + err.signum
     except KeyboardInterrupt:
         print("swapkit: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -206,12 +211,14 @@ def _train(config: Config, args: argparse.Namespace, plan: BudgetPlan | None = N
     """Train ``config`` in this process, or one process per rank for a pipeline / data-parallel config;
     with the ``plan`` it came from (``--budget``), its measured peaks are checked against the budget."""
     from swapkit.distributed.launch import RankFailed, launch, world_size
+    from swapkit.distributed.signals import StopOnSignal
     from swapkit.train import format_summary, train
     from swapkit.train.loop import resolve_device, resolve_steps
 
     if world_size(config) == 1:
-        result = train(config, steps=args.steps, device=args.device, metrics_out=args.metrics_out,
-                       progress=not args.no_progress)
+        with StopOnSignal():  # SIGINT / SIGTERM: one Interrupted, never lost in a finalizer
+            result = train(config, steps=args.steps, device=args.device, metrics_out=args.metrics_out,
+                           progress=not args.no_progress)
     else:  # pipeline and/or data parallel: one process per rank
         try:
             result = launch(config, resolve_device(config, args.device), steps=resolve_steps(config, args.steps),

@@ -14,6 +14,9 @@ Note [The first failure is the cause]
 When one rank raises, its peers soon fail too: their collectives see the connection drop. Which
 of those failures ``torch.multiprocessing`` notices first is a race, so each spawned rank writes
 its traceback and the time it failed to the run's folder, and the parent reports the earliest.
+
+SIGINT and SIGTERM: ``swapkit.distributed.signals`` Note [Stopping the ranks] (the parent) and
+Note [Interrupts and finalizers] (each rank, spawned or torchrun's).
 """
 from __future__ import annotations
 
@@ -34,9 +37,12 @@ import torch.multiprocessing as mp
 from swapkit.config.errors import ConfigError, Problem
 from swapkit.config.types import Config
 from swapkit.distributed.pipeline import micro_batches
+from swapkit.distributed.signals import POLL_S, ForwardSignals, StopOnSignal, ignore_stop_signals, stopped_ranks
 from swapkit.train.state import TrainResult
 
 logger = logging.getLogger(__name__)
+
+STOP_GRACE_S = 10.0  # Note [Stopping the ranks]: a rank stops within a step; this is for one stuck in native code
 
 
 class RankFailed(RuntimeError):
@@ -79,21 +85,45 @@ def launch(config: Config, device: torch.device, **options: Any) -> TrainResult 
 
     Raises:
         RankFailed: a rank raised (its traceback is in the message).
+        Interrupted: SIGINT or SIGTERM; every rank was stopped and reaped first (Note [Stopping the ranks]).
     """
     check(config, device)
     world = world_size(config)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return _torchrun_rank(config, device, world, options)
-    with tempfile.TemporaryDirectory(prefix="swapkit-ranks-") as folder:
-        result = Path(folder) / "result.pt"
+        with StopOnSignal():
+            return _torchrun_rank(config, device, world, options)
+    with tempfile.TemporaryDirectory(prefix="swapkit-ranks-") as folder, ForwardSignals() as signals:
+        context = mp.start_processes(_spawned_rank, args=(world, config, device.type, folder, logger_level(),
+                                                          options), nprocs=world, join=False, start_method="spawn")
         try:
-            mp.start_processes(_spawned_rank, args=(world, config, device.type, folder, logger_level(), options),
-                               nprocs=world, join=True, start_method="spawn")
-        except mp.ProcessRaisedException as err:
-            raise RankFailed(_first_failure(Path(folder), err.error_index, str(err))) from None
-        except mp.ProcessExitedException as err:
+            _join(context, Path(folder), signals)
+        finally:
+            _remove_error_files(context)
+        return torch.load(Path(folder) / "result.pt", weights_only=False)
+
+
+def _join(context: Any, folder: Path, signals: ForwardSignals) -> None:
+    """Wait for the ranks; on a stop signal stop them all (Note [Stopping the ranks])."""
+    done = False
+    try:
+        while not done and signals.signum is None:
+            done = context.join(timeout=POLL_S)
+    except mp.ProcessRaisedException as err:
+        if signals.signum is None:
+            raise RankFailed(_first_failure(folder, err.error_index, str(err))) from None
+    except mp.ProcessExitedException as err:
+        if signals.signum is None:
             raise RankFailed(f"rank {err.error_index} exited with code {err.exit_code}") from None
-        return torch.load(result, weights_only=False)
+    if not done:  # a stop signal, also when a rank then failed because its peers were stopping
+        killed = signals.stop(context.processes, STOP_GRACE_S)
+        finished = len(list(folder.glob("done*")))  # ranks that had ended on their own
+        raise stopped_ranks(signals.signum, len(context.processes) - finished, killed)
+
+
+def _remove_error_files(context: Any) -> None:
+    """``torch.multiprocessing`` leaves a failed rank's error file in the temporary folder."""
+    for name in context.error_files:
+        Path(name).unlink(missing_ok=True)
 
 
 def _first_failure(folder: Path, noticed: int, message: str) -> str:
@@ -124,6 +154,15 @@ def _torchrun_rank(config: Config, device: torch.device, world: int, options: di
 
 def _spawned_rank(rank: int, world: int, config: Config, device_type: str, folder: str, level: int,
                   options: dict) -> None:
+    StopOnSignal().install()  # Note [Interrupts and finalizers]; torch.multiprocessing exits quietly on Interrupted
+    try:
+        _rank_main(rank, world, config, device_type, folder, level, options)
+    finally:  # ending: a late signal must not raise in the interpreter's shutdown (the parent reaps this rank)
+        ignore_stop_signals()
+
+
+def _rank_main(rank: int, world: int, config: Config, device_type: str, folder: str, level: int,
+               options: dict) -> None:
     _configure_child_logging(rank, level)
     device = torch.device(device_type)
     _init(config, device, rank, world, Path(folder, "store").as_uri())
@@ -134,6 +173,7 @@ def _spawned_rank(rank: int, world: int, config: Config, device_type: str, folde
         raise
     if rank == 0:
         torch.save(result, Path(folder) / "result.pt")
+    Path(folder, f"done{rank}").touch()
 
 
 def _init(config: Config, device: torch.device, rank: int, world: int, init_method: str) -> None:

@@ -83,8 +83,8 @@ def train_rank(config: Config, device: torch.device, rank: int, world: int, step
                   metrics_out if rank == 0 else None)
     try:
         _loop(part, progress and rank == 0)
-    except BaseException:
-        _close(part, "failed")
+    except BaseException as err:
+        _close(part, "interrupted" if isinstance(err, KeyboardInterrupt) else "failed")
         raise
     _close(part, "completed")
     run = part.run

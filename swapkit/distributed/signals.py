@@ -1,0 +1,202 @@
+"""SIGINT and SIGTERM in the processes ``swapkit train`` owns: one clear stop, no tracebacks, no orphans.
+
+Note [Stopping the ranks]
+A scheduler (or ``kill -INT PID``) signals only the process it started: the parent of the spawned
+ranks. The parent forwards the stop to every rank, waits for them, kills (SIGKILL) any that is still
+alive after ``grace_s`` (one stuck in native code), reaps them all, and only then raises
+:class:`Interrupted`; the CLI prints its one line and exits ``128 + signal``. A second signal to the
+parent kills the ranks at once. A rank that fails while the others stop (its collective sees a peer
+gone) is part of the stop, not a failure to report. The parent forwards SIGTERM whatever it received: a rank still
+importing (before it installed :class:`StopOnSignal`) then exits at once and quietly, where SIGINT
+would print a ``KeyboardInterrupt`` traceback from the interpreter's start-up; once installed, the
+rank treats both alike. A ``SIG_IGN`` inherited for a signal (``nohup``, a background job of a
+script) is kept: that signal stays ignored.
+
+Note [Interrupts and finalizers]
+Python runs a signal's handler on the main thread between any two bytecodes, finalizers included.
+``KeyboardInterrupt`` raised inside a ``__del__`` (a swap record's, which takes the step's lock and
+returns host memory to the pool, swapkit.runtime.records Note [Record lifetime]) cannot propagate:
+Python prints ``Exception ignored in ...`` with a traceback, the finalizer stops half-way, and the
+interrupt is lost. :class:`StopOnSignal` therefore raises only where no ``__del__`` is on the
+interrupted stack; inside one it asks for the signal again a few milliseconds later, by which time
+the finalizer has returned. A second signal (Ctrl-C reaches a rank both from the terminal and from
+the parent) while the first :class:`Interrupted` propagates (an exception is being handled: an
+``except``, ``finally`` or ``__exit__`` on the stack) is remembered, not raised, so it cannot cut the
+cleanup that the first one started; if something caught the first and went on, the next signal raises
+again. Nothing is swallowed: each :class:`Interrupted` propagates like ``KeyboardInterrupt``. A
+spawned rank ignores both signals once its work has ended, so nothing interrupts the interpreter's
+shutdown (the parent reaps it, or kills it after the grace period).
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing.connection
+import os
+import signal
+import sys
+import threading
+import time
+from types import FrameType
+from typing import Any, Sequence
+
+logger = logging.getLogger(__name__)
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+RETRY_S = 0.005  # Note [Interrupts and finalizers]: a finalizer returns well within this
+POLL_S = 0.1
+
+
+class Interrupted(KeyboardInterrupt):
+    """The run was stopped by SIGINT or SIGTERM; a ``KeyboardInterrupt``, so every cleanup for Ctrl-C runs.
+
+    Attributes:
+        signum: the signal received; the CLI exits with ``128 + signum``.
+    """
+
+    def __init__(self, signum: int, detail: str = "") -> None:
+        self.signum, self.detail = signum, detail
+        name = signal.Signals(signum).name
+        super().__init__(f"interrupted by {name}" + (f": {detail}" if detail else ""))
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+    def __reduce__(self) -> tuple[type, tuple[int, str]]:
+        return Interrupted, (self.signum, self.detail)
+
+
+def _installable(signums: Sequence[int]) -> list[int]:
+    """The signals this process may take over: on the main thread only, never one inherited as ignored."""
+    if threading.current_thread() is not threading.main_thread():
+        return []
+    return [s for s in signums if signal.getsignal(s) is not signal.SIG_IGN]
+
+
+def ignore_stop_signals() -> None:
+    """A spawned rank whose work has ended: stop signals no longer interrupt it (Note [Interrupts and finalizers])."""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+
+
+def _in_finalizer(frame: FrameType | None) -> bool:
+    while frame is not None:
+        if frame.f_code.co_name == "__del__":
+            return True
+        frame = frame.f_back
+    return False
+
+
+class _StopHandlers:
+    """SIGINT and SIGTERM go to ``self._handle`` while installed (main thread only, an inherited ignore kept)."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> _StopHandlers:
+        """Take over the stop signals; leaving a ``with`` block restores the previous handlers."""
+        for signum in _installable(STOP_SIGNALS):
+            self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __enter__(self) -> _StopHandlers:
+        return self.install()
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        previous, self._previous = self._previous, {}
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        raise NotImplementedError
+
+
+class StopOnSignal(_StopHandlers):
+    """SIGINT and SIGTERM raise :class:`Interrupted`, never inside a finalizer (Note [Interrupts and finalizers]).
+
+    For processes swapkit owns: a rank, or the CLI's single-process run. Installed on entry (on the
+    main thread only), the previous handlers restored on exit. An ``Exception`` leaving the block after
+    a stop signal is its consequence (a peer rank gone, a cleanup the interrupt cut short) and leaves as
+    :class:`Interrupted`, the failure chained as its cause.
+
+    Attributes:
+        signum: the first stop signal received, ``None`` if none.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._raised = False
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        super().__exit__(exc_type, exc, tb)
+        if isinstance(exc, Exception) and self.signum is not None:
+            # After a stop signal a failure is its consequence (a peer rank gone, a cleanup cut short by
+            # the interrupt): report the stop, keep the failure as the cause (`-v` logs it).
+            logger.debug("swapkit: the run failed after %s", signal.Signals(self.signum).name, exc_info=exc)
+            raise Interrupted(self.signum) from exc
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.signum is None:
+            self.signum = signum
+        if self._raised and sys.exc_info()[1] is not None:
+            return  # the first is propagating: a second signal must not cut its cleanup short
+        if _in_finalizer(frame):
+            threading.Timer(RETRY_S, self._again).start()
+            return
+        self._raised = True
+        raise Interrupted(self.signum)
+
+    def _again(self) -> None:
+        if self._previous and self.signum is not None:  # still installed: the signal reaches _handle
+            signal.pthread_kill(threading.main_thread().ident, self.signum)
+
+
+class ForwardSignals(_StopHandlers):
+    """The parent's side of Note [Stopping the ranks]: remember SIGINT / SIGTERM, stop and reap the ranks.
+
+    Attributes:
+        signum: the first stop signal received, ``None`` if none.
+        repeated: a second one arrived (the ranks are killed at once).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.repeated = False
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.signum is None:
+            self.signum = signum
+        else:
+            self.repeated = True
+
+    def stop(self, processes: Sequence[Any], grace_s: float) -> int:
+        """Forward SIGTERM to the live ``processes``, wait up to ``grace_s``, kill the rest, reap all.
+
+        Returns:
+            How many had to be killed.
+        """
+        alive = [p for p in processes if p.is_alive()]
+        for process in alive:
+            _send(process, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while any(p.is_alive() for p in alive) and time.monotonic() < deadline and not self.repeated:
+            multiprocessing.connection.wait([p.sentinel for p in alive if p.is_alive()], timeout=POLL_S)
+        killed = [p for p in alive if p.is_alive()]
+        for process in killed:
+            process.kill()
+        for process in processes:
+            process.join()
+        return len(killed)
+
+
+def _send(process: Any, signum: int) -> None:
+    try:
+        os.kill(process.pid, signum)
+    except ProcessLookupError:  # it exited since is_alive()
+        pass
+
+
+def stopped_ranks(signum: int, stopped: int, killed: int) -> Interrupted:
+    """The parent's :class:`Interrupted`: ``interrupted by SIGINT: stopped 2 rank processes``."""
+    text = f"stopped {stopped} rank process{'es' if stopped != 1 else ''}"
+    return Interrupted(signum, text + (f" ({killed} killed after the grace period)" if killed else ""))

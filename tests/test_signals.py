@@ -1,0 +1,194 @@
+"""SIGINT and SIGTERM: ``swapkit train`` stops its ranks, reaps them and says so in one line.
+
+The end-to-end tests run the CLI as a subprocess in its own session (as a scheduler or a terminal
+would start it), wait for its first step, signal it and check the exit status, the output and that
+none of its processes is left. The in-process tests drive ``StopOnSignal`` with ``signal.raise_signal``,
+which runs the handler at once, inside the caller (a finalizer, a ``finally`` block).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from swapkit.distributed.signals import Interrupted, StopOnSignal
+
+ROOT = Path(__file__).resolve().parents[1]
+BOUND_S = 20  # generous for a loaded 2-core box; stopping takes about 2 s
+
+
+@pytest.fixture
+def start_train():
+    """Start ``swapkit train`` in its own session (SIGINT back to its default: a background suite inherits it
+    ignored); whatever a test leaves running is killed with its whole group."""
+    children: list[subprocess.Popen] = []
+
+    def child_setup() -> None:
+        os.setsid()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+    def start(*args: str, launcher: tuple[str, ...] = ()) -> subprocess.Popen:
+        command = [sys.executable, "-m", *launcher, "swapkit.cli", "train", *args, "--no-progress"]
+        children.append(subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                         text=True, preexec_fn=child_setup))
+        return children[-1]
+
+    yield start
+    for child in children:
+        if child.poll() is None:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.communicate()
+
+
+def wait_for_step(child: subprocess.Popen, pattern: str = "step 1/") -> list[str]:
+    """Read stderr until the first step is logged (training has started); the lines read so far."""
+    lines = []
+    for line in child.stderr:
+        lines.append(line)
+        if pattern in line:
+            return lines
+    raise AssertionError("the run ended before its first step:\n" + "".join(lines))
+
+
+def interrupt(child: subprocess.Popen, signum: int, whole_group: bool) -> tuple[str, list[psutil.Process]]:
+    """Send ``signum`` to the parent only (``kill -INT PID``) or to its process group (Ctrl-C); its stderr."""
+    processes = psutil.Process(child.pid).children(recursive=True)
+    if whole_group:
+        os.killpg(child.pid, signum)
+    else:
+        os.kill(child.pid, signum)
+    _, err = child.communicate(timeout=BOUND_S)  # not stopped in time: TimeoutExpired, the fixture kills it
+    return err, processes
+
+
+def assert_all_gone(processes: list[psutil.Process]) -> None:
+    _, alive = psutil.wait_procs(processes, timeout=10)  # the resource tracker ends once its pipe closes
+    assert alive == [], f"left behind: {[(p.pid, p.status()) for p in alive]}"
+
+
+@pytest.mark.parametrize("signum, code, whole_group", [
+    (signal.SIGINT, 130, False),   # kill -INT PID
+    (signal.SIGTERM, 143, False),  # a scheduler's stop
+    (signal.SIGINT, 130, True),    # Ctrl-C: every rank gets it from the terminal and from the parent
+], ids=["sigint-parent", "sigterm-parent", "ctrl-c-group"])
+def test_a_pipeline_run_stops_every_rank_on_a_signal(start_train, signum, code, whole_group):
+    child = start_train(str(ROOT / "configs" / "pp2.yaml"), "--steps", "100000")
+    seen = wait_for_step(child)
+    ranks = [p for p in psutil.Process(child.pid).children() if "spawn_main" in " ".join(p.cmdline())]
+    assert len(ranks) == 2
+    err, processes = interrupt(child, signum, whole_group)
+    output = "".join(seen) + err
+    assert child.returncode == code, output[-3000:]
+    assert f"swapkit: interrupted by {signal.Signals(signum).name}: stopped 2 rank processes\n" in err
+    assert "Traceback" not in output and "Exception ignored" not in output, output[-3000:]
+    assert "step 100000/" not in output  # stopped, not finished
+    assert_all_gone(processes)
+
+
+def test_under_torchrun_each_rank_stops_with_one_line(start_train):
+    """torchrun forwards the signal to its ranks (the README's torchrun command); its own report is torchrun's."""
+    torchrun = ("torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", "127.0.0.1:0", "-m")
+    child = start_train(str(ROOT / "configs" / "pp2.yaml"), "--steps", "100000", launcher=torchrun)
+    seen = wait_for_step(child)
+    err, processes = interrupt(child, signal.SIGTERM, whole_group=False)
+    output = "".join(seen) + err
+    assert output.count("swapkit: interrupted by SIGTERM\n") == 2, output[-3000:]
+    assert "swapkit: failed" not in output and "Exception ignored" not in output, output[-3000:]
+    assert_all_gone(processes)
+
+
+def test_a_single_process_run_stops_on_sigterm_and_keeps_its_metrics(start_train, tmp_path):
+    metrics = tmp_path / "metrics.json"
+    child = start_train(str(ROOT / "configs" / "tiny.yaml"), "--steps", "100000", "--metrics-out", str(metrics))
+    seen = wait_for_step(child)
+    err, _ = interrupt(child, signal.SIGTERM, whole_group=False)
+    assert child.returncode == 143, "".join(seen) + err
+    assert err.endswith("swapkit: interrupted by SIGTERM\n") and "Traceback" not in err
+    assert json.loads(metrics.read_text())["summary"]["status"] == "interrupted"
+
+
+# ---------------------------------------------------------------------- StopOnSignal in this process
+
+class SignalsWhileFinalized:
+    """Its finalizer receives SIGINT half-way, as a record's ``__del__`` can under Ctrl-C."""
+
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    def __del__(self) -> None:
+        signal.raise_signal(signal.SIGINT)  # the handler runs here, inside the finalizer
+        self.log.append("finalized")
+
+
+def wait_for_retry() -> None:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        time.sleep(0.001)
+    raise AssertionError("the deferred interrupt never came")
+
+
+def test_an_interrupt_inside_a_finalizer_is_raised_after_it(monkeypatch):
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    log: list[str] = []
+    with pytest.raises(Interrupted) as info:
+        with StopOnSignal():
+            SignalsWhileFinalized(log)  # no reference kept: finalized at once
+            assert log == ["finalized"]  # the finalizer ran to its end ...
+            wait_for_retry()  # ... and the interrupt comes right after it
+    assert unraisable == []  # without StopOnSignal: "Exception ignored in ... __del__", and the interrupt is lost
+    assert info.value.signum == signal.SIGINT and str(info.value) == "interrupted by SIGINT"
+
+
+def test_a_second_signal_does_not_cut_the_cleanup_short():
+    cleaned = []
+    with pytest.raises(Interrupted) as info:
+        with StopOnSignal():
+            try:
+                signal.raise_signal(signal.SIGTERM)
+            finally:
+                signal.raise_signal(signal.SIGINT)  # Ctrl-C reaches a rank twice: remembered, not raised
+                cleaned.append(True)
+    assert cleaned == [True] and info.value.signum == signal.SIGTERM
+
+
+def test_a_signal_after_an_interrupt_was_caught_raises_again():
+    with StopOnSignal():
+        with pytest.raises(Interrupted):
+            signal.raise_signal(signal.SIGINT)
+        with pytest.raises(Interrupted):  # something caught the first and went on: Ctrl-C still works
+            signal.raise_signal(signal.SIGINT)
+
+
+def test_a_failure_after_a_stop_signal_is_reported_as_the_stop():
+    with pytest.raises(Interrupted) as info:
+        with StopOnSignal():
+            try:
+                signal.raise_signal(signal.SIGTERM)
+            except Interrupted:
+                pass  # a rank's cleanup caught it, then its peer's collective failed
+            raise RuntimeError("Connection closed by peer")
+    assert info.value.signum == signal.SIGTERM and isinstance(info.value.__cause__, RuntimeError)
+    with pytest.raises(RuntimeError):  # without a signal a failure stays itself
+        with StopOnSignal():
+            raise RuntimeError("a real failure")
+
+
+def test_handlers_are_restored_and_an_inherited_ignore_is_kept():
+    before = signal.getsignal(signal.SIGINT)
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        with StopOnSignal():
+            assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN  # nohup: stays ignored
+            assert signal.getsignal(signal.SIGINT) is not before
+        assert signal.getsignal(signal.SIGINT) is before
+    finally:
+        signal.signal(signal.SIGTERM, previous)
