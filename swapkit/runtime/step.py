@@ -77,9 +77,10 @@ attribute read there. What keeps them lean, each giving the same guarantee as th
   call (:func:`~swapkit.runtime.records.empty_keepers`), and a restore builds its view with
   ``Tensor.new`` of a per-step empty tensor, not ``torch.empty``'s argument parsing;
 - a swap record keeps its first keeper in a slot: a list per record would be one more object for the
-  cyclic garbage collector to scan in every collection while the step lives. Those collections are
-  a large share of what is left: every object a save leaves alive until backward brings the next
-  collection nearer (``benchmarks/results/overhead``). For the same reason a handle's view metadata
+  cyclic garbage collector to scan in every collection while the step lives: every object a save
+  leaves alive until backward brings the next full collection nearer. On the benchmark's process
+  those collections measured 2-3% of a swap session's cost (``benchmarks/results/overhead``); a
+  process with more long-lived objects per step pays more. For the same reason a handle's view metadata
   holds its size as a plain tuple, not a ``torch.Size`` (:func:`~swapkit.runtime.records.view_meta`),
   and the tick queues' heap entries are pairs of integers (``swapkit.runtime.schedule`` Note [Heap
   entries the collector does not see]): a swapped save leaves about five tracked objects, not seven.
