@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.toys import bench_module
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -51,21 +53,13 @@ def test_quick_benchmark_writes_results_and_checks_hold(tmp_path):
     assert all(f"> **WARNING:** {w}" in markdown for w in data["warnings"])  # the report is marked
 
 
-def _bench_module(name: str):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        return __import__(name)
-    finally:
-        sys.path.pop(0)
-
-
 def test_microbench_takes_the_swap_way_apart_and_leaves_the_collector_on():
     """Ways (g) and (h) (Note [Taking the swap way apart] in benchmarks/microbench.py) run beside (d) in
     the same repetitions; (g) turns the collector off for its steps only, and (h)'s copies run without
     the copy thread, yet still move storages."""
     import gc
 
-    microbench = _bench_module("microbench")
+    microbench = bench_module("microbench")
     assert gc.isenabled()
     micro = microbench.run(torch.device("cpu"), length=60, reps=1)
     assert gc.isenabled()
@@ -77,13 +71,13 @@ def test_microbench_takes_the_swap_way_apart_and_leaves_the_collector_on():
 
 
 def test_default_output_is_not_the_committed_results():
-    args = _bench_module("swap_vs_recompute").parse_args([])
+    args = bench_module("swap_vs_recompute").parse_args([])
     assert args.out == Path("bench-out")  # git-ignored; benchmarks/results/ only with an explicit --out
     assert "bench-out/" in (ROOT / ".gitignore").read_text().splitlines()
 
 
 def test_loaded_machine_and_impossible_speedups_mark_the_report():
-    report = _bench_module("report")
+    report = bench_module("report")
     env = {"cpu_count": 2, "load_average_at_start": (3.5, 2.0, 1.0), "load_average_at_end": (1.0, 1.0, 1.0)}
     rows = [{"name": "baseline (no swapkit)", "time_ratio": 1.0}, {"name": "session, nothing configured",
                                                                    "time_ratio": 0.97},
@@ -139,7 +133,7 @@ def test_memory_cap_without_cuda_exits_2_with_a_clear_message(tmp_path):
 
 
 def test_memory_cap_report_names_what_ran_out_of_memory_and_where():
-    memory_cap = _bench_module("memory_cap")
+    memory_cap = bench_module("memory_cap")
     fit = {"times": [0.2, 0.22, 0.21], "oom_at_step": None, "alloc_retries": 3,
            "peak_reserved_bytes": 3 << 30, "peak_allocated_bytes": 2 << 30}
     oom = {"times": [], "oom_at_step": 2, "alloc_retries": 1, "peak_reserved_bytes": 4 << 30,

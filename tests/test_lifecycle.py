@@ -16,7 +16,8 @@ from swapkit.engine.base import StorageChangedError
 from swapkit.runtime.records import KeptRecord, Saved, SwapRecord
 from swapkit.train.model import lm_loss
 from tests.toys import (
-    GatedEngine, ToyNet, assert_grads_equal, grads, install_engine, layer_swap, llama, llama_batch, llama_step, toy_config,
+    GatedEngine, ToyNet, assert_grads_equal, bench_module, grads, install_engine, layer_swap, llama, llama_batch, llama_step,
+    toy_config,
 )
 
 
@@ -329,29 +330,6 @@ def test_a_storage_freed_after_its_copy_raises_naming_the_layer_at_release():
             model(torch.randn(4, 16)).sum()
 
 
-class _SinChain(nn.Module):
-    """``length`` tiny ``sin`` ops in one layer: each saves its input, a new storage."""
-
-    def __init__(self, length: int) -> None:
-        super().__init__()
-        self.length = length
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for _ in range(self.length):
-            x = torch.sin(x)
-        return x
-
-
-class _SinModel(nn.Module):
-    def __init__(self, length: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(16))
-        self.layers = nn.ModuleList([_SinChain(length)])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.layers[0](x * self.weight).sum()
-
-
 def _tracked() -> int:
     gc.collect()
     gc.collect()  # a tuple whose items the first pass untracked is untracked by the second
@@ -365,7 +343,7 @@ def test_a_swapped_save_leaves_few_objects_for_the_cyclic_collector_until_backwa
     share of its batch: no ``torch.Size`` or metadata tuple, no heap entry (swapkit.runtime.schedule
     Note [Heap entries the collector does not see])."""
     length = 400
-    model = _SinModel(length)
+    model = bench_module("microbench").TinyModel(length, 16)  # one layer of `length` sin ops
     config = {"model": {"model_config": {"num_layers": 1}}, "runtime": {"min_offload_bytes": 0},
               "swap_config": {"swap": True, "layer_swap": [{"backward_prefetch": 4, "layers": True}]}}
     session = swapkit.apply(model, config, layers="layers")

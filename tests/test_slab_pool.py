@@ -7,7 +7,6 @@ import json
 import random
 import sys
 import threading
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from swapkit.engine import HostPool, ThreadCopyEngine, make_pool
 from swapkit.engine.pinned import PAGE, pinned_host_memory
 from swapkit.engine.slabs import (EXACT, EXACT_FROM, LARGEST_SLAB, SHARED, SMALLEST_SLAB, SlabAllocator,
                                   next_slab_bytes, round_up, slab_kind)
-from tests.toys import GatedEngine, install_engine, layer_swap, llama, llama_batch, llama_step, toy_config
+from tests.toys import GatedEngine, bench_module, install_engine, layer_swap, llama, llama_batch, llama_step, toy_config
 
 MiB = 1 << 20
 
@@ -482,24 +481,16 @@ def test_cuda_session_pool_pins_exact_slabs_and_stays_flat():
 
 # ---------------------------------------------------------------- the benchmark is shipped
 
-def _bench_module(name: str):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    try:
-        return __import__(name)
-    finally:
-        sys.path.pop(0)
-
-
 def test_cuda_peers_leave_out_torchtune_with_a_note_when_it_is_not_importable(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchtune", None)  # any import of it fails
-    variants = _bench_module("variants")
+    variants = bench_module("variants")
     assert [peer.name for peer in variants.cuda_peers()] == ["peer: torch save_on_cpu(pin_memory=True)"]
     (note,) = variants.missing_peers()
     assert note.startswith("peer torchtune OffloadActivations skipped: torchtune is not importable")
 
 
 def test_host_pool_benchmark_records_exact_bytes_and_no_growth(tmp_path):
-    bench = _bench_module("host_pool")
+    bench = bench_module("host_pool")
     assert bench.main(["--quick", "--steps", "3", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "host_pool.json").read_text())
     assert (tmp_path / "host_pool.md").stat().st_size > 0 and data["env"]["device"] == "cpu"

@@ -1,8 +1,10 @@
 """Small models and test doubles shared by the runtime tests."""
 from __future__ import annotations
 
+import sys
 import threading
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -146,3 +148,12 @@ class FailsOnSecondCopy(ThreadCopyEngine):
         if self.offloads == 2:
             return self._submit(lambda: (_ for _ in ()).throw(MemoryError("host copy failed")))
         return super().offload(src, dst)
+
+
+def bench_module(name: str):
+    """A module of ``benchmarks/`` (not a package: its scripts import each other by name)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.pop(0)
