@@ -114,7 +114,9 @@ def _join(context: Any, folder: Path, signals: ForwardSignals) -> None:
     except mp.ProcessExitedException as err:
         if signals.signum is None:
             raise RankFailed(f"rank {err.error_index} exited with code {err.exit_code}") from None
-    if not done:  # a stop signal, also when a rank then failed because its peers were stopping
+    if not done or (signals.signum is not None and not (folder / "result.pt").exists()):
+        # a stop signal, also when a rank then failed because its peers were stopping, or when every
+        # rank ended within the join that saw the signal without rank 0 writing its result
         killed = signals.stop(context.processes, STOP_GRACE_S)
         finished = len(list(folder.glob("done*")))  # ranks that had ended on their own
         raise stopped_ranks(signals.signum, len(context.processes) - finished, killed)

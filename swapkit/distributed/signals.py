@@ -19,11 +19,17 @@ returns host memory to the pool, swapkit.runtime.records Note [Record lifetime])
 Python prints ``Exception ignored in ...`` with a traceback, the finalizer stops half-way, and the
 interrupt is lost. :class:`StopOnSignal` therefore raises only where no ``__del__`` is on the
 interrupted stack; inside one it asks for the signal again a few milliseconds later, by which time
-the finalizer has returned. A second signal (Ctrl-C reaches a rank both from the terminal and from
-the parent) while the first :class:`Interrupted` propagates (an exception is being handled: an
+the finalizer has returned (one retry thread, started on install: a finalizer must not start
+threads). A finalizer it cannot see (a weak reference's callback) still loses the raise to Python's
+"Exception ignored": the unraisable hook installed with the handlers catches that
+:class:`Interrupted` and asks for the signal again the same way. A signal still owed when the block
+ends without an exception is raised by its ``__exit__``, so none is lost to a block that ended
+first. A second signal (Ctrl-C reaches a rank both from the terminal and from the parent) while the
+first :class:`Interrupted` propagates (it, or an exception it caused, is being handled: an
 ``except``, ``finally`` or ``__exit__`` on the stack) is remembered, not raised, so it cannot cut the
-cleanup that the first one started; if something caught the first and went on, the next signal raises
-again. Nothing is swallowed: each :class:`Interrupted` propagates like ``KeyboardInterrupt``. A
+cleanup that the first one started; a signal during any other ``except`` raises, and if something
+caught the first and went on, the next signal raises again. Nothing is swallowed: each
+:class:`Interrupted` propagates like ``KeyboardInterrupt``. A
 spawned rank ignores both signals once its work has ended, so nothing interrupts the interpreter's
 shutdown (the parent reaps it, or kills it after the grace period).
 """
@@ -32,6 +38,7 @@ from __future__ import annotations
 import logging
 import multiprocessing.connection
 import os
+import queue
 import signal
 import sys
 import threading
@@ -86,6 +93,16 @@ def _in_finalizer(frame: FrameType | None) -> bool:
     return False
 
 
+def _interrupt_propagating() -> bool:
+    """An :class:`Interrupted`, or an exception raised while one was handled, is being handled now."""
+    exc = sys.exc_info()[1]
+    while exc is not None:
+        if isinstance(exc, Interrupted):
+            return True
+        exc = exc.__context__
+    return False
+
+
 class _StopHandlers:
     """SIGINT and SIGTERM go to ``self._handle`` while installed (main thread only, an inherited ignore kept)."""
 
@@ -126,29 +143,62 @@ class StopOnSignal(_StopHandlers):
     def __init__(self) -> None:
         super().__init__()
         self._raised = False
+        self._lock = threading.Lock()  # installed or not, as the retry thread sees it
+        self._retries: queue.SimpleQueue | None = None  # put() is safe in a handler and a finalizer
+        self._unraisable: Any = None
+
+    def install(self) -> StopOnSignal:
+        super().install()
+        if self._previous:  # Note [Interrupts and finalizers]
+            self._retries = queue.SimpleQueue()
+            threading.Thread(target=self._retry, args=(self._retries,), name="swapkit-signal-retry",
+                             daemon=True).start()
+            self._unraisable, sys.unraisablehook = sys.unraisablehook, self._hook
+        return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
-        super().__exit__(exc_type, exc, tb)
+        with self._lock:  # no retry re-sends once the handlers are the previous ones again
+            installed = bool(self._previous)
+            super().__exit__(exc_type, exc, tb)
+        if installed:
+            sys.unraisablehook, self._unraisable = self._unraisable, None
+            self._retries.put(None)
         if isinstance(exc, Exception) and self.signum is not None:
             # After a stop signal a failure is its consequence (a peer rank gone, a cleanup cut short by
             # the interrupt): report the stop, keep the failure as the cause (`-v` logs it).
             logger.debug("swapkit: the run failed after %s", signal.Signals(self.signum).name, exc_info=exc)
             raise Interrupted(self.signum) from exc
+        if exc is None and self.signum is not None and not self._raised:
+            self._raised = True
+            raise Interrupted(self.signum)  # owed since a finalizer deferred it (Note [Interrupts and finalizers])
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.signum is None:
             self.signum = signum
-        if self._raised and sys.exc_info()[1] is not None:
+        if self._raised and _interrupt_propagating():
             return  # the first is propagating: a second signal must not cut its cleanup short
         if _in_finalizer(frame):
-            threading.Timer(RETRY_S, self._again).start()
+            self._retries.put(self.signum)
             return
         self._raised = True
         raise Interrupted(self.signum)
 
-    def _again(self) -> None:
-        if self._previous and self.signum is not None:  # still installed: the signal reaches _handle
-            signal.pthread_kill(threading.main_thread().ident, self.signum)
+    def _hook(self, unraisable: Any) -> None:
+        """An :class:`Interrupted` lost in a finalizer ``_handle`` could not see: ask for it again."""
+        if isinstance(unraisable.exc_value, Interrupted) and self._retries is not None:
+            self._raised = False
+            self._retries.put(unraisable.exc_value.signum)
+            return
+        (self._unraisable or sys.__unraisablehook__)(unraisable)
+
+    def _retry(self, retries: queue.SimpleQueue) -> None:
+        """The retry thread: re-send a deferred signal to the main thread once its finalizer returned."""
+        main = threading.main_thread().ident
+        for signum in iter(retries.get, None):
+            time.sleep(RETRY_S)
+            with self._lock:
+                if self._previous:  # still installed: the signal reaches _handle
+                    signal.pthread_kill(main, signum)
 
 
 class ForwardSignals(_StopHandlers):
