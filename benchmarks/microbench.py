@@ -18,7 +18,12 @@ Two costs of (d) are not the session's bookkeeping, and each has its own way, ru
 repetitions, so that no cross-run difference (another process's load moves the thread engine's cost
 by half) enters the comparison:
 - (g) disables the cyclic collector for the step only (``gc.disable()`` inside the step's context,
-  enabled again after): (d) - (g) is what the collections that the step's live objects bring cost.
+  enabled again after): (d) - (g) is what the young-generation collections during a step cost. A
+  *full* collection (a scan of every object of the process, ~90 ms here) lands in about one step of
+  ten, so the medians leave it out; the collector clock below measures it.
+- The collector clock: ``gc.callbacks`` time every collection, and each way's steps get the
+  collections that ran during them, reported as a mean per saved tensor with the number of full
+  collections (Note [The collector's clock]).
 - (h) closes its session's thread engine after the warm-up, so every copy runs inline on the thread
   that queues it (``swapkit.engine.thread`` Note [Copies after close]): the same copies and the same
   session work, without the hand-off to the copy thread. (d) - (h) is what the hand-offs cost the
@@ -158,6 +163,32 @@ def _step(model: nn.Module, x: torch.Tensor, context: Callable[[], ContextManage
     return time.perf_counter() - start, time.thread_time() - cpu
 
 
+class CollectorClock:
+    """Wall seconds in the cyclic collector, and full collections, since it was made (``gc.callbacks``).
+
+    Note [The collector's clock]
+    A full collection comes about once in ten steps here, so the paired medians of Note [Paired
+    per-tensor costs] leave it out; this clock sums every collection, full or young, over each way's
+    steps, and the report gives its mean per saved tensor. Collections are timed on the wall clock;
+    they run on the thread whose allocation triggered them, nearly always the one running the step.
+    """
+
+    def __init__(self) -> None:
+        self.seconds, self.full = 0.0, 0
+        self._start = 0.0
+        gc.callbacks.append(self._tick)
+
+    def _tick(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+            self.full += info["generation"] == 2
+        else:
+            self.seconds += time.perf_counter() - self._start
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._tick)
+
+
 WAYS = ("none", "identity", "keep", "swap", "swap_per_tensor", "floor", "swap_no_gc", "swap_inline")
 
 
@@ -179,19 +210,29 @@ def run(device: torch.device, length: int, reps: int, width: int = 16, ways: tup
     saved = count_saved(models["none"], x)
     load_before = os.getloadavg()
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in models}
-    for rep in range(reps + 2):  # two warm-up rounds
-        if rep == 2 and "swap_inline" in sessions:
-            sessions["swap_inline"].engine.close()  # Note [Taking the swap way apart]
-        for name, model in models.items():
-            seconds = _step(model, x, contexts[name])
-            if rep >= 2:
-                times[name].append(seconds)
+    collected = {name: [0.0, 0] for name in models}  # collector seconds, full collections (Note [The collector's clock])
+    clock = CollectorClock()
+    try:
+        for rep in range(reps + 2):  # two warm-up rounds
+            if rep == 2 and "swap_inline" in sessions:
+                sessions["swap_inline"].engine.close()  # Note [Taking the swap way apart]
+            for name, model in models.items():
+                before = clock.seconds, clock.full
+                seconds = _step(model, x, contexts[name])
+                if rep >= 2:
+                    times[name].append(seconds)
+                    collected[name][0] += clock.seconds - before[0]
+                    collected[name][1] += clock.full - before[1]
+    finally:
+        clock.close()
     stats = {name: session.stats for name, session in sessions.items()}
     copy_threads = {name: _copy_thread_alive(session) for name, session in sessions.items()}
     for session in sessions.values():
         session.remove()
     summary = _summary(times, saved, length, width, stats.get("swap"))
     summary["load_average"] = {"before": load_before, "after": os.getloadavg()}
+    summary["collector_us_per_saved_tensor"] = {name: spent / reps / saved * 1e6 for name, (spent, _) in collected.items()}
+    summary["full_collections"] = {name: full for name, (_, full) in collected.items()}
     for name in ("swap", "swap_per_tensor", "swap_no_gc", "swap_inline"):
         jobs = getattr(stats.get(name), "offload_copies", None)  # a tree without coalescing has no such counter
         summary[f"{name}_copy_jobs"] = None if jobs is None else jobs + stats[name].prefetch_copies
@@ -299,12 +340,20 @@ def report_lines(result: dict[str, Any]) -> list[str]:
              f"{micro['reps']} interleaved repetitions, load average {load['before'][0]:.1f} before and "
              f"{load['after'][0]:.1f} after. Costs are medians of paired per-repetition differences to (a) "
              "(Note [Paired per-tensor costs] in benchmarks/microbench.py).", "",
-             "| way | wall us/tensor | wall over (b) | main-thread CPU us/tensor | CPU over (b) |",
-             "|---|---|---|---|---|"]
+             "| way | wall us/tensor | wall over (b) | main-thread CPU us/tensor | CPU over (b) | collector us/tensor "
+             "(mean), full collections |",
+             "|---|---|---|---|---|---|"]
+    collector, full = micro.get("collector_us_per_saved_tensor", {}), micro.get("full_collections", {})
     for name in [w for w in WAYS[1:] if w in micro["us_per_saved_tensor"]]:
+        gc_cell = f"{collector[name]:.2f}, {full[name]}" if name in collector else "—"
         lines.append(f"| {LABELS[name]} | {micro['us_per_saved_tensor'][name]:.2f} | "
                      f"{micro['over_identity'][name]:.2f}x | {micro['cpu_us_per_saved_tensor'][name]:.2f} | "
-                     f"{micro['cpu_over_identity'][name]:.2f}x |")
+                     f"{micro['cpu_over_identity'][name]:.2f}x | {gc_cell} |")
+    if collector:
+        lines += ["", f"Collector: mean wall time in Python's cyclic collector during each way's steps per saved "
+                      f"tensor, and the full collections among them over {micro['reps']} repetitions (Note [The "
+                      "collector's clock] in benchmarks/microbench.py); the medians before it leave full "
+                      "collections out."]
     if micro["swap_copy_jobs"] is not None:
         lines += ["", f"Copy jobs per step (each way together): {micro['swap_copy_jobs']} in (d), "
                       f"{micro['swap_per_tensor_copy_jobs']} in (e), for {micro['swap_offloaded_tensors']} swapped "

@@ -65,6 +65,8 @@ def test_microbench_takes_the_swap_way_apart_and_leaves_the_collector_on():
     assert gc.isenabled()
     assert set(microbench.WAYS) - {"none"} == set(micro["cpu_us_per_saved_tensor"])
     assert micro["swap_inline_copy_jobs"] > 0 and micro["swap_copy_jobs"] > 0
+    assert micro["collector_us_per_saved_tensor"]["swap_no_gc"] == 0  # no collection while it was off
+    assert set(micro["full_collections"]) == set(microbench.WAYS)  # Note [The collector's clock]
     assert micro["swap_inline_copy_thread"] is False and micro["swap_copy_thread"] is True
     assert "(h) as (d), copies inline" in "\n".join(microbench.report_lines({"microbench": micro, "env": {
         "date": "-", "torch": "-", "cpu_count": 2, "torch_threads": 2, "device": "cpu"}}))

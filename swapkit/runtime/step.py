@@ -79,8 +79,8 @@ attribute read there. What keeps them lean, each giving the same guarantee as th
 - a swap record keeps its first keeper in a slot: a list per record would be one more object for the
   cyclic garbage collector to scan in every collection while the step lives: every object a save
   leaves alive until backward brings the next full collection nearer. On the benchmark's process
-  those collections measured 2-3% of a swap session's cost (``benchmarks/results/overhead``); a
-  process with more long-lived objects per step pays more. For the same reason a handle's view metadata
+  the collector measured about 5 us per swapped save, 10-15% of a swap session's cost
+  (``benchmarks/results/overhead``). For the same reason a handle's view metadata
   holds its size as a plain tuple, not a ``torch.Size`` (:func:`~swapkit.runtime.records.view_meta`),
   and the tick queues' heap entries are pairs of integers (``swapkit.runtime.schedule`` Note [Heap
   entries the collector does not see]): a swapped save leaves about five tracked objects, not seven.
