@@ -272,3 +272,29 @@ def test_ranks_that_end_within_the_join_that_saw_the_signal_still_report_the_sto
     with pytest.raises(Interrupted) as info:
         _join(context, tmp_path, signals)
     assert info.value.signum == signal.SIGTERM and "stopped 2 rank processes" in str(info.value)
+
+
+def test_ctrl_c_while_the_ranks_start_stops_them_without_tracebacks(start_train):
+    """Note [Ranks start deaf]: a stop in the first moments, while the ranks still import torch, is
+    held until each rank's handlers are installed."""
+    child = start_train(str(ROOT / "configs" / "pp2.yaml"), "--steps", "100000")
+    deadline = time.monotonic() + 60
+    while len(_ranks_of(child)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)  # the ranks exist (spawned) but are still starting: importing torch takes seconds
+    err, processes = interrupt(child, signal.SIGINT, whole_group=True)
+    assert child.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "Exception ignored" not in err and "Terminating process" not in err, err[-3000:]
+    assert re.search(r"swapkit: interrupted by SIGINT: stopped \d rank process", err), err
+    assert_all_gone(processes)
+
+
+def _ranks_of(child: subprocess.Popen) -> list[psutil.Process]:
+    """The spawned rank processes (not the resource tracker), as far as they exist yet."""
+    found = []
+    for process in psutil.Process(child.pid).children():
+        try:
+            if "spawn_main" in " ".join(process.cmdline()):
+                found.append(process)
+        except psutil.Error:  # gone, or not exec'd yet
+            pass
+    return found

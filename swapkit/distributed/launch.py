@@ -37,7 +37,9 @@ import torch.multiprocessing as mp
 from swapkit.config.errors import ConfigError, Problem
 from swapkit.config.types import Config
 from swapkit.distributed.pipeline import micro_batches
-from swapkit.distributed.signals import POLL_S, ForwardSignals, StopOnSignal, ignore_stop_signals, stopped_ranks
+from swapkit.distributed.signals import (
+    POLL_S, ForwardSignals, StopOnSignal, ignore_stop_signals, stop_signals_blocked, stopped_ranks, unblock_stop_signals,
+)
 from swapkit.train.state import TrainResult
 
 logger = logging.getLogger(__name__)
@@ -93,8 +95,9 @@ def launch(config: Config, device: torch.device, **options: Any) -> TrainResult 
         with StopOnSignal():
             return _torchrun_rank(config, device, world, options)
     with tempfile.TemporaryDirectory(prefix="swapkit-ranks-") as folder, ForwardSignals() as signals:
-        context = mp.start_processes(_spawned_rank, args=(world, config, device.type, folder, logger_level(),
-                                                          options), nprocs=world, join=False, start_method="spawn")
+        with stop_signals_blocked():  # the ranks start with them blocked (Note [Ranks start deaf])
+            context = mp.start_processes(_spawned_rank, args=(world, config, device.type, folder, logger_level(),
+                                                              options), nprocs=world, join=False, start_method="spawn")
         try:
             _join(context, Path(folder), signals)
         finally:
@@ -158,6 +161,7 @@ def _spawned_rank(rank: int, world: int, config: Config, device_type: str, folde
                   options: dict) -> None:
     StopOnSignal().install()  # Note [Interrupts and finalizers]; torch.multiprocessing exits quietly on Interrupted
     try:
+        unblock_stop_signals()  # a stop that came while this rank started is raised here (Note [Ranks start deaf])
         _rank_main(rank, world, config, device_type, folder, level, options)
     finally:  # ending: a late signal must not raise in the interpreter's shutdown (the parent reaps this rank)
         ignore_stop_signals()

@@ -32,11 +32,25 @@ caught the first and went on, the next signal raises again. Nothing is swallowed
 :class:`Interrupted` propagates like ``KeyboardInterrupt``. A
 spawned rank ignores both signals once its work has ended, so nothing interrupts the interpreter's
 shutdown (the parent reaps it, or kills it after the grace period).
+
+Note [Ranks start deaf]
+A spawned rank runs the interpreter's start-up and imports torch before :class:`StopOnSignal` is
+installed; a stop signal then (Ctrl-C in the first seconds reaches every rank from the terminal, or
+the parent forwards one) would print a ``KeyboardInterrupt`` traceback from an import, and torch's
+own join would then wait 30 s for the other ranks. So the parent blocks SIGINT and SIGTERM while it
+starts the ranks (:func:`stop_signals_blocked`; a signal mask is inherited across fork and exec, as
+``multiprocessing``'s resource tracker also relies on; the tracker is started first, because its
+start unblocks both signals in the parent), and each rank unblocks them once its handlers
+are installed: a stop that arrived meanwhile was held pending and is raised there, as one
+:class:`Interrupted`. The parent's own pending signal reaches :class:`ForwardSignals` when its mask
+is restored, right after the start.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing.connection
+from multiprocessing import resource_tracker
 import os
 import queue
 import signal
@@ -77,6 +91,23 @@ def _installable(signums: Sequence[int]) -> list[int]:
     if threading.current_thread() is not threading.main_thread():
         return []
     return [s for s in signums if signal.getsignal(s) is not signal.SIG_IGN]
+
+
+@contextlib.contextmanager
+def stop_signals_blocked():
+    """SIGINT and SIGTERM held pending on this thread (and in processes it starts) for the block
+    (Note [Ranks start deaf]); the previous mask comes back on exit, delivering what is pending."""
+    resource_tracker.ensure_running()  # its first start unblocks both signals (CPython's own mask trick)
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def unblock_stop_signals() -> None:
+    """A rank whose handlers are installed: take the stop signals again (Note [Ranks start deaf])."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
 def ignore_stop_signals() -> None:
