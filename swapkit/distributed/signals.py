@@ -174,6 +174,7 @@ class StopOnSignal(_StopHandlers):
     def __init__(self) -> None:
         super().__init__()
         self._raised = False
+        self._exiting = False  # __exit__ began: a signal is only recorded, __exit__ raises it
         self._lock = threading.Lock()  # installed or not, as the retry thread sees it
         self._retries: queue.SimpleQueue | None = None  # put() is safe in a handler and a finalizer
         self._unraisable: Any = None
@@ -188,6 +189,9 @@ class StopOnSignal(_StopHandlers):
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        # A signal from here on (a retry landing while this waits for the lock) is recorded, not raised
+        # half-way through restoring the handlers; the end of this method raises it.
+        self._exiting = True
         with self._lock:  # no retry re-sends once the handlers are the previous ones again
             installed = bool(self._previous)
             super().__exit__(exc_type, exc, tb)
@@ -206,6 +210,9 @@ class StopOnSignal(_StopHandlers):
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.signum is None:
             self.signum = signum
+        if self._exiting:
+            self._raised = False  # owed: the end of __exit__ raises it unless an exception already leaves
+            return
         if self._raised and _interrupt_propagating():
             return  # the first is propagating: a second signal must not cut its cleanup short
         if _in_finalizer(frame):
