@@ -2,14 +2,16 @@
 
 One "layer" runs a chain of many tiny ops (``sin`` on a few floats), so each step saves thousands
 of tiny tensors and the time per step is dominated by per-tensor overhead, not by math or memcpy.
-Four ways of running the same step, interleaved:
+Eight ways of running the same step, interleaved:
 
 (a) no hooks; (b) identity ``saved_tensors_hooks(lambda t: t, lambda t: t)``; (c) a swapkit
 session that keeps everything (accounting only); (d) a swapkit session that swaps everything
 (layer swap, ``min_offload_bytes: 0``) through the unthrottled thread engine, with coalesced copies
 (the default ``runtime.offload_batch_bytes``); (e) the same with ``offload_batch_bytes: 0``, one copy job per
 storage as before coalescing, so the before/after ratio comes from one run; (f) the floor of any safe
-keep (below). Two more ways take (d) apart (Note [Taking the swap way apart]): (g) as (d) with Python's
+keep: hooks that hand autograd a detached keeper with the version it had and check that version at
+unpack (autograd stops checking it once hooks are installed; ``swapkit.runtime.records`` Note [Version
+keepers]), and do nothing else. Two more ways take (d) apart (Note [Taking the swap way apart]): (g) as (d) with Python's
 cyclic garbage collector off during the step, (h) as (d) with every copy run on the thread that queues
 it (CPU only).
 
@@ -32,7 +34,9 @@ by half) enters the comparison:
   closer stand-in for the session's own cost on a GPU host, and it runs on CPU only.
 
 Note [Paired per-tensor costs]
-Each repetition runs every way once, in a fixed order. A way's cost per saved tensor in one repetition is
+Each repetition runs every way once, the order rotated by one way per repetition, so that no way
+always runs right after the same other way (a way run after a swap way starts with other caches
+and another heap than one run after no hooks). A way's cost per saved tensor in one repetition is
 (its step - (a)'s step of the same repetition) / saved tensors per step, and the reported cost is the
 median over repetitions; the ratio to (b) is the median cost over (b)'s. Two clocks: wall time, and the
 main thread's CPU time (``time.thread_time``). On a shared machine other processes take the cores for
@@ -106,23 +110,21 @@ def _identity_hooks() -> ContextManager:
     return torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
 
 
-class _Keeper:
-    """The least a safe keep needs: a detached keeper and the version it had (way (f))."""
-
-    __slots__ = ("keeper", "version")
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.keeper, self.version = tensor.detach(), tensor._version
+def _keep_floor(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The least a safe keep needs (way (f)): a detached keeper and the version it had, in a tuple
+    (a class with an ``__init__`` adds a Python frame per save, which is no part of the floor)."""
+    return tensor.detach(), tensor._version
 
 
-def _unpack_keeper(handle: _Keeper) -> torch.Tensor:
-    if handle.keeper._version != handle.version:
+def _unpack_floor(handle: tuple[torch.Tensor, int]) -> torch.Tensor:
+    keeper = handle[0]
+    if keeper._version != handle[1]:
         raise RuntimeError("a saved tensor was modified in place")
-    return handle.keeper
+    return keeper
 
 
 def _floor_hooks() -> ContextManager:
-    return torch.autograd.graph.saved_tensors_hooks(_Keeper, _unpack_keeper)
+    return torch.autograd.graph.saved_tensors_hooks(_keep_floor, _unpack_floor)
 
 
 @contextlib.contextmanager
@@ -216,7 +218,10 @@ def run(device: torch.device, length: int, reps: int, width: int = 16, ways: tup
         for rep in range(reps + 2):  # two warm-up rounds
             if rep == 2 and "swap_inline" in sessions:
                 sessions["swap_inline"].engine.close()  # Note [Taking the swap way apart]
-            for name, model in models.items():
+            names = list(models)
+            shift = rep % len(names)
+            for name in names[shift:] + names[:shift]:
+                model = models[name]
                 before = clock.seconds, clock.full
                 seconds = _step(model, x, contexts[name])
                 if rep >= 2:

@@ -72,6 +72,23 @@ def test_microbench_takes_the_swap_way_apart_and_leaves_the_collector_on():
         "date": "-", "torch": "-", "cpu_count": 2, "torch_threads": 2, "device": "cpu"}}))
 
 
+def test_microbench_floor_is_a_safe_keep():
+    """Way (f) is the floor of any *safe* keep: it must still catch an in-place write to a saved
+    tensor (which autograd stops checking once hooks are installed), and hand back the same values."""
+    microbench = bench_module("microbench")
+    x = torch.randn(8, requires_grad=True)
+    with microbench._floor_hooks():
+        y = x.exp()  # saves its output
+    y.sum().backward()
+    assert torch.equal(x.grad, x.detach().exp())
+    with microbench._floor_hooks():
+        y = x.exp()
+    with torch.no_grad():
+        y.add_(1)
+    with pytest.raises(RuntimeError, match="modified in place"):
+        y.sum().backward()
+
+
 def test_default_output_is_not_the_committed_results():
     args = bench_module("swap_vs_recompute").parse_args([])
     assert args.out == Path("bench-out")  # git-ignored; benchmarks/results/ only with an explicit --out
