@@ -27,9 +27,10 @@ OTHER_HOOKS = ("it ran inside another saved_tensors_hooks context (a non-reentra
                "Face's gradient_checkpointing_enable() or torch.utils.checkpoint, or another offloading tool), "
                "which keeps its tensors from swapkit")
 NOT_ENTERED = ("its module hooks never ran although its layer did (the module is not called in forward, or it "
-               "runs in a graph torch.compile traced before swapkit.apply: Dynamo does not guard on module hooks "
-               "by default, torch._dynamo.config.skip_nnmodule_hook_guards; apply swapkit before the first "
-               "compiled call, or call torch._dynamo.reset() after applying it)")
+               "runs in a graph torch.compile traced before swapkit.apply or for another instance of the same "
+               "model class: Dynamo does not guard on module hooks by default, "
+               "torch._dynamo.config.skip_nnmodule_hook_guards; apply swapkit before the first compiled call, "
+               "or call torch._dynamo.reset() after applying it)")
 NO_GRAD = ("it ran with grad disabled (inside a reentrant checkpoint, which recomputes it in backward, or under "
            "torch.no_grad)")
 

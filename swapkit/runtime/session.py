@@ -32,6 +32,16 @@ Note [Backward after the with block]
 ``with session:`` must cover the forward; backward may run inside or after it. Unpack hooks are
 attached to each saved tensor, so they run after the block too; the block's exit only removes the
 pack hooks and, if backward has not started yet, waits for the copies and releases what is due.
+
+Note [Saved-tensor hooks stay out of Dynamo]
+``torch.compile`` of a whole model (or of a training step) runs the frames it cannot put in a graph
+eagerly with Dynamo's frame callback still installed, and the pack and unpack hooks that their ops
+call are Python frames too: Dynamo would trace them like user code (the session's bookkeeping,
+weak references and locks), which failed with ``InternalTorchDynamoError`` or replayed the hook's
+side effects wrongly, so swaps moved nothing. The hooks installed on ``__enter__`` are therefore
+the ``torch.compiler.disable`` wrappers of ``_pack`` and ``_unpack`` (built once per session, about
+0.3 us per call), as the scope hooks are (swapkit.runtime.scope Note [Bookkeeping stays out of
+compiled graphs]). ``entry_cause`` and :func:`active_session` recognise the wrappers.
 """
 from __future__ import annotations
 
@@ -80,6 +90,8 @@ class SwapSession:
         self._steps = 0
         self._forward_ticks: int | None = None  # forward length of the last step, for the tail
         self._hooks: Any = None
+        # Note [Saved-tensor hooks stay out of Dynamo]
+        self._hook_pair = (torch.compiler.disable(self._pack), torch.compiler.disable(self._unpack))
         self._removed = False
         self._entry_lock = threading.Lock()
         self._owner: int | None = None  # the thread inside the `with` block
@@ -110,7 +122,7 @@ class SwapSession:
             self._ensure_engine()
             self._start_step()
             self.tracker.reset()
-            hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            hooks = torch.autograd.graph.saved_tensors_hooks(*self._hook_pair)
             hooks.__enter__()
             self._hooks = hooks
         except BaseException:
@@ -230,7 +242,7 @@ class SwapSession:
         """swapkit.runtime.overrides Note [Swaps nobody reports]"""
         step = self._step  # None in a pipeline stage before a chunk's first save opens its micro-step
         if step is not None and self._hooks is not None and torch._C._current_graph_task_id() == -1:
-            step.scope_entered(frame, entry_cause(self._pack))
+            step.scope_entered(frame, entry_cause(self._hook_pair[0]))
 
     def _report_unused(self, step: Step) -> None:
         for layer, path, cause in step.unused_swaps():
@@ -302,7 +314,7 @@ class AppliedMarker:
 def active_session() -> SwapSession | None:
     """The swap session whose hooks are innermost on this thread, if any."""
     top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    owner = getattr(top[0], "__self__", None) if top else None
+    owner = getattr(getattr(top[0], "__wrapped__", None), "__self__", None) if top else None
     return owner if isinstance(owner, SwapSession) else None
 
 
