@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 import reprlib
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 #: At most this many problems are listed; the rest are counted ("... and 199,990 more unknown keys").
 MAX_LISTED_PROBLEMS = 20
@@ -119,10 +119,16 @@ class Problems:
         message = f"got {show(value)}; expected {expected}"
         self.add(path, f"{message}. {fix[0].upper()}{fix[1:]}" if fix else message)
 
-    def unknown_key(self, path: str, key: str, known: Iterable[str]) -> None:
+    def unknown_key(self, path: str, key: str, known: Iterable[str], homes: Sequence[str] = ()) -> None:
+        """``key`` is not one of ``known`` at ``path``; ``homes``: the sections it belongs to instead."""
         key = clip(key, 100) if isinstance(key, str) else show(key)  # a YAML key may be any scalar
         if len(self.items) >= MAX_LISTED_PROBLEMS:  # not listed: only counted, so no did-you-mean search
             self.add(join(path, key), UNKNOWN_KEY)
+            return
+        if homes:  # schema Note [Keys written in the wrong section]
+            where = " or ".join(home or "the top level" for home in homes)
+            self.add(join(path, key), f"{UNKNOWN_KEY} here; {key!r} is a key of {where}: move it to "
+                     f"{join(homes[0], key)}")
             return
         known = sorted(known)
         close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
