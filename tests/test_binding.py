@@ -176,3 +176,23 @@ def test_scope_tracker_innermost_swap_scope_wins_and_ops_inherit_layer_swap():
         (2, "attention.flash_attention", 2), (2, "", None)]
     assert tracker.stack == []
     tracker.remove()
+
+
+def test_one_module_at_several_layer_positions_is_warned(caplog):
+    """Note [One module at several layer positions]: before, the merged settings were silent (here the
+    layer swap of layer 1 and the recompute of layer 0 covered every call of the shared block)."""
+    model = ToyNet(layers=1)
+    shared, other = model.layers[0], Block(16)
+    model.layers = nn.ModuleList([shared, other, shared])
+    caplog.set_level(logging.WARNING, logger="swapkit")
+    swapkit.apply(model, toy_config(3, swap_config={"swap": True, "layer_swap": [
+        {"backward_prefetch": 1, "layers": [0]}]}))
+    (message,) = [m for m in caplog.messages if "shared weights" in m]
+    assert message.startswith("swapkit: layers 0, 2 of ToyNet are one Block object (shared weights)")
+    assert "the swap configured for layer 2" in message
+
+
+def test_distinct_layers_are_not_warned(caplog):
+    caplog.set_level(logging.WARNING, logger="swapkit")
+    swapkit.apply(ToyNet(layers=3), toy_config(3))
+    assert not [m for m in caplog.messages if "shared weights" in m]

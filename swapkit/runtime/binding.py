@@ -12,6 +12,15 @@ and every config key that names layers (``layer_swap.layers``, ``recompute: [..]
 per-stage counts of the layout) uses that numbering; ``num_layers`` is the total. The order is
 the user's, not the order of execution: it only names layers. A Megatron ``uniform`` unit runs
 its layers back to back inside one checkpoint, so it may not span two containers.
+
+Note [One module at several layer positions]
+A model that shares weights between layers (ALBERT-style: ``nn.ModuleList([block] * 4)``) puts one
+module object at several positions. swapkit's scope hooks and recompute wrappers belong to the
+module, not to the position: every call of the shared module pushes the frames of all its
+positions (the last one is innermost, so its swap applies to every call) and a recompute
+configured at any of its positions recomputes every call. Gradients stay exact, but per-layer
+settings that differ between the positions cannot hold, so binding logs a WARNING naming the
+positions and what applies to them.
 """
 from __future__ import annotations
 
@@ -85,10 +94,24 @@ def bind(model: nn.Module, plan: Plan, layers_path: str | Sequence[str] | None =
                         "num_layers out and swapkit counts the layers (on the command line: --set "
                         "model.model_config.num_layers=null)")
     _check_units(plan, found)
+    _warn_shared(type(model).__name__, layers)
     bound = [BoundLayer(i, layer, lp, resolve_layer(lp, module_tree(layer)))
              for i, (layer, lp) in enumerate(zip(layers, plan.layers))]
     logger.info("Bound layers: %s", describe(found))
     return Binding(model, paths, bound)
+
+
+def _warn_shared(model_name: str, layers: list[nn.Module]) -> None:
+    """Note [One module at several layer positions]"""
+    positions: dict[int, list[int]] = {}
+    for index, layer in enumerate(layers):
+        positions.setdefault(id(layer), []).append(index)
+    for shared in (p for p in positions.values() if len(p) > 1):
+        logger.warning("swapkit: layers %s of %s are one %s object (shared weights): swapkit's hooks and wrappers "
+                       "belong to the module, so every call of it gets the swap configured for layer %d and the "
+                       "recompute configured for any of these layers; give these layers the same settings "
+                       "(Note [One module at several layer positions])", ", ".join(map(str, shared)), model_name,
+                       type(layers[shared[0]]).__name__, shared[-1])
 
 
 def describe(found: list[tuple[str, nn.Module]]) -> str:
