@@ -56,7 +56,7 @@ from torch import nn
 from swapkit.runtime.binding import Binding
 from swapkit.engine import CopyEngine, HostPool, make_engine, make_pool
 from swapkit.plan.plan import Plan
-from swapkit.runtime.overrides import entry_cause, unused_message
+from swapkit.runtime.overrides import entry_cause, idle_message, unused_message
 from swapkit.runtime.recipes import PackedInput, Recipe, tensor_leaves
 from swapkit.runtime.recompute import Recompute
 from swapkit.runtime.records import Saved, is_plain, make_saved
@@ -96,6 +96,7 @@ class SwapSession:
         self._entry_lock = threading.Lock()
         self._owner: int | None = None  # the thread inside the `with` block
         self._reported: set[tuple[int, str]] = set()  # unused swaps already warned about
+        self._idle_reported = False  # overrides Note [Swaps that move nothing]: once per session
         self.observer: Any = None  # sees every forward save and backward unpack (swapkit.planner.measure)
         recompute.output_sink = self
         tracker.on_swap_enter = self._swap_scope_entered
@@ -237,6 +238,8 @@ class SwapSession:
         self._forward_ticks = step.clock
         self._last = step
         self._report_unused(step)
+        if not self._idle_reported:
+            self._report_idle(step)
 
     def _swap_scope_entered(self, frame: Frame) -> None:
         """swapkit.runtime.overrides Note [Swaps nobody reports]"""
@@ -249,6 +252,15 @@ class SwapSession:
             if (layer, path) not in self._reported:
                 self._reported.add((layer, path))
                 logger.warning(unused_message(layer, path, cause, step.number))
+
+    def _report_idle(self, step: Step) -> None:
+        """swapkit.runtime.overrides Note [Swaps that move nothing]"""
+        stats = step.stats
+        message = idle_message(step.number, step.clock, stats.offloaded_bytes, stats.tail_bytes, stats.skipped,
+                               self.plan.runtime)
+        if message is not None:
+            self._idle_reported = True
+            logger.warning(message)
 
     def _ensure_engine(self) -> None:
         device = next(chain(self.model.parameters(), self.model.buffers()), torch.empty(0)).device
