@@ -65,9 +65,12 @@ def unused_message(layer: int, path: str, cause: str | None, step: int) -> str:
 # saved tensors, not layers or ops, so a MindFormers-sized ``backward_prefetch: 20`` on a small model
 # keeps everything), or is under ``runtime.min_offload_bytes``, or ``runtime.max_host_bytes`` refused
 # its host buffer. ``stats.skipped`` shows it, but the step runs exactly as without swap, so the
-# session logs one WARNING per session, when backward begins in a step whose swap scopes were reached
-# but in which nothing was offloaded other than the tail, naming the reasons by bytes and their fixes
-# (those holding at least a tenth of the kept bytes).
+# session logs one WARNING per session, when backward begins in a step in which swap candidates were
+# kept for these reasons and none was offloaded, naming the reasons by bytes and their fixes (those
+# holding at least a tenth of the kept bytes). The tail is known at save time from the second step on
+# (the first step offloads it and drops the copies when backward begins), so a too-long distance is
+# reported in step 2. Offloaded storages whose copy had not finished when backward began (the thread
+# engine behind on a loaded CPU) are not this case: their swap was configured right.
 IDLE_REASONS = {
     "tail": ("saved in the forward's last backward_prefetch ticks, which stay on the device (the step saved "
              "{ticks} tensors: backward_prefetch counts saved tensors, not layers); lower backward_prefetch "
@@ -78,13 +81,10 @@ IDLE_REASONS = {
 }
 
 
-def idle_message(step: int, ticks: int, offloaded: int, tail: int, skipped: Mapping[str, int],
-                 runtime: Any) -> str | None:
+def idle_message(step: int, ticks: int, offloaded: int, skipped: Mapping[str, int], runtime: Any) -> str | None:
     """The warning for a step whose swaps freed nothing (Note [Swaps that move nothing]), or ``None``."""
     kept = {reason: n for reason, n in skipped.items() if reason in IDLE_REASONS and n}
-    if tail:
-        kept["tail"] = kept.get("tail", 0) + tail
-    if offloaded > tail or not kept:
+    if offloaded or not kept:
         return None
     values = {"ticks": ticks, "min_offload_bytes": runtime.min_offload_bytes, "max_host_bytes": runtime.max_host_bytes}
     total = sum(kept.values())

@@ -256,8 +256,7 @@ class SwapSession:
     def _report_idle(self, step: Step) -> None:
         """swapkit.runtime.overrides Note [Swaps that move nothing]"""
         stats = step.stats
-        message = idle_message(step.number, step.clock, stats.offloaded_bytes, stats.tail_bytes, stats.skipped,
-                               self.plan.runtime)
+        message = idle_message(step.number, step.clock, stats.offloaded_bytes, stats.skipped, self.plan.runtime)
         if message is not None:
             self._idle_reported = True
             logger.warning(message)
