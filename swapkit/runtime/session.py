@@ -39,8 +39,8 @@ eagerly with Dynamo's frame callback still installed, and the pack and unpack ho
 call are Python frames too: Dynamo would trace them like user code (the session's bookkeeping,
 weak references and locks), which failed with ``InternalTorchDynamoError`` or replayed the hook's
 side effects wrongly, so swaps moved nothing. The hooks installed on ``__enter__`` are therefore
-the ``torch.compiler.disable`` wrappers of ``_pack`` and ``_unpack`` (built once per session, about
-0.3 us per call), as the scope hooks are (swapkit.runtime.scope Note [Bookkeeping stays out of
+the ``torch.compiler.disable`` wrappers of ``_pack`` and ``_unpack`` (built on each ``__enter__``, from
+the methods the session has then; about 0.3 us per call), as the scope hooks are (swapkit.runtime.scope Note [Bookkeeping stays out of
 compiled graphs]). ``entry_cause`` and :func:`active_session` recognise the wrappers.
 """
 from __future__ import annotations
@@ -90,8 +90,7 @@ class SwapSession:
         self._steps = 0
         self._forward_ticks: int | None = None  # forward length of the last step, for the tail
         self._hooks: Any = None
-        # Note [Saved-tensor hooks stay out of Dynamo]
-        self._hook_pair = (torch.compiler.disable(self._pack), torch.compiler.disable(self._unpack))
+        self._hook_pair: tuple[Any, Any] | None = None  # Note [Saved-tensor hooks stay out of Dynamo]
         self._removed = False
         self._entry_lock = threading.Lock()
         self._owner: int | None = None  # the thread inside the `with` block
@@ -123,7 +122,8 @@ class SwapSession:
             self._ensure_engine()
             self._start_step()
             self.tracker.reset()
-            hooks = torch.autograd.graph.saved_tensors_hooks(*self._hook_pair)
+            self._hook_pair = (torch.compiler.disable(self._pack), torch.compiler.disable(self._unpack))
+            hooks = torch.autograd.graph.saved_tensors_hooks(*self._hook_pair)  # Note [Saved-tensor hooks ...]
             hooks.__enter__()
             self._hooks = hooks
         except BaseException:
