@@ -196,3 +196,20 @@ def test_distinct_layers_are_not_warned(caplog):
     caplog.set_level(logging.WARNING, logger="swapkit")
     swapkit.apply(ToyNet(layers=3), toy_config(3))
     assert not [m for m in caplog.messages if "shared weights" in m]
+
+
+@pytest.mark.parametrize("layers, shown", [(3, "3"), (nn.ModuleList(), "<ModuleList>"), (["layers", 1], "['layers', 1]")])
+def test_a_layers_argument_that_is_no_path_is_a_clear_bind_error(layers, shown):
+    """Before: TypeError "'int' object is not iterable", or a module's whole repr."""
+    with pytest.raises(BindError) as info:
+        swapkit.apply(ToyNet(layers=3), toy_config(3), layers=layers)
+    assert str(info.value).startswith(f"layers={shown}: expected the dotted path of the layer container")
+
+
+@pytest.mark.parametrize("num_layers", [None, 3])
+def test_a_wrong_layers_path_in_the_config_names_its_key(num_layers):
+    config = {"model": {"model_config": {"num_layers": num_layers, "layers_path": "blocks"}}}
+    with pytest.raises(BindError) as info:
+        swapkit.apply(ToyNet(layers=3), config)
+    assert str(info.value) == ("model.model_config.layers_path: layers path 'blocks': ToyNet has no child 'blocks'; "
+                               "children: layers")

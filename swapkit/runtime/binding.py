@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from swapkit.config.errors import BindError
+from swapkit.config.errors import BindError, show
 from swapkit.plan.plan import LayerPlan, Plan
 from swapkit.plan.report import LayerScopes, resolve_layer
 
@@ -85,7 +85,7 @@ def bind(model: nn.Module, plan: Plan, layers_path: str | Sequence[str] | None =
         BindError: a container cannot be found, the layer count differs from ``num_layers``, or a
             uniform recompute unit spans two containers.
     """
-    found = find_containers(model, plan.layers_path if layers_path is None else layers_path)
+    found = find_containers(model, layers_path, plan.layers_path)
     layers = [layer for _, container in found for layer in container]
     paths = tuple(path for path, _ in found)
     if len(layers) != plan.layout.num_layers:
@@ -124,14 +124,41 @@ def describe(found: list[tuple[str, nn.Module]]) -> str:
     return ", ".join(parts)
 
 
-def find_containers(model: nn.Module, paths: str | Sequence[str] | None) -> list[tuple[str, nn.Module]]:
-    """The named containers in order, or the one auto-detected container."""
+def find_containers(model: nn.Module, paths: str | Sequence[str] | None,
+                    configured: str | Sequence[str] | None = None) -> list[tuple[str, nn.Module]]:
+    """The named containers in order, or the one auto-detected container.
+
+    Args:
+        model: the model.
+        paths: the ``layers`` argument: a dotted path, a list of them, or ``None``.
+        configured: ``model.model_config.layers_path``, used when ``paths`` is ``None``; an error about
+            it names that key.
+
+    Raises:
+        BindError: ``paths`` is not a path or list of paths, or a path names no layer container.
+    """
+    if paths is None and configured is not None:
+        try:
+            return find_containers(model, configured)
+        except BindError as err:
+            raise BindError(f"model.model_config.layers_path: {err}") from None
+    if not (paths is None or isinstance(paths, str) or
+            (isinstance(paths, Sequence) and all(isinstance(p, str) for p in paths))):
+        raise BindError(f"layers={_shown(paths)}: expected the dotted path of the layer container ('model.layers'), a "
+                        "list of them (['encoder.block', 'decoder.block']), or None to auto-detect it")
     if paths is None or isinstance(paths, str):
         return [find_layers(model, paths)]
     if not paths or len(set(paths)) != len(paths):
         raise BindError(f"layers={list(paths)!r}: expected distinct container paths, e.g. "
                         "['encoder.block', 'decoder.block']")
     return [(path, _walk(model, path)) for path in paths]
+
+
+def _shown(value: object) -> str:
+    """A ``layers`` argument in an error: plain values as written, a module (or other object) by its type."""
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_shown(item) for item in value[:4]) + (", ..." if len(value) > 4 else "") + "]"
+    return show(value) if isinstance(value, (str, int, float, bool, type(None))) else f"<{type(value).__name__}>"
 
 
 def find_layers(model: nn.Module, path: str | None) -> tuple[str, nn.Module]:
