@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import swapkit
+from swapkit.runtime import session as session_module
 from swapkit.runtime.overrides import NOT_ENTERED
 from tests.toys import SMALL, ReadyWhenDone, grads, install_engine, llama, llama_batch, llama_step
 
@@ -194,3 +195,16 @@ def test_whole_model_compile_runs_the_session_hooks_eagerly(variant, step_compil
         assert stats.prefetched_bytes == stats.offloaded_bytes > 0
     if variant == "select_recompute":
         assert stats.recomputed_output_bytes > 0 and stats.output_recomputes == 2 * CFG.num_layers
+
+
+def test_whole_model_compile_with_the_disable_wrappers_of_an_older_torch(monkeypatch):
+    """Where torch has no code execution strategies, the hooks are torch.compiler.disable wrappers; a
+    session is still found as the active one (Note [Saved-tensor hooks stay out of Dynamo])."""
+    monkeypatch.setattr(session_module, "_SKIP_ALL", None)
+    ref_losses, ref_grads, _ = whole_model_run(None, "aot_eager", False)
+    losses, got, session = whole_model_run("layer_swap", "aot_eager", False)
+    assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
+    assert all(torch.equal(got[name], ref_grads[name]) for name in got), "gradients differ"
+    assert session.stats.prefetched_bytes == session.stats.offloaded_bytes > 0
+    with session:
+        assert session_module.active_session() is session
