@@ -508,3 +508,14 @@ def test_absurd_sizes_are_errors_not_hangs():
     assert "model.model_config.num_layers: got 4000000000; expected an integer from 1 to 1024" in text
     assert "model.model_config.pp_interleave_num: got 5000" in text
     assert "parallel_config.pipeline_stage: got 1000000000" in text
+
+
+def test_unknown_top_level_key_lists_swapkits_sections_not_the_trainer_keys():
+    """Before, the list began with 35 MindFormers trainer keys (auto_trans_ckpt, callbacks, ...)."""
+    (message,) = problems_of({"foo": 1})
+    assert message == ("foo: unknown key; known keys: context, model, parallel_config, recompute_config, runtime, "
+                       "swap_config, train (and 35 MindFormers keys accepted with no effect)")
+    (message,) = problems_of({"optimzer": {}})
+    assert message == "optimzer: unknown key; did you mean 'optimizer'?"  # still suggested
+    (message,) = problems_of(with_sections(context={"zzz": 1}))
+    assert message.startswith("context.zzz: unknown key; known keys: affinity_cpu_list, ascend_config, ")

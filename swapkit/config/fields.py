@@ -290,7 +290,7 @@ def read_section(
                 notices.append(join(path, name))
         else:
             elsewhere = [home for home in homes(name) if home != path] if homes is not None else []
-            problems.unknown_key(path, name, [*keys, *no_effect], elsewhere)
+            problems.unknown_key(path, name, keys, elsewhere, no_effect)
     for name, key in keys.items():
         if key.required and name not in raw:
             problems.add(join(path, name), "is required")
