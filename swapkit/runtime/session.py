@@ -41,9 +41,10 @@ references and locks), which failed with ``InternalTorchDynamoError`` or replaye
 effects wrongly, so swaps moved nothing. On each ``__enter__`` the code objects of the hooks it
 installs (the methods the session has then) are therefore marked for Dynamo to skip, together with
 every frame they call (a code execution strategy of ``SKIP`` for the frame and recursively): no
-cost per call, where ``torch.compiler.disable`` wrappers cost about 1 us per saved tensor
-(``benchmarks/microbench.py``: keep-only 6.3-6.7 us against 5.1-5.7 us). The marks are set again on
-every ``__enter__`` because ``torch._dynamo.reset()`` may clear them. A torch without that
+cost per call (``benchmarks/microbench.py``, keep-only session, main-thread CPU per saved tensor on the
+shared 2-core machine: 4.9-5.5 us with the marks, 5.1-5.7 us before, 6.3-6.7 us with
+``torch.compiler.disable`` wrappers). The marks are set again on every ``__enter__`` (one call per
+hook), so nothing that resets Dynamo's per-code state can leave a session unmarked. A torch without that
 (private) API gets the ``torch.compiler.disable`` wrappers instead, as the scope hooks have them
 (swapkit.runtime.scope Note [Bookkeeping stays out of compiled graphs]); ``entry_cause`` and
 :func:`active_session` recognise both.
