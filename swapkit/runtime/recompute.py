@@ -51,9 +51,9 @@ that are in training mode and track them (``_NormBase``: batch and instance norm
 which ``torch.utils.checkpoint`` rejects (a different number of saved tensors). The values go back
 through ``.data``, as the norm kernel writes them, without bumping the buffers' version counters:
 the re-run saved them for its own backward (reentrant checkpointing), and a bump would fail their
-version check there. A re-run is recognised by running
-inside autograd's backward (``torch._C._current_graph_task_id() != -1``), which covers reentrant and
-non-reentrant checkpointing and the recipes alike; the first forward is never inside a backward.
+version check there. A re-run is recognised by running inside autograd's backward
+(``torch._C._current_graph_task_id() != -1``), which covers reentrant and non-reentrant
+checkpointing and the recipes alike; the first forward is never inside a backward.
 """
 from __future__ import annotations
 
