@@ -337,11 +337,15 @@ class AppliedMarker:
 
 def out_of_dynamo(pack: Any, unpack: Any) -> tuple[Any, Any]:
     """The hooks to install, never traced by Dynamo (Note [Saved-tensor hooks stay out of Dynamo])."""
-    if _SKIP_ALL is None:  # a torch without code execution strategies
-        return torch.compiler.disable(pack), torch.compiler.disable(unpack)
-    for hook in (pack, unpack):
-        _set_code_exec_strategy(getattr(hook, "__func__", hook).__code__, _SKIP_ALL)
-    return pack, unpack
+    return _out_of_dynamo(pack), _out_of_dynamo(unpack)
+
+
+def _out_of_dynamo(hook: Any) -> Any:
+    code = getattr(getattr(hook, "__func__", hook), "__code__", None)
+    if _SKIP_ALL is None or code is None:  # a torch without code execution strategies, or a callable object
+        return torch.compiler.disable(hook)
+    _set_code_exec_strategy(code, _SKIP_ALL)
+    return hook
 
 
 def active_session() -> SwapSession | None:
