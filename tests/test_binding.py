@@ -176,3 +176,40 @@ def test_scope_tracker_innermost_swap_scope_wins_and_ops_inherit_layer_swap():
         (2, "attention.flash_attention", 2), (2, "", None)]
     assert tracker.stack == []
     tracker.remove()
+
+
+def test_one_module_at_several_layer_positions_is_warned(caplog):
+    """Note [One module at several layer positions]: before, the merged settings were silent (here the
+    layer swap of layer 1 and the recompute of layer 0 covered every call of the shared block)."""
+    model = ToyNet(layers=1)
+    shared, other = model.layers[0], Block(16)
+    model.layers = nn.ModuleList([shared, other, shared])
+    caplog.set_level(logging.WARNING, logger="swapkit")
+    swapkit.apply(model, toy_config(3, swap_config={"swap": True, "layer_swap": [
+        {"backward_prefetch": 1, "layers": [0]}]}))
+    (message,) = [m for m in caplog.messages if "several positions" in m]
+    assert message.startswith("swapkit: layers 0, 2 of ToyNet are one Block object (a module at several positions)")
+    assert "the swap configured for layer 2" in message
+
+
+def test_distinct_layers_are_not_warned(caplog):
+    caplog.set_level(logging.WARNING, logger="swapkit")
+    swapkit.apply(ToyNet(layers=3), toy_config(3))
+    assert not [m for m in caplog.messages if "several positions" in m]
+
+
+@pytest.mark.parametrize("layers, shown", [(3, "3"), (nn.ModuleList(), "<ModuleList>"), (["layers", 1], "['layers', 1]")])
+def test_a_layers_argument_that_is_no_path_is_a_clear_bind_error(layers, shown):
+    """Before: TypeError "'int' object is not iterable", or a module's whole repr."""
+    with pytest.raises(BindError) as info:
+        swapkit.apply(ToyNet(layers=3), toy_config(3), layers=layers)
+    assert str(info.value).startswith(f"layers={shown}: expected the dotted path of the layer container")
+
+
+@pytest.mark.parametrize("num_layers", [None, 3])
+def test_a_wrong_layers_path_in_the_config_names_its_key(num_layers):
+    config = {"model": {"model_config": {"num_layers": num_layers, "layers_path": "blocks"}}}
+    with pytest.raises(BindError) as info:
+        swapkit.apply(ToyNet(layers=3), config)
+    assert str(info.value) == ("model.model_config.layers_path: layers path 'blocks': ToyNet has no child 'blocks'; "
+                               "children: layers")

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import swapkit
+from swapkit.runtime import session as session_module
 from swapkit.runtime.overrides import NOT_ENTERED
 from tests.toys import SMALL, ReadyWhenDone, grads, install_engine, llama, llama_batch, llama_step
 
@@ -154,3 +155,56 @@ def test_inductor_on_cuda_swap_is_exact_given_the_same_graphs(variant):
     assert stats.prefetched_bytes == stats.offloaded_bytes and stats.unused_swaps == []
     assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
     assert all(torch.equal(got[name], ref[name]) for name in got), "gradients differ"
+
+
+def whole_model_run(variant: str | None, backend: str, step_compiled: bool) -> tuple[list, dict, object]:
+    """``torch.compile`` of the whole model (or of the whole training step, backward included)."""
+    torch._dynamo.reset()
+    model = llama(cfg=CFG)
+    session = None if variant is None else swapkit.apply(model, config(variant), layers="layers")
+    if session is not None:
+        install_engine(session, ReadyWhenDone())
+    batch = llama_batch(cfg=CFG)
+    step = torch.compile(llama_step, backend=backend) if step_compiled else llama_step
+    target = model if step_compiled else torch.compile(model, backend=backend)
+    losses = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        if session is None:
+            losses.append(step(target, batch))
+        else:
+            with session:
+                losses.append(step(target, batch))
+    return losses, grads(model), session
+
+
+@pytest.mark.parametrize("variant,step_compiled", [(v, False) for v in sorted(VARIANTS)] + [("layer_swap", True)])
+def test_whole_model_compile_runs_the_session_hooks_eagerly(variant, step_compiled):
+    """Note [Saved-tensor hooks stay out of Dynamo]: without it Dynamo traced the pack hook that an eager op
+    of the compiled frame called, and the step failed with InternalTorchDynamoError (or moved nothing)."""
+    ref_losses, ref_grads, _ = whole_model_run(None, "aot_eager", step_compiled)
+    losses, got, session = whole_model_run(variant, "aot_eager", step_compiled)
+    assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
+    if variant == "op_swap":  # the graph break at the swapped scope changes the last bits, as for compiled layers
+        torch.testing.assert_close(got, ref_grads)
+    else:
+        assert all(torch.equal(got[name], ref_grads[name]) for name in got), "gradients differ"
+    stats = session.stats
+    assert stats.unused_swaps == []
+    if variant in ("layer_swap", "op_swap"):
+        assert stats.prefetched_bytes == stats.offloaded_bytes > 0
+    if variant == "select_recompute":
+        assert stats.recomputed_output_bytes > 0 and stats.output_recomputes == 2 * CFG.num_layers
+
+
+def test_whole_model_compile_with_the_disable_wrappers_of_an_older_torch(monkeypatch):
+    """Where torch has no code execution strategies, the hooks are torch.compiler.disable wrappers; a
+    session is still found as the active one (Note [Saved-tensor hooks stay out of Dynamo])."""
+    monkeypatch.setattr(session_module, "_SKIP_ALL", None)
+    ref_losses, ref_grads, _ = whole_model_run(None, "aot_eager", False)
+    losses, got, session = whole_model_run("layer_swap", "aot_eager", False)
+    assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
+    assert all(torch.equal(got[name], ref_grads[name]) for name in got), "gradients differ"
+    assert session.stats.prefetched_bytes == session.stats.offloaded_bytes > 0
+    with session:
+        assert session_module.active_session() is session

@@ -94,6 +94,36 @@ def test_unknown_keys_suggest_the_closest(raw, expected):
     assert expected in problems_of(raw)
 
 
+@pytest.mark.parametrize("raw, expected", [
+    ({"swap": True, "layer_swap": [{"backward_prefetch": 1, "layers": True}]},
+     ["swap: unknown key here; 'swap' is a key of swap_config: move it to swap_config.swap",
+      "layer_swap: unknown key here; 'layer_swap' is a key of swap_config: move it to swap_config.layer_swap"]),
+    ({"recompute_method": "block", "recompute_granularity": "full", "recompute_num_layers": 1},
+     ["recompute_method: unknown key here; 'recompute_method' is a key of recompute_config: move it to "
+      "recompute_config.recompute_method",
+      "recompute_granularity: unknown key here; 'recompute_granularity' is a key of recompute_config: move it to "
+      "recompute_config.recompute_granularity",
+      "recompute_num_layers: unknown key here; 'recompute_num_layers' is a key of recompute_config: move it to "
+      "recompute_config.recompute_num_layers"]),
+    ({"model_config": {"num_layers": 4}},
+     ["model_config: unknown key here; 'model_config' is a key of model: move it to model.model_config"]),
+    (with_sections(swap_config={"swap": True, "recompute": True}),
+     ["swap_config.recompute: unknown key here; 'recompute' is a key of recompute_config: move it to "
+      "recompute_config.recompute"]),
+    (with_sections(runtime={"latency_s": 0.1}),
+     ["runtime.latency_s: unknown key here; 'latency_s' is a key of runtime.engine_options: move it to "
+      "runtime.engine_options.latency_s"]),
+    ({"model": {"model_config": {"num_layers": 4}}, "steps": 3, "pipeline_stage": 1},
+     ["steps: unknown key here; 'steps' is a key of train: move it to train.steps",
+      "pipeline_stage: unknown key here; 'pipeline_stage' is a key of parallel_config: move it to "
+      "parallel_config.pipeline_stage"]),
+])
+def test_a_key_in_the_wrong_section_names_its_section(raw, expected):
+    """schema Note [Keys written in the wrong section]: before, `layer_swap` at the top level got
+    "did you mean 'layer_scale'?" (a MindFormers trainer key) and `swap` a list of 40 trainer keys."""
+    assert problems_of(raw) == expected
+
+
 def test_unknown_key_without_a_close_match_lists_the_known_keys():
     (message,) = problems_of(with_sections(runtime={"zzz": 1}))
     assert message.startswith("runtime.zzz: unknown key; known keys: engine, engine_options, max_host_bytes")
@@ -478,3 +508,14 @@ def test_absurd_sizes_are_errors_not_hangs():
     assert "model.model_config.num_layers: got 4000000000; expected an integer from 1 to 1024" in text
     assert "model.model_config.pp_interleave_num: got 5000" in text
     assert "parallel_config.pipeline_stage: got 1000000000" in text
+
+
+def test_unknown_top_level_key_lists_swapkits_sections_not_the_trainer_keys():
+    """Before, the list began with 35 MindFormers trainer keys (auto_trans_ckpt, callbacks, ...)."""
+    (message,) = problems_of({"foo": 1})
+    assert message == ("foo: unknown key; known keys: context, model, parallel_config, recompute_config, runtime, "
+                       "swap_config, train (and 35 MindFormers keys accepted with no effect)")
+    (message,) = problems_of({"optimzer": {}})
+    assert message == "optimzer: unknown key; did you mean 'optimizer'?"  # still suggested
+    (message,) = problems_of(with_sections(context={"zzz": 1}))
+    assert message.startswith("context.zzz: unknown key; known keys: affinity_cpu_list, ascend_config, ")

@@ -136,3 +136,40 @@ def test_scopes_of_layers_that_did_not_run_are_not_reported(caplog):
     run(model, session, steps=1)
     assert session.stats.unused_swaps == ["layer 1: act"]
     assert NOT_ENTERED in warnings_of(caplog)[0]
+
+
+def idle_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "swap moved nothing" in r.getMessage()]
+
+
+def layer_swap_of(k: int, **runtime) -> dict:
+    return toy_config(3, swap_config={"swap": True, "layer_swap": [{"backward_prefetch": k, "layers": True}]},
+                      runtime={"min_offload_bytes": 0, **runtime})
+
+
+@pytest.mark.parametrize("config, first, reason", [
+    (layer_swap_of(1000), 2, "saved in the forward's last backward_prefetch ticks, which stay on the device (the "
+                             "step saved 9 tensors: backward_prefetch counts saved tensors, not layers); lower "
+                             "backward_prefetch well below 9"),
+    (layer_swap_of(1, min_offload_bytes=1 << 20), 1, "smaller than runtime.min_offload_bytes (1048576 bytes); lower it"),
+    (layer_swap_of(1, max_host_bytes=1), 1, "refused by runtime.max_host_bytes (1 bytes); raise it"),
+])
+def test_a_swap_that_moves_nothing_is_warned_once_with_its_reason(config, first, reason, caplog):
+    """Note [Swaps that move nothing]: before, such a config ran exactly as without swap, silently."""
+    model = ToyNet(layers=3)
+    session = synced_session(model, config)
+    caplog.set_level(logging.WARNING, logger="swapkit")
+    run(model, session, steps=3)
+    assert session.stats.offloaded_bytes == 0
+    (message,) = idle_warnings(caplog)
+    assert message.startswith(f"swapkit: swap moved nothing off the device in step {first}: its swap candidates "
+                              "were kept, ")
+    assert reason in message
+
+
+def test_a_swap_that_frees_memory_is_not_warned(caplog):
+    model = ToyNet(layers=3)
+    session = synced_session(model, layer_swap_of(1))
+    caplog.set_level(logging.WARNING, logger="swapkit")
+    run(model, session, steps=3)
+    assert session.stats.released_bytes > 0 and idle_warnings(caplog) == []

@@ -100,9 +100,18 @@ def test_a_factory_in_the_current_folder_imports_as_with_python_m(capsys, tmp_pa
 def test_a_config_for_another_layer_count_says_how_to_let_swapkit_count(capsys, tmp_path):
     status, _, err = plan_json(capsys, tmp_path, "--model", "hf:gpt2", config="model: {model_config: {num_layers: 4}}\n")
     assert status == 2
-    assert ("GPT2Model.h holds 12 layers but the config says model.model_config.num_layers: 4; make them agree, or "
+    assert ("GPT2LMHeadModel.transformer.h holds 12 layers but the config says model.model_config.num_layers: 4; make them agree, or "
             "leave num_layers out and swapkit counts the layers (on the command line: --set "
             "model.model_config.num_layers=null)") in err
+
+
+@needs_hf
+def test_hf_layer_paths_are_those_of_the_trained_form_as_with_budget(capsys, tmp_path):
+    """`--layers model.layers` (the README's --budget example) works without --budget too: both build
+    the causal-LM model; before, plain `plan --model hf:` built LlamaModel, whose layers are `layers`."""
+    status, plan, err = plan_json(capsys, tmp_path, "--model", "hf:llama", "--layers", "model.layers")
+    assert status == 0, err
+    assert len(plan["layers"]) == 32 and plan["preset"] == "llama"
 
 
 def test_without_model_num_layers_is_required(capsys, tmp_path):

@@ -91,3 +91,23 @@ def test_a_failing_step_leaves_no_hooks_behind(tmp_path):
         trainer.train()
     assert not callback.session.active and callback.session.stats.aborted  # hooks popped, step aborted
     callback.session.remove()
+
+
+def test_trainer_with_torch_compile_offloads(tmp_path):
+    """TrainingArguments(torch_compile=True) compiles the whole model: before swapkit's saved-tensor hooks
+    were kept out of Dynamo (swapkit.runtime.session Note [Saved-tensor hooks stay out of Dynamo]), the
+    first step failed with InternalTorchDynamoError in the pack hook."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**DECODER))
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=2, logging_steps=1, report_to=[],
+        save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0, dataloader_num_workers=0, torch_compile=True,
+        torch_compile_backend="aot_eager")
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens())
+    callback = attach(trainer, CONFIG)
+    trainer.train()
+    torch._dynamo.reset()
+    stats = callback.session.stats
+    assert stats.offloaded_bytes > 0 and stats.prefetched_bytes + stats.tail_bytes == stats.offloaded_bytes
+    assert stats.unused_swaps == []

@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 import reprlib
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 #: At most this many problems are listed; the rest are counted ("... and 199,990 more unknown keys").
 MAX_LISTED_PROBLEMS = 20
@@ -119,14 +119,25 @@ class Problems:
         message = f"got {show(value)}; expected {expected}"
         self.add(path, f"{message}. {fix[0].upper()}{fix[1:]}" if fix else message)
 
-    def unknown_key(self, path: str, key: str, known: Iterable[str]) -> None:
+    def unknown_key(self, path: str, key: str, known: Iterable[str], homes: Sequence[str] = (),
+                    ignored: Iterable[str] = ()) -> None:
+        """``key`` is not one of ``known`` at ``path``; ``homes``: the sections it belongs to instead;
+        ``ignored``: the MindFormers keys accepted there with no effect (suggested, not listed)."""
         key = clip(key, 100) if isinstance(key, str) else show(key)  # a YAML key may be any scalar
         if len(self.items) >= MAX_LISTED_PROBLEMS:  # not listed: only counted, so no did-you-mean search
             self.add(join(path, key), UNKNOWN_KEY)
             return
-        known = sorted(known)
-        close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-        hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(known)}"
+        if homes:  # schema Note [Keys written in the wrong section]
+            where = " or ".join(home or "the top level" for home in homes)
+            self.add(join(path, key), f"{UNKNOWN_KEY} here; {key!r} is a key of {where}: move it to "
+                     f"{join(homes[0], key)}")
+            return
+        known, ignored = sorted(known), sorted(ignored)
+        if not known:  # a MindSpore-only section (context): its keys are all there is to list
+            known, ignored = ignored, []
+        close = difflib.get_close_matches(key, known + ignored, n=1, cutoff=0.6)
+        more = f" (and {len(ignored)} MindFormers keys accepted with no effect)" if ignored else ""
+        hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(known)}{more}"
         self.add(join(path, key), f"{UNKNOWN_KEY}; {hint}")
 
     def raise_if_any(self, source: str | None = None) -> None:

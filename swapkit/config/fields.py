@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import regex
 
@@ -264,8 +264,12 @@ def read_section(
     problems: Problems,
     no_effect: Mapping[str, Check] | None = None,
     notices: list[str] | None = None,
+    homes: Callable[[Any], Sequence[str]] | None = None,
 ) -> dict[str, Any]:
     """Validate one mapping: unknown keys are errors, ``no_effect`` keys are checked and noted.
+
+    ``homes`` names the sections an unknown key belongs to, for its error (schema Note [Keys
+    written in the wrong section]).
 
     Returns the values for ``keys`` with defaults filled in (``INVALID`` where a check failed).
     """
@@ -285,7 +289,8 @@ def read_section(
             if no_effect[name](value, join(path, name), problems) is not INVALID and notices is not None:
                 notices.append(join(path, name))
         else:
-            problems.unknown_key(path, name, [*keys, *no_effect])
+            elsewhere = [home for home in homes(name) if home != path] if homes is not None else []
+            problems.unknown_key(path, name, keys, elsewhere, no_effect)
     for name, key in keys.items():
         if key.required and name not in raw:
             problems.add(join(path, name), "is required")

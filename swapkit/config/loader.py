@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -31,6 +32,7 @@ from swapkit.config.types import (
 )
 
 logger = logging.getLogger(__name__)
+_read_section = partial(F.read_section, homes=schema.key_homes)  # schema Note [Keys written in the wrong section]
 
 
 def source_name(source: str | Path | Mapping[str, Any]) -> str | None:
@@ -154,11 +156,11 @@ def _read_config(raw: Any, problems: Problems, name: str | None) -> Config:
         problems.add("", "the config is empty; expected a mapping with at least model.model_config.num_layers")
         return None  # type: ignore[return-value]
     notices: list[str] = []
-    top = F.read_section(raw, "", schema.TOP_KEYS, problems, schema.TOP_NO_EFFECT, notices)
+    top = _read_section(raw, "", schema.TOP_KEYS, problems, schema.TOP_NO_EFFECT, notices)
     if F.any_invalid(top) and not isinstance(raw, dict):
         return None  # type: ignore[return-value]
     model = _read_model(top["model"], problems, notices)
-    parallel = ParallelConfig(**F.read_section(
+    parallel = ParallelConfig(**_read_section(
         top["parallel_config"], "parallel_config", schema.PARALLEL_KEYS, problems, schema.PARALLEL_NO_EFFECT, notices))
     recompute = _read_recompute(top["recompute_config"], problems, notices)
     swap = _read_swap(top["swap_config"], problems, model)
@@ -170,7 +172,7 @@ def _read_config(raw: Any, problems: Problems, name: str | None) -> Config:
         recompute=recompute,
         swap=swap,
         runtime=_read_runtime(top["runtime"], problems),
-        train=TrainConfig(**F.read_section(top["train"], "train", schema.TRAIN_KEYS, problems)),
+        train=TrainConfig(**_read_section(top["train"], "train", schema.TRAIN_KEYS, problems)),
         no_effect=tuple(notices),
         source=name,
         warnings=tuple(warnings),
@@ -179,10 +181,10 @@ def _read_config(raw: Any, problems: Problems, name: str | None) -> Config:
 
 
 def _read_model(raw: Any, problems: Problems, notices: list[str]) -> ModelConfig:
-    section = F.read_section(raw, "model", schema.MODEL_KEYS, problems, schema.MODEL_NO_EFFECT, notices)
+    section = _read_section(raw, "model", schema.MODEL_KEYS, problems, schema.MODEL_NO_EFFECT, notices)
     if section["model_config"] is F.INVALID:
         return ModelConfig(num_layers=F.INVALID)
-    values = F.read_section(section["model_config"], "model.model_config", schema.MODEL_CONFIG_KEYS, problems,
+    values = _read_section(section["model_config"], "model.model_config", schema.MODEL_CONFIG_KEYS, problems,
                             schema.MODEL_CONFIG_NO_EFFECT, notices)
     hidden, heads = values["hidden_size"], values["num_heads"]
     if F.INVALID not in (hidden, heads) and (hidden % heads or (hidden // heads) % 2):
@@ -192,7 +194,7 @@ def _read_model(raw: Any, problems: Problems, notices: list[str]) -> ModelConfig
 
 
 def _read_recompute(raw: Any, problems: Problems, notices: list[str]):
-    values = F.read_section(raw, "recompute_config", schema.RECOMPUTE_KEYS, problems,
+    values = _read_section(raw, "recompute_config", schema.RECOMPUTE_KEYS, problems,
                             schema.RECOMPUTE_NO_EFFECT, notices)
     given = set(raw) if isinstance(raw, dict) else set()
     mindformers = sorted(given & schema.MINDFORMERS_RECOMPUTE_KEYS)
@@ -207,7 +209,7 @@ def _read_recompute(raw: Any, problems: Problems, notices: list[str]):
 
 
 def _read_swap(raw: Any, problems: Problems, model: ModelConfig) -> SwapConfig:
-    values = F.read_section(raw, "swap_config", schema.SWAP_KEYS, problems)
+    values = _read_section(raw, "swap_config", schema.SWAP_KEYS, problems)
     num_layers = model.num_layers if F.is_int(model.num_layers) else None
     for key, with_op in (("layer_swap", False), ("op_swap", True)):
         values[key] = read_swap_entries(values[key], join("swap_config", key), problems, with_op, num_layers)
@@ -215,14 +217,14 @@ def _read_swap(raw: Any, problems: Problems, model: ModelConfig) -> SwapConfig:
 
 
 def _read_runtime(raw: Any, problems: Problems) -> RuntimeConfig:
-    values = F.read_section(raw, "runtime", schema.RUNTIME_KEYS, problems)
+    values = _read_section(raw, "runtime", schema.RUNTIME_KEYS, problems)
     options = values["engine_options"]
     if options is not F.INVALID:
         values["engine_options"] = EngineOptions(
-            **F.read_section(options, "runtime.engine_options", schema.ENGINE_OPTION_KEYS, problems))
+            **_read_section(options, "runtime.engine_options", schema.ENGINE_OPTION_KEYS, problems))
     return RuntimeConfig(**values)
 
 
 def _read_context(raw: Any, problems: Problems, notices: list[str]) -> None:
     if raw is not None:
-        F.read_section(raw, "context", {}, problems, schema.CONTEXT_NO_EFFECT, notices)
+        _read_section(raw, "context", {}, problems, schema.CONTEXT_NO_EFFECT, notices)

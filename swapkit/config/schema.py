@@ -171,3 +171,24 @@ CONTEXT_NO_EFFECT = {
     "mempool_block_size": string, "affinity_cpu_list": anything, "deterministic": string,
     "graph_kernel_flags": string, "jit_level": string, "infer_boost": string,
 }
+
+
+# Note [Keys written in the wrong section]
+# A key of one section written in another (`layer_swap` at the top level, `recompute` under
+# swap_config, `model_config` without `model:`) is an unknown key where it stands, and a
+# did-you-mean among that section's keys finds a look-alike at best (`layer_scale`, a MindFormers
+# trainer key). The unknown-key error therefore says which section the key belongs to. Only
+# swapkit's own keys count: the MindFormers keys that have no effect are not offered as homes.
+SECTIONS = {
+    "": TOP_KEYS, "model": MODEL_KEYS, "model.model_config": MODEL_CONFIG_KEYS, "parallel_config": PARALLEL_KEYS,
+    "recompute_config": RECOMPUTE_KEYS, "swap_config": SWAP_KEYS, "runtime": RUNTIME_KEYS,
+    "runtime.engine_options": ENGINE_OPTION_KEYS, "train": TRAIN_KEYS,
+}
+
+
+def key_homes(key: object) -> tuple[str, ...]:
+    """The sections whose keys include ``key`` (``"swap_config"``; ``""`` is the top level).
+
+    Note [Keys written in the wrong section]
+    """
+    return tuple(path for path, keys in SECTIONS.items() if key in keys)

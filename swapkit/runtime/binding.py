@@ -12,6 +12,15 @@ and every config key that names layers (``layer_swap.layers``, ``recompute: [..]
 per-stage counts of the layout) uses that numbering; ``num_layers`` is the total. The order is
 the user's, not the order of execution: it only names layers. A Megatron ``uniform`` unit runs
 its layers back to back inside one checkpoint, so it may not span two containers.
+
+Note [One module at several layer positions]
+A model that shares weights between layers (ALBERT-style: ``nn.ModuleList([block] * 4)``) puts one
+module object at several positions. swapkit's scope hooks and recompute wrappers belong to the
+module, not to the position: every call of the shared module pushes the frames of all its
+positions (the last one is innermost, so its swap applies to every call) and a recompute
+configured at any of its positions recomputes every call. Gradients stay exact, but per-layer
+settings that differ between the positions cannot hold, so binding logs a WARNING naming the
+positions and what applies to them.
 """
 from __future__ import annotations
 
@@ -21,7 +30,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from swapkit.config.errors import BindError
+from swapkit.config.errors import BindError, show
 from swapkit.plan.plan import LayerPlan, Plan
 from swapkit.plan.report import LayerScopes, resolve_layer
 
@@ -76,7 +85,7 @@ def bind(model: nn.Module, plan: Plan, layers_path: str | Sequence[str] | None =
         BindError: a container cannot be found, the layer count differs from ``num_layers``, or a
             uniform recompute unit spans two containers.
     """
-    found = find_containers(model, plan.layers_path if layers_path is None else layers_path)
+    found = find_containers(model, layers_path, plan.layers_path)
     layers = [layer for _, container in found for layer in container]
     paths = tuple(path for path, _ in found)
     if len(layers) != plan.layout.num_layers:
@@ -85,10 +94,24 @@ def bind(model: nn.Module, plan: Plan, layers_path: str | Sequence[str] | None =
                         "num_layers out and swapkit counts the layers (on the command line: --set "
                         "model.model_config.num_layers=null)")
     _check_units(plan, found)
+    _warn_shared(type(model).__name__, layers)
     bound = [BoundLayer(i, layer, lp, resolve_layer(lp, module_tree(layer)))
              for i, (layer, lp) in enumerate(zip(layers, plan.layers))]
     logger.info("Bound layers: %s", describe(found))
     return Binding(model, paths, bound)
+
+
+def _warn_shared(model_name: str, layers: list[nn.Module]) -> None:
+    """Note [One module at several layer positions]"""
+    positions: dict[int, list[int]] = {}
+    for index, layer in enumerate(layers):
+        positions.setdefault(id(layer), []).append(index)
+    for shared in (p for p in positions.values() if len(p) > 1):
+        logger.warning("swapkit: layers %s of %s are one %s object (a module at several positions): swapkit's hooks and wrappers "
+                       "belong to the module, so every call of it gets the swap configured for layer %d and the "
+                       "recompute configured for any of these layers; give these layers the same settings "
+                       "(Note [One module at several layer positions])", ", ".join(map(str, shared)), model_name,
+                       type(layers[shared[0]]).__name__, shared[-1])
 
 
 def describe(found: list[tuple[str, nn.Module]]) -> str:
@@ -101,14 +124,41 @@ def describe(found: list[tuple[str, nn.Module]]) -> str:
     return ", ".join(parts)
 
 
-def find_containers(model: nn.Module, paths: str | Sequence[str] | None) -> list[tuple[str, nn.Module]]:
-    """The named containers in order, or the one auto-detected container."""
+def find_containers(model: nn.Module, paths: str | Sequence[str] | None,
+                    configured: str | Sequence[str] | None = None) -> list[tuple[str, nn.Module]]:
+    """The named containers in order, or the one auto-detected container.
+
+    Args:
+        model: the model.
+        paths: the ``layers`` argument: a dotted path, a list of them, or ``None``.
+        configured: ``model.model_config.layers_path``, used when ``paths`` is ``None``; an error about
+            it names that key.
+
+    Raises:
+        BindError: ``paths`` is not a path or list of paths, or a path names no layer container.
+    """
+    if paths is None and configured is not None:
+        try:
+            return find_containers(model, configured)
+        except BindError as err:
+            raise BindError(f"model.model_config.layers_path: {err}") from None
+    if not (paths is None or isinstance(paths, str) or
+            (isinstance(paths, Sequence) and all(isinstance(p, str) for p in paths))):
+        raise BindError(f"layers={_shown(paths)}: expected the dotted path of the layer container ('model.layers'), a "
+                        "list of them (['encoder.block', 'decoder.block']), or None to auto-detect it")
     if paths is None or isinstance(paths, str):
         return [find_layers(model, paths)]
     if not paths or len(set(paths)) != len(paths):
         raise BindError(f"layers={list(paths)!r}: expected distinct container paths, e.g. "
                         "['encoder.block', 'decoder.block']")
     return [(path, _walk(model, path)) for path in paths]
+
+
+def _shown(value: object) -> str:
+    """A ``layers`` argument in an error: plain values as written, a module (or other object) by its type."""
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_shown(item) for item in value[:4]) + (", ..." if len(value) > 4 else "") + "]"
+    return show(value) if isinstance(value, (str, int, float, bool, type(None))) else f"<{type(value).__name__}>"
 
 
 def find_layers(model: nn.Module, path: str | None) -> tuple[str, nn.Module]:

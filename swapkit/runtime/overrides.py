@@ -19,6 +19,7 @@ tensors; the layers of another pipeline chunk, which do not run in the step, are
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import torch
@@ -27,9 +28,10 @@ OTHER_HOOKS = ("it ran inside another saved_tensors_hooks context (a non-reentra
                "Face's gradient_checkpointing_enable() or torch.utils.checkpoint, or another offloading tool), "
                "which keeps its tensors from swapkit")
 NOT_ENTERED = ("its module hooks never ran although its layer did (the module is not called in forward, or it "
-               "runs in a graph torch.compile traced before swapkit.apply: Dynamo does not guard on module hooks "
-               "by default, torch._dynamo.config.skip_nnmodule_hook_guards; apply swapkit before the first "
-               "compiled call, or call torch._dynamo.reset() after applying it)")
+               "runs in a graph torch.compile traced before swapkit.apply or for another instance of the same "
+               "model class: Dynamo does not guard on module hooks by default, "
+               "torch._dynamo.config.skip_nnmodule_hook_guards; apply swapkit before the first compiled call, "
+               "or call torch._dynamo.reset() after applying it)")
 NO_GRAD = ("it ran with grad disabled (inside a reentrant checkpoint, which recomputes it in backward, or under "
            "torch.no_grad)")
 
@@ -55,3 +57,38 @@ def unused_message(layer: int, path: str, cause: str | None, step: int) -> str:
                     "something else checkpoints the region)")
     return (f"swapkit: {what} saw no saved tensor in step {step}: {why}; the swap has no effect. Drop the swap "
             "from swap_config, or stop the other checkpointing for this layer (Note [Swaps nobody reports])")
+
+
+# Note [Swaps that move nothing]
+# A swap can be configured, reached by tensors, and still free nothing: every candidate was saved in
+# the forward's last ``backward_prefetch`` ticks (a distance at least as long as the step: ticks count
+# saved tensors, not layers or ops, so a MindFormers-sized ``backward_prefetch: 20`` on a small model
+# keeps everything), or is under ``runtime.min_offload_bytes``, or ``runtime.max_host_bytes`` refused
+# its host buffer. ``stats.skipped`` shows it, but the step runs exactly as without swap, so the
+# session logs one WARNING per session, when backward begins in a step in which swap candidates were
+# kept for these reasons and none was offloaded, naming the reasons by bytes and their fixes (those
+# holding at least a tenth of the kept bytes). The tail is known at save time from the second step on
+# (the first step offloads it and drops the copies when backward begins), so a too-long distance is
+# reported in step 2. Offloaded storages whose copy had not finished when backward began (the thread
+# engine behind on a loaded CPU) are not this case: their swap was configured right.
+IDLE_REASONS = {
+    "tail": ("saved in the forward's last backward_prefetch ticks, which stay on the device (the step saved "
+             "{ticks} tensors: backward_prefetch counts saved tensors, not layers); lower backward_prefetch "
+             "well below {ticks}"),
+    "small": "smaller than runtime.min_offload_bytes ({min_offload_bytes} bytes); lower it",
+    "host_cap": "refused by runtime.max_host_bytes ({max_host_bytes} bytes); raise it",
+    "not_on_device": "not on the model's device, so there is nothing to free",
+}
+
+
+def idle_message(step: int, ticks: int, offloaded: int, skipped: Mapping[str, int], runtime: Any) -> str | None:
+    """The warning for a step whose swaps freed nothing (Note [Swaps that move nothing]), or ``None``."""
+    kept = {reason: n for reason, n in skipped.items() if reason in IDLE_REASONS and n}
+    if offloaded or not kept:
+        return None
+    values = {"ticks": ticks, "min_offload_bytes": runtime.min_offload_bytes, "max_host_bytes": runtime.max_host_bytes}
+    total = sum(kept.values())
+    reasons = "; ".join(f"{n:,} bytes {IDLE_REASONS[reason].format(**values)}"  # the reasons that matter
+                        for reason, n in sorted(kept.items(), key=lambda item: -item[1]) if n * 10 >= total)
+    return (f"swapkit: swap moved nothing off the device in step {step}: its swap candidates were kept, {reasons} "
+            "(Note [Swaps that move nothing])")

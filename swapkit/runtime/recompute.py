@@ -35,6 +35,25 @@ Note [Keyword arguments of checkpointed modules]
 swallowed by ``checkpoint`` and never reach the module, so the keywords travel to the region as
 one positional dict. They are not saved as region inputs either way (non-reentrant checkpointing
 keeps its keyword tensors by reference); reentrant checkpointing refuses them.
+
+Note [Norm statistics in recomputation]
+A batch norm in training mode updates its running statistics (``running_mean``, ``running_var``,
+``num_batches_tracked``) as a side effect of its forward, and recomputation runs that forward a
+second time on the same batch: with plain ``torch.utils.checkpoint`` the statistics move twice per
+step (the momentum is effectively doubled and ``num_batches_tracked`` counts two), so a model trained
+with recompute evaluates differently from the same model trained without it, silently. The gradients
+are unaffected: in training mode the output uses the batch's own statistics. Every function swapkit
+re-runs in backward (a recomputed layer, unit or op scope, and an op scope's output recipe) therefore
+puts back, when the re-run ends (also when it ends early: non-reentrant checkpointing stops a
+recomputation once it has what backward needs), the running statistics of the norm modules inside it
+that are in training mode and track them (``_NormBase``: batch and instance norms). Switching
+``track_running_stats`` off for the re-run instead would change what the norm saves for backward,
+which ``torch.utils.checkpoint`` rejects (a different number of saved tensors). The values go back
+through ``.data``, as the norm kernel writes them, without bumping the buffers' version counters:
+the re-run saved them for its own backward (reentrant checkpointing), and a bump would fail their
+version check there. A re-run is recognised by running inside autograd's backward
+(``torch._C._current_graph_task_id() != -1``), which covers reentrant and non-reentrant
+checkpointing and the recipes alike; the first forward is never inside a backward.
 """
 from __future__ import annotations
 
@@ -43,6 +62,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
 from torch.utils.checkpoint import checkpoint
 
 from swapkit.runtime.binding import Binding, BoundLayer
@@ -108,14 +128,16 @@ class Recompute:
         # swapkit.runtime.scope Note [Bookkeeping stays out of compiled graphs]
         capture, record = torch.compiler.disable(self._capture), torch.compiler.disable(self._record)
 
+        replayable = replay_safe(original, [module])  # Note [Norm statistics in recomputation]
+
         def forward(*args: Any, **kwargs: Any) -> Any:
             if not (module.training and torch.is_grad_enabled()):
                 return original(*args, **kwargs)
             args, kwargs = self._no_cache(cache, args, kwargs, label)
             state = capture(args, kwargs) if outputs else None
-            out = self._checkpoint(original, args, kwargs, label)
+            out = self._checkpoint(replayable, args, kwargs, label)
             if state is not None:
-                record(original, args, kwargs, state, out, label)
+                record(replayable, args, kwargs, state, out, label)
             return out
 
         self._replace_forward(module, forward, label)
@@ -148,12 +170,14 @@ class Recompute:
                                       "recompute) for layers that return tuples")
             return h
 
+        replayable = replay_safe(run_unit, [layer.module for layer in layers])  # Note [Norm statistics ...]
+
         def head_forward(h: Any, *args: Any, **kwargs: Any) -> Any:
             state["output"] = state["inputs"] = None
             if not (head.training and torch.is_grad_enabled()):
                 return originals[0](h, *args, **kwargs)
             clean_args, clean_kwargs = self._no_cache(cache, (h, *args), kwargs, label)
-            output = self._checkpoint(run_unit, clean_args, clean_kwargs, label)
+            output = self._checkpoint(replayable, clean_args, clean_kwargs, label)
             state["output"], state["inputs"] = output, (args, kwargs)  # as the pass-throughs receive them
             return output
 
@@ -176,6 +200,33 @@ class Recompute:
             return checkpoint(function, *args, use_reentrant=True, preserve_rng_state=True)
         # see Note [Keyword arguments of checkpointed modules]
         return checkpoint(_call, function, kwargs, *args, use_reentrant=False, preserve_rng_state=True)
+
+
+def replay_safe(function: Callable[..., Any], modules: list[nn.Module]) -> Callable[..., Any]:
+    """``function``, which leaves norm statistics alone when it is re-run in backward.
+
+    Note [Norm statistics in recomputation]
+
+    Args:
+        function: the region's forward (a module's ``forward`` or a unit's loop over its layers).
+        modules: the modules the region runs; their norm modules are looked up at each re-run.
+
+    Returns:
+        A function with ``function``'s signature and result.
+    """
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if torch._C._current_graph_task_id() == -1:  # the first forward: statistics move once, here
+            return function(*args, **kwargs)
+        kept = [(buffer, buffer.clone()) for module in modules for norm in module.modules()
+                if isinstance(norm, _NormBase) and norm.training and norm.track_running_stats
+                for buffer in (norm.running_mean, norm.running_var, norm.num_batches_tracked) if buffer is not None]
+        try:
+            return function(*args, **kwargs)
+        finally:
+            for buffer, value in kept:  # as the norm kernel updates them: no version bump, which would
+                buffer.data.copy_(value)  # fail the version check of the tensors the re-run saved
+
+    return run
 
 
 def _call(function: Callable[..., Any], kwargs: dict, *args: Any) -> Any:

@@ -38,7 +38,7 @@ def with_num_layers(model: nn.Module, config: Config, layers: str | Sequence[str
     """``config`` with ``num_layers`` counted from the model's layer containers when it is not written."""
     if config.model.num_layers is not None:
         return config
-    found = find_containers(model, layers or config.model.layers_path)
+    found = find_containers(model, layers, config.model.layers_path)
     count = sum(len(container) for _, container in found)
     logger.info("model.model_config.num_layers not given: %s.%s holds %d layers", type(model).__name__,
                 " + ".join(path for path, _ in found), count)

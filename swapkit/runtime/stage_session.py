@@ -104,7 +104,7 @@ class StageSession(SwapSession):
         if self._hooks is None or torch._C._current_graph_task_id() != -1 or not torch.is_grad_enabled():
             return
         if self._open() is not None:
-            self._current.scope_entered(frame, entry_cause(self._pack))
+            self._current.scope_entered(frame, entry_cause(self._hook_pair[0]))
 
     def record_recipe(self, *args: Any, **kwargs: Any) -> None:
         if self._open() is not None:  # outside a micro-step the outputs are simply kept
