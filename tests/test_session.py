@@ -1,6 +1,7 @@
 """The swap session end to end on CPU: numerics, mechanisms (through stats), lifecycle."""
 from __future__ import annotations
 
+import copy
 import gc
 
 import pytest
@@ -587,3 +588,34 @@ def test_emptying_keepers_sets_their_versions_back_even_when_a_set_fails():
         empty_keepers((a, b))
     assert a.untyped_storage().nbytes() == 0  # the first one was emptied
     assert (a._version, b._version) == versions
+
+
+def test_a_backward_after_the_next_with_block_is_exact_and_warned_once(caplog):
+    """Note [A backward after the next forward]: two `with` blocks, then one backward of both losses.
+    The first step's schedule was dropped when the second began, so it warns (once per session) and
+    says to use one block; inside one block both forwards share a step and its prefetches."""
+    torch.manual_seed(0)
+    model = ToyNet(3, dim=64)
+    reference = copy.deepcopy(model)
+    session = swapkit.apply(model, toy_config(3, **layer_swap(1)))
+    x1, x2 = torch.randn(4, 64), torch.randn(4, 64)
+    for _ in range(2):
+        model.zero_grad()
+        reference.zero_grad()
+        with session:
+            a = model(x1).sum()
+        with session:
+            b = model(x2).sum()
+        (a + b).backward()
+        (reference(x1).sum() + reference(x2).sum()).backward()
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()))
+    late = [r for r in caplog.records if "began after the next `with session:` block" in r.getMessage()]
+    assert len(late) == 1 and "backward of step 1 " in late[0].getMessage()
+    caplog.clear()
+    with session:
+        a, b = model(x1).sum(), model(x2).sum()
+    (a + b).backward()
+    stats = session.stats
+    assert stats.offloaded_tensors > 0 and stats.prefetched_tensors == stats.offloaded_tensors
+    assert stats.mean_prefetch_lead > 0  # issued ahead of use, not on demand
+    assert not [r for r in caplog.records if "began after the next" in r.getMessage()]

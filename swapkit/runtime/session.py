@@ -33,6 +33,17 @@ Note [Backward after the with block]
 attached to each saved tensor, so they run after the block too; the block's exit only removes the
 pack hooks and, if backward has not started yet, waits for the copies and releases what is due.
 
+Note [A backward after the next forward]
+A step is one forward and its backward; the next ``with session:`` block starts the next step and
+closes the previous one, dropping its release and prefetch schedule (a forward whose graph was
+dropped, as in an evaluation under the session with gradients on, must not hold its records and
+host regions any longer). A backward that begins after that, as in two ``with`` blocks followed by
+one ``(loss_a + loss_b).backward()``, is still exact, but the earlier step's swapped tensors are
+fetched on demand, each restore waiting for its copy (late fetches). The session logs one WARNING
+per session when that happens, saying to run the forwards that are backpropagated together inside
+one ``with`` block, where they share one step and its prefetches. Keeping a step open until a later
+one instead would hold a dropped graph's host regions for that long, or cost every save a check.
+
 Note [Saved-tensor hooks stay out of Dynamo]
 ``torch.compile`` of a whole model (or of a training step) runs the frames it cannot put in a graph
 eagerly with Dynamo's frame callback still installed, and the pack and unpack hooks that their ops
@@ -108,7 +119,8 @@ class SwapSession:
         self._entry_lock = threading.Lock()
         self._owner: int | None = None  # the thread inside the `with` block
         self._reported: set[tuple[int, str]] = set()  # unused swaps already warned about
-        self._idle_reported = False  # overrides Note [Swaps that move nothing]: once per session
+        self._idle_reported = False
+        self._late_reported = False  # Note [A backward after the next forward]: once per session  # overrides Note [Swaps that move nothing]: once per session
         self.observer: Any = None  # sees every forward save and backward unpack (swapkit.planner.measure)
         recompute.output_sink = self
         tracker.on_swap_enter = self._swap_scope_entered
@@ -251,6 +263,9 @@ class SwapSession:
         self._forward_ticks = step.clock
         self._last = step
         self._report_unused(step)
+        if step.closed and not step.aborted and step.stats.offloaded_tensors and not self._late_reported:
+            self._late_reported = True
+            logger.warning(late_backward_message(step.number))
         if not self._idle_reported:
             self._report_idle(step)
 
@@ -354,6 +369,14 @@ def active_session() -> SwapSession | None:
     pack = getattr(top[0], "__wrapped__", top[0]) if top else None  # a torch.compiler.disable wrapper or not
     owner = getattr(pack, "__self__", None)
     return owner if isinstance(owner, SwapSession) else None
+
+
+def late_backward_message(step: int) -> str:
+    """Note [A backward after the next forward]"""
+    return (f"swapkit: the backward of step {step} began after the next `with session:` block had started a new "
+            f"step, which dropped step {step}'s prefetch schedule: its swapped tensors were fetched on demand (late "
+            "fetches; gradients are still exact). Run the forwards whose losses are backpropagated together inside "
+            "one `with session:` block (Note [A backward after the next forward])")
 
 
 def _modified_error(saved: Saved) -> RuntimeError:

@@ -131,7 +131,7 @@ class Step:
         self.tail_ticks = tail_ticks if runtime.skip_tail_offload else None
         self._on_backward = on_backward
         self.clock = 0
-        self.backward_started = self.aborted = False
+        self.backward_started = self.aborted = self.closed = False
         self.watch_unpacks = True  # the session calls unpacked() (Note [The cost of a save])
         self._index: dict[int, weakref.ref] = {}  # id(storage) -> its record (Note [The cost of a save])
         self._batch: Batch | None = None  # the open batch (swapkit.runtime.batch Note [Coalesced copies])
@@ -424,6 +424,7 @@ class Step:
     def close(self, aborted: bool = False) -> None:
         """Drop the schedule (records live on only through the graph's handles)."""
         self.aborted = self.aborted or aborted
+        self.closed = True  # a backward that begins later runs without the schedule (session Note [A backward ...])
         self._batch = None  # an open batch's sources go with it; its records keep it for their lifetime
         self._release.drain()
         self._prefetch.drain()
