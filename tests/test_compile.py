@@ -47,16 +47,16 @@ def compiled(model, backend: str):
     return model
 
 
-def run(model, session=None, steps: int = 2) -> list[torch.Tensor]:
+def run(model, session=None, steps: int = 2, step=llama_step) -> list[torch.Tensor]:
     batch = llama_batch(cfg=CFG)
     losses = []
     for _ in range(steps):
         torch.manual_seed(0)
         if session is None:
-            losses.append(llama_step(model, batch))
+            losses.append(step(model, batch))
         else:
             with session:
-                losses.append(llama_step(model, batch))
+                losses.append(step(model, batch))
     return losses
 
 
@@ -164,18 +164,9 @@ def whole_model_run(variant: str | None, backend: str, step_compiled: bool) -> t
     session = None if variant is None else swapkit.apply(model, config(variant), layers="layers")
     if session is not None:
         install_engine(session, ReadyWhenDone())
-    batch = llama_batch(cfg=CFG)
     step = torch.compile(llama_step, backend=backend) if step_compiled else llama_step
     target = model if step_compiled else torch.compile(model, backend=backend)
-    losses = []
-    for _ in range(2):
-        torch.manual_seed(0)
-        if session is None:
-            losses.append(step(target, batch))
-        else:
-            with session:
-                losses.append(step(target, batch))
-    return losses, grads(model), session
+    return run(target, session, step=step), grads(model), session
 
 
 @pytest.mark.parametrize("variant,step_compiled", [(v, False) for v in sorted(VARIANTS)] + [("layer_swap", True)])
