@@ -172,6 +172,23 @@ def test_a_later_forward_leaves_earlier_micro_steps_alone():
     assert stats.peak_device_bytes < per[0].stats.saved_bytes
 
 
+def test_a_stage_whose_swap_moves_nothing_warns_once(caplog):
+    """overrides Note [Swaps that move nothing], in a pipeline stage's session: every candidate is under
+    min_offload_bytes, so the micro-steps offload nothing; the stage warns once (not once per step)."""
+    config, (chunk,) = tiny_stage(stage=1, swap_config={"swap": True, "layer_swap": [{"backward_prefetch": 2,
+                                                                                       "layers": True}]},
+                                  runtime={"min_offload_bytes": 1 << 30})
+    session = swapkit.apply(chunk, config, layers="layers", stage=1)
+    xs = [torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    for _ in range(2):
+        with session:
+            for loss in [_forward(chunk, x) for x in xs]:
+                loss.backward()
+    assert session.stats.offloaded_bytes == 0 and session.stats.skipped["small"] > 0
+    idle = [m for m in caplog.messages if "swap moved nothing off the device" in m]
+    assert len(idle) == 1 and "runtime.min_offload_bytes" in idle[0]
+
+
 @pytest.mark.cuda
 def test_micro_steps_with_the_cuda_engine_keep_gradients_bit_identical():
     """F0 F1 B0 B1 by hand on a GPU: the CUDA engine's streams under micro-steps."""

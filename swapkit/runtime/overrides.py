@@ -70,7 +70,8 @@ def unused_message(layer: int, path: str, cause: str | None, step: int) -> str:
 # holding at least a tenth of the kept bytes). The tail is known at save time from the second step on
 # (the first step offloads it and drops the copies when backward begins), so a too-long distance is
 # reported in step 2. Offloaded storages whose copy had not finished when backward began (the thread
-# engine behind on a loaded CPU) are not this case: their swap was configured right.
+# engine behind on a loaded CPU) are not this case: their swap was configured right. A pipeline stage's
+# session checks its micro-steps added up, when its ``with`` block (the optimizer step) ends.
 IDLE_REASONS = {
     "tail": ("saved in the forward's last backward_prefetch ticks, which stay on the device (the step saved "
              "{ticks} tensors: backward_prefetch counts saved tensors, not layers); lower backward_prefetch "

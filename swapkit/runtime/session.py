@@ -282,9 +282,12 @@ class SwapSession:
                 logger.warning(unused_message(layer, path, cause, step.number))
 
     def _report_idle(self, step: Step) -> None:
-        """swapkit.runtime.overrides Note [Swaps that move nothing]"""
-        stats = step.stats
-        message = idle_message(step.number, step.clock, stats.offloaded_bytes, stats.skipped, self.plan.runtime)
+        self._warn_idle(step.number, step.clock, step.stats)
+
+    def _warn_idle(self, number: int, ticks: int, stats: SwapStats) -> None:
+        """swapkit.runtime.overrides Note [Swaps that move nothing]: ``ticks`` saves in the forward (the
+        longest micro-step's in a pipeline stage)."""
+        message = idle_message(number, ticks, stats.offloaded_bytes, stats.skipped, self.plan.runtime)
         if message is not None:
             self._idle_reported = True
             logger.warning(message)

@@ -129,6 +129,9 @@ class StageSession(SwapSession):
                 group.finish()
                 for step in group.steps:  # swaps that saw no tensor in any micro-step's forward
                     self._report_unused(step)
+                if not self._idle_reported and group.steps:  # overrides Note [Swaps that move nothing]
+                    ticks = max(step.clock for step in group.steps)
+                    self._warn_idle(group.number, ticks, group.snapshot(self.pool.allocations))
             else:
                 self.engine.synchronize()
         except BaseException:
