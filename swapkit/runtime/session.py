@@ -59,10 +59,12 @@ way (before, Dynamo was handed them and let them run only because their frames h
 ``Batch._return_host``, which a dying ``SwapRecord`` calls, holds one). A mark does not stop Dynamo from inlining the
 function into a frame it traces (swapkit never calls these from user code), and a function that was
 itself ``torch.compile``d still compiles when a hook calls it (its wrapper installs its own frame
-callback): a recipe re-runs the region's eager ``forward``, as it would without Dynamo. ``torch._dynamo.reset()``
-does not clear the marks (it resets only code Dynamo was handed). No cost per call (``benchmarks/microbench.py``, keep-only session, main-thread CPU per saved tensor on the
+callback): a recipe re-runs the region's eager ``forward``, as it would without Dynamo.
+``torch._dynamo.reset()`` does not clear the marks (it resets only code Dynamo was handed). No cost
+per call (``benchmarks/microbench.py``, keep-only session, main-thread CPU per saved tensor on the
 shared 2-core machine: 4.9-5.5 us with the marks, 5.1-5.7 us before, 6.3-6.7 us with
-``torch.compiler.disable`` wrappers). The marks are set again on every ``__enter__`` (one call per
+``torch.compiler.disable`` wrappers; a later run with the finalizers marked too: 5.5-6.1, 5.9-6.1 and
+6.9-7.4 us). The marks are set again on every ``__enter__`` (one call per
 hook), so nothing that resets Dynamo's per-code state can leave a session unmarked. A torch without that
 (private) API gets the ``torch.compiler.disable`` wrappers instead, as the scope hooks have them
 (swapkit.runtime.scope Note [Bookkeeping stays out of compiled graphs]; its finalizers stay unmarked);
