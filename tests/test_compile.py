@@ -199,3 +199,20 @@ def test_whole_model_compile_with_the_disable_wrappers_of_an_older_torch(monkeyp
     assert session.stats.prefetched_bytes == session.stats.offloaded_bytes > 0
     with session:
         assert session_module.active_session() is session
+
+
+HOOK_ONLY = ("swapkit/runtime/session.py", "swapkit/runtime/step.py", "swapkit/runtime/records.py",
+             "swapkit/runtime/recipes.py", "swapkit/runtime/batch.py", "swapkit/engine/")
+
+
+@pytest.mark.parametrize("variant", ["layer_swap", "select_recompute"])
+def test_finalizers_never_reach_dynamo_in_a_compiled_step(variant):
+    """Note [Saved-tensor hooks stay out of Dynamo]: the finalizers of records, recipes and recomputable
+    outputs run where their last reference dies (in the compiled step's backward), not inside a hook; they
+    are marked too, so Dynamo's frame callback is never handed one, nor anything they call."""
+    from torch._dynamo.convert_frame import input_codes
+
+    _, _, session = whole_model_run(variant, "aot_eager", True)
+    assert session.stats.offloaded_bytes > 0 or session.stats.output_recomputes > 0
+    handed = [code() for code in input_codes.seen if code() is not None]
+    assert [f"{c.co_name} ({c.co_filename})" for c in handed if any(part in c.co_filename for part in HOOK_ONLY)] == []

@@ -112,3 +112,38 @@ def test_norms_in_eval_mode_and_the_plain_forward_are_untouched():
     train(model, session)
     assert all(torch.equal(a, b) for a, b in zip(ref.buffers(), model.buffers()))
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(ref.parameters(), model.parameters()))
+
+
+class Shared(nn.Module):
+    """One cumulative-average batch norm (``momentum=None``) used twice in each recomputed block and once more
+    outside them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 4, 1)
+        self.norm = nn.BatchNorm2d(4, momentum=None)
+        self.blocks = nn.ModuleList(nn.Conv2d(4, 4, 3, padding=1) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.norm(self.stem(x))
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+@pytest.mark.parametrize("reentrant,early_stop", [(False, True), (False, False), (True, True)])
+def test_a_shared_cumulative_norm_used_twice_in_a_region_moves_once_per_use(reentrant, early_stop):
+    torch.manual_seed(0)
+    ref = Shared()
+    for index, block in enumerate(ref.blocks):  # each block: conv -> shared norm -> shared norm again
+        ref.blocks[index] = nn.Sequential(block, ref.norm, ref.norm)
+    model = copy.deepcopy(ref)
+    session = swapkit.apply(model, {"recompute_config": {"recompute": True, "use_reentrant": reentrant}},
+                            layers="blocks")
+    with torch.utils.checkpoint.set_checkpoint_early_stop(early_stop):
+        train(ref, steps=3)
+        train(model, session, steps=3)
+    assert session.recompute.wrapped == ["layer 0", "layer 1"]
+    assert int(model.norm.num_batches_tracked) == 3 * 5  # the stem's use and two in each of two blocks
+    for (key, a), (_, b) in zip(ref.named_buffers(), model.named_buffers()):
+        assert torch.equal(a, b), f"{key} differs from the model trained without recompute"

@@ -38,6 +38,7 @@ own recomputation.
 from __future__ import annotations
 
 import weakref
+from functools import partial
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -159,15 +160,14 @@ class RecomputableOutputs:
             if key in inputs or key in parameters or output.device != self.device or not storage.nbytes():
                 continue  # an input passed through, or nothing to free
             entry = RecomputedOutput(recipe, index, output._version, storage.nbytes())
-            self.entries[key] = (weakref.ref(storage, self._forget(key)), entry)
+            self.entries[key] = (weakref.ref(storage, partial(self.forget, key)), entry)
 
-    def _forget(self, key: int) -> Callable[[weakref.ref], None]:
-        def forget(ref: weakref.ref) -> None:  # the storage died: no later save can find it
-            found = self.entries.get(key)
-            if found is not None and found[0] is ref:
-                del self.entries[key]
-
-        return forget
+    def forget(self, key: int, ref: weakref.ref) -> None:
+        """The storage died: no later save can find it (a weak-reference callback, one code object for all
+        of them: swapkit.runtime.session Note [Saved-tensor hooks stay out of Dynamo])."""
+        found = self.entries.get(key)
+        if found is not None and found[0] is ref:
+            del self.entries[key]
 
     def find(self, key: int, storage: torch.UntypedStorage, version: int) -> RecomputedOutput | None:
         """The output a save of ``storage`` at ``version`` can stand in for, if it is unchanged."""

@@ -51,14 +51,24 @@ call are Python frames too: Dynamo traced them like user code (the session's boo
 references and locks), which failed with ``InternalTorchDynamoError`` or replayed the hook's side
 effects wrongly, so swaps moved nothing. On each ``__enter__`` the code objects of the hooks it
 installs (the methods the session has then) are therefore marked for Dynamo to skip, together with
-every frame they call (a code execution strategy of ``SKIP`` for the frame and recursively): no
-cost per call (``benchmarks/microbench.py``, keep-only session, main-thread CPU per saved tensor on the
+every frame they call (a code execution strategy of ``SKIP`` for the frame and recursively). The
+finalizers of the handles and storages the hooks create (``KeptRecord``/``SwapRecord``/``Recipe``
+``__del__``, ``RecomputableOutputs.forget``, ``PinnedMapping.__del__``) are not called by a hook: they
+run wherever the last reference dies, in a compiled step's backward say, so they are marked the same
+way (before, Dynamo was handed them and let them run only because their frames held no tensor;
+``Batch._return_host``, which a dying ``SwapRecord`` calls, holds one). A mark does not stop Dynamo from inlining the
+function into a frame it traces (swapkit never calls these from user code), and a function that was
+itself ``torch.compile``d still compiles when a hook calls it (its wrapper installs its own frame
+callback): a recipe re-runs the region's eager ``forward``, as it would without Dynamo.
+``torch._dynamo.reset()`` does not clear the marks (it resets only code Dynamo was handed). No cost
+per call (``benchmarks/microbench.py``, keep-only session, main-thread CPU per saved tensor on the
 shared 2-core machine: 4.9-5.5 us with the marks, 5.1-5.7 us before, 6.3-6.7 us with
-``torch.compiler.disable`` wrappers). The marks are set again on every ``__enter__`` (one call per
+``torch.compiler.disable`` wrappers; a later run with the finalizers marked too: 5.5-6.1, 5.9-6.1 and
+6.9-7.4 us). The marks are set again on every ``__enter__`` (one call per
 hook), so nothing that resets Dynamo's per-code state can leave a session unmarked. A torch without that
 (private) API gets the ``torch.compiler.disable`` wrappers instead, as the scope hooks have them
-(swapkit.runtime.scope Note [Bookkeeping stays out of compiled graphs]); ``entry_cause`` and
-:func:`active_session` recognise both.
+(swapkit.runtime.scope Note [Bookkeeping stays out of compiled graphs]; its finalizers stay unmarked);
+``entry_cause`` and :func:`active_session` recognise both.
 """
 from __future__ import annotations
 
@@ -72,11 +82,12 @@ from torch import nn
 
 from swapkit.runtime.binding import Binding
 from swapkit.engine import CopyEngine, HostPool, make_engine, make_pool
+from swapkit.engine.pinned import PinnedMapping
 from swapkit.plan.plan import Plan
 from swapkit.runtime.overrides import entry_cause, idle_message, unused_message
-from swapkit.runtime.recipes import PackedInput, Recipe, tensor_leaves
+from swapkit.runtime.recipes import PackedInput, Recipe, RecomputableOutputs, tensor_leaves
 from swapkit.runtime.recompute import Recompute
-from swapkit.runtime.records import Saved, is_plain, make_saved
+from swapkit.runtime.records import KeptRecord, Saved, SwapRecord, is_plain, make_saved
 from swapkit.runtime.scope import Frame, ScopeTracker
 from swapkit.runtime.stats import SwapStats
 from swapkit.runtime.step import Step
@@ -354,8 +365,21 @@ class AppliedMarker:
 
 
 def out_of_dynamo(pack: Any, unpack: Any) -> tuple[Any, Any]:
-    """The hooks to install, never traced by Dynamo (Note [Saved-tensor hooks stay out of Dynamo])."""
+    """The hooks to install, never traced by Dynamo (Note [Saved-tensor hooks stay out of Dynamo]).
+
+    The finalizers that the death of a saved tensor's handle runs are marked too: they run wherever the
+    garbage collector or autograd drops the last reference, not inside a hook.
+    """
+    if _SKIP_ALL is not None:
+        for finalizer in _finalizers():
+            _set_code_exec_strategy(finalizer.__code__, _SKIP_ALL)
     return _out_of_dynamo(pack), _out_of_dynamo(unpack)
+
+
+def _finalizers() -> tuple[Any, ...]:
+    """Code of swapkit's that runs when a handle or a storage dies (Note [Saved-tensor hooks stay out of Dynamo])."""
+    return (KeptRecord.__del__, SwapRecord.__del__, Recipe.__del__, RecomputableOutputs.forget,
+            PinnedMapping.__del__)
 
 
 def _out_of_dynamo(hook: Any) -> Any:
