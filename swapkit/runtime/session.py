@@ -51,24 +51,23 @@ call are Python frames too: Dynamo traced them like user code (the session's boo
 references and locks), which failed with ``InternalTorchDynamoError`` or replayed the hook's side
 effects wrongly, so swaps moved nothing. On each ``__enter__`` the code objects of the hooks it
 installs (the methods the session has then) are therefore marked for Dynamo to skip, together with
-every frame they call (a code execution strategy of ``SKIP`` for the frame and recursively). The
-finalizers of the handles and storages the hooks create (``KeptRecord``/``SwapRecord``/``Recipe``
-``__del__``, ``RecomputableOutputs.forget``, ``PinnedMapping.__del__``) are not called by a hook: they
-run wherever the last reference dies, in a compiled step's backward say, so they are marked the same
-way (before, Dynamo was handed them and let them run only because their frames held no tensor;
-``Batch._return_host``, which a dying ``SwapRecord`` calls, holds one). A mark does not stop Dynamo from inlining the
-function into a frame it traces (swapkit never calls these from user code), and a function that was
-itself ``torch.compile``d still compiles when a hook calls it (its wrapper installs its own frame
-callback): a recipe re-runs the region's eager ``forward``, as it would without Dynamo.
-``torch._dynamo.reset()`` does not clear the marks (it resets only code Dynamo was handed). No cost
-per call (``benchmarks/microbench.py``, keep-only session, main-thread CPU per saved tensor on the
-shared 2-core machine: 4.9-5.5 us with the marks, 5.1-5.7 us before, 6.3-6.7 us with
-``torch.compiler.disable`` wrappers; a later run with the finalizers marked too: 5.5-6.1, 5.9-6.1 and
-6.9-7.4 us). The marks are set again on every ``__enter__`` (one call per
-hook), so nothing that resets Dynamo's per-code state can leave a session unmarked. A torch without that
-(private) API gets the ``torch.compiler.disable`` wrappers instead, as the scope hooks have them
-(swapkit.runtime.scope Note [Bookkeeping stays out of compiled graphs]; its finalizers stay unmarked);
-``entry_cause`` and :func:`active_session` recognise both.
+every frame they call (a code execution strategy of ``SKIP`` for the frame and recursively).
+- The finalizers of what the hooks create (``KeptRecord``, ``SwapRecord`` and ``Recipe`` ``__del__``,
+  ``RecomputableOutputs.forget``, ``PinnedMapping.__del__``) are not called by a hook: they run
+  wherever the last reference dies, in a compiled step's backward say, so they are marked the same
+  way (Dynamo was handed them before, and let them run only because their frames held no tensor;
+  ``Batch._return_host``, which a dying ``SwapRecord`` calls, holds one).
+- A mark does not stop Dynamo from inlining the function into a frame it traces (swapkit never calls
+  these from user code), and a function that was itself ``torch.compile``d still compiles when a
+  hook calls it (its wrapper installs its own frame callback): a recipe re-runs the region's eager
+  ``forward``, as it would without Dynamo. ``torch._dynamo.reset()`` does not clear the marks; they
+  are set again on every ``__enter__`` anyway (one call per code object).
+- A mark costs nothing per call (``benchmarks/microbench.py``, keep-only session, main-thread CPU per
+  saved tensor on the shared 2-core machine: 4.9-6.1 us with the marks, 5.1-6.1 us without,
+  6.3-7.4 us with ``torch.compiler.disable`` wrappers, in two rounds of alternating runs).
+- A torch without that (private) API gets the ``torch.compiler.disable`` wrappers instead, as the
+  scope hooks have them (swapkit.runtime.scope Note [Bookkeeping stays out of compiled graphs]), and
+  its finalizers stay unmarked; ``entry_cause`` and :func:`active_session` recognise both.
 """
 from __future__ import annotations
 
@@ -130,8 +129,8 @@ class SwapSession:
         self._entry_lock = threading.Lock()
         self._owner: int | None = None  # the thread inside the `with` block
         self._reported: set[tuple[int, str]] = set()  # unused swaps already warned about
-        self._idle_reported = False
-        self._late_reported = False  # Note [A backward after the next forward]: once per session  # overrides Note [Swaps that move nothing]: once per session
+        self._idle_reported = False  # overrides Note [Swaps that move nothing]: once per session
+        self._late_reported = False  # Note [A backward after the next forward]: once per session
         self.observer: Any = None  # sees every forward save and backward unpack (swapkit.planner.measure)
         recompute.output_sink = self
         tracker.on_swap_enter = self._swap_scope_entered
