@@ -129,9 +129,7 @@ class StageSession(SwapSession):
                 group.finish()
                 for step in group.steps:  # swaps that saw no tensor in any micro-step's forward
                     self._report_unused(step)
-                if not self._idle_reported and group.steps:  # overrides Note [Swaps that move nothing]
-                    ticks = max(step.clock for step in group.steps)
-                    self._warn_idle(group.number, ticks, group.snapshot(self.pool.allocations))
+                self._check_idle(group)
             else:
                 self.engine.synchronize()
         except BaseException:
@@ -141,6 +139,14 @@ class StageSession(SwapSession):
             logger.warning("swapkit: a copy also failed while leaving the block after an error", exc_info=True)
         if exc_type is not None:
             group.close(aborted=True)
+
+    def _check_idle(self, group: MicroSteps) -> None:
+        """overrides Note [Swaps that move nothing], for the micro-steps added up (summed only when none
+        of them offloaded anything)."""
+        steps = group.steps
+        if self._idle_reported or not steps or any(step.stats.offloaded_bytes for step in steps):
+            return
+        self._warn_idle(group.number, max(step.clock for step in steps), group.snapshot(self.pool.allocations))
 
     # ------------------------------------------------------------------ public
 
