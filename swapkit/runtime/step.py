@@ -30,7 +30,10 @@ or their copy had not finished) are used from the device as they are: no round t
 host copies go straight back to the pool. The batch still open then is discarded, not copied
 (``swapkit.runtime.batch`` Note [Coalesced copies]): its storages count as ``skipped["tail"]``. The
 session remembers the forward length, and in later steps does not offload saves that would land in
-that tail (``runtime.skip_tail_offload``).
+that tail (``runtime.skip_tail_offload``): a save at tick ``t`` with distance ``k`` is skipped when
+``t < length <= t + k``. A save at or past the learnt length proves the prediction wrong (this
+forward is longer: LayerDrop, an MoE routing more experts, two forwards before one backward) and is
+offloaded as in the first step; skipping it too would keep everything past the old length.
 
 Note [Parameters are recognised when saved]
 Parameter storages are never swapped (DESIGN §4). The set the session builds from
@@ -261,7 +264,7 @@ class Step:
         """A swap record for a new storage saved in a swapped scope, or ``None`` (skipped: kept)."""
         if nbytes < self.runtime.min_offload_bytes:
             return self._skip("small", key, nbytes)
-        if self.tail_ticks is not None and tick + frame.prefetch >= self.tail_ticks:
+        if self.tail_ticks is not None and tick < self.tail_ticks <= tick + frame.prefetch:
             return self._skip("tail", key, nbytes)  # Note [The last k ticks stay on the device]
         record = SwapRecord(self, nbytes, version, frame, tick, self._open_batch(frame, nbytes), storage, keeper)
         self.stats.offloaded_tensors += 1
