@@ -262,7 +262,7 @@ class SwapSession:
 
     def _start_step(self) -> Step:
         if self._step is not None:
-            self._step.close()
+            self._step.close(superseded=True)
         self._steps += 1
         params = {id(t.untyped_storage()) for t in chain(self.model.parameters(), self.model.buffers())}
         self._step = Step(self._steps, self.engine, self.pool, self.plan.runtime, params, self._forward_ticks,
@@ -273,7 +273,7 @@ class SwapSession:
         self._forward_ticks = step.clock
         self._last = step
         self._report_unused(step)
-        if step.closed and not step.aborted and step.stats.offloaded_tensors and not self._late_reported:
+        if step.superseded and not step.aborted and step.stats.offloaded_tensors and not self._late_reported:
             self._late_reported = True
             logger.warning(late_backward_message(step.number))
         if not self._idle_reported:

@@ -135,6 +135,7 @@ class Step:
         self._on_backward = on_backward
         self.clock = 0
         self.backward_started = self.aborted = self.closed = False
+        self.superseded = False  # closed because the session started the next step (session Note [A backward ...])
         self.watch_unpacks = True  # the session calls unpacked() (Note [The cost of a save])
         self._index: dict[int, weakref.ref] = {}  # id(storage) -> its record (Note [The cost of a save])
         self._batch: Batch | None = None  # the open batch (swapkit.runtime.batch Note [Coalesced copies])
@@ -424,9 +425,11 @@ class Step:
         with self._bytes_lock:
             self.device_bytes -= nbytes
 
-    def close(self, aborted: bool = False) -> None:
-        """Drop the schedule (records live on only through the graph's handles)."""
+    def close(self, aborted: bool = False, superseded: bool = False) -> None:
+        """Drop the schedule (records live on only through the graph's handles); ``superseded``: the
+        session opened the next step (not ``remove()`` nor an error)."""
         self.aborted = self.aborted or aborted
+        self.superseded = self.superseded or superseded
         self.closed = True  # a backward that begins later runs without the schedule (session Note [A backward ...])
         self._batch = None  # an open batch's sources go with it; its records keep it for their lifetime
         self._release.drain()
