@@ -138,6 +138,28 @@ def test_scopes_of_layers_that_did_not_run_are_not_reported(caplog):
     assert NOT_ENTERED in warnings_of(caplog)[0]
 
 
+def test_the_rest_of_a_forward_after_autograd_grad_is_not_reported(caplog):
+    """A gradient penalty: ``torch.autograd.grad`` inside the forward ends the step, and the rest of the
+    forward (the penalty, outside the layers) is a new step that runs no layer. That is no evidence of
+    hooks bypassed by a compiled graph: the block's first step ran the layers, so nothing is reported."""
+    model, reference = ToyNet(layers=3), ToyNet(layers=3)
+    reference.load_state_dict(model.state_dict())
+    session = synced_session(model, op_swap())
+    caplog.set_level(logging.WARNING, logger="swapkit")
+
+    def penalized(net: nn.Module, x: torch.Tensor) -> None:
+        out = net(x).sum()
+        (g,) = torch.autograd.grad(out, x, create_graph=True)
+        (out + g.square().sum()).backward()
+
+    x = torch.randn(4, 16, requires_grad=True)
+    with session:
+        penalized(model, x)
+    penalized(reference, x.detach().requires_grad_())
+    assert_grads_equal(grads(model), grads(reference))
+    assert session.stats.unused_swaps == [] and warnings_of(caplog) == []
+
+
 def idle_warnings(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if "swap moved nothing" in r.getMessage()]
 

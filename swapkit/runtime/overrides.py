@@ -14,7 +14,10 @@ seen a tensor. When backward begins, a swap scope that saw no tensor is listed i
 cause when it is known. A swap scope whose hooks never ran although its layer ran is reported too
 (``torch.compile`` reusing a graph traced before the hooks existed: Dynamo does not guard on
 module hooks by default), and so is every swap when no hook ran at all in a forward that saved
-tensors; the layers of another pipeline chunk, which do not run in the step, are not. A layer swap around an HF-checkpointed layer is caught the same way
+tensors; the layers of another pipeline chunk, which do not run in the step, are not. Nor is a step that
+continues a ``with`` block whose earlier step ran bound layers and itself runs none: the rest of a forward
+after ``torch.autograd.grad`` (a gradient penalty outside the layers) proves the hooks work, so a step
+with no layer is no bypass. A layer swap around an HF-checkpointed layer is caught the same way
 (HF checkpoints ``forward``, so the layer's own hooks run outside the region and see nothing).
 """
 from __future__ import annotations

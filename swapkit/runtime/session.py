@@ -217,7 +217,7 @@ class SwapSession:
             return make_saved((tensor.detach(), tensor._version, None, -1, None, None, frame))
         step = self._step
         if step.backward_started:  # the next micro-batch's forward inside the same block
-            step = self._start_step()
+            step = self._start_step(continued=True)
         saved = step.save(tensor, frame)
         if self.observer is not None:
             self.observer.saved(saved)
@@ -260,13 +260,16 @@ class SwapSession:
 
     # ------------------------------------------------------------------ steps
 
-    def _start_step(self) -> Step:
-        if self._step is not None:
-            self._step.close(superseded=True)
+    def _start_step(self, continued: bool = False) -> Step:
+        """Open the next step; ``continued``: a forward went on after a backward inside the same block."""
+        previous = self._step
+        if previous is not None:
+            previous.close(superseded=True)
         self._steps += 1
         params = {id(t.untyped_storage()) for t in chain(self.model.parameters(), self.model.buffers())}
         self._step = Step(self._steps, self.engine, self.pool, self.plan.runtime, params, self._forward_ticks,
                           self._backward_began, tuple(self.tracker.swap_scopes))
+        self._step.layers_ran_before = continued and previous.layers_ran()  # overrides Note [Swaps nobody reports]
         return self._step
 
     def _backward_began(self, step: Step) -> None:

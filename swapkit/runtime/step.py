@@ -136,6 +136,7 @@ class Step:
         self.clock = 0
         self.backward_started = self.aborted = self.closed = False
         self.superseded = False  # closed because the session started the next step (session Note [A backward ...])
+        self.layers_ran_before = False  # an earlier step of this `with` block ran bound layers (unused_swaps)
         self.watch_unpacks = True  # the session calls unpacked() (Note [The cost of a save])
         self._index: dict[int, weakref.ref] = {}  # id(storage) -> its record (Note [The cost of a save])
         self._batch: Batch | None = None  # the open batch (swapkit.runtime.batch Note [Coalesced copies])
@@ -360,8 +361,14 @@ class Step:
         if self.clock == 0:
             return []
         ran = {layer for layer, _ in self._seen} | {layer for layer, _ in self._entered}
+        if not ran and self.layers_ran_before:  # overrides Note [Swaps nobody reports]: the rest of a forward
+            return []
         return [(layer, path, self._entered.get((layer, path), NOT_ENTERED)) for layer, path in self.swap_scopes
                 if (layer in ran or not ran) and (layer, path) not in self._seen]
+
+    def layers_ran(self) -> bool:
+        """Whether a bound layer's hooks ran in this step's forward or an earlier one of its block."""
+        return self.layers_ran_before or bool(self._seen or self._entered)
 
     def finish_forward(self) -> None:
         """Forward ended without a backward yet: wait for copies, release what is due."""
