@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from swapkit.runtime.overrides import NO_GRAD, NOT_ENTERED, OTHER_HOOKS
+from swapkit.runtime.overrides import FROZEN, NO_GRAD, NOT_ENTERED, OTHER_HOOKS
 from torch import nn
 
 from tests.toys import Block, ToyNet, assert_grads_equal, grads, synced_session, toy_config
@@ -158,6 +158,25 @@ def test_the_rest_of_a_forward_after_autograd_grad_is_not_reported(caplog):
     penalized(reference, x.detach().requires_grad_())
     assert_grads_equal(grads(model), grads(reference))
     assert session.stats.unused_swaps == [] and warnings_of(caplog) == []
+
+
+def test_a_swap_on_a_frozen_layer_is_reported_as_frozen(caplog):
+    """Fine-tuning with the first layer frozen: it saves nothing for backward, so its swap has no effect.
+    The warning says why (frozen parameters) instead of guessing at other checkpointing."""
+    model = ToyNet(layers=3)
+    model.layers[0].requires_grad_(False)
+    session = synced_session(model, op_swap())
+    caplog.set_level(logging.WARNING, logger="swapkit")
+    run(model, session, steps=1)  # the input requires grad, yet layer 0's lin saves only its frozen weight
+    assert session.stats.unused_swaps == []  # a parameter save reached the session
+    x = torch.randn(4, 16)  # no grad: layer 0 saves nothing at all
+    with session:
+        model(x).sum().backward()
+    assert session.stats.unused_swaps == ["layer 0: lin"]
+    (message,) = warnings_of(caplog)
+    assert message.startswith("swapkit: op swap at layer 0: lin saw no saved tensor in step 2: " + FROZEN)
+    assert message.endswith("the swap has no effect. Leave frozen layers out of swap_config "
+                            "(Note [Swaps nobody reports])")
 
 
 def idle_warnings(caplog) -> list[str]:

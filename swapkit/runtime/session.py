@@ -83,7 +83,7 @@ from swapkit.runtime.binding import Binding
 from swapkit.engine import CopyEngine, HostPool, make_engine, make_pool
 from swapkit.engine.pinned import PinnedMapping
 from swapkit.plan.plan import Plan
-from swapkit.runtime.overrides import entry_cause, idle_message, unused_message
+from swapkit.runtime.overrides import FROZEN, entry_cause, idle_message, unused_message
 from swapkit.runtime.recipes import PackedInput, Recipe, RecomputableOutputs, tensor_leaves
 from swapkit.runtime.recompute import Recompute
 from swapkit.runtime.records import KeptRecord, Saved, SwapRecord, is_plain, make_saved
@@ -292,7 +292,17 @@ class SwapSession:
         for layer, path, cause in step.unused_swaps():
             if (layer, path) not in self._reported:
                 self._reported.add((layer, path))
+                if cause is None and self._frozen(layer, path):
+                    cause = FROZEN
                 logger.warning(unused_message(layer, path, cause, step.number))
+
+    def _frozen(self, layer: int, path: str) -> bool:
+        """The scope's module has parameters and none requires grad (overrides Note [Swaps nobody reports])."""
+        bound = next((b for b in self.binding.layers if b.index == layer), None)
+        if bound is None:
+            return False
+        params = list((bound.submodule(path) if path else bound.module).parameters())
+        return bool(params) and not any(p.requires_grad for p in params)
 
     def _report_idle(self, step: Step) -> None:
         self._warn_idle(step.number, step.clock, step.stats)
