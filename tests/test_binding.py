@@ -51,6 +51,43 @@ def test_dotted_path_and_auto_detection():
         find_layers(model, "transformer")
 
 
+class TitanStyle(nn.Module):
+    """torchtitan's models keep their layers in an ``nn.ModuleDict`` keyed by layer id, so that a
+    pipeline split (which deletes keys) keeps every parameter's name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleDict({str(i): Block(16) for i in range(3)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers.values():
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("layers", [None, "layers"])
+def test_a_module_dict_of_layers_binds_in_its_order(layers, caplog):
+    caplog.set_level(logging.INFO, logger="swapkit")
+    torch.manual_seed(0)
+    model, reference = TitanStyle(), TitanStyle()
+    reference.load_state_dict(model.state_dict())
+    session = swapkit.apply(model, {"swap_config": {"swap": True, "layer_swap": {"backward_prefetch": 1, "layers": [0, 1]}},
+                                    "runtime": {"min_offload_bytes": 0}}, layers=layers)
+    assert [b.module for b in session.binding.layers] == list(model.layers.values())
+    assert "Bound layers: layers (layers 0-2: 3 x Block)" in caplog.messages
+    x = torch.randn(4, 16)
+    with session:
+        model(x).sum().backward()
+    reference(x).sum().backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()))
+    assert "layer 0" in session.stats.offloaded_by_scope and set(session.stats.offloaded_by_scope) <= {"layer 0", "layer 1"}
+    session.remove()
+    assert list(model.state_dict()) == list(reference.state_dict())
+    model.heads = nn.ModuleList(Block(16) for _ in range(2))
+    with pytest.raises(BindError, match=r"several layer containers in TitanStyle: layers \(3 x Block\), heads \(2 x Block\)"):
+        find_layers(model, None)
+
+
 def test_layer_count_must_match_num_layers():
     with pytest.raises(BindError, match=r"holds 3 layers but the config says model.model_config.num_layers: 4"):
         bind(ToyNet(layers=3), plan_for(4), "layers")
