@@ -1,6 +1,7 @@
 """Binding plans to models: the layer container, op scopes, apply-time logging."""
 from __future__ import annotations
 
+import copy
 import logging
 
 import pytest
@@ -10,7 +11,7 @@ from torch import nn
 import swapkit
 from swapkit.runtime.binding import BindError, bind, find_layers
 from swapkit.runtime.scope import ScopeTracker
-from tests.toys import SMALL, Block, ToyNet, llama, toy_config
+from tests.toys import SMALL, Block, ToyNet, layer_swap, llama, toy_config
 
 
 class Nested(nn.Module):
@@ -227,6 +228,24 @@ def test_one_module_at_several_layer_positions_is_warned(caplog):
     (message,) = [m for m in caplog.messages if "several positions" in m]
     assert message.startswith("swapkit: layers 0, 2 of ToyNet are one Block object (a module at several positions)")
     assert "the swap configured for layer 2" in message
+
+
+def test_a_swap_on_every_position_of_a_shared_module_is_not_reported_unused(caplog):
+    """Note [One module at several layer positions]: with the same swap at every position (the advice of
+    the warning above), every call's saves land in the last position's frame and are swapped; the earlier
+    positions' swaps were reported as moving nothing ("the swap has no effect")."""
+    model = ToyNet(layers=1)
+    model.layers = nn.ModuleList([model.layers[0]] * 3)
+    reference = copy.deepcopy(model)
+    session = swapkit.apply(model, toy_config(3, **layer_swap(1)))
+    caplog.set_level(logging.WARNING, logger="swapkit")
+    x = torch.randn(4, 16)
+    with session:
+        model(x).sum().backward()
+    reference(x).sum().backward()
+    assert torch.equal(model.layers[0].lin.weight.grad, reference.layers[0].lin.weight.grad)
+    assert session.stats.offloaded_bytes > 0 and session.stats.unused_swaps == []
+    assert not [m for m in caplog.messages if "saw no saved tensor" in m]
 
 
 def test_distinct_layers_are_not_warned(caplog):
