@@ -72,8 +72,9 @@ def test_a_module_dict_of_layers_binds_in_its_order(layers, caplog):
     torch.manual_seed(0)
     model, reference = TitanStyle(), TitanStyle()
     reference.load_state_dict(model.state_dict())
-    session = swapkit.apply(model, {"swap_config": {"swap": True, "layer_swap": {"backward_prefetch": 1, "layers": [0, 1]}},
-                                    "runtime": {"min_offload_bytes": 0}}, layers=layers)
+    config = {"swap_config": {"swap": True, "layer_swap": {"backward_prefetch": 1, "layers": [0, 1]}},
+              "runtime": {"min_offload_bytes": 0}}
+    session = swapkit.apply(model, config, layers=layers)
     assert [b.module for b in session.binding.layers] == list(model.layers.values())
     assert "Bound layers: layers (layers 0-2: 3 x Block)" in caplog.messages
     x = torch.randn(4, 16)
@@ -81,11 +82,13 @@ def test_a_module_dict_of_layers_binds_in_its_order(layers, caplog):
         model(x).sum().backward()
     reference(x).sum().backward()
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()))
-    assert "layer 0" in session.stats.offloaded_by_scope and set(session.stats.offloaded_by_scope) <= {"layer 0", "layer 1"}
+    scopes = set(session.stats.offloaded_by_scope)
+    assert "layer 0" in scopes and scopes <= {"layer 0", "layer 1"}
     session.remove()
     assert list(model.state_dict()) == list(reference.state_dict())
     model.heads = nn.ModuleList(Block(16) for _ in range(2))
-    with pytest.raises(BindError, match=r"several layer containers in TitanStyle: layers \(3 x Block\), heads \(2 x Block\)"):
+    with pytest.raises(BindError, match=r"several layer containers in TitanStyle: layers \(3 x Block\), "
+                                        r"heads \(2 x Block\)"):
         find_layers(model, None)
 
 

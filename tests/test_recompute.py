@@ -610,9 +610,9 @@ class InplaceActNet(nn.Module):
         return x
 
 
-@pytest.mark.parametrize("recompute", [{"select_recompute": ["act"]}, {"select_recompute": ["act"], "use_reentrant": True},
-                                       {"recompute_granularity": "selective", "recompute_modules": ["mlp"],
-                                        "module_scopes": {"mlp": "act"}}])
+@pytest.mark.parametrize("recompute", [
+    {"select_recompute": ["act"]}, {"select_recompute": ["act"], "use_reentrant": True},
+    {"recompute_granularity": "selective", "recompute_modules": ["mlp"], "module_scopes": {"mlp": "act"}}])
 def test_a_region_that_overwrites_its_input_is_refused_in_forward(recompute):
     """Note [Regions that write their inputs]: before, backward raised swapkit's in-place error, which
     said autograd would fail without swapkit too, although the model trains without swapkit."""

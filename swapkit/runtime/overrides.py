@@ -14,14 +14,14 @@ seen a tensor. When backward begins, a swap scope that saw no tensor is listed i
 cause when it is known. A swap scope whose hooks never ran although its layer ran is reported too
 (``torch.compile`` reusing a graph traced before the hooks existed: Dynamo does not guard on
 module hooks by default), and so is every swap when no hook ran at all in a forward that saved
-tensors; the layers of another pipeline chunk, which do not run in the step, are not. A scope that saw
-no tensor although grad was on and the session's hooks were innermost, whose module has parameters
-and all of them frozen, is reported as frozen (fine-tuning that freezes the first layers: with no
-input requiring grad either, nothing in it is saved for backward); that is looked up when the
-warning is written, once per scope, not on every entry. Nor is a step that
-continues a ``with`` block whose earlier step ran bound layers and itself runs none: the rest of a forward
-after ``torch.autograd.grad`` (a gradient penalty outside the layers) proves the hooks work, so a step
-with no layer is no bypass. A layer swap around an HF-checkpointed layer is caught the same way
+tensors; the layers of another pipeline chunk, which do not run in the step, are not. Nor is a step
+that continues a ``with`` block whose earlier step ran bound layers and itself runs none: the rest of
+a forward after ``torch.autograd.grad`` (a gradient penalty outside the layers) is no bypass, the
+earlier step showed the hooks work. A scope that saw no tensor although grad was on and the
+session's hooks were innermost, whose module has parameters and all of them frozen, is reported as
+frozen (fine-tuning that freezes the first layers: with no input requiring grad either, nothing in
+it is saved for backward); that is looked up when the warning is written, once per scope, not on
+every entry. A layer swap around an HF-checkpointed layer is caught the same way
 (HF checkpoints ``forward``, so the layer's own hooks run outside the region and see nothing).
 """
 from __future__ import annotations
@@ -66,7 +66,8 @@ def unused_message(layer: int, path: str, cause: str | None, step: int) -> str:
                     "something else checkpoints the region)")
     fix = ("Leave frozen layers out of swap_config" if cause == FROZEN else
            "Drop the swap from swap_config, or stop the other checkpointing for this layer")
-    return f"swapkit: {what} saw no saved tensor in step {step}: {why}; the swap has no effect. {fix} (Note [Swaps nobody reports])"
+    return (f"swapkit: {what} saw no saved tensor in step {step}: {why}; the swap has no effect. {fix} "
+            "(Note [Swaps nobody reports])")
 
 
 # Note [Swaps that move nothing]
