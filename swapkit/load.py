@@ -33,12 +33,16 @@ def load_config(source: str | Path | Mapping[str, Any], overrides: Sequence[str]
 
     Raises:
         ConfigError: listing every problem, each with its key path, the bad value and the fix.
+        TypeError: ``overrides`` is one string instead of a list of them.
 
     Example:
         >>> cfg = load_config({"model": {"model_config": {"num_layers": 4}}})
         >>> cfg.model.num_layers
         4
     """
+    if isinstance(overrides, (str, bytes)):  # a str is a sequence too: one problem per character
+        raise TypeError(f"overrides: got the string {overrides!r}; expected a list of 'dotted.key=value' strings: "
+                        f"overrides=[{overrides!r}]")
     problems = Problems()
     config = read_config(source, overrides, problems)
     if config is not None and config.model.num_layers is not None:  # else the model counts them (apply)

@@ -1,6 +1,7 @@
 """Binding plans to models: the layer container, op scopes, apply-time logging."""
 from __future__ import annotations
 
+import copy
 import logging
 
 import pytest
@@ -10,7 +11,7 @@ from torch import nn
 import swapkit
 from swapkit.runtime.binding import BindError, bind, find_layers
 from swapkit.runtime.scope import ScopeTracker
-from tests.toys import SMALL, Block, ToyNet, llama, toy_config
+from tests.toys import SMALL, Block, ToyNet, layer_swap, llama, toy_config
 
 
 class Nested(nn.Module):
@@ -49,6 +50,46 @@ def test_dotted_path_and_auto_detection():
         find_layers(model, "transformer.x")
     with pytest.raises(BindError, match="is a Module; expected an nn.ModuleList"):
         find_layers(model, "transformer")
+
+
+class TitanStyle(nn.Module):
+    """torchtitan's models keep their layers in an ``nn.ModuleDict`` keyed by layer id, so that a
+    pipeline split (which deletes keys) keeps every parameter's name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleDict({str(i): Block(16) for i in range(3)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers.values():
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("layers", [None, "layers"])
+def test_a_module_dict_of_layers_binds_in_its_order(layers, caplog):
+    caplog.set_level(logging.INFO, logger="swapkit")
+    torch.manual_seed(0)
+    model, reference = TitanStyle(), TitanStyle()
+    reference.load_state_dict(model.state_dict())
+    config = {"swap_config": {"swap": True, "layer_swap": {"backward_prefetch": 1, "layers": [0, 1]}},
+              "runtime": {"min_offload_bytes": 0}}
+    session = swapkit.apply(model, config, layers=layers)
+    assert [b.module for b in session.binding.layers] == list(model.layers.values())
+    assert "Bound layers: layers (layers 0-2: 3 x Block)" in caplog.messages
+    x = torch.randn(4, 16)
+    with session:
+        model(x).sum().backward()
+    reference(x).sum().backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()))
+    scopes = set(session.stats.offloaded_by_scope)
+    assert "layer 0" in scopes and scopes <= {"layer 0", "layer 1"}
+    session.remove()
+    assert list(model.state_dict()) == list(reference.state_dict())
+    model.heads = nn.ModuleList(Block(16) for _ in range(2))
+    with pytest.raises(BindError, match=r"several layer containers in TitanStyle: layers \(3 x Block\), "
+                                        r"heads \(2 x Block\)"):
+        find_layers(model, None)
 
 
 def test_layer_count_must_match_num_layers():
@@ -190,6 +231,24 @@ def test_one_module_at_several_layer_positions_is_warned(caplog):
     (message,) = [m for m in caplog.messages if "several positions" in m]
     assert message.startswith("swapkit: layers 0, 2 of ToyNet are one Block object (a module at several positions)")
     assert "the swap configured for layer 2" in message
+
+
+def test_a_swap_on_every_position_of_a_shared_module_is_not_reported_unused(caplog):
+    """Note [One module at several layer positions]: with the same swap at every position (the advice of
+    the warning above), every call's saves land in the last position's frame and are swapped; the earlier
+    positions' swaps were reported as moving nothing ("the swap has no effect")."""
+    model = ToyNet(layers=1)
+    model.layers = nn.ModuleList([model.layers[0]] * 3)
+    reference = copy.deepcopy(model)
+    session = swapkit.apply(model, toy_config(3, **layer_swap(1)))
+    caplog.set_level(logging.WARNING, logger="swapkit")
+    x = torch.randn(4, 16)
+    with session:
+        model(x).sum().backward()
+    reference(x).sum().backward()
+    assert torch.equal(model.layers[0].lin.weight.grad, reference.layers[0].lin.weight.grad)
+    assert session.stats.offloaded_bytes > 0 and session.stats.unused_swaps == []
+    assert not [m for m in caplog.messages if "saw no saved tensor" in m]
 
 
 def test_distinct_layers_are_not_warned(caplog):

@@ -434,6 +434,13 @@ def test_overrides_are_validated_like_the_file():
                                 "train.steps (from --set train.steps=0): got 0; expected an integer >= 1"]
 
 
+def test_overrides_given_as_one_string_name_the_fix():
+    """A str is a sequence of characters: read as overrides it gave one '--set: got 's'' problem per letter."""
+    with pytest.raises(TypeError, match=r"overrides: got the string 'train.steps=5'; expected a list of "
+                                        r"'dotted.key=value' strings: overrides=\['train.steps=5'\]"):
+        load_config(MINIMAL, overrides="train.steps=5")
+
+
 def test_yaml_12_floats(tmp_path):
     # Note [YAML 1.1 scalars]: `1e-3` without a dot is a float, in files and in --set
     path = write(tmp_path, "model: {model_config: {num_layers: 3, rms_norm_eps: 1e-6}}\ntrain: {lr: 2E-4}\n")

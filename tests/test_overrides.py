@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from swapkit.runtime.overrides import NO_GRAD, NOT_ENTERED, OTHER_HOOKS
+from swapkit.runtime.overrides import FROZEN, NO_GRAD, NOT_ENTERED, OTHER_HOOKS
 from torch import nn
 
 from tests.toys import Block, ToyNet, assert_grads_equal, grads, synced_session, toy_config
@@ -136,6 +136,47 @@ def test_scopes_of_layers_that_did_not_run_are_not_reported(caplog):
     run(model, session, steps=1)
     assert session.stats.unused_swaps == ["layer 1: act"]
     assert NOT_ENTERED in warnings_of(caplog)[0]
+
+
+def test_the_rest_of_a_forward_after_autograd_grad_is_not_reported(caplog):
+    """A gradient penalty: ``torch.autograd.grad`` inside the forward ends the step, and the rest of the
+    forward (the penalty, outside the layers) is a new step that runs no layer. That is no evidence of
+    hooks bypassed by a compiled graph: the block's first step ran the layers, so nothing is reported."""
+    model, reference = ToyNet(layers=3), ToyNet(layers=3)
+    reference.load_state_dict(model.state_dict())
+    session = synced_session(model, op_swap())
+    caplog.set_level(logging.WARNING, logger="swapkit")
+
+    def penalized(net: nn.Module, x: torch.Tensor) -> None:
+        out = net(x).sum()
+        (g,) = torch.autograd.grad(out, x, create_graph=True)
+        (out + g.square().sum()).backward()
+
+    x = torch.randn(4, 16, requires_grad=True)
+    with session:
+        penalized(model, x)
+    penalized(reference, x.detach().requires_grad_())
+    assert_grads_equal(grads(model), grads(reference))
+    assert session.stats.unused_swaps == [] and warnings_of(caplog) == []
+
+
+def test_a_swap_on_a_frozen_layer_is_reported_as_frozen(caplog):
+    """Fine-tuning with the first layer frozen: it saves nothing for backward, so its swap has no effect.
+    The warning says why (frozen parameters) instead of guessing at other checkpointing."""
+    model = ToyNet(layers=3)
+    model.layers[0].requires_grad_(False)
+    session = synced_session(model, op_swap())
+    caplog.set_level(logging.WARNING, logger="swapkit")
+    run(model, session, steps=1)  # the input requires grad, yet layer 0's lin saves only its frozen weight
+    assert session.stats.unused_swaps == []  # a parameter save reached the session
+    x = torch.randn(4, 16)  # no grad: layer 0 saves nothing at all
+    with session:
+        model(x).sum().backward()
+    assert session.stats.unused_swaps == ["layer 0: lin"]
+    (message,) = warnings_of(caplog)
+    assert message.startswith("swapkit: op swap at layer 0: lin saw no saved tensor in step 2: " + FROZEN)
+    assert message.endswith("the swap has no effect. Leave frozen layers out of swap_config "
+                            "(Note [Swaps nobody reports])")
 
 
 def idle_warnings(caplog) -> list[str]:

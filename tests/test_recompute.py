@@ -588,6 +588,40 @@ def test_reentrant_checks_only_apply_when_recomputing():
     model(torch.randn(4, 8))
 
 
+class InplaceActLayer(nn.Module):
+    """``act`` is ``ReLU(inplace=True)`` (torchvision's blocks): it overwrites its input, ``lin``'s output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.act, self.out = nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.act(self.lin(x)))
+
+
+class InplaceActNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(InplaceActLayer() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("recompute", [
+    {"select_recompute": ["act"]}, {"select_recompute": ["act"], "use_reentrant": True},
+    {"recompute_granularity": "selective", "recompute_modules": ["mlp"], "module_scopes": {"mlp": "act"}}])
+def test_a_region_that_overwrites_its_input_is_refused_in_forward(recompute):
+    """Note [Regions that write their inputs]: before, backward raised swapkit's in-place error, which
+    said autograd would fail without swapkit too, although the model trains without swapkit."""
+    with pytest.raises(RuntimeError, match=r"swapkit: the recomputed region layer 0: act \(ReLU\) changed its "
+                                           r"input in place.*inplace=False.*recompute_config"):
+        toy_run(InplaceActNet, recompute)
+    toy_run(InplaceActNet, None)  # trains without swapkit
+
+
 # ---------------------------------------------------------------------------- wrapper contracts
 
 class OptionsLayer(nn.Module):

@@ -616,6 +616,28 @@ def test_a_backward_after_the_next_with_block_is_exact_and_warned_once(caplog):
         a, b = model(x1).sum(), model(x2).sum()
     (a + b).backward()
     stats = session.stats
-    assert stats.offloaded_tensors > 0 and stats.prefetched_tensors == stats.offloaded_tensors
+    # what was offloaded came back ahead of use, or is the forward's tail, used in place (this step is twice
+    # as long as the last one, so its real tail is offloaded as in a first step)
+    assert stats.offloaded_tensors > 0 and stats.prefetched_bytes + stats.tail_bytes == stats.offloaded_bytes
     assert stats.mean_prefetch_lead > 0  # issued ahead of use, not on demand
     assert not [r for r in caplog.records if "began after the next" in r.getMessage()]
+
+
+def test_a_step_longer_than_the_last_offloads_past_the_learnt_tail():
+    """The tail learnt from the last step is its last k ticks, not everything after them: a step whose
+    forward runs more layers than the previous one (LayerDrop, two forwards then one backward) offloads
+    the extra layers (Note [The last k ticks stay on the device])."""
+    model = ToyNet(layers=4)
+    session = synced_session(model, toy_config(4, **layer_swap(1, offload_batch_bytes=0)))
+    ref = copy.deepcopy(model)  # a plain copy (Note [Deep copies of a model swapkit was applied to])
+    x = torch.randn(8, 16)
+    with session:  # a short step: layers 0 and 1 (ticks 0-3), so the learnt tail is tick 3
+        model.layers[1](model.layers[0](x)).sum().backward()
+    model.zero_grad()
+    with session:  # all four layers, ticks 0-7; storages x (tick 0), s0 (1, 2), s1 (3, 4), s2 (5, 6), s3 (7)
+        model(x).sum().backward()
+    stats, per_storage = session.stats, 8 * 16 * F32
+    assert stats.skipped["tail"] == per_storage  # s1, saved at the learnt tail
+    assert stats.offloaded_bytes == 4 * per_storage and stats.tail_bytes == per_storage  # s3: the real tail
+    ref(x).sum().backward()
+    assert_grads_equal(grads(model), grads(ref))

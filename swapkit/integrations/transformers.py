@@ -21,7 +21,7 @@ import functools
 import json
 import logging
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -81,14 +81,17 @@ def stats_for_logs(session: SwapSession) -> dict[str, float]:
     }
 
 
-def attach(trainer: Any, config: Config | Mapping[str, Any] | str | Path, layers: str | None = None) -> SwapkitCallback:
+def attach(trainer: Any, config: Config | Mapping[str, Any] | str | Path,
+           layers: str | Sequence[str] | None = None) -> SwapkitCallback:
     """Apply ``config`` to ``trainer.model`` and register the callback: one call before ``trainer.train()``.
 
     Args:
         trainer: a ``transformers.Trainer``.
         config: a swapkit config (``Config``, dict in the YAML layout, or YAML path);
             ``model.model_config.num_layers`` may be left out (counted from the model).
-        layers: dotted path of the layer container (``"model.layers"``); ``None`` auto-detects.
+        layers: dotted path of the layer container (``"model.layers"``), or a list of them numbered in the
+            order given (``["encoder.block", "decoder.block"]`` for T5), as :func:`swapkit.apply` takes;
+            ``None`` auto-detects.
 
     Returns:
         The callback; ``callback.session`` is the :class:`SwapSession` (call ``remove()`` to undo).

@@ -2,7 +2,8 @@
 
 A layer container is named by a dotted attribute path relative to the model (``"layers"``,
 ``"model.layers"``, ``"transformer.h"``). Without one, the single ``nn.ModuleList`` /
-``nn.Sequential`` of repeated blocks is taken; when there are several, the error lists them.
+``nn.Sequential`` / ``nn.ModuleDict`` of repeated blocks is taken; when there are several, the
+error lists them.
 
 Note [Several layer containers]
 An encoder-decoder model keeps its layers in two containers (``encoder.block``,
@@ -12,6 +13,14 @@ and every config key that names layers (``layer_swap.layers``, ``recompute: [..]
 per-stage counts of the layout) uses that numbering; ``num_layers`` is the total. The order is
 the user's, not the order of execution: it only names layers. A Megatron ``uniform`` unit runs
 its layers back to back inside one checkpoint, so it may not span two containers.
+
+Note [Layers in a ModuleDict]
+torchtitan keeps a model's layers in an ``nn.ModuleDict`` keyed by layer id, so that a pipeline
+split, which deletes the other stages' keys, leaves every parameter's name unchanged. Such a
+container holds its layers in insertion order, which is the order its forward loops over them
+(``for layer in self.layers.values()``) and the order swapkit numbers them in; binding works on
+a plain ``nn.ModuleList`` of its values (a view: it registers nothing on the model, so names
+and ``state_dict`` keys stay as they are). Iterating a ``ModuleDict`` itself yields its keys.
 
 Note [One module at several layer positions]
 A model that shares weights between layers (ALBERT-style: ``nn.ModuleList([block] * 4)``) puts one
@@ -36,6 +45,7 @@ from swapkit.plan.report import LayerScopes, resolve_layer
 
 
 logger = logging.getLogger(__name__)
+CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
 __all__ = ["BindError", "Binding", "BoundLayer", "bind", "find_layers", "module_tree"]
 
@@ -171,16 +181,17 @@ def find_layers(model: nn.Module, path: str | None) -> tuple[str, nn.Module]:
         return path, _walk(model, path)
     candidates = _outermost([(name, module) for name, module in model.named_modules() if _is_block_list(module)])
     if len(candidates) == 1:
-        return candidates[0]
+        return candidates[0][0], as_list(candidates[0][1])
     if not candidates:
-        raise BindError(f"found no nn.ModuleList of repeated layers in {type(model).__name__}; pass "
+        raise BindError(f"found no nn.ModuleList, nn.Sequential or nn.ModuleDict of repeated layers in "
+                        f"{type(model).__name__}; pass "
                         "layers='path.to.layers' (or set model.model_config.layers_path)")
     raise BindError(_several_containers(type(model).__name__, candidates))
 
 
 def _several_containers(model_name: str, candidates: list[tuple[str, nn.Module]]) -> str:
     """What to write to choose among several containers, in the API and in a YAML config."""
-    found = ", ".join(f"{n} ({len(m)} x {type(m[0]).__name__})" for n, m in candidates)
+    found = ", ".join(f"{n} ({len(m)} x {type(next(m.children())).__name__})" for n, m in candidates)
     names = [n for n, _ in candidates]
     return (f"several layer containers in {model_name}: {found}; say which hold the layers, in order. In Python: "
             f"pass layers={names!r} (or layers={names[0]!r} for one) to swapkit.apply. In a YAML config: set "
@@ -217,14 +228,19 @@ def _walk(model: nn.Module, path: str) -> nn.Module:
             raise BindError(f"layers path {path!r}: {where} has no child {part!r}; children: "
                             f"{', '.join(children) or 'none'}")
         node = children[part]
-    if not isinstance(node, (nn.ModuleList, nn.Sequential)):
-        raise BindError(f"layers path {path!r} is a {type(node).__name__}; expected an nn.ModuleList or "
-                        "nn.Sequential of layers")
-    return node
+    if not isinstance(node, CONTAINERS):
+        raise BindError(f"layers path {path!r} is a {type(node).__name__}; expected an nn.ModuleList, nn.Sequential "
+                        "or nn.ModuleDict of layers")
+    return as_list(node)
+
+
+def as_list(container: nn.Module) -> nn.Module:
+    """The container's layers as a sequence in order (Note [Layers in a ModuleDict])."""
+    return nn.ModuleList(container.values()) if isinstance(container, nn.ModuleDict) else container
 
 
 def _is_block_list(module: nn.Module) -> bool:
-    if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) < 2:
+    if not isinstance(module, CONTAINERS) or len(module) < 2:
         return False
-    kinds = {type(child) for child in module}
+    kinds = {type(child) for child in module.children()}
     return len(kinds) == 1

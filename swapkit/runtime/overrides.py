@@ -14,7 +14,14 @@ seen a tensor. When backward begins, a swap scope that saw no tensor is listed i
 cause when it is known. A swap scope whose hooks never ran although its layer ran is reported too
 (``torch.compile`` reusing a graph traced before the hooks existed: Dynamo does not guard on
 module hooks by default), and so is every swap when no hook ran at all in a forward that saved
-tensors; the layers of another pipeline chunk, which do not run in the step, are not. A layer swap around an HF-checkpointed layer is caught the same way
+tensors; the layers of another pipeline chunk, which do not run in the step, are not. Nor is a step
+that continues a ``with`` block whose earlier step ran bound layers and itself runs none: the rest of
+a forward after ``torch.autograd.grad`` (a gradient penalty outside the layers) is no bypass, the
+earlier step showed the hooks work. A scope that saw no tensor although grad was on and the
+session's hooks were innermost, whose module has parameters and all of them frozen, is reported as
+frozen (fine-tuning that freezes the first layers: with no input requiring grad either, nothing in
+it is saved for backward); that is looked up when the warning is written, once per scope, not on
+every entry. A layer swap around an HF-checkpointed layer is caught the same way
 (HF checkpoints ``forward``, so the layer's own hooks run outside the region and see nothing).
 """
 from __future__ import annotations
@@ -34,6 +41,8 @@ NOT_ENTERED = ("its module hooks never ran although its layer did (the module is
                "or call torch._dynamo.reset() after applying it)")
 NO_GRAD = ("it ran with grad disabled (inside a reentrant checkpoint, which recomputes it in backward, or under "
            "torch.no_grad)")
+FROZEN = ("its parameters are frozen (requires_grad=False) and no input of it required grad, so it saved nothing "
+          "for backward")
 
 
 def entry_cause(own_pack: Callable[[torch.Tensor], Any]) -> str | None:
@@ -55,8 +64,10 @@ def unused_message(layer: int, path: str, cause: str | None, step: int) -> str:
     what = f"op swap at layer {layer}: {path}" if path else f"layer swap at layer {layer}"
     why = cause or ("nothing inside it saved a tensor through swapkit (the tensors are saved elsewhere, or "
                     "something else checkpoints the region)")
-    return (f"swapkit: {what} saw no saved tensor in step {step}: {why}; the swap has no effect. Drop the swap "
-            "from swap_config, or stop the other checkpointing for this layer (Note [Swaps nobody reports])")
+    fix = ("Leave frozen layers out of swap_config" if cause == FROZEN else
+           "Drop the swap from swap_config, or stop the other checkpointing for this layer")
+    return (f"swapkit: {what} saw no saved tensor in step {step}: {why}; the swap has no effect. {fix} "
+            "(Note [Swaps nobody reports])")
 
 
 # Note [Swaps that move nothing]

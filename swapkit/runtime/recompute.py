@@ -54,6 +54,18 @@ the re-run saved them for its own backward (reentrant checkpointing), and a bump
 version check there. A re-run is recognised by running inside autograd's backward
 (``torch._C._current_graph_task_id() != -1``), which covers reentrant and non-reentrant
 checkpointing and the recipes alike; the first forward is never inside a backward.
+
+Note [Regions that write their inputs]
+A region re-runs in backward from the inputs it was given, which checkpointing saves (and checks,
+by version counter, when it unpacks them). A region that changes one of its inputs in place - an
+activation with ``inplace=True``, as in torchvision's blocks - cannot be replayed: plain
+``torch.utils.checkpoint`` fails in backward with autograd's in-place error, and under a swap
+session the saved input failed swapkit's own check, whose message blamed an in-place write that
+"would fail without swapkit too", although the model trains without recompute. So the wrapper
+compares its tensor inputs' version counters before and after the region's forward and raises at
+once, naming the region and the fix. Reading a counter costs nothing next to a checkpoint call.
+A region that writes its input in place and saves nothing for backward would have worked; it
+is refused too (checkpointing it frees nothing).
 """
 from __future__ import annotations
 
@@ -135,7 +147,7 @@ class Recompute:
                 return original(*args, **kwargs)
             args, kwargs = self._no_cache(cache, args, kwargs, label)
             state = capture(args, kwargs) if outputs else None
-            out = self._checkpoint(replayable, args, kwargs, label)
+            out = self._checkpoint(replayable, args, kwargs, label, module)
             if state is not None:
                 record(replayable, args, kwargs, state, out, label)
             return out
@@ -177,7 +189,7 @@ class Recompute:
             if not (head.training and torch.is_grad_enabled()):
                 return originals[0](h, *args, **kwargs)
             clean_args, clean_kwargs = self._no_cache(cache, (h, *args), kwargs, label)
-            output = self._checkpoint(replayable, clean_args, clean_kwargs, label)
+            output = self._checkpoint(replayable, clean_args, clean_kwargs, label, head)
             state["output"], state["inputs"] = output, (args, kwargs)  # as the pass-throughs receive them
             return output
 
@@ -194,12 +206,18 @@ class Recompute:
             logger.warning(cache_warning(label, changed))
         return args, kwargs
 
-    def _checkpoint(self, function: Callable[..., Any], args: tuple, kwargs: dict, label: str) -> Any:
+    def _checkpoint(self, function: Callable[..., Any], args: tuple, kwargs: dict, label: str,
+                    module: nn.Module) -> Any:
+        versions = [(t, t._version) for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
         if self.use_reentrant:
             _check_reentrant(args, kwargs, label)
-            return checkpoint(function, *args, use_reentrant=True, preserve_rng_state=True)
-        # see Note [Keyword arguments of checkpointed modules]
-        return checkpoint(_call, function, kwargs, *args, use_reentrant=False, preserve_rng_state=True)
+            out = checkpoint(function, *args, use_reentrant=True, preserve_rng_state=True)
+        else:  # see Note [Keyword arguments of checkpointed modules]
+            out = checkpoint(_call, function, kwargs, *args, use_reentrant=False, preserve_rng_state=True)
+        for tensor, version in versions:  # Note [Regions that write their inputs]
+            if tensor._version != version:
+                raise _written_input_error(label, module, version, tensor._version)
+        return out
 
 
 def replay_safe(function: Callable[..., Any], modules: list[nn.Module]) -> Callable[..., Any]:
@@ -267,6 +285,15 @@ def _same_arguments(a: Any, b: Any) -> bool:
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(_same_arguments(a[k], b[k]) for k in a)
     return isinstance(a, (bool, int, float, complex, str, bytes)) and a == b
+
+
+def _written_input_error(label: str, module: nn.Module, before: int, after: int) -> RuntimeError:
+    """Note [Regions that write their inputs]"""
+    return RuntimeError(f"swapkit: the recomputed region {label} ({type(module).__name__}) changed its input in place "
+                        f"(version {before} -> {after}; an activation with inplace=True does this). Recompute "
+                        "re-runs the region in backward from its inputs, so they must stay unchanged and backward "
+                        "would fail. Set inplace=False on the modules inside the region, or leave it out of "
+                        "recompute_config")
 
 
 def _check_reentrant(args: tuple, kwargs: dict, label: str) -> None:

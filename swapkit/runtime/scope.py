@@ -10,6 +10,15 @@ pop frames. That is harmless: the forward clock only advances when the session's
 in forward, and the session ignores packs made during backward (see
 ``swapkit.runtime.session.Note [Packs during backward]``).
 
+Note [A shared module's swap scope]
+A module at several layer positions (``swapkit.runtime.binding`` Note [One module at several layer
+positions]) gets one pair of hooks per position, all firing on every call: the last position's frame
+is pushed last, so every save of every call lands in it. ``swap_scopes``, the scopes watched for
+saves (``swapkit.runtime.overrides`` Note [Swaps nobody reports]), therefore lists a swapped module
+once, at its last swapped position: an earlier position's swap is carried out under the later
+one's frame, and listing it made every step report it as having moved nothing. An earlier swap whose
+module's later position configures none stays listed: its swap really has no effect.
+
 Note [Bookkeeping stays out of compiled graphs]
 ``torch.compile`` inlines module hooks into the graph it traces: the pushes and pops of the frame
 stack would be replayed as side effects after the graph ran, so every tensor a compiled scope
@@ -61,6 +70,7 @@ class ScopeTracker:
         # called with the frame of every scope that configures its own swap, when it is entered
         self.on_swap_enter: Callable[[Frame], None] | None = None
         self.swap_scopes: list[tuple[int, str]] = []  # (layer, op path) of every hooked swap, "" = layer
+        self._swap_modules: dict[tuple[int, str], nn.Module] = {}  # each swap scope's module
 
     @property
     def top(self) -> Frame | None:
@@ -85,6 +95,7 @@ class ScopeTracker:
         self.stack.clear()
         self.current = None
         self.swap_scopes.clear()
+        self._swap_modules.clear()
 
     def detach_copies(self, memo: dict) -> None:
         """Remove the hooks from deep copies of the hooked modules (``memo`` maps ids to copies)."""
@@ -94,6 +105,15 @@ class ScopeTracker:
                 for hooks in (copy._forward_pre_hooks, copy._forward_hooks, copy._forward_hooks_always_called):
                     hooks.pop(handle.id, None)
 
+    def _add_swap_scope(self, module: nn.Module, layer: int, path: str) -> None:
+        """Note [A shared module's swap scope]"""
+        earlier = [key for key, other in self._swap_modules.items() if other is module]
+        self.swap_scopes = [key for key in self.swap_scopes if key not in earlier]
+        for key in earlier:
+            del self._swap_modules[key]
+        self.swap_scopes.append((layer, path))
+        self._swap_modules[(layer, path)] = module
+
     def reset(self) -> None:
         """Forget frames left behind by an interrupted forward."""
         self.stack.clear()
@@ -101,7 +121,7 @@ class ScopeTracker:
 
     def _hook(self, module: nn.Module, layer: int, path: str, prefetch: int | None) -> None:
         if prefetch is not None:
-            self.swap_scopes.append((layer, path))
+            self._add_swap_scope(module, layer, path)
         frames: dict[int | None, Frame] = {}  # by the prefetch in force; built once, not per call
 
         def enter(called: nn.Module, _args: Any) -> None:

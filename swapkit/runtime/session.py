@@ -83,7 +83,7 @@ from swapkit.runtime.binding import Binding
 from swapkit.engine import CopyEngine, HostPool, make_engine, make_pool
 from swapkit.engine.pinned import PinnedMapping
 from swapkit.plan.plan import Plan
-from swapkit.runtime.overrides import entry_cause, idle_message, unused_message
+from swapkit.runtime.overrides import FROZEN, entry_cause, idle_message, unused_message
 from swapkit.runtime.recipes import PackedInput, Recipe, RecomputableOutputs, tensor_leaves
 from swapkit.runtime.recompute import Recompute
 from swapkit.runtime.records import KeptRecord, Saved, SwapRecord, is_plain, make_saved
@@ -217,7 +217,7 @@ class SwapSession:
             return make_saved((tensor.detach(), tensor._version, None, -1, None, None, frame))
         step = self._step
         if step.backward_started:  # the next micro-batch's forward inside the same block
-            step = self._start_step()
+            step = self._start_step(continued=True)
         saved = step.save(tensor, frame)
         if self.observer is not None:
             self.observer.saved(saved)
@@ -260,20 +260,23 @@ class SwapSession:
 
     # ------------------------------------------------------------------ steps
 
-    def _start_step(self) -> Step:
-        if self._step is not None:
-            self._step.close()
+    def _start_step(self, continued: bool = False) -> Step:
+        """Open the next step; ``continued``: a forward went on after a backward inside the same block."""
+        previous = self._step
+        if previous is not None:
+            previous.close(superseded=True)
         self._steps += 1
         params = {id(t.untyped_storage()) for t in chain(self.model.parameters(), self.model.buffers())}
         self._step = Step(self._steps, self.engine, self.pool, self.plan.runtime, params, self._forward_ticks,
                           self._backward_began, tuple(self.tracker.swap_scopes))
+        self._step.layers_ran_before = continued and previous.layers_ran()  # overrides Note [Swaps nobody reports]
         return self._step
 
     def _backward_began(self, step: Step) -> None:
         self._forward_ticks = step.clock
         self._last = step
         self._report_unused(step)
-        if step.closed and not step.aborted and step.stats.offloaded_tensors and not self._late_reported:
+        if step.superseded and not step.aborted and step.stats.offloaded_tensors and not self._late_reported:
             self._late_reported = True
             logger.warning(late_backward_message(step.number))
         if not self._idle_reported:
@@ -289,7 +292,17 @@ class SwapSession:
         for layer, path, cause in step.unused_swaps():
             if (layer, path) not in self._reported:
                 self._reported.add((layer, path))
+                if cause is None and self._frozen(layer, path):
+                    cause = FROZEN
                 logger.warning(unused_message(layer, path, cause, step.number))
+
+    def _frozen(self, layer: int, path: str) -> bool:
+        """The scope's module has parameters and none requires grad (overrides Note [Swaps nobody reports])."""
+        bound = next((b for b in self.binding.layers if b.index == layer), None)
+        if bound is None:
+            return False
+        params = list((bound.submodule(path) if path else bound.module).parameters())
+        return bool(params) and not any(p.requires_grad for p in params)
 
     def _report_idle(self, step: Step) -> None:
         self._warn_idle(step.number, step.clock, step.stats)

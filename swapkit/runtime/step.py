@@ -30,7 +30,10 @@ or their copy had not finished) are used from the device as they are: no round t
 host copies go straight back to the pool. The batch still open then is discarded, not copied
 (``swapkit.runtime.batch`` Note [Coalesced copies]): its storages count as ``skipped["tail"]``. The
 session remembers the forward length, and in later steps does not offload saves that would land in
-that tail (``runtime.skip_tail_offload``).
+that tail (``runtime.skip_tail_offload``): a save at tick ``t`` with distance ``k`` is skipped when
+``t < length <= t + k``. A save at or past the learnt length proves the prediction wrong (this
+forward is longer: LayerDrop, an MoE routing more experts, two forwards before one backward) and is
+offloaded as in the first step; skipping it too would keep everything past the old length.
 
 Note [Parameters are recognised when saved]
 Parameter storages are never swapped (DESIGN §4). The set the session builds from
@@ -132,6 +135,8 @@ class Step:
         self._on_backward = on_backward
         self.clock = 0
         self.backward_started = self.aborted = self.closed = False
+        self.superseded = False  # closed because the session started the next step (session Note [A backward ...])
+        self.layers_ran_before = False  # an earlier step of this `with` block ran bound layers (unused_swaps)
         self.watch_unpacks = True  # the session calls unpacked() (Note [The cost of a save])
         self._index: dict[int, weakref.ref] = {}  # id(storage) -> its record (Note [The cost of a save])
         self._batch: Batch | None = None  # the open batch (swapkit.runtime.batch Note [Coalesced copies])
@@ -261,7 +266,7 @@ class Step:
         """A swap record for a new storage saved in a swapped scope, or ``None`` (skipped: kept)."""
         if nbytes < self.runtime.min_offload_bytes:
             return self._skip("small", key, nbytes)
-        if self.tail_ticks is not None and tick + frame.prefetch >= self.tail_ticks:
+        if self.tail_ticks is not None and tick < self.tail_ticks <= tick + frame.prefetch:
             return self._skip("tail", key, nbytes)  # Note [The last k ticks stay on the device]
         record = SwapRecord(self, nbytes, version, frame, tick, self._open_batch(frame, nbytes), storage, keeper)
         self.stats.offloaded_tensors += 1
@@ -356,8 +361,14 @@ class Step:
         if self.clock == 0:
             return []
         ran = {layer for layer, _ in self._seen} | {layer for layer, _ in self._entered}
+        if not ran and self.layers_ran_before:  # overrides Note [Swaps nobody reports]: the rest of a forward
+            return []
         return [(layer, path, self._entered.get((layer, path), NOT_ENTERED)) for layer, path in self.swap_scopes
                 if (layer in ran or not ran) and (layer, path) not in self._seen]
+
+    def layers_ran(self) -> bool:
+        """Whether a bound layer's hooks ran in this step's forward or an earlier one of its block."""
+        return self.layers_ran_before or bool(self._seen or self._entered)
 
     def finish_forward(self) -> None:
         """Forward ended without a backward yet: wait for copies, release what is due."""
@@ -421,9 +432,11 @@ class Step:
         with self._bytes_lock:
             self.device_bytes -= nbytes
 
-    def close(self, aborted: bool = False) -> None:
-        """Drop the schedule (records live on only through the graph's handles)."""
+    def close(self, aborted: bool = False, superseded: bool = False) -> None:
+        """Drop the schedule (records live on only through the graph's handles); ``superseded``: the
+        session opened the next step (not ``remove()`` nor an error)."""
         self.aborted = self.aborted or aborted
+        self.superseded = self.superseded or superseded
         self.closed = True  # a backward that begins later runs without the schedule (session Note [A backward ...])
         self._batch = None  # an open batch's sources go with it; its records keep it for their lifetime
         self._release.drain()
