@@ -92,6 +92,65 @@ def test_a_module_dict_of_layers_binds_in_its_order(layers, caplog):
         find_layers(model, None)
 
 
+class Mixer(nn.Module):
+    """A hybrid model's other block type (a state-space block beside attention ones)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.proj(x))
+
+
+class Hybrid(nn.Module):
+    """Jamba-style: the layers are of two classes in one list; two identical heads beside them."""
+
+    def __init__(self, mixed_width: int = 16) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([Block(mixed_width), Mixer(mixed_width), Block(mixed_width), Mixer(mixed_width)])
+        self.heads = nn.ModuleList([nn.Linear(mixed_width, 2), nn.Linear(mixed_width, 2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return sum(head(x) for head in self.heads).sum()
+
+
+def test_a_hybrid_models_layers_are_not_silently_replaced_by_a_smaller_identical_list():
+    # Note [Hybrid models]: the two heads are the only list of identical blocks, but the mixed list holds more
+    with pytest.raises(BindError) as info:
+        find_layers(Hybrid(), None)
+    message = str(info.value)
+    assert "heads (2 x Linear, 68 parameters)" in message
+    assert "layers (4 blocks of mixed types: Block, Mixer" in message
+    assert "layers='layers' (or layers='heads' to keep the guess)" in message
+    assert "model.model_config.layers_path" in message
+    # an explicit path binds either, and swap on the mixed layers is exact
+    assert find_layers(Hybrid(), "heads")[0] == "heads"
+    torch.manual_seed(0)
+    model, reference = Hybrid(), Hybrid()
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(4, 16)
+    reference(x).backward()
+    config = {"model": {"model_config": {"num_layers": 4}}, "runtime": {"min_offload_bytes": 0},
+              "swap_config": {"swap": True, "layer_swap": [{"backward_prefetch": 1, "layers": True}]}}
+    session = swapkit.apply(model, config, layers="layers")
+    with session:
+        model(x).backward()
+    assert session.stats.offloaded_bytes > 0
+    for (name, a), b in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(a.grad, b.grad), name
+
+
+def test_a_small_mixed_list_beside_the_layers_does_not_stop_auto_detection():
+    model = Hybrid()
+    model.layers = nn.ModuleList([Block(16) for _ in range(3)])
+    model.extras = nn.ModuleList([nn.Linear(16, 2), nn.Tanh()])  # fewer parameters than the layers
+    del model.heads
+    assert find_layers(model, None)[0] == "layers"
+
+
 def test_layer_count_must_match_num_layers():
     with pytest.raises(BindError, match=r"holds 3 layers but the config says model.model_config.num_layers: 4"):
         bind(ToyNet(layers=3), plan_for(4), "layers")

@@ -22,6 +22,16 @@ container holds its layers in insertion order, which is the order its forward lo
 a plain ``nn.ModuleList`` of its values (a view: it registers nothing on the model, so names
 and ``state_dict`` keys stay as they are). Iterating a ``ModuleDict`` itself yields its keys.
 
+Note [Hybrid models]
+Auto-detection takes the one outermost list of identical blocks. A hybrid model's layers are not
+identical (Jamba and Zamba interleave attention and state-space blocks of two classes in one
+``nn.ModuleList``), so its layer list is no candidate, and a small list that is (two prediction
+heads, a pair of projections) would be bound in its place without a word: every swap and
+recompute then lands on the wrong modules. So a guess is refused when some ``nn.ModuleList`` or
+``nn.ModuleDict`` of mixed blocks outside it holds more parameters than it: the error names both
+and what to write. A model whose identical blocks hold most of it, beside a small mixed list, binds
+as before. An explicit path binds any container.
+
 Note [One module at several layer positions]
 A model that shares weights between layers (ALBERT-style: ``nn.ModuleList([block] * 4)``) puts one
 module object at several positions. swapkit's scope hooks and recompute wrappers belong to the
@@ -181,12 +191,35 @@ def find_layers(model: nn.Module, path: str | None) -> tuple[str, nn.Module]:
         return path, _walk(model, path)
     candidates = _outermost([(name, module) for name, module in model.named_modules() if _is_block_list(module)])
     if len(candidates) == 1:
+        _check_not_hybrid(model, *candidates[0])
         return candidates[0][0], as_list(candidates[0][1])
     if not candidates:
         raise BindError(f"found no nn.ModuleList, nn.Sequential or nn.ModuleDict of repeated layers in "
                         f"{type(model).__name__}; pass "
                         "layers='path.to.layers' (or set model.model_config.layers_path)")
     raise BindError(_several_containers(type(model).__name__, candidates))
+
+
+def _check_not_hybrid(model: nn.Module, name: str, found: nn.Module) -> None:
+    """Refuse a guess that a list of mixed blocks holding more of the model contradicts (Note [Hybrid models])."""
+    mixed = [(other, module) for other, module in _outermost(
+        [(n, m) for n, m in model.named_modules() if _is_mixed_list(m)]) if not other.startswith(name + ".")]
+    size = _parameters(found)
+    larger = [(other, module) for other, module in mixed if _parameters(module) > size]
+    if larger:
+        other, module = max(larger, key=lambda item: _parameters(item[1]))
+        kinds = ", ".join(sorted({type(child).__name__ for child in module.children()}))
+        raise BindError(
+            f"auto-detected layers: {name} ({len(found)} x {type(next(found.children())).__name__}, "
+            f"{size:,} parameters) is the only list of identical blocks in {type(model).__name__}, but {other} "
+            f"({len(module)} blocks of mixed types: {kinds}; {_parameters(module):,} parameters) holds more of the "
+            f"model and looks like its layers; say which container holds the layers: layers={other!r} (or "
+            f"layers={name!r} to keep the guess) to swapkit.apply, or model.model_config.layers_path in a YAML "
+            "config (Note [Hybrid models])")
+
+
+def _parameters(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
 
 
 def _several_containers(model_name: str, candidates: list[tuple[str, nn.Module]]) -> str:
@@ -237,6 +270,14 @@ def _walk(model: nn.Module, path: str) -> nn.Module:
 def as_list(container: nn.Module) -> nn.Module:
     """The container's layers as a sequence in order (Note [Layers in a ModuleDict])."""
     return nn.ModuleList(container.values()) if isinstance(container, nn.ModuleDict) else container
+
+
+def _is_mixed_list(module: nn.Module) -> bool:
+    """A ``ModuleList`` / ``ModuleDict`` of blocks of several types (a hybrid model's layers; Note [Hybrid
+    models]); an ``nn.Sequential`` of mixed modules is a sub-network, not a layer list."""
+    if not isinstance(module, (nn.ModuleList, nn.ModuleDict)) or len(module) < 2:
+        return False
+    return len({type(child) for child in module.children()}) > 1
 
 
 def _is_block_list(module: nn.Module) -> bool:
