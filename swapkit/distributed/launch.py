@@ -15,6 +15,15 @@ When one rank raises, its peers soon fail too: their collectives see the connect
 of those failures ``torch.multiprocessing`` notices first is a race, so each spawned rank writes
 its traceback and the time it failed to the run's folder, and the parent reports the earliest.
 
+Note [Errors a rank reports as they are]
+A rank meets some of the user's mistakes only once it runs: resuming a checkpoint whose config
+differs, or none that is valid (:class:`ConfigError`), a NaN loss (:class:`RunFailed`). In one
+process the CLI prints those as one message with exit 2 or 1; from a rank they would reach the
+parent as a traceback in :class:`RankFailed`. So a rank that fails with one of them also writes
+its problems (plain data: ``Problem`` records or the message) next to its traceback, and the parent
+raises the same error again when that rank failed first, so the CLI reports it exactly as it
+reports the single-process one.
+
 SIGINT and SIGTERM: ``swapkit.distributed.signals`` Note [Stopping the ranks] (the parent) and
 Note [Interrupts and finalizers] (each rank, spawned or torchrun's).
 """
@@ -23,6 +32,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import pickle
 import sys
 import tempfile
 import time
@@ -40,6 +50,7 @@ from swapkit.distributed.pipeline import micro_batches
 from swapkit.distributed.signals import (
     POLL_S, ForwardSignals, StopOnSignal, ignore_stop_signals, stop_signals_blocked, stopped_ranks, unblock_stop_signals,
 )
+from swapkit.train.errors import RunFailed
 from swapkit.train.state import TrainResult
 
 logger = logging.getLogger(__name__)
@@ -87,6 +98,7 @@ def launch(config: Config, device: torch.device, **options: Any) -> TrainResult 
 
     Raises:
         RankFailed: a rank raised (its traceback is in the message).
+        ConfigError, RunFailed: the rank that failed first raised this (Note [Errors a rank reports as they are]).
         Interrupted: SIGINT or SIGTERM; every rank was stopped and reaped first (Note [Stopping the ranks]).
     """
     check(config, device)
@@ -113,7 +125,7 @@ def _join(context: Any, folder: Path, signals: ForwardSignals) -> None:
             done = context.join(timeout=POLL_S)
     except mp.ProcessRaisedException as err:
         if signals.signum is None:
-            raise RankFailed(_first_failure(folder, err.error_index, str(err))) from None
+            raise _first_failure(folder, err.error_index, str(err)) from None
     except mp.ProcessExitedException as err:
         if signals.signum is None:
             raise RankFailed(f"rank {err.error_index} exited with code {err.exit_code}") from None
@@ -131,15 +143,33 @@ def _remove_error_files(context: Any) -> None:
         Path(name).unlink(missing_ok=True)
 
 
-def _first_failure(folder: Path, noticed: int, message: str) -> str:
-    """Note [The first failure is the cause]"""
+def _first_failure(folder: Path, noticed: int, message: str) -> Exception:
+    """Note [The first failure is the cause]; Note [Errors a rank reports as they are]"""
     failures = sorted((float(path.read_text().split("\n", 1)[0]), int(path.stem[len("failed"):]), path)
                       for path in folder.glob("failed*.txt"))
     if not failures:
-        return f"rank {noticed} failed:\n{message}"
+        return RankFailed(f"rank {noticed} failed:\n{message}")
     _, rank, path = failures[0]
+    reportable = path.with_suffix(".pkl")
+    if reportable.exists():
+        return _reported_error(rank, pickle.loads(reportable.read_bytes()))
     others = f" ({len(failures) - 1} other rank(s) failed after it)" if len(failures) > 1 else ""
-    return f"rank {rank} failed{others}:\n{path.read_text().split(chr(10), 1)[1]}"
+    return RankFailed(f"rank {rank} failed{others}:\n{path.read_text().split(chr(10), 1)[1]}")
+
+
+def _reportable(err: BaseException) -> tuple | None:
+    """What the parent needs to raise ``err`` again (Note [Errors a rank reports as they are])."""
+    if isinstance(err, ConfigError):
+        return ("config", list(err.problems), err.source)
+    if isinstance(err, RunFailed):
+        return ("run", str(err))
+    return None
+
+
+def _reported_error(rank: int, record: tuple) -> Exception:
+    if record[0] == "config":
+        return ConfigError(record[1], record[2])
+    return RunFailed(f"rank {rank}: {record[1]}")
 
 
 def logger_level() -> int:
@@ -174,7 +204,10 @@ def _rank_main(rank: int, world: int, config: Config, device_type: str, folder: 
     _init(config, device, rank, world, Path(folder, "store").as_uri())
     try:
         result = _run(config, device, rank, world, options)
-    except BaseException:
+    except BaseException as err:
+        reportable = _reportable(err)
+        if reportable is not None:  # before the traceback file, which the parent looks for first
+            Path(folder, f"failed{rank}.pkl").write_bytes(pickle.dumps(reportable))
         Path(folder, f"failed{rank}.txt").write_text(f"{time.time()}\n{traceback.format_exc()}")
         raise
     if rank == 0:
