@@ -60,3 +60,29 @@ def test_the_first_failed_rank_is_reported_with_its_traceback_or_its_own_error(t
     error = launch._first_failure(tmp_path, 1, "noticed")
     assert isinstance(error, ConfigError) and error.problems == (Problem("train.seed", "0 -> 1"),)
     assert error.source == "pp2.yaml"
+
+
+def test_every_rank_resumes_the_newest_step_all_ranks_saved(saved, tmp_path, capfd):
+    """Rank 0 saved step 4 and rank 1 did not (killed between the two saves): both resume step 2."""
+    folder = tmp_path / "ckpt"
+    shutil.copytree(saved[0], folder)
+    state = torch.load(folder / "rank000" / "step_0000002.pt", weights_only=True)
+    torch.save({**state, "step": 4}, folder / "rank000" / "step_0000004.pt")
+    code, metrics = run_cli("pp2.yaml", tmp_path, "resumed", "--steps", "3", *resume_args(folder))
+    err = capfd.readouterr().err  # the ranks' logs
+    assert code == 0, err
+    assert "resumed from" in err and "rank000/step_0000002.pt at step 2" in err
+    assert "step_0000004.pt is newer than the newest step every rank saved (2)" in err
+    assert losses(metrics)[:2] == losses(saved[1])
+    assert [step["step"] for step in metrics["steps"]] == [1, 2, 3]
+
+
+def test_ranks_without_a_checkpoint_beside_ranks_with_one_fail_before_training(saved, tmp_path, capsys):
+    folder = tmp_path / "ckpt"
+    shutil.copytree(saved[0], folder)
+    shutil.rmtree(folder / "rank001")
+    code, _ = run_cli("pp2.yaml", tmp_path, "missing", "--steps", "3", *resume_args(folder))
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "train.resume: no checkpoint step that every rank saved" in err
+    assert "rank 1: none" in err and "Traceback" not in err

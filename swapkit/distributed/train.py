@@ -36,7 +36,8 @@ from tqdm import tqdm
 import swapkit
 from swapkit.config.types import Config
 from swapkit.distributed.pipeline import build_stage_chunks, make_schedule, micro_batches, pipeline_stages
-from swapkit.train.checkpoint import resume, save_checkpoint
+from swapkit.distributed.resume import resume_every_rank
+from swapkit.train.checkpoint import save_checkpoint
 from swapkit.train.data import SyntheticTokens
 from swapkit.train.loop import drive, environment
 from swapkit.train.model import lm_loss
@@ -106,7 +107,7 @@ def _start(config: Config, device: torch.device, topo: Topology, steps: int, met
     run = RunState(per_rank, device, steps, model, optimizer, data,
                    metrics_out=Path(metrics_out) if metrics_out else None, env=_environment(config, device, topo))
     if cfg.resume:
-        resume(run)
+        resume_every_rank(run, cfg.save_dir)  # Note [One resume step for every rank]
     run.session = swapkit.apply(chunks, config, layers="layers", stage=topo.pp_rank)
     stages = pipeline_stages(chunks, topo.pp_rank, topo.pp, device, group=topo.mesh.get_group("pp"))
     schedule = make_schedule(_schedule_name(config), stages, micro_batches(config), lm_loss)

@@ -56,12 +56,17 @@ def save_checkpoint(run: RunState) -> Path:
 
 def checkpoints(save_dir: str | Path) -> list[Path]:
     """``step_<n>.pt`` files in ``save_dir``, newest step first (Note [Choosing a checkpoint])."""
+    return [path for _, path in checkpoint_steps(save_dir)]
+
+
+def checkpoint_steps(save_dir: str | Path) -> list[tuple[int, Path]]:
+    """``(step, path)`` of each ``step_<n>.pt`` file in ``save_dir``, newest step first; nothing is loaded."""
     found = []
     for path in Path(save_dir).glob("step_*.pt"):
         match = CHECKPOINT_NAME.fullmatch(path.name)
         if match and path.is_file():
             found.append((int(match.group(1)), path))
-    return [path for _, path in sorted(found, reverse=True)]
+    return sorted(found, reverse=True)
 
 
 def latest_checkpoint(save_dir: str | Path) -> Path | None:
@@ -78,20 +83,27 @@ def load_newest_valid(save_dir: str | Path, device: torch.device) -> tuple[Path,
     """
     paths, broken = checkpoints(save_dir), []
     for path in paths:
-        reason = None
-        try:
-            state = torch.load(path, map_location=device, weights_only=True)
-            reason = _structure_problem(state, path)
-        except Exception as err:  # noqa: BLE001 - any unreadable file is a broken checkpoint
-            reason = f"{type(err).__name__}: {clip(str(err), 200)}"
+        state, reason = load_valid(path, device)
         if reason is None:
             return path, state
-        logger.warning("train.resume: skipping %s, which is not a valid checkpoint (%s)", path, reason)
         broken.append(f"{path.name} ({reason})")
     if broken:
         raise ConfigError([Problem("train.resume", f"no valid checkpoint in {clip(str(save_dir), 200)}: "
                                    f"{'; '.join(broken[:5])}. Remove the broken files or set train.resume: false")])
     return None
+
+
+def load_valid(path: Path, device: torch.device) -> tuple[dict[str, Any] | None, str | None]:
+    """``(state, None)`` when ``path`` loads and looks right, else ``(None, reason)`` and a warning naming it."""
+    try:
+        state = torch.load(path, map_location=device, weights_only=True)
+        reason = _structure_problem(state, path)
+    except Exception as err:  # noqa: BLE001 - any unreadable file is a broken checkpoint
+        reason = f"{type(err).__name__}: {clip(str(err), 200)}"
+    if reason is None:
+        return state, None
+    logger.warning("train.resume: skipping %s, which is not a valid checkpoint (%s)", path, reason)
+    return None, reason
 
 
 def _structure_problem(state: Any, path: Path) -> str | None:
@@ -113,7 +125,15 @@ def resume(run: RunState) -> None:
     if found is None:
         logger.warning("train.resume: no checkpoint in %s; starting from step 0", run.config.train.save_dir)
         return
-    path, state = found
+    restore(run, *found)
+
+
+def restore(run: RunState, path: Path, state: dict[str, Any]) -> None:
+    """Continue from the checkpoint ``state`` loaded from ``path`` (Note [Exact resume]).
+
+    Raises:
+        ConfigError: it was written with another model or data config, or does not fit the model.
+    """
     run.resume_notes = apply_resume_config(run.config, state.get("config"), path)
     try:
         run.model.load_state_dict(state["model"])
