@@ -86,3 +86,32 @@ def test_ranks_without_a_checkpoint_beside_ranks_with_one_fail_before_training(s
     assert code == 2, err
     assert "train.resume: no checkpoint step that every rank saved" in err
     assert "rank 1: none" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("sets, change", [
+    (["parallel_config.micro_batch_num=2"], "parallel_config.micro_batch_num: 4 -> 2"),
+    (["parallel_config.micro_batch_num=null"], "parallel_config.micro_batch_num: 4 -> 2"),  # default: pipeline_stage
+    (["parallel_config.pipeline_schedule=gpipe"], None),  # the same math on another schedule: allowed
+])
+def test_a_changed_micro_batch_num_is_refused_like_gradient_accumulation(saved, tmp_path, capsys, sets, change):
+    """Step s feeds micro-batches d*M .. d*M+M-1: another M trains on other data from the same weights."""
+    folder = tmp_path / "ckpt"
+    shutil.copytree(saved[0], folder)
+    code, metrics = run_cli("pp2.yaml", tmp_path, "micro", "--steps", "3", *resume_args(folder, *sets))
+    err = capsys.readouterr().err
+    if change is None:
+        assert code == 0, err
+        assert losses(metrics)[:2] == losses(saved[1])
+        return
+    assert code == 2, err
+    assert f"{change} (changed since step_0000002.pt was saved)" in err
+    assert "parallel_config" in err.split(" - train.resume: ", 1)[1].split("\n", 1)[0] and "Traceback" not in err
+
+
+def test_one_process_ignores_micro_batch_num_on_resume(tmp_path):
+    from swapkit.train.resume_check import apply_resume_config, config_record
+    from swapkit.load import load_config
+
+    base = {"model": {"model_config": {"num_layers": 2}}}
+    old = load_config({**base, "parallel_config": {"micro_batch_num": 4}})
+    assert apply_resume_config(load_config(base), config_record(old), tmp_path / "step_0000001.pt") == []
