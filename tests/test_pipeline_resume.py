@@ -5,6 +5,7 @@ One 2-stage run writes the per-rank checkpoints (module fixture); each test copi
 """
 from __future__ import annotations
 
+import math
 import pickle
 import shutil
 
@@ -115,3 +116,42 @@ def test_one_process_ignores_micro_batch_num_on_resume(tmp_path):
     base = {"model": {"model_config": {"num_layers": 2}}}
     old = load_config({**base, "parallel_config": {"micro_batch_num": 4}})
     assert apply_resume_config(load_config(base), config_record(old), tmp_path / "step_0000001.pt") == []
+
+
+def _nan_at_step_2(rank, world, config):
+    """One pipeline rank of ``config`` whose loss turns NaN at step 2; returns what it raised and the optimizer steps."""
+    from swapkit.distributed import train as dist_train
+
+    real_loss, real_batch, current, steps = dist_train.lm_loss, dist_train._batch, [0], []
+
+    def batch(run, dp_rank, step):
+        current[0] = step
+        return real_batch(run, dp_rank, step)
+
+    def loss_turns_nan(logits, targets):
+        return real_loss(logits, targets) * (math.nan if current[0] == 2 else 1.0)
+
+    original_step = torch.optim.AdamW.step
+
+    def counted_step(self, *args, **kwargs):
+        steps.append(1)
+        return original_step(self, *args, **kwargs)
+
+    dist_train.lm_loss, dist_train._batch, torch.optim.AdamW.step = loss_turns_nan, batch, counted_step
+    try:
+        dist_train.train_rank(config, torch.device("cpu"), rank, world, steps=4, progress=False)
+    except RunFailed as err:
+        return str(err), len(steps)
+    return None, len(steps)
+
+
+def test_a_nan_loss_stops_every_rank_before_the_optimizer_step():
+    from swapkit.load import load_config
+    from tests.dist_utils import run_ranks
+    from tests.test_pipeline_train import CONFIGS
+
+    config = load_config(CONFIGS / "pp2.yaml")
+    results = run_ranks(_nan_at_step_2, 2, config)
+    for message, optimizer_steps in results:
+        assert message is not None and message.startswith("the loss is nan at step 2; the run stopped before")
+        assert optimizer_steps == 1  # step 1 only: step 2's NaN gradients never reached the weights

@@ -39,7 +39,7 @@ from swapkit.distributed.pipeline import build_stage_chunks, make_schedule, micr
 from swapkit.distributed.resume import resume_every_rank
 from swapkit.train.checkpoint import save_checkpoint
 from swapkit.train.data import SyntheticTokens
-from swapkit.train.loop import drive, environment
+from swapkit.train.loop import check_finite, drive, environment
 from swapkit.train.model import lm_loss
 from swapkit.train.state import RunState, TrainResult
 from swapkit.train.summary import human_bytes, stage_rows, step_record, summarize, write_metrics
@@ -156,10 +156,11 @@ def _train_step(part: RankRun, step: int) -> dict[str, Any] | None:
     with run.session:  # one optimizer step: one micro-step per chunk forward
         part.schedule.step(*([x] if part.first else []),
                            **({"target": y, "losses": losses} if part.last else {}))
+    loss = _mean_loss(losses, run)  # every rank has it: each stops on a NaN before its optimizer step
+    check_finite(run, step, loss)
     if run.config.train.grad_clip is not None:
         _clip(part.chunks, run.config.train.grad_clip, topo)
     run.optimizer.step()
-    loss = _mean_loss(losses, run)
     return _gather_record(part, step, loss, time.perf_counter() - start)
 
 

@@ -204,7 +204,7 @@ def _train_step(run: RunState, step: int) -> dict[str, Any]:
     for micro in range(accumulation):
         loss += _micro_step(run, step, micro, accumulation)
         stats.append(run.session.stats)
-    _check_finite(run, step, loss)
+    check_finite(run, step, loss)
     if run.config.train.grad_clip is not None:
         torch.nn.utils.clip_grad_norm_(run.model.parameters(), run.config.train.grad_clip)
     run.optimizer.step()
@@ -213,7 +213,7 @@ def _train_step(run: RunState, step: int) -> dict[str, Any]:
     return step_record(step, loss, time.perf_counter() - start, stats)
 
 
-def _check_finite(run: RunState, step: int, loss: float) -> None:
+def check_finite(run: RunState, step: int, loss: float) -> None:
     """A NaN or infinite loss stops the run before the optimizer spreads it into the weights."""
     if not math.isfinite(loss):
         cfg = run.config.train
