@@ -95,7 +95,8 @@ def test_a_failing_rank_stops_every_rank_with_its_error(pp2, tmp_path, capsys):
                       "--set", "train.resume=true")
     err = capsys.readouterr().err
     assert code == 2, err  # no valid checkpoint: a config problem, as in one process (it was exit 1, a traceback)
-    assert "train.resume: no valid checkpoint in" in err and "rank001: step_0000002.pt" in err
+    assert "train.resume: no checkpoint step that every rank saved and can load in" in err
+    assert "not valid: rank001/step_0000002.pt (UnpicklingError" in err
     assert "Traceback" not in err
 
 

@@ -49,15 +49,16 @@ def resume_every_rank(run: RunState, save_dir: str) -> None:
     if not any(listed):
         logger.warning("train.resume: no checkpoint in %s; starting from step 0", run.config.train.save_dir)
         return
-    tried: list[int] = []
+    broken: list[str] = []
     for step in sorted(set.intersection(*(set(steps) for steps in listed)), reverse=True):
         state, reason = load_valid(mine[step], run.device)
-        if all(_gather(reason is None)):
+        reasons = _gather(reason and f"{mine[step].parent.name}/{mine[step].name} ({reason})")
+        if not any(reasons):
             _warn_passed_over(mine, step)
             restore(run, mine[step], state)
             return
-        tried.append(step)
-    raise ConfigError([Problem("train.resume", _no_common_step(save_dir, listed, tried))], run.config.source)
+        broken += [r for r in reasons if r]
+    raise ConfigError([Problem("train.resume", _no_common_step(save_dir, listed, broken))], run.config.source)
 
 
 def _gather(value: Any) -> list[Any]:
@@ -72,10 +73,10 @@ def _warn_passed_over(mine: dict[int, Path], step: int) -> None:
                        "resumes step %d", mine[newer], step, step)
 
 
-def _no_common_step(save_dir: str, listed: list[list[int]], tried: list[int]) -> str:
+def _no_common_step(save_dir: str, listed: list[list[int]], broken: list[str]) -> str:
     ranks = "; ".join(f"rank {rank}: {', '.join(map(str, steps)) or 'none'}" for rank, steps in enumerate(listed))
-    broken = f" (steps {', '.join(map(str, tried))} are saved by every rank but broken on some)" if tried else ""
-    return (f"no checkpoint step that every rank saved and can load in {clip(str(save_dir), 200)}/rankNNN"
-            f"{broken}; steps per rank: {clip(ranks, 300)}. Each rank resumes its own checkpoint, so a run "
+    invalid = f"; not valid: {clip('; '.join(broken), 300)}" if broken else ""
+    return (f"no checkpoint step that every rank saved and can load in {clip(str(save_dir), 200)}/rankNNN; "
+            f"steps per rank: {clip(ranks, 300)}{invalid}. Each rank resumes its own checkpoint, so a run "
             "resumes with the parallel_config it was saved with and needs one step saved by every rank: "
             "restore the missing files, or set train.resume: false or another train.save_dir to start anew")
