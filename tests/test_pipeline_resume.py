@@ -155,3 +155,14 @@ def test_a_nan_loss_stops_every_rank_before_the_optimizer_step():
     for message, optimizer_steps in results:
         assert message is not None and message.startswith("the loss is nan at step 2; the run stopped before")
         assert optimizer_steps == 1  # step 1 only: step 2's NaN gradients never reached the weights
+
+
+def test_each_pipeline_stage_logs_its_own_layers_and_the_whole_model_lines_once(tmp_path, capfd):
+    code, _ = run_cli("pp2.yaml", tmp_path, "logs", "--steps", "1")
+    err = capfd.readouterr().err
+    assert code == 0, err
+    assert "[rank 0] INFO - Set layer swap at layer 0 and value is: 4" in err
+    assert "[rank 1] INFO - Set layer swap at layer 4 and value is: 4" in err  # stage 1's layers: its rank logs them
+    assert "[rank 1] INFO - Set op_swap at layer 5: .attention, value=4" in err
+    assert err.count("INFO - Formative op swap: ") == 1 and err.count("INFO - num_layers per stage: ") == 1
+    assert "[rank 1] INFO - step" not in err

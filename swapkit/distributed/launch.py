@@ -24,6 +24,15 @@ its problems (plain data: ``Problem`` records or the message) next to its traceb
 raises the same error again when that rank failed first, so the CLI reports it exactly as it
 reports the single-process one.
 
+Note [Each stage logs its own layers]
+MindFormers logs its ``Set ...`` lines in every stage's process, for the layers that stage builds;
+the ``num_layers per stage`` and ``Formative ...`` lines describe the whole model and are the same
+on every stage. Here the ranks share one terminal, so rank 0 logs everything at the CLI's level and
+the first data-parallel rank of every other stage (ranks ``1 .. P-1``: rank ``= dp_rank * P + pp_rank``,
+``swapkit.distributed.train.Topology``) logs its own INFO lines (its layers' ``Set ...`` lines, its checkpoints) but
+not the whole-model lines, which rank 0 already printed: they are the plan's own log lines, known
+before any rank starts. The other data-parallel replicas repeat their stage: WARNING and above only.
+
 SIGINT and SIGTERM: ``swapkit.distributed.signals`` Note [Stopping the ranks] (the parent) and
 Note [Interrupts and finalizers] (each rank, spawned or torchrun's).
 """
@@ -47,6 +56,7 @@ import torch.multiprocessing as mp
 from swapkit.config.errors import ConfigError, Problem
 from swapkit.config.types import Config
 from swapkit.distributed.pipeline import micro_batches
+from swapkit.plan.plan import build_plan
 from swapkit.distributed.signals import (
     POLL_S, ForwardSignals, StopOnSignal, ignore_stop_signals, stop_signals_blocked, stopped_ranks, unblock_stop_signals,
 )
@@ -182,7 +192,7 @@ def _torchrun_rank(config: Config, device: torch.device, world: int, options: di
                                    f"started WORLD_SIZE={os.environ['WORLD_SIZE']} processes; make them agree")],
                           config.source)
     rank = int(os.environ["RANK"])
-    _configure_child_logging(rank, logger_level())
+    _configure_child_logging(rank, logger_level(), config)
     _init(config, device, rank, world, "env://")
     return _run(config, device, rank, world, options)
 
@@ -199,7 +209,7 @@ def _spawned_rank(rank: int, world: int, config: Config, device_type: str, folde
 
 def _rank_main(rank: int, world: int, config: Config, device_type: str, folder: str, level: int,
                options: dict) -> None:
-    _configure_child_logging(rank, level)
+    _configure_child_logging(rank, level, config)
     device = torch.device(device_type)
     _init(config, device, rank, world, Path(folder, "store").as_uri())
     try:
@@ -233,11 +243,30 @@ def _run(config: Config, device: torch.device, rank: int, world: int, options: d
         dist.destroy_process_group()
 
 
-def _configure_child_logging(rank: int, level: int) -> None:
-    """Spawned ranks log like the CLI, prefixed with their rank; only rank 0 logs below WARNING."""
+def _configure_child_logging(rank: int, level: int, config: Config) -> None:
+    """Ranks log like the CLI, prefixed with their rank (Note [Each stage logs its own layers])."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(f"[rank {rank}] %(levelname)s - %(message)s"))
+    stage_logger = 0 < rank < config.parallel.pipeline_stage
+    if stage_logger:
+        handler.addFilter(_SkipLines(_whole_model_lines(config)))
     swapkit_logger = logging.getLogger("swapkit")
     swapkit_logger.handlers[:] = [handler]
-    swapkit_logger.setLevel(level if rank == 0 else max(level, logging.WARNING))
+    swapkit_logger.setLevel(level if rank == 0 or stage_logger else max(level, logging.WARNING))
     swapkit_logger.propagate = False
+
+
+def _whole_model_lines(config: Config) -> frozenset[str]:
+    plan = build_plan(config)
+    return frozenset(plan.log_lines() + list(plan.notes))
+
+
+class _SkipLines(logging.Filter):
+    """Drops INFO records whose text rank 0 logs too (Note [Each stage logs its own layers])."""
+
+    def __init__(self, lines: frozenset[str]):
+        super().__init__()
+        self.lines = lines
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno > logging.INFO or record.getMessage() not in self.lines
