@@ -166,3 +166,22 @@ def test_each_pipeline_stage_logs_its_own_layers_and_the_whole_model_lines_once(
     assert "[rank 1] INFO - Set op_swap at layer 5: .attention, value=4" in err
     assert err.count("INFO - Formative op swap: ") == 1 and err.count("INFO - num_layers per stage: ") == 1
     assert "[rank 1] INFO - step" not in err
+
+
+def test_megatron_uniform_units_train_under_fsdp2_data_parallel(tmp_path):
+    """A uniform unit runs its second layer's forward inside the first layer's call: FSDP2 must gather
+    the whole unit's weights there (one FSDP2 group per unit), not per layer."""
+    from swapkit.load import load_config
+    from swapkit.train import train
+
+    config = tmp_path / "uniform.yaml"
+    config.write_text(
+        "model: {model_config: {num_layers: 4, hidden_size: 32, num_heads: 2, intermediate_size: 64, "
+        "vocab_size: 64, seq_length: 16}}\n"
+        "parallel_config: {data_parallel: 2}\n"
+        "recompute_config: {recompute_granularity: full, recompute_method: uniform, recompute_num_layers: 2}\n"
+        "train: {steps: 2, batch_size: 2}\n")
+    code, metrics = run_cli(str(config), tmp_path, "uniform")
+    assert code == 0
+    single = load_config(config, ["parallel_config.data_parallel=1", "train.gradient_accumulation_steps=2"])
+    torch.testing.assert_close(losses(metrics), train(single, progress=False).losses, rtol=1e-5, atol=0)

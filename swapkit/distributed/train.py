@@ -12,6 +12,16 @@ gradients by ``1/M`` and FSDP2 averages them over the ``D`` replicas, so one ste
 single-process step with ``gradient_accumulation_steps = D*M`` over the same micro-batches. The
 reported loss is the mean over all ``D*M`` micro-batches, as the single-process loop reports it.
 
+Note [A uniform unit is one FSDP2 group]
+A Megatron ``uniform`` unit runs the forwards of all its layers inside the first layer's call (one
+checkpoint region; swapkit.runtime.recompute Note [Uniform units]); its other layers are called
+afterwards as pass-throughs. FSDP2 per layer gathers a layer's weights in that layer's own
+pre-forward hook, which for the later layers of a unit comes too late: the unit computed with their
+sharded DTensor weights and failed ("got mixed torch.Tensor and DTensor"). So the layers of a unit
+are sharded as one FSDP2 group (``fully_shard([layer_a, layer_b])``): the group's weights are
+gathered before the first of them runs, and the group's hooks fire once, so the pass-throughs get
+the unit's output unchanged. Layers outside units are sharded one by one, as before.
+
 Note [Clipping across stages]
 Each pipeline stage holds different parameters, so the gradient norm is the square root of the sum
 over stages of each stage's sum of squares (an all-reduce over the pipeline group); FSDP2's sharded
@@ -35,6 +45,7 @@ from tqdm import tqdm
 
 import swapkit
 from swapkit.config.types import Config
+from swapkit.plan.plan import Plan
 from swapkit.distributed.pipeline import build_stage_chunks, make_schedule, micro_batches, pipeline_stages
 from swapkit.distributed.resume import resume_every_rank
 from swapkit.train.checkpoint import save_checkpoint
@@ -99,7 +110,7 @@ def _start(config: Config, device: torch.device, topo: Topology, steps: int, met
     torch.manual_seed(cfg.seed)
     chunks = build_stage_chunks(config.model, plan, topo.pp_rank, cfg.seed, device)
     if topo.dp > 1:
-        _shard(chunks, topo.mesh["dp"])
+        _shard(chunks, topo.mesh["dp"], plan.stage_layers(topo.pp_rank), plan)
     model = nn.ModuleList(chunks)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     data = SyntheticTokens(cfg.seed, cfg.batch_size, config.model.seq_length, config.model.vocab_size)
@@ -115,12 +126,21 @@ def _start(config: Config, device: torch.device, topo: Topology, steps: int, met
     return RankRun(run, topo, chunks, schedule, first=topo.pp_rank == 0, last=topo.pp_rank == last_rank)
 
 
-def _shard(chunks: list[nn.Module], mesh: DeviceMesh) -> None:
-    """FSDP2 per layer, then per chunk (embedding and head with it); kept unsharded between micro-batches."""
-    for chunk in chunks:
-        for layer in chunk.layers:
-            fully_shard(layer, mesh=mesh, reshard_after_forward=False)
+def _shard(chunks: list[nn.Module], mesh: DeviceMesh, chunk_layers: list[list[int]], plan: Plan) -> None:
+    """FSDP2 per layer (per Megatron uniform unit: Note [A uniform unit is one FSDP2 group]), then per chunk
+    (embedding and head with it); kept unsharded between micro-batches."""
+    for chunk, layer_ids in zip(chunks, chunk_layers):
+        for group in _shard_groups(chunk.layers, layer_ids, plan):
+            fully_shard(group if len(group) > 1 else group[0], mesh=mesh, reshard_after_forward=False)
         fully_shard(chunk, mesh=mesh, reshard_after_forward=False)
+
+
+def _shard_groups(layers: nn.ModuleList, layer_ids: list[int], plan: Plan) -> list[list[nn.Module]]:
+    """The chunk's layers grouped by the Megatron ``uniform`` unit each belongs to (one layer otherwise)."""
+    groups: dict[tuple[int, int], list[nn.Module]] = {}
+    for module, index in zip(layers, layer_ids):
+        groups.setdefault(plan.layers[index].unit or (index, index), []).append(module)
+    return list(groups.values())
 
 
 def _schedule_name(config: Config) -> str:
