@@ -185,3 +185,25 @@ def test_megatron_uniform_units_train_under_fsdp2_data_parallel(tmp_path):
     assert code == 0
     single = load_config(config, ["parallel_config.data_parallel=1", "train.gradient_accumulation_steps=2"])
     torch.testing.assert_close(losses(metrics), train(single, progress=False).losses, rtol=1e-5, atol=0)
+
+
+def test_resume_refuses_checkpoints_written_by_another_process_layout(tmp_path, capsys):
+    """Not a silent start from step 0 beside them: one process writes save_dir/step_*.pt, ranks
+    save_dir/rankNNN/step_*.pt."""
+    from swapkit.cli import main
+    from tests.test_pipeline_train import CONFIGS
+
+    (tmp_path / "ranks" / "rank000").mkdir(parents=True)
+    (tmp_path / "ranks" / "rank000" / "step_0000002.pt").write_bytes(b"")
+    code = main(["train", str(CONFIGS / "tiny.yaml"), "--no-progress", "--steps", "1",
+                 "--set", f"train.save_dir={tmp_path / 'ranks'}", "--set", "train.resume=true"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "rank000/step_0000002.pt" in err and "written by a run on several ranks" in err
+
+    (tmp_path / "single").mkdir()
+    (tmp_path / "single" / "step_0000002.pt").write_bytes(b"")
+    code, _ = run_cli("pp2.yaml", tmp_path, "single", "--steps", "3", *resume_args(tmp_path / "single"))
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "step_0000002.pt" in err and "written by a run in one process" in err

@@ -16,7 +16,8 @@ Every rank takes the same decision from the same gathered lists, so when there i
 agree on, every rank raises the same ConfigError after the same collective: no rank is left
 waiting. Ranks without any checkpoint beside ranks with some mean the run was saved with another
 parallel layout (or files went missing): that is an error too, not a silent start from step 0 on
-some ranks.
+some ranks; so are checkpoints of a single-process run in ``save_dir`` itself (swapkit.train.checkpoint
+Note [Checkpoints of another process layout]).
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from swapkit.config.errors import ConfigError, Problem, clip
-from swapkit.train.checkpoint import checkpoint_steps, load_valid, restore
+from swapkit.train.checkpoint import checkpoint_steps, load_valid, no_checkpoint, restore
 from swapkit.train.state import RunState
 
 logger = logging.getLogger(__name__)
@@ -42,12 +43,13 @@ def resume_every_rank(run: RunState, save_dir: str) -> None:
         save_dir: the configured ``train.save_dir`` that holds the ``rankNNN`` folders (for messages).
 
     Raises:
-        ConfigError: some ranks have checkpoints and no step is saved and valid on all of them.
+        ConfigError: some ranks have checkpoints and no step is saved and valid on all of them, or only a
+            single-process run's checkpoints are in ``save_dir``.
     """
     mine = dict(checkpoint_steps(run.config.train.save_dir))
     listed = _gather(sorted(mine))
     if not any(listed):
-        logger.warning("train.resume: no checkpoint in %s; starting from step 0", run.config.train.save_dir)
+        no_checkpoint(run.config.train.save_dir, [path for _, path in checkpoint_steps(save_dir)], "in one process")
         return
     broken: list[str] = []
     for step in sorted(set.intersection(*(set(steps) for steps in listed)), reverse=True):

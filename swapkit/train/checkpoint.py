@@ -120,12 +120,37 @@ def _structure_problem(state: Any, path: Path) -> str | None:
 
 
 def resume(run: RunState) -> None:
-    """Continue from the newest valid checkpoint in ``train.save_dir`` (Note [Exact resume])."""
-    found = load_newest_valid(run.config.train.save_dir, run.device)
+    """Continue from the newest valid checkpoint in ``train.save_dir`` (Note [Exact resume]).
+
+    Raises:
+        ConfigError: no valid checkpoint, or only those of a run on several ranks (``rankNNN/``).
+    """
+    save_dir = run.config.train.save_dir
+    found = load_newest_valid(save_dir, run.device)
     if found is None:
-        logger.warning("train.resume: no checkpoint in %s; starting from step 0", run.config.train.save_dir)
+        no_checkpoint(save_dir, sorted(Path(save_dir).glob("rank[0-9]*/step_*.pt")), "on several ranks")
         return
     restore(run, *found)
+
+
+def no_checkpoint(save_dir: str | Path, others: list[Path], layout: str) -> None:
+    """Nothing to resume: a warning and step 0, unless ``save_dir`` holds the other process layout's checkpoints.
+
+    Note [Checkpoints of another process layout]
+    One process saves ``save_dir/step_<n>.pt``, a run on several ranks ``save_dir/rankNNN/step_<n>.pt``
+    (each rank its own part). Each looks only where it writes, so resuming one kind from the other
+    found nothing and started from step 0 with a warning, then saved its own checkpoints beside the
+    old ones. ``resume: true`` on a folder holding the other kind is a mistake: an error.
+
+    Raises:
+        ConfigError: ``others`` is not empty.
+    """
+    if others:
+        raise ConfigError([Problem("train.resume", f"no checkpoint for this run in {clip(str(save_dir), 200)}, "
+                                   f"but {clip(str(others[-1]), 200)} ({len(others)} file(s)) was written by a run "
+                                   f"{layout}; resume with the parallel_config it was saved with, or set "
+                                   "train.resume: false or another train.save_dir to start anew")])
+    logger.warning("train.resume: no checkpoint in %s; starting from step 0", save_dir)
 
 
 def restore(run: RunState, path: Path, state: dict[str, Any]) -> None:
