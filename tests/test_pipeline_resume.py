@@ -207,3 +207,14 @@ def test_resume_refuses_checkpoints_written_by_another_process_layout(tmp_path, 
     err = capsys.readouterr().err
     assert code == 2, err
     assert "step_0000002.pt" in err and "written by a run in one process" in err
+
+
+def test_a_rank_killed_by_a_signal_is_named_with_the_likely_cause():
+    import torch.multiprocessing as mp
+
+    killed = mp.ProcessExitedException("process 1 terminated with signal SIGKILL", 1, 123, -9, "SIGKILL")
+    assert launch.exit_message(killed) == (
+        "rank 1 was killed by SIGKILL (the kernel's out-of-memory killer, or kill -9: check dmesg; lower "
+        "train.batch_size or the model sizes if memory ran out); the other ranks were stopped")
+    exited = mp.ProcessExitedException("process 0 terminated with exit code 3", 0, 123, 3)
+    assert launch.exit_message(exited) == "rank 0 exited with code 3 without a Python error; the other ranks were stopped"

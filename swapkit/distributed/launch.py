@@ -138,13 +138,23 @@ def _join(context: Any, folder: Path, signals: ForwardSignals) -> None:
             raise _first_failure(folder, err.error_index, str(err)) from None
     except mp.ProcessExitedException as err:
         if signals.signum is None:
-            raise RankFailed(f"rank {err.error_index} exited with code {err.exit_code}") from None
+            raise RankFailed(exit_message(err)) from None
     if not done or (signals.signum is not None and not (folder / "result.pt").exists()):
         # a stop signal, also when a rank then failed because its peers were stopping, or when every
         # rank ended within the join that saw the signal without rank 0 writing its result
         killed = signals.stop(context.processes, STOP_GRACE_S)
         finished = len(list(folder.glob("done*")))  # ranks that had ended on their own
         raise stopped_ranks(signals.signum, len(context.processes) - finished, killed)
+
+
+def exit_message(err: mp.ProcessExitedException) -> str:
+    """A rank that ended without a Python error: killed by a signal (most often the out-of-memory killer)."""
+    if err.signal_name is None:
+        return f"rank {err.error_index} exited with code {err.exit_code} without a Python error; the other ranks " \
+               "were stopped"
+    oom = " (the kernel's out-of-memory killer, or kill -9: check dmesg; lower train.batch_size or the " \
+          "model sizes if memory ran out)" if err.signal_name == "SIGKILL" else ""
+    return f"rank {err.error_index} was killed by {err.signal_name}{oom}; the other ranks were stopped"
 
 
 def _remove_error_files(context: Any) -> None:
