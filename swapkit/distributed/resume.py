@@ -25,7 +25,6 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from swapkit.config.errors import ConfigError, Problem, clip
