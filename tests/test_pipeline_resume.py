@@ -218,3 +218,18 @@ def test_a_rank_killed_by_a_signal_is_named_with_the_likely_cause():
         "train.batch_size or the model sizes if memory ran out); the other ranks were stopped")
     exited = mp.ProcessExitedException("process 0 terminated with exit code 3", 0, 123, 3)
     assert launch.exit_message(exited) == "rank 0 exited with code 3 without a Python error; the other ranks were stopped"
+
+
+def test_bf16_autocast_runs_in_the_pipeline_as_in_one_process(tmp_path):
+    from swapkit.load import load_config
+    from swapkit.train import train
+    from tests.test_pipeline_train import CONFIGS
+
+    code, metrics = run_cli("pp2.yaml", tmp_path, "bf16", "--steps", "3", "--set", "train.dtype=bf16")
+    assert code == 0
+    one_process = ["parallel_config.pipeline_stage=1", "model.model_config.offset=0",
+                   "train.gradient_accumulation_steps=4"]
+    bf16 = train(load_config(CONFIGS / "pp2.yaml", [*one_process, "train.dtype=bf16"]), steps=3, progress=False)
+    fp32 = train(load_config(CONFIGS / "pp2.yaml", one_process), steps=3, progress=False)
+    torch.testing.assert_close(losses(metrics), bf16.losses, rtol=1e-5, atol=0)
+    assert abs(losses(metrics)[2] - fp32.losses[2]) > 10 * abs(losses(metrics)[2] - bf16.losses[2])  # not fp32

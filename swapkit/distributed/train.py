@@ -22,6 +22,14 @@ are sharded as one FSDP2 group (``fully_shard([layer_a, layer_b])``): the group'
 gathered before the first of them runs, and the group's hooks fire once, so the pass-throughs get
 the unit's output unchanged. Layers outside units are sharded one by one, as before.
 
+Note [bf16 in the schedule]
+``train.dtype: bf16`` is autocast, as in one process (swapkit.train.loop), where the forward runs
+under ``torch.autocast`` and the loss and backward after it. A schedule runs the forwards, the loss
+and the backwards of all its micro-batches inside ``schedule.step()``, so the whole call runs under
+autocast: the loss casts the logits to float itself (``lm_loss``) and autograd runs each backward
+op in the dtype its forward chose, so this is the single-process math. (Before, the pipeline path
+had no autocast at all and trained in fp32 while its metrics said bf16.)
+
 Note [Clipping across stages]
 Each pipeline stage holds different parameters, so the gradient norm is the square root of the sum
 over stages of each stage's sum of squares (an all-reduce over the pipeline group); FSDP2's sharded
@@ -173,7 +181,8 @@ def _train_step(part: RankRun, step: int) -> dict[str, Any] | None:
     run.optimizer.zero_grad(set_to_none=True)
     x, y = _batch(run, topo.dp_rank, step)
     losses: list[torch.Tensor] = []
-    with run.session:  # one optimizer step: one micro-step per chunk forward
+    bf16 = run.config.train.dtype == "bf16"  # Note [bf16 in the schedule]
+    with run.session, torch.autocast(run.device.type, dtype=torch.bfloat16, enabled=bf16):  # one optimizer step
         part.schedule.step(*([x] if part.first else []),
                            **({"target": y, "losses": losses} if part.last else {}))
     loss = _mean_loss(losses, run)  # every rank has it: each stops on a NaN before its optimizer step
