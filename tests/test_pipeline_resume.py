@@ -69,7 +69,10 @@ def test_every_rank_resumes_the_newest_step_all_ranks_saved(saved, tmp_path, cap
     shutil.copytree(saved[0], folder)
     state = torch.load(folder / "rank000" / "step_0000002.pt", weights_only=True)
     torch.save({**state, "step": 4}, folder / "rank000" / "step_0000004.pt")
+    stale = folder / "rank001" / ".step_0000003.pt.x1y2z3.tmp"  # left by kill -9 during a save
+    stale.write_bytes(b"half a checkpoint")
     code, metrics = run_cli("pp2.yaml", tmp_path, "resumed", "--steps", "3", *resume_args(folder))
+    assert not stale.exists()
     err = capfd.readouterr().err  # the ranks' logs
     assert code == 0, err
     assert "resumed from" in err and "rank000/step_0000002.pt at step 2" in err
@@ -233,3 +236,28 @@ def test_bf16_autocast_runs_in_the_pipeline_as_in_one_process(tmp_path):
     fp32 = train(load_config(CONFIGS / "pp2.yaml", one_process), steps=3, progress=False)
     torch.testing.assert_close(losses(metrics), bf16.losses, rtol=1e-5, atol=0)
     assert abs(losses(metrics)[2] - fp32.losses[2]) > 10 * abs(losses(metrics)[2] - bf16.losses[2])  # not fp32
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--metrics-out", "{tmp}/missing/m.json"], "--metrics-out: got {tmp}/missing/m.json; its folder {tmp}/missing "
+                                                "does not exist"),
+    (["--set", "train.save_dir={tmp}/file"], "train.save_dir: got {tmp}/file, which is a file"),
+    (["--set", "runtime.engine=cuda"], "runtime.engine: got 'cuda' but the model trains on cpu"),
+    (["--set", "model.model_config.vocab_size=1048576", "--set", "model.model_config.hidden_size=65536"],
+     "needs about 3594.6 GiB; cpu has"),
+])
+def test_a_multi_rank_run_checks_its_outputs_engine_and_memory_before_any_rank_starts(tmp_path, capsys, monkeypatch,
+                                                                                      args, message):
+    """As one process does (README: before the first step); before, each failed inside the ranks, the
+    metrics file only after the first step had trained."""
+    from swapkit.cli import main
+    from swapkit.distributed import launch as launch_module
+    from tests.test_pipeline_train import CONFIGS
+
+    (tmp_path / "file").write_text("")
+    monkeypatch.setattr(launch_module.mp, "start_processes", lambda *a, **k: pytest.fail("a rank was started"))
+    code = main(["train", str(CONFIGS / "pp2.yaml"), "--no-progress", "--steps", "1",
+                 *[arg.format(tmp=tmp_path) for arg in args]])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert message.format(tmp=tmp_path) in err and "Traceback" not in err

@@ -15,6 +15,15 @@ When one rank raises, its peers soon fail too: their collectives see the connect
 of those failures ``torch.multiprocessing`` notices first is a race, so each spawned rank writes
 its traceback and the time it failed to the run's folder, and the parent reports the earliest.
 
+Note [Checks before the ranks start]
+One process checks its outputs (``--metrics-out``, ``train.save_dir``), the engine against the
+device and the memory estimate before its first step (swapkit.train.loop ``preflight``); a run on
+several ranks does the same before any rank starts, so a typo in a path is exit 2 at once, not a
+traceback after the first step trained. The memory estimate is the whole model's single-process
+step, a lower bound of what all ranks together need: it is checked only where every rank shares
+this machine's memory (ranks spawned on the CPU). With one GPU per rank, or under ``torchrun``
+(whose ranks may be on other machines), each rank holds a part and the check is skipped.
+
 Note [Errors a rank reports as they are]
 A rank meets some of the user's mistakes only once it runs: resuming a checkpoint whose config
 differs, or none that is valid (:class:`ConfigError`), a NaN loss (:class:`RunFailed`). In one
@@ -61,6 +70,7 @@ from swapkit.distributed.signals import (
     POLL_S, ForwardSignals, StopOnSignal, ignore_stop_signals, stop_signals_blocked, stopped_ranks, unblock_stop_signals,
 )
 from swapkit.train.errors import RunFailed
+from swapkit.train.loop import preflight
 from swapkit.train.state import TrainResult
 
 logger = logging.getLogger(__name__)
@@ -113,7 +123,10 @@ def launch(config: Config, device: torch.device, **options: Any) -> TrainResult 
     """
     check(config, device)
     world = world_size(config)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    # Note [Checks before the ranks start]
+    preflight(config, device, options.get("metrics_out"), memory=not torchrun and device.type == "cpu")
+    if torchrun:
         with StopOnSignal():
             return _torchrun_rank(config, device, world, options)
     with tempfile.TemporaryDirectory(prefix="swapkit-ranks-") as folder, ForwardSignals() as signals:

@@ -52,12 +52,14 @@ from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 import swapkit
+from swapkit.config.errors import Problem
 from swapkit.config.types import Config
 from swapkit.plan.plan import Plan
 from swapkit.distributed.pipeline import build_stage_chunks, make_schedule, micro_batches, pipeline_stages
 from swapkit.distributed.resume import resume_every_rank
 from swapkit.train.checkpoint import save_checkpoint
 from swapkit.train.data import SyntheticTokens
+from swapkit.train.files import prepare_output_dir, raise_problems
 from swapkit.train.loop import check_finite, drive, environment
 from swapkit.train.model import lm_loss
 from swapkit.train.state import RunState, TrainResult
@@ -123,6 +125,10 @@ def _start(config: Config, device: torch.device, topo: Topology, steps: int, met
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     data = SyntheticTokens(cfg.seed, cfg.batch_size, config.model.seq_length, config.model.vocab_size)
     per_rank = replace(config, train=replace(cfg, save_dir=_rank_dir(cfg.save_dir, topo.rank)))
+    if per_rank.train.save_dir:  # its own folder, as one process prepares save_dir: stale temporaries go
+        problems: list[Problem] = []
+        prepare_output_dir(Path(per_rank.train.save_dir), "train.save_dir", "step_*.pt", problems)
+        raise_problems(problems, config.source)
     run = RunState(per_rank, device, steps, model, optimizer, data,
                    metrics_out=Path(metrics_out) if metrics_out else None, env=_environment(config, device, topo))
     if cfg.resume:
