@@ -1,7 +1,9 @@
-"""Resuming a multi-process ``swapkit train`` (gloo on CPU): every rank resumes the same step, and a
-config problem a rank meets is reported like the single-process one (exit 2, one message).
+"""``swapkit train`` on several ranks (gloo on CPU, 2 processes) where it must behave as one process does:
+every rank resumes the same step; a config problem or a NaN a rank meets is reported like the
+single-process one (one message, exit 2 or 1); outputs, engine and memory are checked before any rank
+starts; each stage logs its own layers; bf16 autocast; Megatron uniform units under FSDP2.
 
-One 2-stage run writes the per-rank checkpoints (module fixture); each test copies them.
+One 2-stage run writes the per-rank checkpoints (module fixture); each resume test copies them.
 """
 from __future__ import annotations
 
