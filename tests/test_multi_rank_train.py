@@ -263,3 +263,19 @@ def test_a_multi_rank_run_checks_its_outputs_engine_and_memory_before_any_rank_s
     err = capsys.readouterr().err
     assert code == 2, err
     assert message.format(tmp=tmp_path) in err and "Traceback" not in err
+
+
+def test_under_torchrun_only_rank_0_checks_the_metrics_file_it_alone_writes(tmp_path, monkeypatch):
+    """The other ranks may run on machines without that folder."""
+    from swapkit.load import load_config
+    from tests.test_pipeline_train import CONFIGS
+
+    config = load_config(CONFIGS / "pp2.yaml")
+    monkeypatch.setattr(launch, "_torchrun_rank", lambda *args: "trained")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    missing = tmp_path / "missing" / "m.json"
+    monkeypatch.setenv("RANK", "1")
+    assert launch.launch(config, torch.device("cpu"), steps=1, metrics_out=missing) == "trained"
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ConfigError, match="--metrics-out: got .*; its folder .* does not exist"):
+        launch.launch(config, torch.device("cpu"), steps=1, metrics_out=missing)

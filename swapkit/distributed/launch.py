@@ -124,8 +124,9 @@ def launch(config: Config, device: torch.device, **options: Any) -> TrainResult 
     check(config, device)
     world = world_size(config)
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    # Note [Checks before the ranks start]
-    preflight(config, device, options.get("metrics_out"), memory=not torchrun and device.type == "cpu")
+    writes_metrics = not torchrun or os.environ["RANK"] == "0"  # only rank 0 writes them, maybe on another machine
+    preflight(config, device, options.get("metrics_out") if writes_metrics else None,  # Note [Checks before the ...]
+              memory=not torchrun and device.type == "cpu")
     if torchrun:
         with StopOnSignal():
             return _torchrun_rank(config, device, world, options)
