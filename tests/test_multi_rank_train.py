@@ -279,3 +279,17 @@ def test_under_torchrun_only_rank_0_checks_the_metrics_file_it_alone_writes(tmp_
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(ConfigError, match="--metrics-out: got .*; its folder .* does not exist"):
         launch.launch(config, torch.device("cpu"), steps=1, metrics_out=missing)
+
+
+def test_more_spawned_ranks_than_this_machine_can_hold_fail_before_any_starts(capsys, monkeypatch):
+    """data_parallel: 65536 (within the schema's limit) would spawn 131,072 processes, each loading torch."""
+    from swapkit.cli import main
+    from tests.test_pipeline_train import CONFIGS
+
+    monkeypatch.setattr(launch.mp, "start_processes", lambda *a, **k: pytest.fail("a rank was started"))
+    code = main(["train", str(CONFIGS / "pp2.yaml"), "--no-progress", "--set", "parallel_config.data_parallel=65536"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "parallel_config: asks for 131,072 rank processes on this machine (pipeline_stage 2 x data_parallel " \
+           "65536); each loads torch" in err
+    assert "Traceback" not in err

@@ -24,6 +24,15 @@ step, a lower bound of what all ranks together need: it is checked only where ev
 this machine's memory (ranks spawned on the CPU). With one GPU per rank, or under ``torchrun``
 (whose ranks may be on other machines), each rank holds a part and the check is skipped.
 
+Note [Ranks this machine can hold]
+``swapkit train`` spawns ``pipeline_stage x data_parallel`` processes on this machine, and the schema
+allows ``data_parallel`` up to 65,536. Each spawned rank is a Python process that imports torch
+before it builds anything (measured on CPU with torch 2.13: about 300 MiB resident for the CLI with
+torch loaded, 350 MiB for a rank of the tiny pipeline after training), so it holds at least
+``RANK_PROCESS_BYTES`` (256 MiB). When that times the ranks exceeds the memory available, the spawn
+would only end in the kernel's out-of-memory killer (or a machine swapping for minutes): a config
+error, checked before any rank starts. CUDA ranks are bounded by the GPU count instead; ``torchrun`` started its ranks itself.
+
 Note [Errors a rank reports as they are]
 A rank meets some of the user's mistakes only once it runs: resuming a checkpoint whose config
 differs, or none that is valid (:class:`ConfigError`), a NaN loss (:class:`RunFailed`). In one
@@ -58,6 +67,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -72,9 +82,12 @@ from swapkit.distributed.signals import (
 from swapkit.train.errors import RunFailed
 from swapkit.train.loop import preflight
 from swapkit.train.state import TrainResult
+from swapkit.train.summary import human_bytes
 
 logger = logging.getLogger(__name__)
 
+#: Note [Ranks this machine can hold]: a lower bound of a rank's interpreter with torch imported
+RANK_PROCESS_BYTES = 256 * 2**20
 STOP_GRACE_S = 10.0  # Note [Stopping the ranks]: a rank stops within a step; this is for one stuck in native code
 
 
@@ -109,8 +122,23 @@ def check(config: Config, device: torch.device) -> None:
     if device.type == "cuda" and "RANK" not in os.environ and torch.cuda.device_count() < world_size(config):
         problems.append(Problem("parallel_config", f"asks for {world_size(config)} ranks but only "
                                 f"{torch.cuda.device_count()} GPU(s) are visible; one rank per GPU"))
+    if device.type == "cpu" and "RANK" not in os.environ:
+        problems += _spawn_memory(config)
     if problems:
         raise ConfigError(problems, config.source)
+
+
+def _spawn_memory(config: Config) -> list[Problem]:
+    """Note [Ranks this machine can hold]"""
+    world, have = world_size(config), psutil.virtual_memory().available
+    if world * RANK_PROCESS_BYTES <= have:
+        return []
+    parallel = config.parallel
+    return [Problem("parallel_config", f"asks for {world:,} rank processes on this machine (pipeline_stage "
+                    f"{parallel.pipeline_stage} x data_parallel {parallel.data_parallel}); each loads torch (at "
+                    f"least {human_bytes(RANK_PROCESS_BYTES)} before it builds anything): "
+                    f"{human_bytes(world * RANK_PROCESS_BYTES)}, but {human_bytes(have)} is available. Lower "
+                    "pipeline_stage x data_parallel, or start the ranks on several machines with torchrun")]
 
 
 def launch(config: Config, device: torch.device, **options: Any) -> TrainResult | None:
