@@ -31,7 +31,8 @@ before it builds anything (measured on CPU with torch 2.13: about 300 MiB reside
 torch loaded, 350 MiB for a rank of the tiny pipeline after training), so it holds at least
 ``RANK_PROCESS_BYTES`` (256 MiB). When that times the ranks exceeds the memory available, the spawn
 would only end in the kernel's out-of-memory killer (or a machine swapping for minutes): a config
-error, checked before any rank starts. CUDA ranks are bounded by the GPU count instead; ``torchrun`` started its ranks itself.
+error, checked before any rank starts. CUDA ranks are bounded by the GPU count instead; ``torchrun``
+started its ranks itself.
 
 Note [Errors a rank reports as they are]
 A rank meets some of the user's mistakes only once it runs: resuming a checkpoint whose config

@@ -54,9 +54,9 @@ from tqdm import tqdm
 import swapkit
 from swapkit.config.errors import Problem
 from swapkit.config.types import Config
-from swapkit.plan.plan import Plan
 from swapkit.distributed.pipeline import build_stage_chunks, make_schedule, micro_batches, pipeline_stages
 from swapkit.distributed.resume import resume_every_rank
+from swapkit.plan.plan import Plan
 from swapkit.train.checkpoint import save_checkpoint
 from swapkit.train.data import SyntheticTokens
 from swapkit.train.files import prepare_output_dir, raise_problems

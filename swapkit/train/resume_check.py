@@ -117,7 +117,8 @@ def _as_run(flat: dict[str, Any]) -> dict[str, Any]:
 
 
 def _changes_math(key: str) -> bool:
-    return key in MODEL_OR_DATA or key in PER_RANK or (key.startswith("model.model_config.") and not key.endswith(".layers_path"))
+    model = key.startswith("model.model_config.") and not key.endswith(".layers_path")
+    return key in MODEL_OR_DATA or key in PER_RANK or model
 
 
 def _note(key: str, old: Any, new: Any) -> str:
