@@ -15,6 +15,43 @@ When one rank raises, its peers soon fail too: their collectives see the connect
 of those failures ``torch.multiprocessing`` notices first is a race, so each spawned rank writes
 its traceback and the time it failed to the run's folder, and the parent reports the earliest.
 
+Note [Checks before the ranks start]
+One process checks its outputs (``--metrics-out``, ``train.save_dir``), the engine against the
+device and the memory estimate before its first step (swapkit.train.loop ``preflight``); a run on
+several ranks does the same before any rank starts, so a typo in a path is exit 2 at once, not a
+traceback after the first step trained. The memory estimate is the whole model's single-process
+step, a lower bound of what all ranks together need: it is checked only where every rank shares
+this machine's memory (ranks spawned on the CPU). With one GPU per rank, or under ``torchrun``
+(whose ranks may be on other machines), each rank holds a part and the check is skipped.
+
+Note [Ranks this machine can hold]
+``swapkit train`` spawns ``pipeline_stage x data_parallel`` processes on this machine, and the schema
+allows ``data_parallel`` up to 65,536. Each spawned rank is a Python process that imports torch
+before it builds anything (measured on CPU with torch 2.13: about 300 MiB resident for the CLI with
+torch loaded, 350 MiB for a rank of the tiny pipeline after training), so it holds at least
+``RANK_PROCESS_BYTES`` (256 MiB). When that times the ranks exceeds the memory available, the spawn
+would only end in the kernel's out-of-memory killer (or a machine swapping for minutes): a config
+error, checked before any rank starts. CUDA ranks are bounded by the GPU count instead; ``torchrun``
+started its ranks itself.
+
+Note [Errors a rank reports as they are]
+A rank meets some of the user's mistakes only once it runs: resuming a checkpoint whose config
+differs, or none that is valid (:class:`ConfigError`), a NaN loss (:class:`RunFailed`). In one
+process the CLI prints those as one message with exit 2 or 1; from a rank they would reach the
+parent as a traceback in :class:`RankFailed`. So a rank that fails with one of them also writes
+its problems (plain data: ``Problem`` records or the message) next to its traceback, and the parent
+raises the same error again when that rank failed first, so the CLI reports it exactly as it
+reports the single-process one.
+
+Note [Each stage logs its own layers]
+MindFormers logs its ``Set ...`` lines in every stage's process, for the layers that stage builds;
+the ``num_layers per stage`` and ``Formative ...`` lines describe the whole model and are the same
+on every stage. Here the ranks share one terminal, so rank 0 logs everything at the CLI's level and
+the first data-parallel rank of every other stage (ranks ``1 .. P-1``: rank ``= dp_rank * P + pp_rank``,
+``swapkit.distributed.train.Topology``) logs its own INFO lines (its layers' ``Set ...`` lines, its checkpoints) but
+not the whole-model lines, which rank 0 already printed: they are the plan's own log lines, known
+before any rank starts. The other data-parallel replicas repeat their stage: WARNING and above only.
+
 SIGINT and SIGTERM: ``swapkit.distributed.signals`` Note [Stopping the ranks] (the parent) and
 Note [Interrupts and finalizers] (each rank, spawned or torchrun's).
 """
@@ -23,6 +60,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import pickle
 import sys
 import tempfile
 import time
@@ -30,6 +68,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -37,13 +76,19 @@ import torch.multiprocessing as mp
 from swapkit.config.errors import ConfigError, Problem
 from swapkit.config.types import Config
 from swapkit.distributed.pipeline import micro_batches
+from swapkit.plan.plan import build_plan
 from swapkit.distributed.signals import (
     POLL_S, ForwardSignals, StopOnSignal, ignore_stop_signals, stop_signals_blocked, stopped_ranks, unblock_stop_signals,
 )
+from swapkit.train.errors import RunFailed
+from swapkit.train.loop import preflight
 from swapkit.train.state import TrainResult
+from swapkit.train.summary import human_bytes
 
 logger = logging.getLogger(__name__)
 
+#: Note [Ranks this machine can hold]: a lower bound of a rank's interpreter with torch imported
+RANK_PROCESS_BYTES = 256 * 2**20
 STOP_GRACE_S = 10.0  # Note [Stopping the ranks]: a rank stops within a step; this is for one stuck in native code
 
 
@@ -78,8 +123,23 @@ def check(config: Config, device: torch.device) -> None:
     if device.type == "cuda" and "RANK" not in os.environ and torch.cuda.device_count() < world_size(config):
         problems.append(Problem("parallel_config", f"asks for {world_size(config)} ranks but only "
                                 f"{torch.cuda.device_count()} GPU(s) are visible; one rank per GPU"))
+    if device.type == "cpu" and "RANK" not in os.environ:
+        problems += _spawn_memory(config)
     if problems:
         raise ConfigError(problems, config.source)
+
+
+def _spawn_memory(config: Config) -> list[Problem]:
+    """Note [Ranks this machine can hold]"""
+    world, have = world_size(config), psutil.virtual_memory().available
+    if world * RANK_PROCESS_BYTES <= have:
+        return []
+    parallel = config.parallel
+    return [Problem("parallel_config", f"asks for {world:,} rank processes on this machine (pipeline_stage "
+                    f"{parallel.pipeline_stage} x data_parallel {parallel.data_parallel}); each loads torch (at "
+                    f"least {human_bytes(RANK_PROCESS_BYTES)} before it builds anything): "
+                    f"{human_bytes(world * RANK_PROCESS_BYTES)}, but {human_bytes(have)} is available. Lower "
+                    "pipeline_stage x data_parallel, or start the ranks on several machines with torchrun")]
 
 
 def launch(config: Config, device: torch.device, **options: Any) -> TrainResult | None:
@@ -87,11 +147,16 @@ def launch(config: Config, device: torch.device, **options: Any) -> TrainResult 
 
     Raises:
         RankFailed: a rank raised (its traceback is in the message).
+        ConfigError, RunFailed: the rank that failed first raised this (Note [Errors a rank reports as they are]).
         Interrupted: SIGINT or SIGTERM; every rank was stopped and reaped first (Note [Stopping the ranks]).
     """
     check(config, device)
     world = world_size(config)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    writes_metrics = not torchrun or os.environ["RANK"] == "0"  # only rank 0 writes them, maybe on another machine
+    preflight(config, device, options.get("metrics_out") if writes_metrics else None,  # Note [Checks before the ...]
+              memory=not torchrun and device.type == "cpu")
+    if torchrun:
         with StopOnSignal():
             return _torchrun_rank(config, device, world, options)
     with tempfile.TemporaryDirectory(prefix="swapkit-ranks-") as folder, ForwardSignals() as signals:
@@ -113,10 +178,10 @@ def _join(context: Any, folder: Path, signals: ForwardSignals) -> None:
             done = context.join(timeout=POLL_S)
     except mp.ProcessRaisedException as err:
         if signals.signum is None:
-            raise RankFailed(_first_failure(folder, err.error_index, str(err))) from None
+            raise _first_failure(folder, err.error_index, str(err)) from None
     except mp.ProcessExitedException as err:
         if signals.signum is None:
-            raise RankFailed(f"rank {err.error_index} exited with code {err.exit_code}") from None
+            raise RankFailed(exit_message(err)) from None
     if not done or (signals.signum is not None and not (folder / "result.pt").exists()):
         # a stop signal, also when a rank then failed because its peers were stopping, or when every
         # rank ended within the join that saw the signal without rank 0 writing its result
@@ -125,21 +190,49 @@ def _join(context: Any, folder: Path, signals: ForwardSignals) -> None:
         raise stopped_ranks(signals.signum, len(context.processes) - finished, killed)
 
 
+def exit_message(err: mp.ProcessExitedException) -> str:
+    """A rank that ended without a Python error: killed by a signal (most often the out-of-memory killer)."""
+    if err.signal_name is None:
+        return f"rank {err.error_index} exited with code {err.exit_code} without a Python error; the other ranks " \
+               "were stopped"
+    oom = " (the kernel's out-of-memory killer, or kill -9: check dmesg; lower train.batch_size or the " \
+          "model sizes if memory ran out)" if err.signal_name == "SIGKILL" else ""
+    return f"rank {err.error_index} was killed by {err.signal_name}{oom}; the other ranks were stopped"
+
+
 def _remove_error_files(context: Any) -> None:
     """``torch.multiprocessing`` leaves a failed rank's error file in the temporary folder."""
     for name in context.error_files:
         Path(name).unlink(missing_ok=True)
 
 
-def _first_failure(folder: Path, noticed: int, message: str) -> str:
-    """Note [The first failure is the cause]"""
+def _first_failure(folder: Path, noticed: int, message: str) -> Exception:
+    """Note [The first failure is the cause]; Note [Errors a rank reports as they are]"""
     failures = sorted((float(path.read_text().split("\n", 1)[0]), int(path.stem[len("failed"):]), path)
                       for path in folder.glob("failed*.txt"))
     if not failures:
-        return f"rank {noticed} failed:\n{message}"
+        return RankFailed(f"rank {noticed} failed:\n{message}")
     _, rank, path = failures[0]
+    reportable = path.with_suffix(".pkl")
+    if reportable.exists():
+        return _reported_error(rank, pickle.loads(reportable.read_bytes()))
     others = f" ({len(failures) - 1} other rank(s) failed after it)" if len(failures) > 1 else ""
-    return f"rank {rank} failed{others}:\n{path.read_text().split(chr(10), 1)[1]}"
+    return RankFailed(f"rank {rank} failed{others}:\n{path.read_text().split(chr(10), 1)[1]}")
+
+
+def _reportable(err: BaseException) -> tuple | None:
+    """What the parent needs to raise ``err`` again (Note [Errors a rank reports as they are])."""
+    if isinstance(err, ConfigError):
+        return ("config", list(err.problems), err.source)
+    if isinstance(err, RunFailed):
+        return ("run", str(err))
+    return None
+
+
+def _reported_error(rank: int, record: tuple) -> Exception:
+    if record[0] == "config":
+        return ConfigError(record[1], record[2])
+    return RunFailed(f"rank {rank}: {record[1]}")
 
 
 def logger_level() -> int:
@@ -152,7 +245,7 @@ def _torchrun_rank(config: Config, device: torch.device, world: int, options: di
                                    f"started WORLD_SIZE={os.environ['WORLD_SIZE']} processes; make them agree")],
                           config.source)
     rank = int(os.environ["RANK"])
-    _configure_child_logging(rank, logger_level())
+    _configure_child_logging(rank, logger_level(), config)
     _init(config, device, rank, world, "env://")
     return _run(config, device, rank, world, options)
 
@@ -169,12 +262,15 @@ def _spawned_rank(rank: int, world: int, config: Config, device_type: str, folde
 
 def _rank_main(rank: int, world: int, config: Config, device_type: str, folder: str, level: int,
                options: dict) -> None:
-    _configure_child_logging(rank, level)
+    _configure_child_logging(rank, level, config)
     device = torch.device(device_type)
     _init(config, device, rank, world, Path(folder, "store").as_uri())
     try:
         result = _run(config, device, rank, world, options)
-    except BaseException:
+    except BaseException as err:
+        reportable = _reportable(err)
+        if reportable is not None:  # before the traceback file, which the parent looks for first
+            Path(folder, f"failed{rank}.pkl").write_bytes(pickle.dumps(reportable))
         Path(folder, f"failed{rank}.txt").write_text(f"{time.time()}\n{traceback.format_exc()}")
         raise
     if rank == 0:
@@ -200,11 +296,30 @@ def _run(config: Config, device: torch.device, rank: int, world: int, options: d
         dist.destroy_process_group()
 
 
-def _configure_child_logging(rank: int, level: int) -> None:
-    """Spawned ranks log like the CLI, prefixed with their rank; only rank 0 logs below WARNING."""
+def _configure_child_logging(rank: int, level: int, config: Config) -> None:
+    """Ranks log like the CLI, prefixed with their rank (Note [Each stage logs its own layers])."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(f"[rank {rank}] %(levelname)s - %(message)s"))
+    stage_logger = 0 < rank < config.parallel.pipeline_stage
+    if stage_logger:
+        handler.addFilter(_SkipLines(_whole_model_lines(config)))
     swapkit_logger = logging.getLogger("swapkit")
     swapkit_logger.handlers[:] = [handler]
-    swapkit_logger.setLevel(level if rank == 0 else max(level, logging.WARNING))
+    swapkit_logger.setLevel(level if rank == 0 or stage_logger else max(level, logging.WARNING))
     swapkit_logger.propagate = False
+
+
+def _whole_model_lines(config: Config) -> frozenset[str]:
+    plan = build_plan(config)
+    return frozenset(plan.log_lines() + list(plan.notes))
+
+
+class _SkipLines(logging.Filter):
+    """Drops INFO records whose text rank 0 logs too (Note [Each stage logs its own layers])."""
+
+    def __init__(self, lines: frozenset[str]):
+        super().__init__()
+        self.lines = lines
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno > logging.INFO or record.getMessage() not in self.lines

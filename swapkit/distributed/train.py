@@ -12,6 +12,24 @@ gradients by ``1/M`` and FSDP2 averages them over the ``D`` replicas, so one ste
 single-process step with ``gradient_accumulation_steps = D*M`` over the same micro-batches. The
 reported loss is the mean over all ``D*M`` micro-batches, as the single-process loop reports it.
 
+Note [A uniform unit is one FSDP2 group]
+A Megatron ``uniform`` unit runs the forwards of all its layers inside the first layer's call (one
+checkpoint region; swapkit.runtime.recompute Note [Uniform units]); its other layers are called
+afterwards as pass-throughs. FSDP2 per layer gathers a layer's weights in that layer's own
+pre-forward hook, which for the later layers of a unit comes too late: the unit computed with their
+sharded DTensor weights and failed ("got mixed torch.Tensor and DTensor"). So the layers of a unit
+are sharded as one FSDP2 group (``fully_shard([layer_a, layer_b])``): the group's weights are
+gathered before the first of them runs, and the group's hooks fire once, so the pass-throughs get
+the unit's output unchanged. Layers outside units are sharded one by one, as before.
+
+Note [bf16 in the schedule]
+``train.dtype: bf16`` is autocast, as in one process (swapkit.train.loop), where the forward runs
+under ``torch.autocast`` and the loss and backward after it. A schedule runs the forwards, the loss
+and the backwards of all its micro-batches inside ``schedule.step()``, so the whole call runs under
+autocast: the loss casts the logits to float itself (``lm_loss``) and autograd runs each backward
+op in the dtype its forward chose, so this is the single-process math. (Before, the pipeline path
+had no autocast at all and trained in fp32 while its metrics said bf16.)
+
 Note [Clipping across stages]
 Each pipeline stage holds different parameters, so the gradient norm is the square root of the sum
 over stages of each stage's sum of squares (an all-reduce over the pipeline group); FSDP2's sharded
@@ -34,11 +52,15 @@ from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 import swapkit
+from swapkit.config.errors import Problem
 from swapkit.config.types import Config
 from swapkit.distributed.pipeline import build_stage_chunks, make_schedule, micro_batches, pipeline_stages
-from swapkit.train.checkpoint import resume, save_checkpoint
+from swapkit.distributed.resume import resume_every_rank
+from swapkit.plan.plan import Plan
+from swapkit.train.checkpoint import save_checkpoint
 from swapkit.train.data import SyntheticTokens
-from swapkit.train.loop import drive, environment
+from swapkit.train.files import prepare_output_dir, raise_problems
+from swapkit.train.loop import check_finite, drive, environment
 from swapkit.train.model import lm_loss
 from swapkit.train.state import RunState, TrainResult
 from swapkit.train.summary import human_bytes, stage_rows, step_record, summarize, write_metrics
@@ -98,15 +120,19 @@ def _start(config: Config, device: torch.device, topo: Topology, steps: int, met
     torch.manual_seed(cfg.seed)
     chunks = build_stage_chunks(config.model, plan, topo.pp_rank, cfg.seed, device)
     if topo.dp > 1:
-        _shard(chunks, topo.mesh["dp"])
+        _shard(chunks, topo.mesh["dp"], plan.stage_layers(topo.pp_rank), plan)
     model = nn.ModuleList(chunks)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     data = SyntheticTokens(cfg.seed, cfg.batch_size, config.model.seq_length, config.model.vocab_size)
     per_rank = replace(config, train=replace(cfg, save_dir=_rank_dir(cfg.save_dir, topo.rank)))
+    if per_rank.train.save_dir:  # its own folder, as one process prepares save_dir: stale temporaries go
+        problems: list[Problem] = []
+        prepare_output_dir(Path(per_rank.train.save_dir), "train.save_dir", "step_*.pt", problems)
+        raise_problems(problems, config.source)
     run = RunState(per_rank, device, steps, model, optimizer, data,
                    metrics_out=Path(metrics_out) if metrics_out else None, env=_environment(config, device, topo))
     if cfg.resume:
-        resume(run)
+        resume_every_rank(run, cfg.save_dir)  # Note [One resume step for every rank]
     run.session = swapkit.apply(chunks, config, layers="layers", stage=topo.pp_rank)
     stages = pipeline_stages(chunks, topo.pp_rank, topo.pp, device, group=topo.mesh.get_group("pp"))
     schedule = make_schedule(_schedule_name(config), stages, micro_batches(config), lm_loss)
@@ -114,12 +140,21 @@ def _start(config: Config, device: torch.device, topo: Topology, steps: int, met
     return RankRun(run, topo, chunks, schedule, first=topo.pp_rank == 0, last=topo.pp_rank == last_rank)
 
 
-def _shard(chunks: list[nn.Module], mesh: DeviceMesh) -> None:
-    """FSDP2 per layer, then per chunk (embedding and head with it); kept unsharded between micro-batches."""
-    for chunk in chunks:
-        for layer in chunk.layers:
-            fully_shard(layer, mesh=mesh, reshard_after_forward=False)
+def _shard(chunks: list[nn.Module], mesh: DeviceMesh, chunk_layers: list[list[int]], plan: Plan) -> None:
+    """FSDP2 per layer (per Megatron uniform unit: Note [A uniform unit is one FSDP2 group]), then per chunk
+    (embedding and head with it); kept unsharded between micro-batches."""
+    for chunk, layer_ids in zip(chunks, chunk_layers):
+        for group in _shard_groups(chunk.layers, layer_ids, plan):
+            fully_shard(group if len(group) > 1 else group[0], mesh=mesh, reshard_after_forward=False)
         fully_shard(chunk, mesh=mesh, reshard_after_forward=False)
+
+
+def _shard_groups(layers: nn.ModuleList, layer_ids: list[int], plan: Plan) -> list[list[nn.Module]]:
+    """The chunk's layers grouped by the Megatron ``uniform`` unit each belongs to (one layer otherwise)."""
+    groups: dict[tuple[int, int], list[nn.Module]] = {}
+    for module, index in zip(layers, layer_ids):
+        groups.setdefault(plan.layers[index].unit or (index, index), []).append(module)
+    return list(groups.values())
 
 
 def _schedule_name(config: Config) -> str:
@@ -152,13 +187,15 @@ def _train_step(part: RankRun, step: int) -> dict[str, Any] | None:
     run.optimizer.zero_grad(set_to_none=True)
     x, y = _batch(run, topo.dp_rank, step)
     losses: list[torch.Tensor] = []
-    with run.session:  # one optimizer step: one micro-step per chunk forward
+    bf16 = run.config.train.dtype == "bf16"  # Note [bf16 in the schedule]
+    with run.session, torch.autocast(run.device.type, dtype=torch.bfloat16, enabled=bf16):  # one optimizer step
         part.schedule.step(*([x] if part.first else []),
                            **({"target": y, "losses": losses} if part.last else {}))
+    loss = _mean_loss(losses, run)  # every rank has it: each stops on a NaN before its optimizer step
+    check_finite(run, step, loss)
     if run.config.train.grad_clip is not None:
         _clip(part.chunks, run.config.train.grad_clip, topo)
     run.optimizer.step()
-    loss = _mean_loss(losses, run)
     return _gather_record(part, step, loss, time.perf_counter() - start)
 
 

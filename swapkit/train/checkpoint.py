@@ -56,12 +56,17 @@ def save_checkpoint(run: RunState) -> Path:
 
 def checkpoints(save_dir: str | Path) -> list[Path]:
     """``step_<n>.pt`` files in ``save_dir``, newest step first (Note [Choosing a checkpoint])."""
+    return [path for _, path in checkpoint_steps(save_dir)]
+
+
+def checkpoint_steps(save_dir: str | Path) -> list[tuple[int, Path]]:
+    """``(step, path)`` of each ``step_<n>.pt`` file in ``save_dir``, newest step first; nothing is loaded."""
     found = []
     for path in Path(save_dir).glob("step_*.pt"):
         match = CHECKPOINT_NAME.fullmatch(path.name)
         if match and path.is_file():
             found.append((int(match.group(1)), path))
-    return [path for _, path in sorted(found, reverse=True)]
+    return sorted(found, reverse=True)
 
 
 def latest_checkpoint(save_dir: str | Path) -> Path | None:
@@ -78,20 +83,27 @@ def load_newest_valid(save_dir: str | Path, device: torch.device) -> tuple[Path,
     """
     paths, broken = checkpoints(save_dir), []
     for path in paths:
-        reason = None
-        try:
-            state = torch.load(path, map_location=device, weights_only=True)
-            reason = _structure_problem(state, path)
-        except Exception as err:  # noqa: BLE001 - any unreadable file is a broken checkpoint
-            reason = f"{type(err).__name__}: {clip(str(err), 200)}"
+        state, reason = load_valid(path, device)
         if reason is None:
             return path, state
-        logger.warning("train.resume: skipping %s, which is not a valid checkpoint (%s)", path, reason)
         broken.append(f"{path.name} ({reason})")
     if broken:
         raise ConfigError([Problem("train.resume", f"no valid checkpoint in {clip(str(save_dir), 200)}: "
                                    f"{'; '.join(broken[:5])}. Remove the broken files or set train.resume: false")])
     return None
+
+
+def load_valid(path: Path, device: torch.device) -> tuple[dict[str, Any] | None, str | None]:
+    """``(state, None)`` when ``path`` loads and looks right, else ``(None, reason)`` and a warning naming it."""
+    try:
+        state = torch.load(path, map_location=device, weights_only=True)
+        reason = _structure_problem(state, path)
+    except Exception as err:  # noqa: BLE001 - any unreadable file is a broken checkpoint
+        reason = f"{type(err).__name__}: {clip(str(err), 200)}"
+    if reason is None:
+        return state, None
+    logger.warning("train.resume: skipping %s, which is not a valid checkpoint (%s)", path, reason)
+    return None, reason
 
 
 def _structure_problem(state: Any, path: Path) -> str | None:
@@ -108,12 +120,45 @@ def _structure_problem(state: Any, path: Path) -> str | None:
 
 
 def resume(run: RunState) -> None:
-    """Continue from the newest valid checkpoint in ``train.save_dir`` (Note [Exact resume])."""
-    found = load_newest_valid(run.config.train.save_dir, run.device)
+    """Continue from the newest valid checkpoint in ``train.save_dir`` (Note [Exact resume]).
+
+    Raises:
+        ConfigError: no valid checkpoint, or only those of a run on several ranks (``rankNNN/``).
+    """
+    save_dir = run.config.train.save_dir
+    found = load_newest_valid(save_dir, run.device)
     if found is None:
-        logger.warning("train.resume: no checkpoint in %s; starting from step 0", run.config.train.save_dir)
+        no_checkpoint(save_dir, sorted(Path(save_dir).glob("rank[0-9]*/step_*.pt")), "on several ranks")
         return
-    path, state = found
+    restore(run, *found)
+
+
+def no_checkpoint(save_dir: str | Path, others: list[Path], layout: str) -> None:
+    """Nothing to resume: a warning and step 0, unless ``save_dir`` holds the other process layout's checkpoints.
+
+    Note [Checkpoints of another process layout]
+    One process saves ``save_dir/step_<n>.pt``, a run on several ranks ``save_dir/rankNNN/step_<n>.pt``
+    (each rank its own part). Each looks only where it writes, so resuming one kind from the other
+    found nothing and started from step 0 with a warning, then saved its own checkpoints beside the
+    old ones. ``resume: true`` on a folder holding the other kind is a mistake: an error.
+
+    Raises:
+        ConfigError: ``others`` is not empty.
+    """
+    if others:
+        raise ConfigError([Problem("train.resume", f"no checkpoint for this run in {clip(str(save_dir), 200)}, "
+                                   f"but {clip(str(others[-1]), 200)} ({len(others)} file(s)) was written by a run "
+                                   f"{layout}; resume with the parallel_config it was saved with, or set "
+                                   "train.resume: false or another train.save_dir to start anew")])
+    logger.warning("train.resume: no checkpoint in %s; starting from step 0", save_dir)
+
+
+def restore(run: RunState, path: Path, state: dict[str, Any]) -> None:
+    """Continue from the checkpoint ``state`` loaded from ``path`` (Note [Exact resume]).
+
+    Raises:
+        ConfigError: it was written with another model or data config, or does not fit the model.
+    """
     run.resume_notes = apply_resume_config(run.config, state.get("config"), path)
     try:
         run.model.load_state_dict(state["model"])

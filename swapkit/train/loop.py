@@ -68,7 +68,7 @@ def train(config: Config | Mapping[str, Any] | str | Path, steps: int | None = N
     _warn_single_process(config)
     swapkit.build_plan(config)  # the built-in model needs num_layers: a missing one is a ConfigError here
     device, total_steps = resolve_device(config, device), resolve_steps(config, steps)
-    _preflight(config, device, metrics_out)
+    preflight(config, device, metrics_out)
     run = _start(config, device, total_steps, metrics_out)
     try:
         _loop(run, progress)
@@ -117,8 +117,18 @@ def resolve_steps(config: Config, steps: int | None) -> int:
     return steps if steps is not None else config.train.steps
 
 
-def _preflight(config: Config, device: torch.device, metrics_out: str | Path | None) -> None:
-    """Everything that can be checked before the first step: engine, memory, output paths (exit 2)."""
+def preflight(config: Config, device: torch.device, metrics_out: str | Path | None, memory: bool = True) -> None:
+    """Everything that can be checked before the first step: engine, memory, output paths (exit 2).
+
+    Args:
+        config: the run's config.
+        device: where it trains.
+        metrics_out: the ``--metrics-out`` file, or ``None``.
+        memory: also check the memory estimate against this machine (not for ranks that may run elsewhere).
+
+    Raises:
+        ConfigError: every problem found.
+    """
     problems: list[Problem] = []
     if config.runtime.engine == "cuda" and device.type != "cuda":
         problems.append(Problem("runtime.engine", f"got 'cuda' but the model trains on {device}; set "
@@ -128,7 +138,8 @@ def _preflight(config: Config, device: torch.device, metrics_out: str | Path | N
     if config.train.save_dir:
         prepare_output_dir(Path(config.train.save_dir), "train.save_dir", "step_*.pt", problems)
     raise_problems(problems, config.source)
-    check_memory(config, device)
+    if memory:
+        check_memory(config, device)
 
 
 def _start(config: Config, device: torch.device, total_steps: int, metrics_out: str | Path | None) -> RunState:
@@ -204,7 +215,7 @@ def _train_step(run: RunState, step: int) -> dict[str, Any]:
     for micro in range(accumulation):
         loss += _micro_step(run, step, micro, accumulation)
         stats.append(run.session.stats)
-    _check_finite(run, step, loss)
+    check_finite(run, step, loss)
     if run.config.train.grad_clip is not None:
         torch.nn.utils.clip_grad_norm_(run.model.parameters(), run.config.train.grad_clip)
     run.optimizer.step()
@@ -213,7 +224,7 @@ def _train_step(run: RunState, step: int) -> dict[str, Any]:
     return step_record(step, loss, time.perf_counter() - start, stats)
 
 
-def _check_finite(run: RunState, step: int, loss: float) -> None:
+def check_finite(run: RunState, step: int, loss: float) -> None:
     """A NaN or infinite loss stops the run before the optimizer spreads it into the weights."""
     if not math.isfinite(loss):
         cfg = run.config.train

@@ -8,10 +8,23 @@ field by field:
   run with the old weights: each difference is listed (old -> new) in one ConfigError;
 - optimizer hyper-parameters (``lr``, ``weight_decay``, ``grad_clip``) take the config's values —
   the optimizer state's own copies are overwritten — and the summary says so;
-- everything else (swap, recompute, runtime, layout, device) does not change the math: allowed,
-  logged and listed in the summary. A flipped ``swap_config.swap`` also changes what the recompute
+- the parallel layout of a run on several ranks (``parallel_config.pipeline_stage``,
+  ``data_parallel``, ``micro_batch_num``; Note [Per-rank layout on resume]) is refused the same way;
+- everything else (swap, recompute, runtime, the pipeline schedule, device) does not change the math:
+  allowed, logged and listed in the summary. A flipped ``swap_config.swap`` also changes what the recompute
   lists select: a warning shows both readings (Note [Two readings of a recompute list]).
 Run control (``steps``, ``save_dir``, ``save_interval``, ``resume``, ``gc_interval``) is not compared.
+
+Note [Per-rank layout on resume]
+With several ranks each rank saves only its own part (its stage's chunks, its FSDP2 shard, its
+optimizer state) in ``save_dir/rankNNN``, and step ``s`` of data-parallel rank ``d`` reads
+micro-batches ``d*M .. d*M+M-1`` (swapkit.distributed.train Note [Same micro-batches as gradient
+accumulation]). Another ``pipeline_stage`` or ``data_parallel`` gives a rank another part than its
+file holds (at best an unreadable shape error from ``load_state_dict``, at worst a stage that loads
+and trains other layers' weights), and another ``micro_batch_num`` trains the same step on other data,
+as another ``gradient_accumulation_steps`` does in one process. So the three are compared as
+the run uses them: ``micro_batch_num`` not written is ``pipeline_stage``, and in one process,
+where it is not used, it is not compared.
 """
 from __future__ import annotations
 
@@ -29,6 +42,8 @@ logger = logging.getLogger(__name__)
 SECTIONS = {"model": "model.model_config", "parallel": "parallel_config", "recompute": "recompute_config",
             "swap": "swap_config", "runtime": "runtime", "train": "train"}
 MODEL_OR_DATA = ("train.seed", "train.batch_size", "train.gradient_accumulation_steps", "train.dtype")
+#: Note [Per-rank layout on resume]
+PER_RANK = ("parallel_config.pipeline_stage", "parallel_config.data_parallel", "parallel_config.micro_batch_num")
 OPTIMIZER = ("train.lr", "train.weight_decay", "train.grad_clip")
 #: Fields that record how a setting was written, not a setting (Note [Where a pattern was written]).
 NOT_SETTINGS = ("given",)
@@ -60,13 +75,14 @@ def apply_resume_config(config: Config, stored: Any, path: Path) -> list[str]:
         logger.warning("train.resume: %s holds no config (written by an older swapkit); differences in the "
                        "model or data cannot be checked", path)
         return [f"{path.name} holds no config: differences were not checked"]
-    changes = differences(_flat(stored), _flat(config_record(config)))
+    changes = differences(_as_run(_flat(stored)), _as_run(_flat(config_record(config))))
     fatal = [Problem(key, f"{show(old)} -> {show(new)} (changed since {path.name} was saved)")
              for key, old, new in changes if _changes_math(key)]
     if fatal:
-        head = Problem("train.resume", f"{path} does not fit model.model_config and train: the model or the data "
-                                       "changed since it was saved. Restore the old values, or start a new run "
-                                       "in another train.save_dir")
+        parts = ("model.model_config, parallel_config and train", "the model, the data or the parallel layout") \
+            if any(p.path in PER_RANK for p in fatal) else ("model.model_config and train", "the model or the data")
+        head = Problem("train.resume", f"{path} does not fit {parts[0]}: {parts[1]} changed since it was saved. "
+                                       "Restore the old values, or start a new run in another train.save_dir")
         raise ConfigError([head, *fatal], config.source)
     notes = [_note(key, old, new) for key, old, new in changes]
     for note in notes:
@@ -92,8 +108,17 @@ def _flat(record: Mapping[str, Any]) -> dict[str, Any]:
             for key, value in fields.items()}
 
 
+def _as_run(flat: dict[str, Any]) -> dict[str, Any]:
+    """``micro_batch_num`` as the run uses it (Note [Per-rank layout on resume])."""
+    key = "parallel_config.micro_batch_num"
+    stages = flat.get("parallel_config.pipeline_stage", 1)
+    one_process = stages * flat.get("parallel_config.data_parallel", 1) == 1
+    return {**flat, key: None if one_process else flat.get(key) if flat.get(key) is not None else stages}
+
+
 def _changes_math(key: str) -> bool:
-    return key in MODEL_OR_DATA or (key.startswith("model.model_config.") and not key.endswith(".layers_path"))
+    model = key.startswith("model.model_config.") and not key.endswith(".layers_path")
+    return key in MODEL_OR_DATA or key in PER_RANK or model
 
 
 def _note(key: str, old: Any, new: Any) -> str:
