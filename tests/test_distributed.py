@@ -275,6 +275,41 @@ def test_ddp_no_sync_micro_batches_bit_identical():
                     assert torch.equal(grad, got[param]), f"{name}, step {step}: grad of {param}"
 
 
+UNIFORM = {"recompute_config": {"recompute_granularity": "full", "recompute_method": "uniform",
+                                "recompute_num_layers": 2}}
+
+
+def uniform_unit_cases(rank: int, world_size: int) -> dict:
+    """A Megatron uniform unit (layers 0-1, 2-3) under FSDP2 sharded per layer and per unit
+    (swapkit.runtime.recompute Note [Uniform units under FSDP2])."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    out = {}
+    for grouping in ("per_layer", "per_unit"):
+        model = build()
+        session = swapkit.apply(model, toy_config(4, **UNIFORM), layers="layers")
+        groups = [[layer] for layer in model.layers] if grouping == "per_layer" else \
+            [[model.layers[0], model.layers[1]], [model.layers[2], model.layers[3]]]
+        for group in groups:
+            fully_shard(group, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        try:
+            with session:
+                llama_step(model, llama_batch(seed=rank, cfg=TINY))
+            out[grouping] = sorted(name for name, p in model.named_parameters() if p.grad is not None)
+        except RuntimeError as err:
+            out[grouping] = str(err)
+    return out
+
+
+def test_a_uniform_unit_sharded_per_layer_names_the_fsdp2_grouping_to_use():
+    (result,) = run_ranks(uniform_unit_cases, 1)
+    assert result["per_layer"].startswith("swapkit: uniform recompute unit layers 0-1: layer 1 is sharded by a "
+                                          "fully_shard call of its own"), result["per_layer"]
+    assert "fully_shard([layers[0], layers[1]])" in result["per_layer"]
+    assert isinstance(result["per_unit"], list) and any(".layers.1." in n or n.startswith("layers.1.")
+                                                        for n in result["per_unit"]), result["per_unit"]
+
+
 def fail_on_rank_one(rank: int, world_size: int) -> int:
     if rank == 1:
         raise ValueError("rank one failed on purpose")

@@ -21,6 +21,18 @@ thing. The last pass-through of a
 unit lets go of the unit's output and arguments, so no tensor (nor the graph behind it) outlives
 the forward that made it; a pass-through called outside a unit's forward computes its layer.
 
+Note [Uniform units under FSDP2]
+FSDP2 gathers a module's sharded weights in the pre-forward hook of the module ``fully_shard`` was
+called on, when that module is called. A unit's later layers are called only as pass-throughs, after
+the first layer's call ran their forwards, so a later layer sharded by a ``fully_shard`` call of its
+own ran with sharded ``DTensor`` weights and failed inside the region with torch's "got mixed
+torch.Tensor and DTensor". Sharding the unit's layers as one group (``fully_shard([layer_a,
+layer_b])``) gathers them together before the first one runs. The first layer's wrapper therefore
+compares, on every training call, the FSDP2 state of each later layer with the first layer's (one
+state per ``fully_shard`` call) and raises naming the layers and the fix; ``swapkit train`` shards
+units this way (``swapkit.distributed.train`` Note [A uniform unit is one FSDP2 group]). A model
+sharded only at its root gathers everything before the unit runs and passes.
+
 Note [What an op-level region saves]
 A checkpointed op scope saves its inputs instead of what it saves inside; its output is saved
 (or not) by its consumers as usual. So a region around one elementwise op (MindFormers' default
@@ -70,6 +82,7 @@ is refused too (checkpointing it frees nothing).
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any, Callable
 
 import torch
@@ -188,6 +201,7 @@ class Recompute:
             state["output"] = state["inputs"] = None
             if not (head.training and torch.is_grad_enabled()):
                 return originals[0](h, *args, **kwargs)
+            _check_unit_sharding(layers, label)  # Note [Uniform units under FSDP2]
             clean_args, clean_kwargs = self._no_cache(cache, (h, *args), kwargs, label)
             output = self._checkpoint(replayable, clean_args, clean_kwargs, label, head)
             state["output"], state["inputs"] = output, (args, kwargs)  # as the pass-throughs receive them
@@ -266,6 +280,31 @@ def _pass_through(state: dict[str, Any], original: Callable[..., Any], index: in
         return h
 
     return forward
+
+
+def _check_unit_sharding(layers: list[BoundLayer], label: str) -> None:
+    """Note [Uniform units under FSDP2]"""
+    head = _fsdp_state(layers[0].module)
+    for layer in layers[1:]:
+        state = _fsdp_state(layer.module)
+        if state is not None and state is not head:
+            members = ", ".join(f"layers[{b.index}]" for b in layers)
+            raise RuntimeError(
+                f"swapkit: uniform recompute unit {label}: layer {layer.index} is sharded by a fully_shard call of "
+                f"its own, so FSDP2 gathers its weights only when the layer is called, after the unit has already "
+                f"run it with sharded weights; shard the unit's layers as one group, fully_shard([{members}]) (the "
+                "container's entries), as swapkit train does, or use recompute_method: block "
+                "(Note [Uniform units under FSDP2])")
+
+
+def _fsdp_state(module: nn.Module) -> Any:
+    """The FSDP2 state ``fully_shard`` gave ``module`` (one per ``fully_shard`` call), or None. A process
+    that never imported ``torch.distributed.fsdp`` has sharded nothing (and swapkit does not import it:
+    about a second)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is None or not isinstance(module, fsdp.FSDPModule):
+        return None
+    return fsdp.fully_shard.state(module)
 
 
 def _unit_error(label: str, index: int, what: str) -> RuntimeError:
