@@ -163,6 +163,23 @@ def test_mindspore_only_keys_load_and_are_listed(caplog):
     assert len(warnings) == len(NO_EFFECT_PATHS)
 
 
+@pytest.mark.parametrize("parallel, expected", [
+    ({"micro_batch_num": 4}, ["parallel_config.micro_batch_num: 4 has no effect with pipeline_stage 1 and "
+                              "data_parallel 1 (one process, no pipeline); to split a step into micro-batches "
+                              "there, set train.gradient_accumulation_steps instead"]),
+    ({"pipeline_schedule": "gpipe"}, ["parallel_config.pipeline_schedule: gpipe has no effect with pipeline_stage 1 "
+                                      "(no pipeline); drop it, or set pipeline_stage above 1"]),
+    ({"micro_batch_num": 1}, []),  # one micro-batch is what one process runs anyway
+    ({"micro_batch_num": 4, "pipeline_stage": 2, "pipeline_schedule": "gpipe"}, []),
+    ({"micro_batch_num": 4, "data_parallel": 2}, []),  # several ranks: each replica runs 4
+])
+def test_pipeline_keys_without_a_pipeline_are_warned(parallel, expected, caplog):
+    raw = {"model": {"model_config": {"num_layers": 4}}, "parallel_config": parallel}
+    with caplog.at_level(logging.WARNING, logger="swapkit"):
+        load_config(raw)
+    assert [r.getMessage() for r in caplog.records] == expected
+
+
 def test_seed_config_with_context_warns_once(caplog):
     with caplog.at_level(logging.WARNING, logger="swapkit"):
         config = load_config(Path(CONFIGS[0]).parent / "seed001_swap_default.yaml")

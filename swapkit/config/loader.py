@@ -164,7 +164,7 @@ def _read_config(raw: Any, problems: Problems, name: str | None) -> Config:
         top["parallel_config"], "parallel_config", schema.PARALLEL_KEYS, problems, schema.PARALLEL_NO_EFFECT, notices))
     recompute = _read_recompute(top["recompute_config"], problems, notices)
     swap = _read_swap(top["swap_config"], problems, model)
-    warnings = swap_warnings(top["swap_config"], swap)
+    warnings = swap_warnings(top["swap_config"], swap) + one_process_warnings(parallel)
     _read_context(top["context"], problems, notices)  # before no_effect is frozen into the Config
     config = Config(
         model=model,
@@ -178,6 +178,24 @@ def _read_config(raw: Any, problems: Problems, name: str | None) -> Config:
         warnings=tuple(warnings),
     )
     return config
+
+
+def one_process_warnings(parallel: ParallelConfig) -> list[str]:
+    """Pipeline keys that do nothing where there is no pipeline: one process (``pipeline_stage`` and
+    ``data_parallel`` 1) runs ``train.gradient_accumulation_steps`` micro-batches per step, as MindFormers
+    does without pipeline parallelism; ``micro_batch_num`` 1 is that default and says nothing."""
+    stages, replicas = parallel.pipeline_stage, parallel.data_parallel
+    if not (F.is_int(stages) and F.is_int(replicas) and stages == replicas == 1):
+        return []
+    out = []
+    if F.is_int(parallel.micro_batch_num) and parallel.micro_batch_num > 1:
+        out.append(f"parallel_config.micro_batch_num: {parallel.micro_batch_num} has no effect with pipeline_stage 1 "
+                   "and data_parallel 1 (one process, no pipeline); to split a step into micro-batches there, set "
+                   "train.gradient_accumulation_steps instead")
+    if isinstance(parallel.pipeline_schedule, str):
+        out.append(f"parallel_config.pipeline_schedule: {parallel.pipeline_schedule} has no effect with "
+                   "pipeline_stage 1 (no pipeline); drop it, or set pipeline_stage above 1")
+    return out
 
 
 def _read_model(raw: Any, problems: Problems, notices: list[str]) -> ModelConfig:
