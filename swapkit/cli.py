@@ -160,6 +160,7 @@ def run_budget_plan(args: argparse.Namespace) -> int:
     from swapkit.plan.planner import BudgetError
     from swapkit.planner.command import budget_plan, write
 
+    _check_outputs({"--out": args.out})
     if not (args.log or args.verbose):  # as plain `swapkit plan`: the measurement runs' log lines with --log
         logger.setLevel(logging.WARNING)
     try:
@@ -175,6 +176,21 @@ def run_budget_plan(args: argparse.Namespace) -> int:
         if args.out is None:
             print(plan.yaml())
     return EXIT_OK
+
+
+def _check_outputs(paths: dict[str, str | None]) -> None:
+    """The files a ``--budget`` command writes can be written (exit 2), checked before the planner
+    spends its measurement runs rather than failing after them."""
+    from pathlib import Path
+
+    from swapkit.train.files import check_output_file
+
+    problems: list[Problem] = []
+    for key, path in paths.items():
+        if path is not None:
+            check_output_file(Path(path), key, problems)
+    if problems:
+        raise ConfigError(problems)
 
 
 def _plan_model(args: argparse.Namespace, config: Config) -> tuple[Any, Plan]:
@@ -242,6 +258,7 @@ def run_budget_train(args: argparse.Namespace) -> int:
     from swapkit.plan.planner import BudgetError
     from swapkit.planner.command import budget_plan, write
 
+    _check_outputs({"--metrics-out": args.metrics_out})
     try:
         plan = budget_plan(args.config, args.overrides, args.budget, args.device)
     except BudgetError as err:

@@ -168,6 +168,18 @@ def test_bad_budget_arguments_are_clean_errors(config_file, capsys, argv):
     assert "Traceback" not in err and ("--budget" in err or "--out" in err)
 
 
+@pytest.mark.parametrize("command, flag", [("plan", "--out"), ("train", "--metrics-out")])
+def test_unwritable_output_is_refused_before_measuring(config_file, tmp_path, capsys, monkeypatch, command, flag):
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("measured before checking the output path")
+
+    monkeypatch.setattr("swapkit.planner.command.measure", no_measuring)
+    out = tmp_path / "missing" / "out.yaml"
+    assert main([command, str(config_file), "--budget", "1MiB", flag, str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"{flag}: got {out}; its folder {out.parent} does not exist" in err and "Traceback" not in err
+
+
 @pytest.mark.cuda
 def test_cuda_link_is_measured_per_direction():
     import torch
