@@ -259,11 +259,16 @@ def run_budget_train(args: argparse.Namespace) -> int:
     from swapkit.planner.command import budget_plan, write
 
     _check_outputs({"--metrics-out": args.metrics_out})
+    level = logger.level
+    if not args.verbose:  # the measurement runs' own log lines (every mode's Set ... lines) only with -v
+        logger.setLevel(logging.WARNING)
     try:
         plan = budget_plan(args.config, args.overrides, args.budget, args.device)
     except BudgetError as err:
         print(f"swapkit: {err}", file=sys.stderr)
         return EXIT_USAGE
+    finally:
+        logger.setLevel(level)
     write(plan, None)
     print(plan.report, file=sys.stderr)
     from swapkit.load import load_config

@@ -168,6 +168,15 @@ def test_bad_budget_arguments_are_clean_errors(config_file, capsys, argv):
     assert "Traceback" not in err and ("--budget" in err or "--out" in err)
 
 
+def test_train_budget_logs_the_trained_config_not_the_measurement_runs(config_file, planner, tmp_path, capfd):
+    """The measurement runs recompute every layer; their 'Set full recompute' lines are not the run's."""
+    budget = planner.predict((KEEP,) * 3).peak_device_bytes  # keeps everything: nothing is Set
+    assert main(["train", str(config_file), "--budget", str(budget), "--steps", "1", "--no-progress"]) == 0
+    err = capfd.readouterr().err
+    assert "Set full recompute" not in err and "Set layer swap" not in err and "measured on" not in err
+    assert "Formative layer_recompute" in err and "predicted: peak_device_bytes" in err  # the run's own lines
+
+
 @pytest.mark.parametrize("command, flag", [("plan", "--out"), ("train", "--metrics-out")])
 def test_unwritable_output_is_refused_before_measuring(config_file, tmp_path, capsys, monkeypatch, command, flag):
     def no_measuring(*args, **kwargs):
