@@ -9,6 +9,7 @@ copies.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime
 import os
@@ -34,6 +35,37 @@ DEFAULT_MODEL = {"num_layers": 4, "hidden_size": 256, "num_heads": 4, "intermedi
 QUICK_MODEL = {"num_layers": 2, "hidden_size": 128, "num_heads": 2, "intermediate_size": 352,
                "vocab_size": 256, "seq_length": 128}
 DEFAULT_BATCH, QUICK_BATCH = 4, 2
+
+
+def positive_int(text: str) -> int:
+    """An ``argparse`` type: a count such as ``--reps`` or ``--prefetch``, at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"got {text!r}; expected a whole number >= 1")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An ``argparse`` type: a finite number above 0, such as ``--link-fraction``."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"got {text!r}; expected a number > 0")
+    return value
+
+
+def output_dir(text: str) -> Path:
+    """An ``argparse`` type: a folder that exists or can be created (no file on its path)."""
+    path = Path(text)
+    existing = next((p for p in (path, *path.parents) if p.exists()), Path("."))
+    if not existing.is_dir():
+        raise argparse.ArgumentTypeError(f"got {text!r}; {existing} is a file, not a folder: choose another path")
+    return path
 
 
 @dataclass(frozen=True)

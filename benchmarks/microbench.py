@@ -72,7 +72,7 @@ import swapkit
 from swapkit.engine import ThreadCopyEngine
 from swapkit.runtime.records import checksum
 
-from common import synchronize
+from common import output_dir, positive_int, synchronize
 
 
 class TinyChain(nn.Module):
@@ -297,9 +297,9 @@ def _timed(work: Callable[[], Any]) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="swapkit's per-saved-tensor overhead (Note [Paired per-tensor costs])")
-    parser.add_argument("--out", type=Path, default=Path("bench-out/overhead"))
-    parser.add_argument("--length", type=int, default=2000, help="sin ops in the chain (saved tensors per step)")
-    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--out", type=output_dir, default=Path("bench-out/overhead"))
+    parser.add_argument("--length", type=positive_int, default=2000, help="sin ops in the chain (saved tensors per step)")
+    parser.add_argument("--reps", type=positive_int, default=30)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--ways", default=",".join(WAYS),
                         help="ways to run, comma-separated (none and identity always run); leave out swap_per_tensor "

@@ -100,6 +100,36 @@ def test_default_output_is_not_the_committed_results():
     assert "bench-out/" in (ROOT / ".gitignore").read_text().splitlines()
 
 
+BAD_ARGUMENTS = [  # each was a traceback after minutes of work (ZeroDivisionError, StatisticsError, ...) or ran anyway
+    ("swap_vs_recompute", "parse_args", ["--link-fraction", "0"], "--link-fraction: got '0'; expected a number > 0"),
+    ("swap_vs_recompute", "parse_args", ["--reps", "-1"], "--reps: got '-1'; expected a whole number >= 1"),
+    ("swap_vs_recompute", "parse_args", ["--prefetch", "0"], "--prefetch: got '0'; expected a whole number >= 1"),
+    ("swap_vs_recompute", "parse_args", ["--threads", "0"], "--threads: got '0'; expected a whole number >= 1"),
+    ("host_pool", "main", ["--steps", "0"], "--steps: got '0'"),
+    ("microbench", "main", ["--reps", "0"], "--reps: got '0'"),
+    ("pipeline", "parse_args", ["--reps", "0"], "--reps: got '0'"),
+    ("planner_frontier", "main", ["--threads", "0"], "--threads: got '0'"),
+    ("memory_cap", "parse_args", ["--prefetch", "0"], "--prefetch: got '0'"),
+]
+
+
+@pytest.mark.parametrize("script, entry, argv, message", BAD_ARGUMENTS)
+def test_bad_benchmark_arguments_are_usage_errors(capsys, script, entry, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        getattr(bench_module(script), entry)(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("script, entry", [("swap_vs_recompute", "parse_args"), ("planner_stages", "main"),
+                                           ("microbench", "main")])
+def test_an_output_folder_under_a_file_is_a_usage_error(tmp_path, capsys, script, entry):
+    blocker = tmp_path / "results.md"
+    blocker.write_text("a file")
+    with pytest.raises(SystemExit) as exit_info:
+        getattr(bench_module(script), entry)(["--out", str(blocker / "out")])
+    assert exit_info.value.code == 2 and f"{blocker} is a file, not a folder" in capsys.readouterr().err
+
+
 def test_loaded_machine_and_impossible_speedups_mark_the_report():
     report = bench_module("report")
     env = {"cpu_count": 2, "load_average_at_start": (3.5, 2.0, 1.0), "load_average_at_end": (1.0, 1.0, 1.0)}
