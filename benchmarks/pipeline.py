@@ -32,7 +32,7 @@ from swapkit.train.model import lm_loss
 
 from common import output_dir, positive_int
 
-DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+DEFAULT_OUT = Path("bench-out/pipeline")  # git-ignored; benchmarks/results only with an explicit --out
 MODEL = {"num_layers": 8, "hidden_size": 128, "num_heads": 4, "intermediate_size": 352, "vocab_size": 256,
          "seq_length": 128}
 QUICK_MODEL = {**MODEL, "num_layers": 4, "hidden_size": 64, "intermediate_size": 176, "seq_length": 64}

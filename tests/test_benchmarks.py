@@ -98,6 +98,8 @@ def test_default_output_is_not_the_committed_results():
     args = bench_module("swap_vs_recompute").parse_args([])
     assert args.out == Path("bench-out")  # git-ignored; benchmarks/results/ only with an explicit --out
     assert "bench-out/" in (ROOT / ".gitignore").read_text().splitlines()
+    # pipeline.py --quick used to overwrite the committed benchmarks/results/pipeline.{json,md}
+    assert bench_module("pipeline").parse_args([]).out == Path("bench-out/pipeline")
 
 
 BAD_ARGUMENTS = [  # each was a traceback after minutes of work (ZeroDivisionError, StatisticsError, ...) or ran anyway
