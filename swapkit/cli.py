@@ -271,9 +271,10 @@ def run_budget_train(args: argparse.Namespace) -> int:
         logger.setLevel(level)
     write(plan, None)
     print(plan.report, file=sys.stderr)
-    from swapkit.load import load_config
+    from swapkit.load import validated_config
 
-    return _train(load_config(plan.config), args, plan)  # a pipeline config trains on one process per stage
+    # the input's warnings were logged when budget_plan loaded it; the planned config repeats them
+    return _train(validated_config(plan.config), args, plan)  # a pipeline config trains on one process per stage
 
 
 if __name__ == "__main__":

@@ -177,6 +177,15 @@ def test_train_budget_logs_the_trained_config_not_the_measurement_runs(config_fi
     assert "Formative layer_recompute" in err and "predicted: peak_device_bytes" in err  # the run's own lines
 
 
+def test_train_budget_warns_about_the_input_config_once(planner, tmp_path, capfd):
+    """The planned config is the input with two sections replaced: its warnings are the input's."""
+    path = tmp_path / "mindformers.yaml"
+    path.write_text(yaml.safe_dump({**CONFIG, "context": {"memory_optimize_level": "O1"}}), encoding="utf-8")
+    budget = planner.predict((KEEP,) * 3).peak_device_bytes
+    assert main(["train", str(path), "--budget", str(budget), "--steps", "1", "--no-progress"]) == 0
+    assert capfd.readouterr().err.count("context.memory_optimize_level has no effect") == 1
+
+
 @pytest.mark.parametrize("command, flag", [("plan", "--out"), ("train", "--metrics-out")])
 def test_unwritable_output_is_refused_before_measuring(config_file, tmp_path, capsys, monkeypatch, command, flag):
     def no_measuring(*args, **kwargs):

@@ -22,7 +22,7 @@ import yaml
 from swapkit.config.errors import Problems
 from swapkit.config.loader import apply_overrides
 from swapkit.config.yaml_reader import read_yaml_file
-from swapkit.load import load_config
+from swapkit.load import load_config, validated_config
 from swapkit.plan.emit import layer_rows, planned_config, planned_sections, table, to_json
 from swapkit.plan.planner import Planned
 from swapkit.plan.size import parse_size
@@ -79,8 +79,9 @@ def budget_plan(path: str, overrides: Sequence[str], budget_text: str, device: s
 
 
 def write(plan: BudgetPlan, out: str | None) -> None:
-    """Write the planned YAML to ``out`` (logged), checking first that it loads."""
-    load_config(plan.config)
+    """Write the planned YAML to ``out`` (logged), checking first that it loads (its warnings are the
+    input config's, logged once when that was loaded)."""
+    validated_config(plan.config)
     if out is not None:
         Path(out).write_text(plan.yaml(), encoding="utf-8")
         logger.info("wrote the planned config to %s", out)
