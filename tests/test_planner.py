@@ -161,6 +161,11 @@ def test_an_interleaved_pipeline_config_is_a_clean_error(tmp_path, capsys):
     assert "parallel_config.pipeline_schedule" in err and "'interleaved_1f1b'" in err and "Traceback" not in err
 
 
+def test_sizes_per_stage_without_a_pipeline_say_so(config_file, capsys):
+    assert main(["plan", str(config_file), "--budget", "1MiB,2MiB"]) == 2
+    assert "--budget: got '1MiB,2MiB'; sizes per stage apply only to a pipeline config" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv", [["--budget", "lots"], ["--budget", "0"], ["--out", "x.yaml"]])
 def test_bad_budget_arguments_are_clean_errors(config_file, capsys, argv):
     assert main(["plan", str(config_file), *argv]) == 2
