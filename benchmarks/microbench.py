@@ -306,6 +306,9 @@ def main(argv: list[str] | None = None) -> int:
                              "to measure a swapkit tree from before runtime.offload_batch_bytes existed")
     parser.add_argument("--no-gc", action="store_true", help="run with Python's cyclic garbage collector disabled")
     args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(f"--device cuda: CUDA is not available (torch {torch.__version__}); use --device cpu", file=sys.stderr)
+        return 2
     logging.getLogger("swapkit").setLevel(logging.ERROR)
     ways = tuple(w for w in args.ways.split(",") if w)
     unknown = sorted(set(ways) - set(WAYS))

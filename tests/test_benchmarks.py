@@ -122,6 +122,13 @@ def test_bad_benchmark_arguments_are_usage_errors(capsys, script, entry, argv, m
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given without CUDA")
+@pytest.mark.parametrize("script", ["microbench", "host_pool", "swap_vs_recompute"])
+def test_device_cuda_without_cuda_is_a_usage_error(tmp_path, capsys, script):
+    assert bench_module(script).main(["--device", "cuda", "--out", str(tmp_path)]) == 2
+    assert "--device cuda: CUDA is not available" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("script, entry", [("swap_vs_recompute", "parse_args"), ("planner_stages", "main"),
                                            ("microbench", "main")])
 def test_an_output_folder_under_a_file_is_a_usage_error(tmp_path, capsys, script, entry):
