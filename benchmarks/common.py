@@ -15,6 +15,7 @@ import datetime
 import os
 import platform
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,7 @@ import psutil
 import torch
 
 import swapkit
+from swapkit.config.errors import ConfigError
 from swapkit.config.types import ModelConfig
 from swapkit.load import load_config
 from swapkit.train.model import build_model, lm_loss
@@ -89,11 +91,19 @@ class Setup:
 
 
 def load_setup(config: str | None, quick: bool, device: str) -> Setup:
-    """Model sizes and batch from ``--config`` (validated by swapkit's loader), else the defaults."""
+    """Model sizes and batch from ``--config`` (validated by swapkit's loader), else the defaults.
+
+    Raises:
+        SystemExit: status 2 for a bad ``--config``, its problems on stderr (no traceback).
+    """
     if config is None:
         model, batch = (QUICK_MODEL, QUICK_BATCH) if quick else (DEFAULT_MODEL, DEFAULT_BATCH)
         return Setup(dict(model), batch, torch.device(device))
-    loaded = load_config(config)
+    try:
+        loaded = load_config(config)
+    except ConfigError as err:
+        print(f"--config: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
     model = {k: v for k, v in dataclasses.asdict(loaded.model).items() if v is not None}
     runtime = {k: v for k, v in dataclasses.asdict(loaded.runtime).items() if v is not None}
     runtime["engine_options"] = {k: v for k, v in runtime["engine_options"].items() if v is not None}
