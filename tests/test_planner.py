@@ -6,6 +6,7 @@ import json
 import logging
 
 import pytest
+import torch
 import yaml
 
 from swapkit.cli import main
@@ -164,6 +165,14 @@ def test_an_interleaved_pipeline_config_is_a_clean_error(tmp_path, capsys):
 def test_sizes_per_stage_without_a_pipeline_say_so(config_file, capsys):
     assert main(["plan", str(config_file), "--budget", "1MiB,2MiB"]) == 2
     assert "--budget: got '1MiB,2MiB'; sizes per stage apply only to a pipeline config" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the engine/device mismatch needs a CPU-only machine")
+@pytest.mark.parametrize("command", ["plan", "train"])
+def test_cuda_engine_on_cpu_is_a_config_error_as_in_train(config_file, capsys, command):
+    argv = [command, str(config_file), "--budget", "1MiB", "--set", "runtime.engine=cuda"]
+    assert main(argv) == 2
+    assert "runtime.engine: got 'cuda' but the model trains on cpu; set runtime.engine: auto" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv", [["--budget", "lots"], ["--budget", "0"], ["--out", "x.yaml"]])
