@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -117,8 +118,17 @@ BAD_ARGUMENTS = [  # each was a traceback after minutes of work (ZeroDivisionErr
 ]
 
 
+@pytest.fixture()
+def swapkit_log_level():
+    """A benchmark's main() quiets the swapkit logger for its run; later tests need it back."""
+    logger = logging.getLogger("swapkit")
+    level = logger.level
+    yield
+    logger.setLevel(level)
+
+
 @pytest.mark.parametrize("script, entry, argv, message", BAD_ARGUMENTS)
-def test_bad_benchmark_arguments_are_usage_errors(capsys, script, entry, argv, message):
+def test_bad_benchmark_arguments_are_usage_errors(capsys, swapkit_log_level, script, entry, argv, message):
     with pytest.raises(SystemExit) as exit_info:
         getattr(bench_module(script), entry)(argv)
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
@@ -126,7 +136,7 @@ def test_bad_benchmark_arguments_are_usage_errors(capsys, script, entry, argv, m
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given without CUDA")
 @pytest.mark.parametrize("script", ["microbench", "host_pool", "swap_vs_recompute"])
-def test_device_cuda_without_cuda_is_a_usage_error(tmp_path, capsys, script):
+def test_device_cuda_without_cuda_is_a_usage_error(tmp_path, capsys, swapkit_log_level, script):
     assert bench_module(script).main(["--device", "cuda", "--out", str(tmp_path)]) == 2
     assert "--device cuda: CUDA is not available" in capsys.readouterr().err
 
