@@ -193,6 +193,16 @@ def _check_outputs(paths: dict[str, str | None]) -> None:
         raise ConfigError(problems)
 
 
+def _check_before_planning(args: argparse.Namespace) -> None:
+    """``swapkit train --budget``: what training would refuse (``--steps``, ``--metrics-out``, ``train.resume``
+    without ``train.save_dir``) is refused before the measurement runs, not after them."""
+    from swapkit.load import validated_config
+    from swapkit.train.loop import resolve_steps
+
+    _check_outputs({"--metrics-out": args.metrics_out})
+    resolve_steps(validated_config(args.config, args.overrides), args.steps)  # warnings: when budget_plan loads it
+
+
 def _plan_model(args: argparse.Namespace, config: Config) -> tuple[Any, Plan]:
     """The model ``swapkit plan`` resolves against (meta device) and the plan for it."""
     from swapkit.config.errors import Problem
@@ -258,7 +268,7 @@ def run_budget_train(args: argparse.Namespace) -> int:
     from swapkit.plan.planner import BudgetError
     from swapkit.planner.command import budget_plan, write
 
-    _check_outputs({"--metrics-out": args.metrics_out})
+    _check_before_planning(args)
     level = logger.level
     if not args.verbose:  # the measurement runs' own log lines (every mode's Set ... lines) only with -v
         logger.setLevel(logging.WARNING)

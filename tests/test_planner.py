@@ -200,6 +200,15 @@ def test_train_budget_warns_about_the_input_config_once(planner, tmp_path, capfd
     assert capfd.readouterr().err.count("context.memory_optimize_level has no effect") == 1
 
 
+def test_train_budget_checks_steps_before_measuring(config_file, capsys, monkeypatch):
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("measured before checking --steps")
+
+    monkeypatch.setattr("swapkit.planner.command.measure", no_measuring)
+    assert main(["train", str(config_file), "--budget", "1MiB", "--steps", "0"]) == 2
+    assert "--steps: got 0; expected an integer >= 1" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("command, flag", [("plan", "--out"), ("train", "--metrics-out")])
 def test_unwritable_output_is_refused_before_measuring(config_file, tmp_path, capsys, monkeypatch, command, flag):
     def no_measuring(*args, **kwargs):
