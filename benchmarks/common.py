@@ -9,11 +9,13 @@ copies.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime
 import os
 import platform
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +25,7 @@ import psutil
 import torch
 
 import swapkit
+from swapkit.config.errors import ConfigError
 from swapkit.config.types import ModelConfig
 from swapkit.load import load_config
 from swapkit.train.model import build_model, lm_loss
@@ -34,6 +37,37 @@ DEFAULT_MODEL = {"num_layers": 4, "hidden_size": 256, "num_heads": 4, "intermedi
 QUICK_MODEL = {"num_layers": 2, "hidden_size": 128, "num_heads": 2, "intermediate_size": 352,
                "vocab_size": 256, "seq_length": 128}
 DEFAULT_BATCH, QUICK_BATCH = 4, 2
+
+
+def positive_int(text: str) -> int:
+    """An ``argparse`` type: a count such as ``--reps`` or ``--prefetch``, at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"got {text!r}; expected a whole number >= 1")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An ``argparse`` type: a finite number above 0, such as ``--link-fraction``."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"got {text!r}; expected a number > 0")
+    return value
+
+
+def output_dir(text: str) -> Path:
+    """An ``argparse`` type: a folder that exists or can be created (no file on its path)."""
+    path = Path(text)
+    existing = next((p for p in (path, *path.parents) if p.exists()), Path("."))
+    if not existing.is_dir():
+        raise argparse.ArgumentTypeError(f"got {text!r}; {existing} is a file, not a folder: choose another path")
+    return path
 
 
 @dataclass(frozen=True)
@@ -57,11 +91,19 @@ class Setup:
 
 
 def load_setup(config: str | None, quick: bool, device: str) -> Setup:
-    """Model sizes and batch from ``--config`` (validated by swapkit's loader), else the defaults."""
+    """Model sizes and batch from ``--config`` (validated by swapkit's loader), else the defaults.
+
+    Raises:
+        SystemExit: status 2 for a bad ``--config``, its problems on stderr (no traceback).
+    """
     if config is None:
         model, batch = (QUICK_MODEL, QUICK_BATCH) if quick else (DEFAULT_MODEL, DEFAULT_BATCH)
         return Setup(dict(model), batch, torch.device(device))
-    loaded = load_config(config)
+    try:
+        loaded = load_config(config)
+    except ConfigError as err:
+        print(f"--config: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
     model = {k: v for k, v in dataclasses.asdict(loaded.model).items() if v is not None}
     runtime = {k: v for k, v in dataclasses.asdict(loaded.runtime).items() if v is not None}
     runtime["engine_options"] = {k: v for k, v in runtime["engine_options"].items() if v is not None}

@@ -30,7 +30,7 @@ import torch
 from swapkit.engine import ThreadCopyEngine, make_pool
 from swapkit.train.model import lm_loss
 
-from common import environment, fresh_model, hardware_line, load_setup, make_batch
+from common import environment, fresh_model, hardware_line, load_setup, make_batch, output_dir, positive_int
 
 MiB = 1 << 20
 
@@ -130,8 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--quick", action="store_true", help="small model, few steps")
     parser.add_argument("--config", help="swapkit YAML: the benchmark model's sizes")
-    parser.add_argument("--steps", type=int, help="rounds per mix (default 50, --quick 5)")
-    parser.add_argument("--out", type=Path, default=Path("bench-out"), help="output folder (default: %(default)s)")
+    parser.add_argument("--steps", type=positive_int, help="rounds per mix (default 50, --quick 5)")
+    parser.add_argument("--out", type=output_dir, default=Path("bench-out"), help="output folder (default: %(default)s)")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print(f"--device cuda: CUDA is not available (torch {torch.__version__}); use --device cpu", file=sys.stderr)

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from common import environment, hardware_line, load_setup, make_batch
+from common import environment, hardware_line, load_setup, make_batch, output_dir, positive_int
 from variants import BASELINE, FULL_RECOMPUTE, LAYER_SWAP, Runner, Variant, main_variants
 
 MiB = 1 << 20
@@ -59,8 +59,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=4, help="timed steps per round")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds over the variants")
-    parser.add_argument("--prefetch", type=int, default=8, help="backward_prefetch of the swap variants")
-    parser.add_argument("--out", type=Path, default=Path("bench-out/memory_cap"))
+    parser.add_argument("--prefetch", type=positive_int, default=8, help="backward_prefetch of the swap variants")
+    parser.add_argument("--out", type=output_dir, default=Path("bench-out/memory_cap"))
     args = parser.parse_args(argv)
     if not 0 < args.cap <= 1:
         parser.error(f"--cap: got {args.cap}; expected a fraction in (0, 1]")

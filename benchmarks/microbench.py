@@ -72,7 +72,7 @@ import swapkit
 from swapkit.engine import ThreadCopyEngine
 from swapkit.runtime.records import checksum
 
-from common import synchronize
+from common import output_dir, positive_int, synchronize
 
 
 class TinyChain(nn.Module):
@@ -297,15 +297,18 @@ def _timed(work: Callable[[], Any]) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="swapkit's per-saved-tensor overhead (Note [Paired per-tensor costs])")
-    parser.add_argument("--out", type=Path, default=Path("bench-out/overhead"))
-    parser.add_argument("--length", type=int, default=2000, help="sin ops in the chain (saved tensors per step)")
-    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--out", type=output_dir, default=Path("bench-out/overhead"))
+    parser.add_argument("--length", type=positive_int, default=2000, help="sin ops in the chain (saved tensors per step)")
+    parser.add_argument("--reps", type=positive_int, default=30)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--ways", default=",".join(WAYS),
                         help="ways to run, comma-separated (none and identity always run); leave out swap_per_tensor "
                              "to measure a swapkit tree from before runtime.offload_batch_bytes existed")
     parser.add_argument("--no-gc", action="store_true", help="run with Python's cyclic garbage collector disabled")
     args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(f"--device cuda: CUDA is not available (torch {torch.__version__}); use --device cpu", file=sys.stderr)
+        return 2
     logging.getLogger("swapkit").setLevel(logging.ERROR)
     ways = tuple(w for w in args.ways.split(",") if w)
     unknown = sorted(set(ways) - set(WAYS))

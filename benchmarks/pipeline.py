@@ -30,7 +30,9 @@ import swapkit
 from swapkit.distributed.pipeline import build_stage_chunks, make_schedule, pipeline_stages
 from swapkit.train.model import lm_loss
 
-DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+from common import output_dir, positive_int
+
+DEFAULT_OUT = Path("bench-out/pipeline")  # git-ignored; benchmarks/results only with an explicit --out
 MODEL = {"num_layers": 8, "hidden_size": 128, "num_heads": 4, "intermediate_size": 352, "vocab_size": 256,
          "seq_length": 128}
 QUICK_MODEL = {**MODEL, "num_layers": 4, "hidden_size": 64, "intermediate_size": 176, "seq_length": 64}
@@ -44,9 +46,9 @@ VARIANTS = {
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default: %(default)s)")
+    parser.add_argument("--out", type=output_dir, default=DEFAULT_OUT, help="output folder (default: %(default)s)")
     parser.add_argument("--quick", action="store_true", help="smaller model, 2 repetitions")
-    parser.add_argument("--reps", type=int, help="interleaved repetitions (default 10, --quick 2)")
+    parser.add_argument("--reps", type=positive_int, help="interleaved repetitions (default 10, --quick 2)")
     return parser.parse_args(argv)
 
 

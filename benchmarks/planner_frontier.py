@@ -36,7 +36,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 import torch  # noqa: E402
 
-from common import DEFAULT_BATCH, DEFAULT_MODEL, QUICK_BATCH, QUICK_MODEL, cpu_model  # noqa: E402
+from common import (DEFAULT_BATCH, DEFAULT_MODEL, QUICK_BATCH, QUICK_MODEL, cpu_model, output_dir,  # noqa: E402
+                    positive_int)
 from swapkit.load import load_config  # noqa: E402
 from swapkit.plan.emit import planned_sections  # noqa: E402
 from swapkit.plan.planner import KEEP, RECOMPUTE, BudgetError, Choice, Planner, plan_budget  # noqa: E402
@@ -224,10 +225,10 @@ def plot(results: dict[str, Any], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small model, few repetitions")
-    parser.add_argument("--reps", type=int, help="timed interleaved steps per variant (default 15, quick 3)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--reps", type=positive_int, help="timed interleaved steps per variant (default 15, quick 3)")
+    parser.add_argument("--out", type=output_dir, default=DEFAULT_OUT)
     parser.add_argument("--links", nargs="+", choices=sorted(LINKS), default=list(LINKS), help="emulated links")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: a core stays free for "
+    parser.add_argument("--threads", type=positive_int, default=1, help="torch threads (default 1: a core stays free for "
                         "the copy thread, as a GPU's copy engine leaves the SMs alone)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)

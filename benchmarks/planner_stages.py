@@ -31,6 +31,8 @@ from swapkit.planner.command import BudgetPlan
 from swapkit.planner.stages import measure_stages, plan_stages, stage_plan_parts
 from swapkit.train.loop import environment
 
+from common import output_dir
+
 MODEL = {"num_layers": 8, "hidden_size": 64, "num_heads": 4, "intermediate_size": 128, "vocab_size": 128,
          "seq_length": 64}
 FRACTIONS = (0.8, 0.55, 0.35)
@@ -78,7 +80,7 @@ def markdown(rows: list[dict[str, Any]], env: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="bench-out/planner_stages")
+    parser.add_argument("--out", type=output_dir, default="bench-out/planner_stages")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     rows = [row for schedule in ("1f1b", "gpipe") for row in one_schedule(schedule)]

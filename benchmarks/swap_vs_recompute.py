@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 import microbench
-from common import Setup, environment, load_setup, make_batch
+from common import Setup, environment, load_setup, make_batch, output_dir, positive_float, positive_int
 from measure import add_ratios, overhead_estimate, probe_fields, run_interleaved, stats_fields, timing_row
 from probe import compare, live_bytes_probe
 from report import hygiene_warnings, write_all
@@ -74,18 +74,18 @@ class RunPlan:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--config", help="swapkit YAML: model sizes from model.model_config, batch from train")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default: %(default)s)")
+    parser.add_argument("--out", type=output_dir, default=DEFAULT_OUT, help="output folder (default: %(default)s)")
     parser.add_argument("--quick", action="store_true", help="small model, few repetitions (< 1 minute on CPU)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--reps", type=int, help="interleaved repetitions (default 20, --quick 5)")
-    parser.add_argument("--prefetch", type=int, default=8, help="backward_prefetch of the swap variants")
-    parser.add_argument("--threads", type=int,
+    parser.add_argument("--reps", type=positive_int, help="interleaved repetitions (default 20, --quick 5)")
+    parser.add_argument("--prefetch", type=positive_int, default=8, help="backward_prefetch of the swap variants")
+    parser.add_argument("--threads", type=positive_int,
                         help="torch intra-op threads (default: torch's choice); 1 on a 2-core machine leaves a core "
                              "to the copy thread, like a GPU's copy engine")
     parser.add_argument("--deterministic", action="store_true",
                         help="torch.use_deterministic_algorithms(True) and a fixed cuBLAS workspace, so the "
                              "loss/gradient checks compare bits on a GPU; timings then are the deterministic kernels'")
-    parser.add_argument("--link-fraction", type=float, default=0.5,
+    parser.add_argument("--link-fraction", type=positive_float, default=0.5,
                         help="sweep: one layer's copy time / its forward time on the emulated link")
     return parser.parse_args(argv)
 

@@ -160,6 +160,7 @@ def run_budget_plan(args: argparse.Namespace) -> int:
     from swapkit.plan.planner import BudgetError
     from swapkit.planner.command import budget_plan, write
 
+    _check_outputs({"--out": args.out})
     if not (args.log or args.verbose):  # as plain `swapkit plan`: the measurement runs' log lines with --log
         logger.setLevel(logging.WARNING)
     try:
@@ -175,6 +176,31 @@ def run_budget_plan(args: argparse.Namespace) -> int:
         if args.out is None:
             print(plan.yaml())
     return EXIT_OK
+
+
+def _check_outputs(paths: dict[str, str | None]) -> None:
+    """The files a ``--budget`` command writes can be written (exit 2), checked before the planner
+    spends its measurement runs rather than failing after them."""
+    from pathlib import Path
+
+    from swapkit.train.files import check_output_file
+
+    problems: list[Problem] = []
+    for key, path in paths.items():
+        if path is not None:
+            check_output_file(Path(path), key, problems)
+    if problems:
+        raise ConfigError(problems)
+
+
+def _check_before_planning(args: argparse.Namespace) -> None:
+    """``swapkit train --budget``: what training would refuse (``--steps``, ``--metrics-out``, ``train.resume``
+    without ``train.save_dir``) is refused before the measurement runs, not after them."""
+    from swapkit.load import validated_config
+    from swapkit.train.loop import resolve_steps
+
+    _check_outputs({"--metrics-out": args.metrics_out})
+    resolve_steps(validated_config(args.config, args.overrides), args.steps)  # warnings: when budget_plan loads it
 
 
 def _plan_model(args: argparse.Namespace, config: Config) -> tuple[Any, Plan]:
@@ -242,16 +268,23 @@ def run_budget_train(args: argparse.Namespace) -> int:
     from swapkit.plan.planner import BudgetError
     from swapkit.planner.command import budget_plan, write
 
+    _check_before_planning(args)
+    level = logger.level
+    if not args.verbose:  # the measurement runs' own log lines (every mode's Set ... lines) only with -v
+        logger.setLevel(logging.WARNING)
     try:
         plan = budget_plan(args.config, args.overrides, args.budget, args.device)
     except BudgetError as err:
         print(f"swapkit: {err}", file=sys.stderr)
         return EXIT_USAGE
+    finally:
+        logger.setLevel(level)
     write(plan, None)
     print(plan.report, file=sys.stderr)
-    from swapkit.load import load_config
+    from swapkit.load import validated_config
 
-    return _train(load_config(plan.config), args, plan)  # a pipeline config trains on one process per stage
+    # the input's warnings were logged when budget_plan loaded it; the planned config repeats them
+    return _train(validated_config(plan.config), args, plan)  # a pipeline config trains on one process per stage
 
 
 if __name__ == "__main__":

@@ -40,6 +40,23 @@ def load_config(source: str | Path | Mapping[str, Any], overrides: Sequence[str]
         >>> cfg.model.num_layers
         4
     """
+    config = validated_config(source, overrides)
+    warn_no_effect(config)
+    warn_inactive_swap(config)
+    warn_written(config)
+    for message in _flipped(source, overrides, config) or count_shaped_warnings(config):
+        logger.warning(message)  # Note [Two readings of a recompute list]
+    return config
+
+
+def validated_config(source: str | Path | Mapping[str, Any], overrides: Sequence[str] = ()) -> Config:
+    """:func:`load_config` without its warnings: for a config derived from one already loaded (the
+    budget planner's output), whose warnings the user has seen once.
+
+    Raises:
+        ConfigError: as :func:`load_config`.
+        TypeError: as :func:`load_config`.
+    """
     if isinstance(overrides, (str, bytes)):  # a str is a sequence too: one problem per character
         raise TypeError(f"overrides: got the string {overrides!r}; expected a list of 'dotted.key=value' strings: "
                         f"overrides=[{overrides!r}]")
@@ -51,11 +68,6 @@ def load_config(source: str | Path | Mapping[str, Any], overrides: Sequence[str]
     if problems and config is not None:
         _blame_the_flip(source, overrides, config, problems)
     problems.raise_if_any(source_name(source))
-    warn_no_effect(config)
-    warn_inactive_swap(config)
-    warn_written(config)
-    for message in _flipped(source, overrides, config) or count_shaped_warnings(config):
-        logger.warning(message)  # Note [Two readings of a recompute list]
     return config
 
 

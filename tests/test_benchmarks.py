@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -98,6 +99,56 @@ def test_default_output_is_not_the_committed_results():
     args = bench_module("swap_vs_recompute").parse_args([])
     assert args.out == Path("bench-out")  # git-ignored; benchmarks/results/ only with an explicit --out
     assert "bench-out/" in (ROOT / ".gitignore").read_text().splitlines()
+    # pipeline.py --quick used to overwrite the committed benchmarks/results/pipeline.{json,md}
+    assert bench_module("pipeline").parse_args([]).out == Path("bench-out/pipeline")
+
+
+BAD_ARGUMENTS = [  # each was a traceback after minutes of work (ZeroDivisionError, StatisticsError, ...) or ran anyway
+    ("swap_vs_recompute", "parse_args", ["--link-fraction", "0"], "--link-fraction: got '0'; expected a number > 0"),
+    ("swap_vs_recompute", "parse_args", ["--reps", "-1"], "--reps: got '-1'; expected a whole number >= 1"),
+    ("swap_vs_recompute", "parse_args", ["--prefetch", "0"], "--prefetch: got '0'; expected a whole number >= 1"),
+    ("swap_vs_recompute", "parse_args", ["--threads", "0"], "--threads: got '0'; expected a whole number >= 1"),
+    ("host_pool", "main", ["--steps", "0"], "--steps: got '0'"),
+    ("microbench", "main", ["--reps", "0"], "--reps: got '0'"),
+    ("pipeline", "parse_args", ["--reps", "0"], "--reps: got '0'"),
+    ("planner_frontier", "main", ["--threads", "0"], "--threads: got '0'"),
+    ("memory_cap", "parse_args", ["--prefetch", "0"], "--prefetch: got '0'"),
+    ("swap_vs_recompute", "main", ["--config", "missing.yaml"], "--config: invalid swapkit config"),
+    ("host_pool", "main", ["--config", "missing.yaml"], "config file not found: missing.yaml"),
+]
+
+
+@pytest.fixture()
+def swapkit_log_level():
+    """A benchmark's main() quiets the swapkit logger for its run; later tests need it back."""
+    logger = logging.getLogger("swapkit")
+    level = logger.level
+    yield
+    logger.setLevel(level)
+
+
+@pytest.mark.parametrize("script, entry, argv, message", BAD_ARGUMENTS)
+def test_bad_benchmark_arguments_are_usage_errors(capsys, swapkit_log_level, script, entry, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        getattr(bench_module(script), entry)(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given without CUDA")
+@pytest.mark.parametrize("script", ["microbench", "host_pool", "swap_vs_recompute"])
+def test_device_cuda_without_cuda_is_a_usage_error(tmp_path, capsys, swapkit_log_level, script):
+    assert bench_module(script).main(["--device", "cuda", "--out", str(tmp_path)]) == 2
+    assert "--device cuda: CUDA is not available" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("script, entry", [("swap_vs_recompute", "parse_args"), ("planner_stages", "main"),
+                                           ("microbench", "main")])
+def test_an_output_folder_under_a_file_is_a_usage_error(tmp_path, capsys, script, entry):
+    blocker = tmp_path / "results.md"
+    blocker.write_text("a file")
+    with pytest.raises(SystemExit) as exit_info:
+        getattr(bench_module(script), entry)(["--out", str(blocker / "out")])
+    assert exit_info.value.code == 2 and f"{blocker} is a file, not a folder" in capsys.readouterr().err
 
 
 def test_loaded_machine_and_impossible_speedups_mark_the_report():

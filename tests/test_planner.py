@@ -6,6 +6,7 @@ import json
 import logging
 
 import pytest
+import torch
 import yaml
 
 from swapkit.cli import main
@@ -161,11 +162,63 @@ def test_an_interleaved_pipeline_config_is_a_clean_error(tmp_path, capsys):
     assert "parallel_config.pipeline_schedule" in err and "'interleaved_1f1b'" in err and "Traceback" not in err
 
 
+def test_sizes_per_stage_without_a_pipeline_say_so(config_file, capsys):
+    assert main(["plan", str(config_file), "--budget", "1MiB,2MiB"]) == 2
+    assert "--budget: got '1MiB,2MiB'; sizes per stage apply only to a pipeline config" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the engine/device mismatch needs a CPU-only machine")
+@pytest.mark.parametrize("command", ["plan", "train"])
+def test_cuda_engine_on_cpu_is_a_config_error_as_in_train(config_file, capsys, command):
+    argv = [command, str(config_file), "--budget", "1MiB", "--set", "runtime.engine=cuda"]
+    assert main(argv) == 2
+    assert "runtime.engine: got 'cuda' but the model trains on cpu; set runtime.engine: auto" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv", [["--budget", "lots"], ["--budget", "0"], ["--out", "x.yaml"]])
 def test_bad_budget_arguments_are_clean_errors(config_file, capsys, argv):
     assert main(["plan", str(config_file), *argv]) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and ("--budget" in err or "--out" in err)
+
+
+def test_train_budget_logs_the_trained_config_not_the_measurement_runs(config_file, planner, tmp_path, capfd):
+    """The measurement runs recompute every layer; their 'Set full recompute' lines are not the run's."""
+    budget = planner.predict((KEEP,) * 3).peak_device_bytes  # keeps everything: nothing is Set
+    assert main(["train", str(config_file), "--budget", str(budget), "--steps", "1", "--no-progress"]) == 0
+    err = capfd.readouterr().err
+    assert "Set full recompute" not in err and "Set layer swap" not in err and "measured on" not in err
+    assert "Formative layer_recompute" in err and "predicted: peak_device_bytes" in err  # the run's own lines
+
+
+def test_train_budget_warns_about_the_input_config_once(planner, tmp_path, capfd):
+    """The planned config is the input with two sections replaced: its warnings are the input's."""
+    path = tmp_path / "mindformers.yaml"
+    path.write_text(yaml.safe_dump({**CONFIG, "context": {"memory_optimize_level": "O1"}}), encoding="utf-8")
+    budget = planner.predict((KEEP,) * 3).peak_device_bytes
+    assert main(["train", str(path), "--budget", str(budget), "--steps", "1", "--no-progress"]) == 0
+    assert capfd.readouterr().err.count("context.memory_optimize_level has no effect") == 1
+
+
+def test_train_budget_checks_steps_before_measuring(config_file, capsys, monkeypatch):
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("measured before checking --steps")
+
+    monkeypatch.setattr("swapkit.planner.command.measure", no_measuring)
+    assert main(["train", str(config_file), "--budget", "1MiB", "--steps", "0"]) == 2
+    assert "--steps: got 0; expected an integer >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command, flag", [("plan", "--out"), ("train", "--metrics-out")])
+def test_unwritable_output_is_refused_before_measuring(config_file, tmp_path, capsys, monkeypatch, command, flag):
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("measured before checking the output path")
+
+    monkeypatch.setattr("swapkit.planner.command.measure", no_measuring)
+    out = tmp_path / "missing" / "out.yaml"
+    assert main([command, str(config_file), "--budget", "1MiB", flag, str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"{flag}: got {out}; its folder {out.parent} does not exist" in err and "Traceback" not in err
 
 
 @pytest.mark.cuda

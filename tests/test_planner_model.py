@@ -270,12 +270,26 @@ def test_op_pattern_names_exactly_one_path():
 
 
 @pytest.mark.parametrize("text, expected", [("64MiB", 64 << 20), ("1.5GiB", 3 << 29), ("500MB", 500 * 10**6),
-                                            ("4096", 4096), ("2 kib", 2048)])
+                                            ("4096", 4096), ("2 kib", 2048),
+                                            ("1.1KiB", 1126), (".5KB", 500), ("1" + "0" * 18, 10**18)])
 def test_sizes(text, expected):
     assert parse_size(text) == expected
 
 
-@pytest.mark.parametrize("text", ["", "64XB", "-1MiB", "0", "1..5GiB", "MiB"])
+@pytest.mark.parametrize("text", ["", "64XB", "-1MiB", "0", "1..5GiB", "MiB", "2EiB"])
 def test_bad_sizes_are_clean_errors(text):
     with pytest.raises(ConfigError, match="--budget: got .*expected"):
         parse_size(text)
+
+
+@pytest.mark.parametrize("text", ["1.5", "2.5B", "1000.25"])
+def test_fractional_byte_count_is_an_error_not_truncated(text):
+    with pytest.raises(ConfigError, match="--budget: got .*a byte count must be a whole number: write"):
+        parse_size(text)
+
+
+def test_sizes_beyond_one_exbibyte_are_refused_before_float_arithmetic():
+    assert parse_size("1048576TiB") == 2**60
+    for text in ("1048577TiB", "9" * 400):  # float('9' * 400) is inf: int() of it raised OverflowError
+        with pytest.raises(ConfigError, match=r"--budget: got .*expected at most 1 EiB"):
+            parse_size(text)

@@ -103,7 +103,7 @@ def table(rows: list[dict[str, Any]], planned: Planned) -> str:
     p, b = planned.predicted, planned.baseline
     lines.append(f"predicted: peak_device_bytes {p.peak_device_bytes} (keep all: {b.peak_device_bytes}), "
                  f"step {p.step_seconds * 1e3:.1f} ms (keep all: {b.step_seconds * 1e3:.1f} ms), "
-                 f"moved {p.moved_bytes_per_step} bytes/step")
+                 f"moved {p.moved_bytes_per_step} bytes/step (out and back)")
     return "\n".join(lines)
 
 

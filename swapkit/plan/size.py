@@ -2,19 +2,23 @@
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 
 from swapkit.config.errors import ConfigError, Problem
 
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+#: 1 EiB: far beyond any device, and small enough for the planner's float arithmetic.
+MAX_SIZE = 2**60
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*")
 
 
 def parse_size(text: str, key: str = "--budget") -> int:
-    """Bytes in ``text``.
+    """Bytes in ``text``, exactly: a fraction of a unit is rounded down to whole bytes.
 
     Raises:
-        ConfigError: not a positive size with a known unit (the message names ``key`` and the fix).
+        ConfigError: not a positive size with a known unit, a byte count with a fraction (``1.5``)
+            or more than 1 EiB (the message names ``key`` and the fix).
 
     Example:
         >>> parse_size("1.5GiB"), parse_size("64MiB"), parse_size("1000")
@@ -25,7 +29,18 @@ def parse_size(text: str, key: str = "--budget") -> int:
     if match is None or unit not in UNITS:
         raise ConfigError([Problem(key, f"got {text!r}; expected a size such as 64MiB, 1.5GiB, 500MB or a byte "
                                         "count (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")])
-    nbytes = int(float(match.group(1)) * UNITS[unit])
-    if nbytes < 1:
+    exact = Fraction(match.group(1)) * UNITS[unit]
+    _check_range(text, key, exact, unit)
+    return int(exact)
+
+
+def _check_range(text: str, key: str, exact: Fraction, unit: str) -> None:
+    """A whole byte count, at least 1 byte and at most :data:`MAX_SIZE`."""
+    if exact < 1:
         raise ConfigError([Problem(key, f"got {text!r}; expected at least 1 byte")])
-    return nbytes
+    if UNITS[unit] == 1 and exact.denominator != 1:  # int() would read '1.5' as 1 byte without a word
+        whole = int(exact)
+        raise ConfigError([Problem(key, f"got {text!r}; a byte count must be a whole number: write {whole} or "
+                                        f"{whole + 1}, or a size with a unit such as 1.5MiB")])
+    if exact > MAX_SIZE:
+        raise ConfigError([Problem(key, f"got {text!r}; expected at most 1 EiB ({MAX_SIZE} bytes)")])

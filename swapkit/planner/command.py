@@ -19,10 +19,10 @@ from typing import Any, Mapping, Sequence
 
 import yaml
 
-from swapkit.config.errors import Problems
+from swapkit.config.errors import ConfigError, Problem, Problems
 from swapkit.config.loader import apply_overrides
 from swapkit.config.yaml_reader import read_yaml_file
-from swapkit.load import load_config
+from swapkit.load import load_config, validated_config
 from swapkit.plan.emit import layer_rows, planned_config, planned_sections, table, to_json
 from swapkit.plan.planner import Planned
 from swapkit.plan.size import parse_size
@@ -65,7 +65,7 @@ def budget_plan(path: str, overrides: Sequence[str], budget_text: str, device: s
         from swapkit.planner.stages import stage_plan_parts
 
         return BudgetPlan(*stage_plan_parts(config, raw, budget_text, device))
-    budget = parse_size(budget_text)
+    budget = _single_budget(budget_text)
     source = source_from_spec(model, config, layers) if model is not None else None
     measured = measure(config, device, model=source)
     logger.info("measured on %s: link d2h %.2f GB/s + %.1f us, h2d %.2f GB/s + %.1f us", measured.device,
@@ -78,9 +78,23 @@ def budget_plan(path: str, overrides: Sequence[str], budget_text: str, device: s
     return BudgetPlan(planned_config(raw, planned.choices, use_reentrant), planned, table(rows, planned), document)
 
 
+def _single_budget(text: str) -> int:
+    """``--budget`` of a single-process plan: one size (sizes per stage need a pipeline config).
+
+    Raises:
+        ConfigError: not one size.
+    """
+    if "," in str(text):
+        raise ConfigError([Problem("--budget", f"got {text!r}; sizes per stage apply only to a pipeline config "
+                                               "(parallel_config.pipeline_stage above 1, built-in model); this "
+                                               "one is planned as one process: give one size such as 64MiB")])
+    return parse_size(text)
+
+
 def write(plan: BudgetPlan, out: str | None) -> None:
-    """Write the planned YAML to ``out`` (logged), checking first that it loads."""
-    load_config(plan.config)
+    """Write the planned YAML to ``out`` (logged), checking first that it loads (its warnings are the
+    input config's, logged once when that was loaded)."""
+    validated_config(plan.config)
     if out is not None:
         Path(out).write_text(plan.yaml(), encoding="utf-8")
         logger.info("wrote the planned config to %s", out)

@@ -25,7 +25,8 @@ from swapkit.planner.sampling import measure_modes
 from swapkit.planner.steps import ModelSource
 from swapkit.runtime.resolve import with_num_layers
 from swapkit.train.budget import BUILTIN_FIX, builtin_sizes, check_step_memory
-from swapkit.train.loop import resolve_device
+from swapkit.train.files import raise_problems
+from swapkit.train.loop import engine_problems, resolve_device
 
 # Note [Copy overhead]
 # Swapping costs the compute thread time the link does not show: issuing each copy and the
@@ -65,11 +66,13 @@ def measure(config: Config, device: str | None = None, steps: int = 3, warmup: i
     own swap step, so the peak is per micro-batch) and the predicted step time counts every one.
 
     Raises:
-        ConfigError: ``parallel_config.pipeline_stage`` is not 1, the device is unavailable, or the
-            runs cannot fit in its memory (``swapkit.train.budget`` Note [Memory estimate]).
+        ConfigError: ``parallel_config.pipeline_stage`` is not 1, the device is unavailable or does not
+            suit ``runtime.engine``, or the runs cannot fit in its memory (``swapkit.train.budget``
+            Note [Memory estimate]).
     """
     _check_single_stage(config)
     where = resolve_device(config, device)
+    raise_problems(engine_problems(config, where), config.source)  # as swapkit train: exit 2, not a failed run
     _check_memory(config, where, model, len(FIRST_MODES) + (SELECT_RUNS if select else 0))
     if model is not None:
         config = with_num_layers(model.factory(), config, model.layers)

@@ -117,6 +117,14 @@ def resolve_steps(config: Config, steps: int | None) -> int:
     return steps if steps is not None else config.train.steps
 
 
+def engine_problems(config: Config, device: torch.device) -> list[Problem]:
+    """``runtime.engine: cuda`` for a model that is not on a CUDA device (empty when they agree)."""
+    if config.runtime.engine == "cuda" and device.type != "cuda":
+        return [Problem("runtime.engine", f"got 'cuda' but the model trains on {device}; set "
+                                          "runtime.engine: auto (or thread), or train.device: cuda")]
+    return []
+
+
 def preflight(config: Config, device: torch.device, metrics_out: str | Path | None, memory: bool = True) -> None:
     """Everything that can be checked before the first step: engine, memory, output paths (exit 2).
 
@@ -129,10 +137,7 @@ def preflight(config: Config, device: torch.device, metrics_out: str | Path | No
     Raises:
         ConfigError: every problem found.
     """
-    problems: list[Problem] = []
-    if config.runtime.engine == "cuda" and device.type != "cuda":
-        problems.append(Problem("runtime.engine", f"got 'cuda' but the model trains on {device}; set "
-                                                  "runtime.engine: auto (or thread), or train.device: cuda"))
+    problems = engine_problems(config, device)
     if metrics_out is not None:
         check_output_file(Path(metrics_out), "--metrics-out", problems)
     if config.train.save_dir:
