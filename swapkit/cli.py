@@ -160,7 +160,7 @@ def run_budget_plan(args: argparse.Namespace) -> int:
     from swapkit.plan.planner import BudgetError
     from swapkit.planner.command import budget_plan, write
 
-    _check_outputs({"--out": args.out})
+    _check_outputs({"--out": args.out}, args.config)
     if not (args.log or args.verbose):  # as plain `swapkit plan`: the measurement runs' log lines with --log
         logger.setLevel(logging.WARNING)
     try:
@@ -178,9 +178,9 @@ def run_budget_plan(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _check_outputs(paths: dict[str, str | None]) -> None:
+def _check_outputs(paths: dict[str, str | None], config: str) -> None:
     """The files a ``--budget`` command writes can be written (exit 2), checked before the planner
-    spends its measurement runs rather than failing after them."""
+    spends its measurement runs rather than failing after them; none of them is the input ``config``."""
     from pathlib import Path
 
     from swapkit.train.files import check_output_file
@@ -188,7 +188,7 @@ def _check_outputs(paths: dict[str, str | None]) -> None:
     problems: list[Problem] = []
     for key, path in paths.items():
         if path is not None:
-            check_output_file(Path(path), key, problems)
+            check_output_file(Path(path), key, problems, config)
     if problems:
         raise ConfigError(problems)
 
@@ -199,7 +199,7 @@ def _check_before_planning(args: argparse.Namespace) -> None:
     from swapkit.load import validated_config
     from swapkit.train.loop import resolve_steps
 
-    _check_outputs({"--metrics-out": args.metrics_out})
+    _check_outputs({"--metrics-out": args.metrics_out}, args.config)
     resolve_steps(validated_config(args.config, args.overrides), args.steps)  # warnings: when budget_plan loads it
 
 

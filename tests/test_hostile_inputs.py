@@ -129,6 +129,8 @@ CASES = [
     ("save-dir-under-a-file", "train", BASE + "  save_dir: {tmp}/bad.yaml/ckpt\n", [], 2,
      ["train.save_dir: got", "cannot create the folder"]),
     ("metrics-is-a-fifo", "train", BASE, ["--metrics-out", "{tmp}/m.fifo"], 2, ["which is not a regular file"]),
+    ("metrics-is-the-config", "train", BASE, ["--metrics-out", "{tmp}/bad.yaml"], 2,
+     ["--metrics-out: got", "the config file of this run; writing there would replace it"]),
     ("steps-flag-huge", "train", BASE, ["--steps", str(10 ** 30)], 2, ["--steps: got", "<= 1,000,000,000"]),
 ]
 

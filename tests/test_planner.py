@@ -221,6 +221,21 @@ def test_unwritable_output_is_refused_before_measuring(config_file, tmp_path, ca
     assert f"{flag}: got {out}; its folder {out.parent} does not exist" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("command, flag", [("plan", "--out"), ("train", "--metrics-out")])
+def test_an_output_onto_the_planned_config_is_refused_and_leaves_it_intact(config_file, capsys, monkeypatch,
+                                                                           command, flag):
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("measured before checking the output path")
+
+    monkeypatch.setattr("swapkit.planner.command.measure", no_measuring)
+    before = config_file.read_text()
+    assert main([command, str(config_file), "--budget", "1MiB", flag, str(config_file)]) == 2
+    err = capsys.readouterr().err
+    assert f"{flag}: got {config_file}, the config file of this run; writing there would replace it" in err
+    assert f"{config_file.stem}.out{config_file.suffix}" in err and "Traceback" not in err
+    assert config_file.read_text() == before
+
+
 @pytest.mark.cuda
 def test_cuda_link_is_measured_per_direction():
     import torch

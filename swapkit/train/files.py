@@ -55,9 +55,15 @@ def remove_stale_temporaries(folder: Path, target_glob: str) -> None:
             logger.warning("removed %s, a temporary file left by an interrupted save", stale)
 
 
-def check_output_file(path: Path, key: str, problems: list[Problem]) -> None:
-    """``path`` can be written as a file: its folder exists and is writable, it is not a folder."""
+def check_output_file(path: Path, key: str, problems: list[Problem], config: str | Path | None = None) -> None:
+    """``path`` can be written as a file: its folder exists and is writable, it is not a folder, and it is
+    not the run's own ``config`` file (writing there would replace it, and its comments, for good)."""
     shown = clip(str(path), 200)
+    if config is not None and path.resolve() == Path(config).resolve():
+        other = path.with_name(f"{path.stem}.out{path.suffix or '.json'}")
+        problems.append(Problem(key, f"got {shown}, the config file of this run; writing there would replace it "
+                                     f"and its comments: write to another file, such as {clip(str(other), 200)}"))
+        return
     if path.is_dir():
         problems.append(Problem(key, f"got {shown}, which is a directory; expected a file path such as "
                                      f"{clip(str(path / 'metrics.json'), 200)}"))

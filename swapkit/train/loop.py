@@ -139,7 +139,7 @@ def preflight(config: Config, device: torch.device, metrics_out: str | Path | No
     """
     problems = engine_problems(config, device)
     if metrics_out is not None:
-        check_output_file(Path(metrics_out), "--metrics-out", problems)
+        check_output_file(Path(metrics_out), "--metrics-out", problems, config.source)
     if config.train.save_dir:
         prepare_output_dir(Path(config.train.save_dir), "train.save_dir", "step_*.pt", problems)
     raise_problems(problems, config.source)
