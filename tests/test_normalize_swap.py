@@ -190,6 +190,17 @@ def test_a_layer_listed_twice_is_warned_once(caplog, key, entry):
                         "layer is swapped once, the repeats do nothing: list each layer once"]
 
 
+@pytest.mark.parametrize("key, entry", [
+    ("layer_swap", {"backward_prefetch": 2}),
+    ("op_swap", {"op_name": "attention", "backward_prefetch": 2}),
+])
+@pytest.mark.parametrize("layers, shown", [(False, "false"), ([], "[]")])
+def test_an_entry_that_names_no_layer_is_warned(caplog, key, entry, layers, shown):
+    warnings = swap_warnings(caplog, {"swap": True, key: [{**entry, "layers": [1]}, {**entry, "layers": layers}]})
+    assert warnings == [f"swap_config.{key}[1].layers is {shown}: this entry swaps no layer; list the layers it "
+                        "should swap (or true for all), or remove the entry"]
+
+
 def test_overlapping_layer_swap_entries_warn_which_wins(caplog):
     swap = {"swap": True, "layer_swap": [{"backward_prefetch": 20, "layers": [0, 3]},
                                          {"backward_prefetch": 5, "layers": [3, 1]},

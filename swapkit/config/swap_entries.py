@@ -114,6 +114,7 @@ def swap_warnings(raw: Any, swap: SwapConfig) -> list[str]:
         return []
     out = _ignored_default_prefetch(raw, swap)
     for key in ("layer_swap", "op_swap"):
+        out += _empty_entries(getattr(swap, key) or (), join("swap_config", key))
         out += _repeated_layers(getattr(swap, key) or (), join("swap_config", key))
     out += _overlaps(list(enumerate(swap.layer_swap or ())), "swap_config.layer_swap", "")
     grouped: dict[str, list[tuple[int, SwapEntry]]] = {}
@@ -133,6 +134,14 @@ def _ignored_default_prefetch(raw: Any, swap: SwapConfig) -> list[str]:
             "swap strategy (swap_config.swap: true with neither layer_swap nor op_swap), as in MindFormers, and "
             f"swap_config.{' and swap_config.'.join(given)} {'are' if len(given) > 1 else 'is'} given; set "
             "backward_prefetch in each entry and remove default_prefetch"]
+
+
+def _empty_entries(entries: tuple[SwapEntry, ...], path: str) -> list[str]:
+    """Entries whose ``layers`` (``false`` or ``[]``) name no layer: they swap nothing."""
+    return [f"{join(join(path, index), 'layers')} is {show(entry.layers if isinstance(entry.layers, bool) else [])}: "
+            "this entry swaps no layer; list the layers it should swap (or true for all), or remove the entry"
+            for index, entry in enumerate(entries) if entry.layers is False or (
+                not isinstance(entry.layers, bool) and not entry.layers)]
 
 
 def _repeated_layers(entries: tuple[SwapEntry, ...], path: str) -> list[str]:
