@@ -140,8 +140,7 @@ def _empty_entries(entries: tuple[SwapEntry, ...], path: str) -> list[str]:
     """Entries whose ``layers`` (``false`` or ``[]``) name no layer: they swap nothing."""
     return [f"{join(join(path, index), 'layers')} is {show(entry.layers if isinstance(entry.layers, bool) else [])}: "
             "this entry swaps no layer; list the layers it should swap (or true for all), or remove the entry"
-            for index, entry in enumerate(entries) if entry.layers is False or (
-                not isinstance(entry.layers, bool) and not entry.layers)]
+            for index, entry in enumerate(entries) if not entry.layers]  # true is the only truthy bool
 
 
 def _repeated_layers(entries: tuple[SwapEntry, ...], path: str) -> list[str]:
