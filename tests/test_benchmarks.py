@@ -227,6 +227,25 @@ def test_memory_cap_report_names_what_ran_out_of_memory_and_where():
     assert "| swap | yes | 210.0 | 1.050 | 3072 | 2048 | [3, 3] |" in text
     assert "| plain | no: out of memory at step 2 | — | — | 4096 | 4096 | [1, 3] |" in text
     assert "expandable_segments:True" in text
+    assert "Nothing fit" not in text  # one variant fit
+
+
+def test_memory_cap_defaults_to_the_gpu_config_and_says_when_nothing_fit():
+    """Note [A model whose activations are a small part of its memory]: on the CPU benchmarks' default
+    model every row of an H100 run read "out of memory at step 0", and the run exited 0."""
+    memory_cap = bench_module("memory_cap")
+    assert Path(memory_cap.parse_args([]).config) == ROOT / "benchmarks" / "configs" / "gpu.yaml"
+    oom = {"times": [], "oom_at_step": 0, "alloc_retries": 1, "peak_reserved_bytes": 108 << 20,
+           "peak_allocated_bytes": 71 << 20}
+    rows = [memory_cap.summarize(name, [oom], 0.012) for name in ("plain", "swap", "recompute")]
+    env = {"cpu": "cpu", "cpu_count": 16, "torch_threads": 16, "ram_bytes": 1 << 30, "torch": "2", "python": "3",
+           "swapkit": "0", "device": "cuda", "engine": "cuda", "date": "today"}
+    results = {"env": env, "variants": rows, "run": {"rounds": 1, "warmup": 1, "steps": 3, "prefetch": 8},
+               "cap": {"fraction": 0.6, "need_bytes": 182 << 20, "cap_bytes": 109 << 20, "process_fraction": 0.0013,
+                       "baseline_uncapped_s": 0.012}}
+    text = "\n".join(memory_cap.report_lines(results))
+    assert "Nothing fit under the cap** (109 MiB, 0.6 of 182 MiB)" in text
+    assert "Raise --cap" in text and "benchmarks/configs/gpu.yaml" in text
 
 
 @pytest.mark.cuda

@@ -280,6 +280,36 @@ def test_a_joined_prefetch_target_is_reused_only_after_its_copy_and_an_unjoined_
     assert all(bool((t == 0xEE).all()) for t in fresh)  # no copy wrote into a block given out again
 
 
+def test_copies_are_queued_on_the_side_stream_and_restore_the_callers_stream_even_when_one_fails():
+    """Note [Switching to the side stream]: the copies run on the side stream, and the caller's own
+    stream (here not the default one) is current again afterwards, also after a copy that raised."""
+    from swapkit.engine.cuda import CudaCopyEngine
+
+    engine = CudaCopyEngine("cuda")
+    mine = torch.cuda.Stream()
+    region = torch.zeros(64, dtype=torch.uint8, pin_memory=True)
+    with torch.cuda.stream(mine):
+        with torch.cuda.stream(engine.stream):
+            torch.cuda._sleep(500_000_000)  # about 0.25 s: the side stream is busy, the caller's is not
+        copy = engine.offload_many([(torch.ones(64, dtype=torch.uint8, device="cuda"), region)])
+        assert torch.cuda.current_stream() == mine
+        back, fetched = engine.prefetch(region)
+        assert torch.cuda.current_stream() == mine
+        with engine.reading_sources():
+            assert torch.cuda.current_stream() == engine.stream
+        assert torch.cuda.current_stream() == mine
+        mine.synchronize()
+        assert not engine.ready(copy) and not engine.ready(fetched), \
+            "the side stream got through the sleep before the check: the test proves nothing here"
+        with pytest.raises(RuntimeError):
+            engine.offload_many([(torch.ones(8, dtype=torch.uint8, device="cuda"), region[:4])])
+        assert torch.cuda.current_stream() == mine
+        engine.wait(fetched)
+        assert torch.equal(back.cpu(), torch.ones(64, dtype=torch.uint8))
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+    engine.synchronize()
+
+
 def test_current_stream_follows_the_current_stream_and_reuses_one_wrapper_per_stream():
     """Note [Compute stream is read at use]: read at every call, one ``Stream`` wrapper per stream."""
     from swapkit.engine.cuda import CurrentStream

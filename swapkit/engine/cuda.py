@@ -109,6 +109,20 @@ never neither. A timed wait (a late fetch) always queues its events: the measure
 wait. ``Stream`` equality is by handle, so the one case that would skip a needed wait is a user
 destroying an external stream while a copy is live and creating another that gets the same handle.
 
+Note [Switching to the side stream]
+Every copy is queued with the side stream made current and the caller's stream restored after,
+as ``with torch.cuda.stream(side):`` does. That context manager, though, parses a device argument
+and builds a ``Stream`` wrapper on entry, and asks the driver how many devices there are (twice):
+on an H100 host about a tenth of the swap path's CPU time in the microbenchmark's profile
+(benchmarks/results/cuda/lease3/overhead). :class:`SideStream` does the same two stream switches with
+``torch.cuda.set_stream``, and reads the stream to restore through ``CurrentStream``. One difference
+matters: ``set_stream`` of a stream on another device also makes that device current, which
+``torch.cuda.stream`` undoes on exit and a plain ``set_stream`` back would not, so when the current
+device is not the engine's the switch goes through ``torch.cuda.stream`` as before. What to restore
+is kept per ``with`` (a new ``SideStream`` each time), never on the engine: copies are queued from
+several threads (forward on the main thread, prefetches from autograd's device thread), and CUDA's
+current stream is per thread.
+
 Note [Compute stream is read at use]
 The current stream is read on every call, never cached: backward runs on the autograd device thread
 with the stream of each forward op set as current, and users may run forward under their own
@@ -265,6 +279,32 @@ class CurrentStream:
         return stream
 
 
+class SideStream:
+    """``with SideStream(engine):`` queues work on ``engine.stream`` and restores the caller's stream
+    (Note [Switching to the side stream])."""
+
+    __slots__ = ("_engine", "_restore", "_fallback")
+
+    def __init__(self, engine: CudaCopyEngine) -> None:
+        self._engine = engine
+
+    def __enter__(self) -> None:
+        engine = self._engine
+        if torch.cuda.current_device() != engine.device.index:
+            self._fallback = torch.cuda.stream(engine.stream)
+            self._fallback.__enter__()
+            return
+        self._fallback = None
+        self._restore = engine.current()
+        torch.cuda.set_stream(engine.stream)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._fallback is not None:
+            self._fallback.__exit__(*exc)
+        else:
+            torch.cuda.set_stream(self._restore)
+
+
 class CudaCopyEngine:
     """Device<->host copies on one side stream of ``device``."""
 
@@ -293,10 +333,10 @@ class CudaCopyEngine:
         """The stream saved tensors are produced on now (Note [D2H waits for the producer])."""
         return self._compute()
 
-    def reading_sources(self) -> torch.cuda.StreamContext:
+    def reading_sources(self) -> SideStream:
         """Work that reads a queued copy's source runs after it on the side stream, which waited for the
         source's producer; the allocator keeps the source's block until the side stream passed it."""
-        return torch.cuda.stream(self.stream)
+        return SideStream(self)
 
     def offload(self, src: torch.Tensor, dst: torch.Tensor) -> CudaCopy:
         return self.offload_many([(src, dst)])
@@ -307,7 +347,7 @@ class CudaCopyEngine:
         one event for all (Note [One job per coalesced batch])."""
         self.inflight.prune()
         self.stream.wait_stream(producer if producer is not None else self._compute())  # Note [D2H waits ...]
-        with torch.cuda.stream(self.stream):
+        with SideStream(self):  # Note [Switching to the side stream]
             for src, dst in pairs:
                 src.record_stream(self.stream)  # Note [Copy sources are released in stream order]
                 dst.copy_(src, non_blocking=True)
@@ -326,7 +366,7 @@ class CudaCopyEngine:
         compute = self._compute()
         dst = torch.empty(src.numel(), dtype=torch.uint8, device=self.device)  # on the compute stream
         self.stream.wait_stream(compute)  # Note [H2D target reuse]
-        with torch.cuda.stream(self.stream):
+        with SideStream(self):  # Note [Switching to the side stream]
             dst.copy_(src, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.stream)
