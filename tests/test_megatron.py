@@ -1,6 +1,8 @@
 """The Megatron recompute dialect (DESIGN §6, seeds 000 and 002): validation and translation."""
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from swapkit import ConfigError, build_plan, load_config
@@ -55,6 +57,19 @@ def test_unknown_modules_list_the_valid_ones():
             in str(err))
     assert "Unknown ['attn']" in str(err)
     assert VALID_MODULES in str(err)
+
+
+def test_a_module_listed_twice_is_warned_and_recomputed_once(caplog):
+    recompute = {"recompute_granularity": "selective", "recompute_modules": ["mlp", "core_attn", "mlp"]}
+    with caplog.at_level("WARNING", logger="swapkit"):
+        config = load_config(raw_config(recompute))
+    expected = ("recompute_config.recompute_modules lists ['mlp'] more than once (['mlp', 'core_attn', 'mlp']); "
+                "a module is recomputed once, the repeats do nothing: list each module once")
+    assert config.warnings == (expected,)
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [expected]
+    once = build_plan(load_config(raw_config(recompute | {"recompute_modules": ["mlp", "core_attn"]})))
+    assert build_plan(config).layers == once.layers  # what the warning says: the repeat changed nothing
+    assert load_config(raw_config(recompute | {"recompute_modules": ["mlp", "core_attn"]})).warnings == ()
 
 
 def test_module_without_scope_mapping_names_module_scopes():

@@ -17,7 +17,7 @@ from typing import Any, Mapping, Sequence
 from swapkit.config import fields as F
 from swapkit.config import schema
 from swapkit.config.errors import ConfigError, Problem, Problems, clip, join
-from swapkit.config.megatron import read_megatron
+from swapkit.config.megatron import megatron_warnings, read_megatron
 from swapkit.config.swap_entries import read_swap_entries, swap_warnings
 from swapkit.config.yaml_reader import MAX_DEPTH, parse_yaml, read_yaml_file
 from swapkit.config.types import (
@@ -164,7 +164,7 @@ def _read_config(raw: Any, problems: Problems, name: str | None) -> Config:
         top["parallel_config"], "parallel_config", schema.PARALLEL_KEYS, problems, schema.PARALLEL_NO_EFFECT, notices))
     recompute = _read_recompute(top["recompute_config"], problems, notices)
     swap = _read_swap(top["swap_config"], problems, model)
-    warnings = swap_warnings(top["swap_config"], swap) + one_process_warnings(parallel)
+    warnings = swap_warnings(top["swap_config"], swap) + megatron_warnings(recompute) + one_process_warnings(parallel)
     _read_context(top["context"], problems, notices)  # before no_effect is frozen into the Config
     config = Config(
         model=model,

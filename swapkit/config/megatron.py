@@ -8,6 +8,7 @@ in :mod:`swapkit.plan.megatron`.
 """
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 from swapkit.config import fields as F
@@ -58,6 +59,19 @@ def read_megatron(values: dict, given: set[str], path: str, problems: Problems, 
         use_reentrant=values["use_reentrant"],
         given=_given(given, values["module_scopes"]),
     )
+
+
+def megatron_warnings(recompute: Any) -> list[str]:
+    """A module listed twice in ``recompute_modules``: the repeat does nothing (Megatron-Core checks
+    only the names, so a typo'd copy of a line passes there silently too)."""
+    modules = recompute.recompute_modules if isinstance(recompute, MegatronRecompute) else None
+    if not isinstance(modules, tuple):  # None, or F.INVALID (already an error)
+        return []
+    repeated = sorted(m for m, count in Counter(modules).items() if count > 1)
+    if not repeated:
+        return []
+    return [f"recompute_config.recompute_modules lists {repeated} more than once ({list(modules)}); a module is "
+            "recomputed once, the repeats do nothing: list each module once"]
 
 
 def _given(given: set[str], module_scopes: Any) -> tuple[str, ...]:
