@@ -288,10 +288,13 @@ def test_copies_are_queued_on_the_side_stream_and_restore_the_callers_stream_eve
     engine = CudaCopyEngine("cuda")
     mine = torch.cuda.Stream()
     region = torch.zeros(64, dtype=torch.uint8, pin_memory=True)
+    # made before the sleep: a kernel's first launch can block until the queued sleep has run (lazy loading)
+    source, too_long = torch.ones(64, dtype=torch.uint8, device="cuda"), torch.ones(8, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
     with torch.cuda.stream(mine):
         with torch.cuda.stream(engine.stream):
             torch.cuda._sleep(500_000_000)  # about 0.25 s: the side stream is busy, the caller's is not
-        copy = engine.offload_many([(torch.ones(64, dtype=torch.uint8, device="cuda"), region)])
+        copy = engine.offload_many([(source, region)])
         assert torch.cuda.current_stream() == mine
         back, fetched = engine.prefetch(region)
         assert torch.cuda.current_stream() == mine
@@ -301,8 +304,9 @@ def test_copies_are_queued_on_the_side_stream_and_restore_the_callers_stream_eve
         mine.synchronize()
         assert not engine.ready(copy) and not engine.ready(fetched), \
             "the side stream got through the sleep before the check: the test proves nothing here"
+        assert not region.any()  # the copy waits behind the sleep: it was queued on the side stream, not on mine
         with pytest.raises(RuntimeError):
-            engine.offload_many([(torch.ones(8, dtype=torch.uint8, device="cuda"), region[:4])])
+            engine.offload_many([(too_long, region[:4])])
         assert torch.cuda.current_stream() == mine
         engine.wait(fetched)
         assert torch.equal(back.cpu(), torch.ones(64, dtype=torch.uint8))
