@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from swapkit.config.types import EngineOptions, RuntimeConfig
-from swapkit.engine import HostPool, ThreadCopyEngine, make_engine
+from swapkit.engine import HostPool, ThreadCopyEngine, make_engine, unused_engine_options
 from swapkit.runtime.schedule import TickQueue
 
 
@@ -94,6 +94,24 @@ def test_make_engine_picks_by_device_and_refuses_cuda_for_cpu_models():
     assert engine.name == "thread" and engine.latency_s == 0.5
     with pytest.raises(ValueError, match="runtime.engine is 'cuda' but the model is on cpu"):
         make_engine(RuntimeConfig(engine="cuda"), torch.device("cpu"))
+
+
+def test_link_emulation_options_are_warned_about_where_the_cuda_engine_ignores_them():
+    options = EngineOptions(latency_s=0.002, bandwidth_gbps=8.0)
+    assert unused_engine_options(options, "thread") == []
+    assert unused_engine_options(EngineOptions(), "cuda") == []
+    assert unused_engine_options(options, "cuda") == [
+        f"runtime.engine_options.{name}: {value} has no effect with the CUDA engine (it emulates a slower link "
+        "for the thread engine on CPU); remove it, or set runtime.engine: thread to emulate that link"
+        for name, value in (("latency_s", 0.002), ("bandwidth_gbps", 8.0))]
+
+
+@pytest.mark.cuda
+def test_make_engine_warns_once_per_cuda_engine_about_link_emulation_options(caplog):
+    with caplog.at_level("WARNING", logger="swapkit"):
+        engine = make_engine(RuntimeConfig(engine_options=EngineOptions(latency_s=0.002)), torch.device("cuda"))
+    assert engine.name == "cuda"
+    assert [r.getMessage() for r in caplog.records] == unused_engine_options(EngineOptions(latency_s=0.002), "cuda")
 
 
 def test_thread_engine_synchronize_raises_a_failure_nobody_waited_for():

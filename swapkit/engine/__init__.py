@@ -1,12 +1,16 @@
 """Copy engines: CUDA (side stream, events, pinned pool) and a CPU thread engine."""
 from __future__ import annotations
 
+import logging
+
 import torch
 
-from swapkit.config.types import RuntimeConfig
+from swapkit.config.types import EngineOptions, RuntimeConfig
 from swapkit.engine.base import CopyEngine
 from swapkit.engine.pool import HostPool
 from swapkit.engine.thread import ThreadCopyEngine
+
+logger = logging.getLogger(__name__)
 
 
 def make_pool(engine: CopyEngine, max_bytes: int | None) -> HostPool:
@@ -31,9 +35,22 @@ def make_engine(runtime: RuntimeConfig, device: torch.device) -> CopyEngine:
                              "device or set runtime.engine: thread (or auto)")
         from swapkit.engine.cuda import CudaCopyEngine
 
+        for message in unused_engine_options(runtime.engine_options, kind):
+            logger.warning("%s", message)
         return CudaCopyEngine(device)
     options = runtime.engine_options
     return ThreadCopyEngine(device, options.latency_s, options.bandwidth_gbps)
 
 
-__all__ = ["CopyEngine", "HostPool", "ThreadCopyEngine", "make_engine", "make_pool"]
+def unused_engine_options(options: EngineOptions, kind: str) -> list[str]:
+    """``runtime.engine_options`` emulate a slower link for the thread engine; the CUDA engine's copies
+    run on the real link, so there a set option does nothing (a config tuned on CPU, moved to a GPU)."""
+    if kind != "cuda":
+        return []
+    return [f"runtime.engine_options.{name}: {value} has no effect with the CUDA engine (it emulates a slower "
+            "link for the thread engine on CPU); remove it, or set runtime.engine: thread to emulate that link"
+            for name, value in (("latency_s", options.latency_s), ("bandwidth_gbps", options.bandwidth_gbps))
+            if value]
+
+
+__all__ = ["CopyEngine", "HostPool", "ThreadCopyEngine", "make_engine", "make_pool", "unused_engine_options"]
