@@ -91,3 +91,24 @@ def test_verify_without_any_swap_warns(caplog):
     with caplog.at_level(logging.WARNING, logger="swapkit"):
         swapkit.apply(llama(), toy_config(4, runtime={"verify": True}), layers="layers")
     assert "runtime.verify: true has no effect" in caplog.text
+
+
+def test_every_runtime_setting_without_any_swap_is_warned_about_and_defaults_are_not(caplog):
+    """Every runtime key tunes swapping; on a model where nothing is swapped a changed one did nothing,
+    silently (only runtime.verify was warned about)."""
+    runtime = {"min_offload_bytes": 0, "max_host_bytes": 1 << 20, "offload_batch_bytes": 0,
+               "skip_tail_offload": False, "engine": "thread", "engine_options": {"latency_s": 0.001},
+               "verify": False}  # the last one is its default: written out, it says nothing
+    with caplog.at_level(logging.WARNING, logger="swapkit"):
+        swapkit.apply(llama(), toy_config(4, runtime=runtime), layers="layers")
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warned == [f"runtime.{name}: {value} has no effect: swap_config swaps nothing on this model; set "
+                      f"swap_config.swap: true with a layer_swap or op_swap, or drop runtime.{name}"
+                      for name, value in (("engine", "'thread'"), ("engine_options.latency_s", "0.001"),
+                                          ("min_offload_bytes", "0"), ("max_host_bytes", "1048576"),
+                                          ("skip_tail_offload", "false"), ("offload_batch_bytes", "0"))]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="swapkit"):  # the same settings where a layer is swapped
+        swapkit.apply(llama(), toy_config(4, runtime=runtime, swap_config={"swap": True, "layer_swap": [
+            {"backward_prefetch": 1, "layers": [0]}]}), layers="layers")
+    assert not [r for r in caplog.records if "has no effect" in r.getMessage()]

@@ -86,7 +86,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from swapkit.config.types import Config, MindFormersRecompute, SwapConfig, SwapEntry
+from swapkit.config.types import Config, MindFormersRecompute, RuntimeConfig, SwapConfig, SwapEntry
 from swapkit.plan import patterns
 from swapkit.plan.simulate import Links
 from swapkit.plan.emit import op_pattern
@@ -290,7 +290,10 @@ def mode_config(config: Config, mode: str) -> Config:
     swap = SwapConfig(swap=mode == PROBE, layer_swap=(SwapEntry(PROBE_DISTANCE, True),) if mode == PROBE else None)
     train = dataclasses.replace(config.train, resume=False, save_dir=None, save_interval=None,
                                 gradient_accumulation_steps=1)  # one micro-batch per measured step
-    return dataclasses.replace(config, recompute=recompute, swap=swap, train=train)
+    # ``runtime`` tunes swapping: a run that swaps nothing takes the defaults (the user's settings
+    # would only be warned about there as doing nothing)
+    runtime = config.runtime if mode == PROBE else RuntimeConfig()
+    return dataclasses.replace(config, recompute=recompute, swap=swap, train=train, runtime=runtime)
 
 
 def release_lag(copies: list[tuple[float, float | None, int]], links: Links, quantile: float = 1.0) -> float:

@@ -71,6 +71,7 @@ every frame they call (a code execution strategy of ``SKIP`` for the frame and r
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from itertools import chain
@@ -79,6 +80,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from swapkit.config.errors import show
+from swapkit.config.types import RuntimeConfig
 from swapkit.runtime.binding import Binding
 from swapkit.engine import CopyEngine, HostPool, make_engine, make_pool
 from swapkit.engine.pinned import PinnedMapping
@@ -134,9 +137,9 @@ class SwapSession:
         self.observer: Any = None  # sees every forward save and backward unpack (swapkit.planner.measure)
         recompute.output_sink = self
         tracker.on_swap_enter = self._swap_scope_entered
-        if plan.runtime.verify and not any(layer.layer_swap is not None or layer.op_swap for layer in plan.layers):
-            logger.warning("runtime.verify: true has no effect: swap_config swaps nothing on this model; set "
-                           "swap_config.swap: true with a layer_swap or op_swap, or drop runtime.verify")
+        if not any(layer.layer_swap is not None or layer.op_swap for layer in plan.layers):
+            for message in inactive_runtime(plan.runtime):
+                logger.warning(message)
 
     def __repr__(self) -> str:
         state = "removed" if self._removed else "active" if self._hooks is not None else "ready"
@@ -358,6 +361,27 @@ class SwapSession:
             self.pool.clear()
         self.model.__dict__.pop("_swapkit_applied", None)
         self._removed = True
+
+
+def inactive_runtime(runtime: RuntimeConfig) -> list[str]:
+    """Every ``runtime`` key tunes swapping (its engine, host pool, batches and checks): set to other than
+    its default on a model where nothing is swapped, each does nothing. A default written out is not
+    told apart from one left out, and says nothing either way."""
+    return [f"runtime.{name}: {show(value)} has no effect: swap_config swaps nothing on this model; set "
+            f"swap_config.swap: true with a layer_swap or op_swap, or drop runtime.{name}"
+            for name, value in _changed(runtime, RuntimeConfig())]
+
+
+def _changed(settings: Any, defaults: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """``(dotted name, value)`` of each field of a settings dataclass that differs from ``defaults``."""
+    out = []
+    for item in dataclasses.fields(settings):
+        value, default = getattr(settings, item.name), getattr(defaults, item.name)
+        if dataclasses.is_dataclass(value):
+            out += _changed(value, default, f"{prefix}{item.name}.")
+        elif value != default:
+            out.append((prefix + item.name, value))
+    return out
 
 
 class AppliedMarker:
