@@ -245,6 +245,13 @@ def test_default_prefetch_next_to_swap_lists_is_warned(caplog, lists, given):
         "backward_prefetch in each entry and remove default_prefetch"]
 
 
+@pytest.mark.parametrize("swap", [{"swap": False}, {}])  # swap defaults to false
+def test_default_prefetch_while_swap_is_off_is_warned(caplog, swap):
+    assert swap_warnings(caplog, {**swap, "default_prefetch": 3}) == [
+        "swap_config.default_prefetch (3) is inactive because swap_config.swap is false; set swap_config.swap: "
+        "true to swap with the default strategy, or remove default_prefetch"]
+
+
 def test_settings_that_do_what_they_say_are_not_warned(caplog):
     assert swap_warnings(caplog, {"swap": True, "default_prefetch": 10}) == []
     assert swap_warnings(caplog, {"swap": True, "layer_swap": [{"backward_prefetch": 3, "layers": [0, 1]},

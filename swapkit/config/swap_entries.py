@@ -103,7 +103,8 @@ def check_swap_layers(swap: SwapConfig, num_layers: int, problems: Problems) -> 
 #   different backward_prefetch values: the first entry wins for that layer (DESIGN §3, as MindFormers
 #   builds its per-layer dict), the later value is silently dropped there;
 # - `default_prefetch` next to `layer_swap` or `op_swap`: MindFormers uses it only for the default
-#   strategy ("only takes effect when swap=True, layer_swap=None, and op_swap=None", seed 001).
+#   strategy ("only takes effect when swap=True, layer_swap=None, and op_swap=None", seed 001);
+#   likewise `default_prefetch` alone while `swap` is false.
 #: At most this many overlap warnings per list; the rest are counted in the last one.
 MAX_OVERLAP_WARNINGS = 5
 
@@ -127,8 +128,13 @@ def swap_warnings(raw: Any, swap: SwapConfig) -> list[str]:
 
 
 def _ignored_default_prefetch(raw: Any, swap: SwapConfig) -> list[str]:
+    if not (isinstance(raw, dict) and "default_prefetch" in raw):
+        return []
     given = [key for key in ("layer_swap", "op_swap") if getattr(swap, key) is not None]
-    if not (isinstance(raw, dict) and "default_prefetch" in raw and given):
+    if swap.swap is False and not given:  # with lists given, warn_inactive_swap names them instead
+        return [f"swap_config.default_prefetch ({swap.default_prefetch}) is inactive because swap_config.swap is "
+                "false; set swap_config.swap: true to swap with the default strategy, or remove default_prefetch"]
+    if not given:
         return []
     return [f"swap_config.default_prefetch ({swap.default_prefetch}) is ignored: it applies only to the default "
             "swap strategy (swap_config.swap: true with neither layer_swap nor op_swap), as in MindFormers, and "
