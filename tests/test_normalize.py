@@ -303,6 +303,64 @@ def test_exclude_default_is_empty():
     assert list(result.select_recompute) == list(DEFAULT_SELECT)
 
 
+def plan_warnings(**kwargs) -> tuple[str, ...]:
+    return build_plan(load_config(raw_config(**kwargs))).warnings
+
+
+IDLE = ("removes no {kind} pattern that recomputes a layer ({what}): it does nothing. An exclude removes each "
+        "{kind} pattern with as many dot-separated parts, each part fullmatching the other's; fix the pattern, or "
+        "remove it")
+
+
+@pytest.mark.parametrize("recompute, swap, warning", [
+    # misspelt: it names none of the patterns
+    ({"select_recompute": True, "select_recompute_exclude": ["feed_forward.mull"]}, None,
+     "recompute_config.select_recompute_exclude: 'feed_forward.mull' " + IDLE.format(
+         kind="select_recompute", what=r"the patterns that do: feed_forward\.mul, feed_forward\.w1\.activation\.silu")),
+    # names a pattern of the other key
+    ({"select_comm_recompute": True, "select_recompute": ["attention"], "select_recompute_exclude": [r"ffn_norm\.norm"]},
+     None, r"recompute_config.select_recompute_exclude: 'ffn_norm\\.norm' " + IDLE.format(
+         kind="select_recompute", what="the patterns that do: attention")),
+    # names a pattern whose counts select no layer (select_recompute is off)
+    ({"select_recompute_exclude": [r"feed_forward\.mul"]}, None,
+     r"recompute_config.select_recompute_exclude: 'feed_forward\\.mul' " + IDLE.format(
+         kind="select_recompute", what="select_recompute recomputes no layer that is not fully recomputed")),
+    # full recompute wins on every layer the pattern selects
+    ({"recompute": True, "select_comm_recompute": True, "select_comm_recompute_exclude": [r".*\.norm"]}, None,
+     r"recompute_config.select_comm_recompute_exclude: '.*\\.norm' " + IDLE.format(
+         kind="select_comm_recompute", what="select_comm_recompute recomputes no layer that is not fully recomputed")),
+    # swap mode: global indices, the pattern's list names no layer
+    ({"select_recompute": {"attention": [], "feed_forward": [2]}, "select_recompute_exclude": ["attention"]},
+     {"swap": True, "op_swap": []}, "recompute_config.select_recompute_exclude: 'attention' " + IDLE.format(
+         kind="select_recompute", what="the patterns that do: feed_forward")),
+])
+def test_an_exclude_that_removes_nothing_is_warned(recompute, swap, warning):
+    """Note [Excludes that remove nothing]"""
+    warnings = plan_warnings(recompute=recompute, swap=swap)
+    assert warnings == (warning,), warnings
+
+
+def test_an_exclude_written_as_true_or_counts_names_no_pattern():
+    assert plan_warnings(recompute={"select_recompute": True, "select_recompute_exclude": True}) == (
+        "recompute_config.select_recompute_exclude: true names no pattern (an exclude has no default patterns): it "
+        "does nothing; list the patterns to exclude, or remove it",)
+
+
+def test_excludes_that_remove_a_recomputing_pattern_are_not_warned():
+    assert plan_warnings(recompute={"select_recompute": True, "select_recompute_exclude": [r"feed_forward\.mul"],
+                                    "select_comm_recompute": True, "select_comm_recompute_exclude": [r"ffn_norm\.norm"],
+                                    "recompute": [1]}) == ()
+
+
+def test_use_reentrant_where_nothing_is_recomputed_is_warned():
+    expected = ("recompute_config.use_reentrant: true has no effect: this config recomputes no layer and no op; set "
+                "recompute (or select_recompute) to recompute, or remove use_reentrant",)
+    assert plan_warnings(recompute={"use_reentrant": True}) == expected
+    assert plan_warnings(recompute={"use_reentrant": True, "select_comm_recompute": [1]}) == ()
+    megatron = {"recompute_granularity": "selective", "recompute_modules": ["mlp"], "use_reentrant": True}
+    assert plan_warnings(recompute=megatron) == ()
+
+
 # ---------------------------------------------------------------- swap mode: global layer indices
 
 SWAP_ON = {"swap": True, "op_swap": []}

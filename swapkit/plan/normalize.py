@@ -242,9 +242,10 @@ def exclude(select: dict[str, Spec], excludes: Mapping[str, Spec], name: str) ->
 
 
 def normalize_recompute(
-    recompute: MindFormersRecompute, layout: Layout, swap_mode: bool, problems: Problems
+    recompute: MindFormersRecompute, layout: Layout, swap_mode: bool, problems: Problems, excluded: bool = True
 ) -> dict[str, Any] | None:
-    """All five MindFormers recompute keys, normalized; ``None`` if any is invalid."""
+    """All five MindFormers recompute keys, normalized; ``None`` if any is invalid. ``excluded=False``
+    leaves the select patterns as written, before the excludes remove any."""
     def counts(value: Any, path: str) -> Spec | None:
         return normalize_counts(value, layout, path, problems)
 
@@ -266,6 +267,8 @@ def normalize_recompute(
                                     dict_spec if to_spec is spec else None)
     if any(v is None for v in out.values()):
         return None
+    if not excluded:
+        return out
     out["select_recompute"] = exclude(out["select_recompute"], out["select_recompute_exclude"], "select_recompute")
     out["select_comm_recompute"] = exclude(
         out["select_comm_recompute"], out["select_comm_recompute_exclude"], "select_comm_recompute")

@@ -12,8 +12,8 @@ from typing import Any, Callable
 
 from swapkit.plan import patterns
 from swapkit.config.megatron import unmapped_modules
-from swapkit.config.types import Config, MegatronRecompute, RuntimeConfig
-from swapkit.config.errors import Problems
+from swapkit.config.types import Config, MegatronRecompute, MindFormersRecompute, RuntimeConfig
+from swapkit.config.errors import Problems, show
 from swapkit.config.fields import INVALID
 from swapkit.plan.layout import Layout, build_layout
 from swapkit.plan.megatron import describe, megatron_formative, megatron_layers
@@ -174,9 +174,49 @@ def check_plan(config: Config, problems: Problems, preset: Preset | None = None,
     )
     swap_mode = config.swap.swap and rc.dialect == "mindformers"
     warnings = (swap_mode_warnings(formative, layout.num_layers) if swap_mode else []) + dropped
+    if isinstance(rc, MindFormersRecompute):
+        written = normalize_recompute(rc, layout, config.swap.swap, Problems(), excluded=False)
+        warnings += idle_excludes(rc, written, layers, layout, config.swap.swap) if written is not None else []
+    warnings += _idle_reentrant(rc, layers)
     return Plan(layout, formative, layers, rc.dialect, config.swap.swap, rc.use_reentrant, config.runtime,
                 model.layers_path, describe(rc) if isinstance(rc, MegatronRecompute) else None,
                 preset.name if preset else None, tuple(notes), tuple(warnings), pattern_origins(config))
+
+
+# Note [Excludes that remove nothing]
+# MindFormers removes a select pattern that an exclude pattern names (same number of dot-separated
+# parts, each fullmatching the other's) and says nothing when an exclude names none, as when it is
+# misspelt, names a pattern of the other select key, or names one that recomputes nothing anyway
+# (its counts select no layer, or every layer it selects is fully recomputed: full wins). Each such
+# exclude does nothing, so each gets a WARNING naming it and the patterns that do recompute. An
+# exclude written as ``true`` or counts names no pattern at all: excludes have no default patterns
+# (DESIGN §2). ``use_reentrant: true`` where nothing is recomputed is the same kind of setting.
+def idle_excludes(rc: MindFormersRecompute, written: dict[str, Any], layers: tuple[LayerPlan, ...], layout: Layout,
+                  swap_mode: bool) -> list[str]:
+    """Note [Excludes that remove nothing]"""
+    out = []
+    for kind in ("select_recompute", "select_comm_recompute"):
+        path, selects, excludes = f"recompute_config.{kind}_exclude", written[kind], written[f"{kind}_exclude"]
+        if getattr(rc, f"{kind}_exclude") is not False and not excludes:
+            out.append(f"{path}: {show(getattr(rc, f'{kind}_exclude'))} names no pattern (an exclude has no default "
+                       "patterns): it does nothing; list the patterns to exclude, or remove it")
+        active = [p for p, spec in selects.items()
+                  if any(not layer.full and _selects(spec, layer.layer, layout, swap_mode) for layer in layers)]
+        for key in excludes:
+            if not any(patterns.same_scope(key, p) for p in active):
+                what = f"the patterns that do: {', '.join(active)}" if active else f"{kind} recomputes no layer that is not fully recomputed"
+                out.append(f"{path}: {show(key)} removes no {kind} pattern that recomputes a layer ({what}): it does "
+                           f"nothing. An exclude removes each {kind} pattern with as many dot-separated parts, each "
+                           "part fullmatching the other's; fix the pattern, or remove it")
+    return out
+
+
+def _idle_reentrant(rc: Any, layers: tuple[LayerPlan, ...]) -> list[str]:
+    """``use_reentrant`` picks the checkpoint implementation: with nothing recomputed it does nothing."""
+    if not rc.use_reentrant or any(layer.full or layer.select or layer.comm for layer in layers):
+        return []
+    return ["recompute_config.use_reentrant: true has no effect: this config recomputes no layer and no op; set "
+            "recompute (or select_recompute) to recompute, or remove use_reentrant"]
 
 
 def _preset(name: str | None, given: Preset | None, problems: Problems) -> Preset | None:
