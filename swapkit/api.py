@@ -73,7 +73,7 @@ def apply(model: nn.Module | Sequence[nn.Module], config: Config | Plan | Mappin
             raise BindError(f"swapkit is already applied to this {type(chunk).__name__}; call remove() on its "
                             "SwapSession before applying another config")
     binding = bind(model, plan, layers) if stage is None else bind_stage(chunks, plan, layers, stage)
-    _log(plan, binding)
+    _log(plan, binding, type(chunks[0]).__name__)
     recompute = Recompute(binding, plan.use_reentrant, recompute_outputs=plan.dialect == "mindformers")
     recompute.apply()
     tracker = ScopeTracker()
@@ -91,11 +91,14 @@ def as_config(config: Config | Mapping[str, Any] | str | Path) -> Config:
     return config if isinstance(config, Config) else load_config(config)
 
 
-def _log(plan: Plan, binding: Any) -> None:
-    """Log the plan as MindFormers does; a pattern that binds nowhere is an error, not a log line."""
+def _log(plan: Plan, binding: Any, owner: str) -> None:
+    """Log the plan as MindFormers does; a pattern that binds nowhere is an error, not a log line.
+
+    ``owner`` names the class holding the layer container: the model's, or a pipeline stage's chunk's.
+    """
     bound = replace(plan, layers=tuple(layer.plan for layer in binding.layers))  # a stage binds some layers
     trees = [module_tree(layer.module) for layer in binding.layers]
-    errors = unmatched_errors(bound, trees, f"{type(binding.model).__name__}.{binding.layers_path}")
+    errors = unmatched_errors(bound, trees, f"{owner}.{binding.layers_path}")
     if errors:
         raise BindError("the config names op scopes this model does not have:\n  - " + "\n  - ".join(errors))
     for line in plan.log_lines() + list(plan.notes):

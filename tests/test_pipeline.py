@@ -209,3 +209,32 @@ def test_micro_steps_with_the_cuda_engine_keep_gradients_bit_identical():
     assert session.stats.micro_steps == 2 and session.stats.offloaded_bytes > 0
     for (name, a), (_, b) in zip(ref.named_parameters(), chunk.named_parameters()):
         assert torch.equal(a.grad, b.grad), name
+
+
+def test_a_stage_session_names_its_container_and_its_own_layers():
+    """The repr and the binding of a stage name the chunk's layer container as written (not its
+    characters joined, 'ModuleList.l, a, y, e, r, s') and count the stage's layers, not the model's."""
+    config, chunks = tiny_stage("interleaved_1f1b", stage=1, swap_config={
+        "swap": True, "layer_swap": [{"backward_prefetch": 1, "layers": [0, 2, 3]}]})
+    session = swapkit.apply(chunks, config, layers="layers", stage=1)
+    assert session.binding.layers_path == "layers"
+    text = repr(session)
+    assert text.startswith("StageSession(stage 1 of 2: layers [[2, 3], [6, 7]] in 2 x PipelineChunk.layers: 4 layers")
+    assert "swap on 2, recompute on 0" in text  # layers 2 and 3; layer 0 lives on stage 0
+    session.remove()
+
+
+def test_a_bad_op_pattern_on_a_stage_names_the_chunk_container():
+    config, chunks = tiny_stage(stage=1, swap_config={
+        "swap": True, "op_swap": [{"op_name": "attentoin", "backward_prefetch": 1, "layers": True}]})
+    with pytest.raises(swapkit.BindError, match=r"any layer of PipelineChunk\.layers; did you mean 'attention'"):
+        swapkit.apply(chunks, config, layers="layers", stage=1)
+
+
+def test_a_list_of_containers_with_stage_is_a_bind_error_naming_the_fix():
+    config, chunks = tiny_stage(stage=1)
+    with pytest.raises(swapkit.BindError, match=r"layers=\['layers', 'extra'\].*stage=1.*one dotted path"):
+        swapkit.apply(chunks, config, layers=["layers", "extra"], stage=1)
+    session = swapkit.apply(chunks, config, layers=["layers"], stage=1)  # one path in a list is that path
+    assert session.binding.layers_path == "layers"
+    session.remove()

@@ -7,6 +7,8 @@ log lines, scope labels and stats read as they do for the single-process model.
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 from torch import nn
 
 from swapkit.plan.plan import Plan
@@ -32,14 +34,15 @@ def as_chunks(modules: nn.Module | list[nn.Module] | tuple[nn.Module, ...], plan
     return chunks
 
 
-def bind_stage(chunks: list[nn.Module], plan: Plan, layers_path: str | None, stage: int) -> Binding:
+def bind_stage(chunks: list[nn.Module], plan: Plan, layers_path: str | Sequence[str] | None, stage: int) -> Binding:
     """Bind the plan's layers of pipeline stage ``stage`` to its chunk modules (global layer ids).
 
     Raises:
-        BindError: a chunk's layer container is missing or does not hold that chunk's layers.
+        BindError: several layer containers were given, or a chunk's layer container is missing or
+            does not hold that chunk's layers.
     """
     bound: list[BoundLayer] = []
-    path = layers_path or plan.layers_path
+    path = _one_path(layers_path if layers_path is not None else plan.layers_path, stage)
     for v, (chunk, ids) in enumerate(zip(chunks, plan.stage_layers(stage))):
         path, container = find_layers(chunk, path)
         layers = list(container)
@@ -50,4 +53,16 @@ def bind_stage(chunks: list[nn.Module], plan: Plan, layers_path: str | None, sta
                             "with exactly those layers, in order")
         bound += [BoundLayer(i, layer, plan.layers[i], resolve_layer(plan.layers[i], module_tree(layer)))
                   for i, layer in zip(ids, layers)]
-    return Binding(nn.ModuleList(chunks), path, bound)
+    return Binding(nn.ModuleList(chunks), (path,), bound)
+
+
+def _one_path(layers_path: str | Sequence[str] | None, stage: int) -> str | None:
+    """A chunk has one layer container: a list of one path is that path, a longer list is an error."""
+    if layers_path is None or isinstance(layers_path, str):
+        return layers_path
+    paths = list(layers_path)
+    if len(paths) != 1 or not isinstance(paths[0], str):
+        raise BindError(f"layers={paths!r} (or model.model_config.layers_path) with stage={stage}: each pipeline "
+                        "chunk is bound through one layer container; pass one dotted path (layers='layers'), the "
+                        "same in every chunk")
+    return paths[0]

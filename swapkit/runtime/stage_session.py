@@ -150,6 +150,19 @@ class StageSession(SwapSession):
 
     # ------------------------------------------------------------------ public
 
+    def __repr__(self) -> str:
+        """The stage, its global layers per chunk and what they swap and recompute (not the whole model's)."""
+        state = "removed" if self._removed else "active" if self._hooks is not None else "ready"
+        engine = type(self.engine).__name__ if self.engine is not None else "not started"
+        plans = [layer.plan for layer in self.binding.layers]
+        swapped = sum(p.layer_swap is not None or bool(p.op_swap) for p in plans)
+        recomputed = sum(p.full or bool(p.select or p.comm) for p in plans)
+        preset = f", preset={self.plan.preset}" if self.plan.preset else ""
+        return (f"StageSession(stage {self.stage} of {self.plan.layout.pipeline_stage}: layers "
+                f"{self.plan.stage_layers(self.stage)} in {len(self.chunks)} x {type(self.chunks[0]).__name__}."
+                f"{self.binding.layers_path}: {len(plans)} layers{preset}, swap on {swapped}, recompute on "
+                f"{recomputed}, engine={engine}, steps={self._groups}, micro-steps={self._steps}, {state})")
+
     @property
     def stats(self) -> SwapStats:
         """The last optimizer step's micro-steps added up (``micro_steps``, bytes summed, peak of the sum)."""
