@@ -17,7 +17,7 @@ from swapkit.plan.report import layer_lines, unmatched, unmatched_errors
 from swapkit.runtime.resolve import resolve_plan
 from swapkit.runtime.scope import ScopeTracker
 from swapkit.runtime.session import AppliedMarker, SwapSession
-from swapkit.runtime.stage_binding import as_chunks, bind_stage
+from swapkit.runtime.stage_binding import as_chunks, bind_stage, check_layout_across_ranks
 from swapkit.runtime.stage_session import StageSession
 
 logger = logging.getLogger(__name__)
@@ -73,6 +73,8 @@ def apply(model: nn.Module | Sequence[nn.Module], config: Config | Plan | Mappin
             raise BindError(f"swapkit is already applied to this {type(chunk).__name__}; call remove() on its "
                             "SwapSession before applying another config")
     binding = bind(model, plan, layers) if stage is None else bind_stage(chunks, plan, layers, stage)
+    if stage is not None:
+        check_layout_across_ranks(plan.layout, stage)  # Note [Stage layouts agree across ranks]
     _log(plan, binding, type(chunks[0]).__name__)
     recompute = Recompute(binding, plan.use_reentrant, recompute_outputs=plan.dialect == "mindformers")
     recompute.apply()

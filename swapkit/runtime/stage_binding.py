@@ -4,12 +4,29 @@ The plan is the whole model's plan. A stage owns ``V`` chunks (``Plan.stage_laye
 of the stage holds, at the same dotted path, exactly the global layers ``stage_layers(s)[v]`` in
 order. Every :class:`~swapkit.runtime.binding.BoundLayer` keeps its *global* index, so decisions,
 log lines, scope labels and stats read as they do for the single-process model.
+
+Note [Stage layouts agree across ranks]
+Each rank builds its plan from its own config, so nothing stops two ranks from laying out the model
+differently (another ``offset``, a ``--set`` on one rank only): each stage's chunks then hold the
+layers of a different partition, some layer sits on two stages or on none, and training runs on a
+model nobody configured. When ``torch.distributed`` is initialized, :func:`check_layout_across_ranks`
+compares the layout with the first one applied in the process group, through one ``compare_set``
+on the group's store: the first rank to apply writes its layout, every later one reads it back,
+and a rank whose layout differs raises. It is a store operation, not a collective, so a rank that
+never applies swapkit (or applies it later) is never waited for; of two mismatched ranks the later
+one raises. Swap and recompute settings may differ per rank (a stage applies only its own layers'
+decisions), so only the layout is compared.
 """
 from __future__ import annotations
 
+import json
 from typing import Sequence
 
+import torch.distributed as dist
 from torch import nn
+
+from swapkit.config.errors import ConfigError, Problem
+from swapkit.plan.layout import OFFSET_PATH, Layout, as_lists
 
 from swapkit.plan.plan import Plan
 from swapkit.plan.report import resolve_layer
@@ -66,3 +83,31 @@ def _one_path(layers_path: str | Sequence[str] | None, stage: int) -> str | None
                         "chunk is bound through one layer container; pass one dotted path (layers='layers'), the "
                         "same in every chunk")
     return paths[0]
+
+
+LAYOUT_KEY = "swapkit/stage_layout"
+_LAYOUT_KEYS = (("num_layers", "model.model_config.num_layers"), ("pipeline_stage", "parallel_config.pipeline_stage"),
+                ("pp_interleave_num", "model.model_config.pp_interleave_num"), ("layer_list", OFFSET_PATH))
+
+
+def check_layout_across_ranks(layout: Layout, stage: int) -> None:
+    """Note [Stage layouts agree across ranks]; nothing to compare without an initialized process group.
+
+    Raises:
+        ConfigError: the first rank that applied swapkit in this process group laid the model out differently.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    rank = dist.get_rank()
+    mine = {"rank": rank, "stage": stage, "num_layers": layout.num_layers, "pipeline_stage": layout.pipeline_stage,
+            "pp_interleave_num": layout.pp_interleave_num, "layer_list": as_lists(layout.layer_list)}
+    store = dist.distributed_c10d._get_default_store()
+    first = json.loads(store.compare_set(LAYOUT_KEY, "", json.dumps(mine)))
+    differing = [path for key, path in _LAYOUT_KEYS if first[key] != mine[key]]
+    if differing:
+        raise ConfigError([Problem(differing[0], (
+            f"rank {rank} lays out the model as num_layers per stage {mine['layer_list']} (stage {stage} of "
+            f"{layout.pipeline_stage}), but rank {first['rank']} applied swapkit with {first['layer_list']} "
+            f"(num_layers {first['num_layers']}, pipeline_stage {first['pipeline_stage']}, pp_interleave_num "
+            f"{first['pp_interleave_num']}); the stages would not partition the model. Give every rank the same "
+            "model.model_config (num_layers, offset, pp_interleave_num) and parallel_config.pipeline_stage"))])
