@@ -63,10 +63,11 @@ def apply(model: nn.Module | Sequence[nn.Module], config: Config | Plan | Mappin
     if stage is None and not isinstance(model, nn.Module):
         raise BindError(f"got {type(model).__name__} of chunk modules without stage=; pass stage=<pipeline stage> "
                         "for a pipeline stage's chunks, or one nn.Module")
-    if isinstance(config, Plan):
+    loaded = None if isinstance(config, Plan) else as_config(config)
+    if loaded is None:
         plan = config
     else:  # a stage holds some of the layers: nothing to count them from
-        plan = resolve_plan(model, as_config(config), layers) if stage is None else build_plan(as_config(config))
+        plan = resolve_plan(model, loaded, layers) if stage is None else build_plan(loaded)
     chunks = [model] if stage is None else as_chunks(model, plan, stage)
     for chunk in chunks:
         if getattr(chunk, APPLIED, None) is not None:
@@ -83,7 +84,9 @@ def apply(model: nn.Module | Sequence[nn.Module], config: Config | Plan | Mappin
     if stage is None:
         session = SwapSession(model, binding, plan, tracker, recompute)
     else:
-        session = StageSession(chunks, stage, binding.model, binding, plan, tracker, recompute)
+        micro_batch_num = loaded.parallel.micro_batch_num if loaded is not None else None
+        session = StageSession(chunks, stage, binding.model, binding, plan, tracker, recompute,
+                               micro_batch_num=micro_batch_num)
     for chunk in chunks:
         object.__setattr__(chunk, APPLIED, AppliedMarker(session))  # a plain attribute: no module, parameter or buffer
     return session

@@ -325,3 +325,35 @@ def test_fsdp2_inside_pipeline_stages_keeps_gradients_bit_identical(tmp_path):
                 assert all(torch.equal(before[n], after[n]) for n in before), reshard
             assert stats.micro_steps == 4 and stats.offloaded_bytes > 0
             assert stats.skipped["parameter"] > 0  # FSDP2's unsharded weights are recognised, never copied
+
+
+def _micro_batches_by_hand(session, chunk, count: int, steps: int = 2) -> None:
+    xs = [torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(i)) for i in range(count)]
+    for _ in range(steps):
+        with session:
+            for loss in [_forward(chunk, x) for x in xs]:
+                loss.backward()
+
+
+def test_micro_batch_num_other_than_what_the_schedule_ran_warns_once(caplog):
+    """parallel_config.micro_batch_num is swapkit train's; a stage session whose schedule runs another
+    count says so once (the key did nothing), naming the key, both counts and the fix."""
+    config, (chunk,) = tiny_stage(stage=1, parallel_config={"pipeline_stage": 2, "micro_batch_num": 4})
+    session = swapkit.apply(chunk, config, layers="layers", stage=1)
+    with caplog.at_level(logging.WARNING, logger="swapkit"):
+        _micro_batches_by_hand(session, chunk, 2)
+    assert session.stats.micro_steps == 2
+    found = [m for m in caplog.messages if "micro_batch_num" in m]
+    assert len(found) == 1, caplog.messages
+    assert "parallel_config.micro_batch_num: 4" in found[0] and "ran 2 micro-batches" in found[0]
+    assert "n_microbatches" in found[0]
+    session.remove()
+
+
+def test_micro_batch_num_equal_to_what_the_schedule_ran_says_nothing(caplog):
+    config, (chunk,) = tiny_stage(stage=1, parallel_config={"pipeline_stage": 2, "micro_batch_num": 2})
+    session = swapkit.apply(chunk, config, layers="layers", stage=1)
+    with caplog.at_level(logging.WARNING, logger="swapkit"):
+        _micro_batches_by_hand(session, chunk, 2)
+    assert not [m for m in caplog.messages if "micro_batch_num" in m]
+    session.remove()

@@ -20,11 +20,19 @@ throw-away inputs. That pass is not a micro-batch: the session recognises it by 
 torch's ``_forward_metadata_inference`` on the stack when its first tensor is saved, and keeps its
 tensors as they are, uncounted, like packs outside a chunk. Passing ``input_args``/``output_args``
 to ``PipelineStage`` skips the pass altogether.
+
+Note [micro_batch_num with your own schedule]
+``parallel_config.micro_batch_num`` sets the micro-batches of ``swapkit train``'s schedule; with the
+user's own schedule its ``n_microbatches`` decides and the key does nothing. Not to leave that
+silent, the session compares the key, when the config gives it, with the forwards each chunk ran
+in an optimizer step, and warns once per session when they differ. A step in which no chunk saved
+a tensor (an evaluation under ``torch.no_grad()``) has nothing to compare.
 """
 from __future__ import annotations
 
 import logging
 import sys
+from collections import Counter
 from itertools import chain
 from typing import Any
 
@@ -52,9 +60,12 @@ class StageSession(SwapSession):
         >>> session.stats.micro_steps, session.stats.peak_device_bytes  # doctest: +SKIP
     """
 
-    def __init__(self, chunks: list[nn.Module], stage: int, *args: Any) -> None:
+    def __init__(self, chunks: list[nn.Module], stage: int, *args: Any, micro_batch_num: int | None = None) -> None:
+        """``args``: :class:`SwapSession`'s; ``micro_batch_num``: the config's, compared with what ran
+        (Note [micro_batch_num with your own schedule])."""
         super().__init__(*args)
         self.chunks, self.stage = chunks, stage
+        self.micro_batch_num, self._micro_batches_reported = micro_batch_num, False
         self._group: MicroSteps | None = None
         self._groups = 0
         self._running: int | None = None  # chunk whose forward is running (Note [Opening a micro-step lazily])
@@ -130,6 +141,7 @@ class StageSession(SwapSession):
                 for step in group.steps:  # swaps that saw no tensor in any micro-step's forward
                     self._report_unused(step)
                 self._check_idle(group)
+                self._check_micro_batches(group)
             else:
                 self.engine.synchronize()
         except BaseException:
@@ -147,6 +159,17 @@ class StageSession(SwapSession):
         if self._idle_reported or not steps or any(step.stats.offloaded_bytes for step in steps):
             return
         self._warn_idle(group.number, max(step.clock for step in steps), group.snapshot(self.pool.allocations))
+
+    def _check_micro_batches(self, group: MicroSteps) -> None:
+        """Note [micro_batch_num with your own schedule]."""
+        ran = sorted(set(Counter(step.key[0] for step in group.steps).values()))
+        if self.micro_batch_num is None or self._micro_batches_reported or not ran or ran == [self.micro_batch_num]:
+            return
+        self._micro_batches_reported = True
+        logger.warning("parallel_config.micro_batch_num: %d, but stage %d ran %s micro-batches per chunk in "
+                       "optimizer step %d: with your own pipeline schedule its n_microbatches decides and this key "
+                       "does nothing (swapkit train reads it); set it to your n_microbatches or remove it",
+                       self.micro_batch_num, self.stage, " or ".join(map(str, ran)), group.number)
 
     # ------------------------------------------------------------------ public
 
