@@ -20,6 +20,7 @@ decisions), so only the layout is compared.
 from __future__ import annotations
 
 import json
+import logging
 from typing import Sequence
 
 import torch.distributed as dist
@@ -31,6 +32,8 @@ from swapkit.plan.layout import OFFSET_PATH, Layout, as_lists
 from swapkit.plan.plan import Plan
 from swapkit.plan.report import resolve_layer
 from swapkit.runtime.binding import Binding, BindError, BoundLayer, find_layers, module_tree
+
+logger = logging.getLogger(__name__)
 
 
 def as_chunks(modules: nn.Module | list[nn.Module] | tuple[nn.Module, ...], plan: Plan, stage: int) -> list[nn.Module]:
@@ -101,8 +104,12 @@ def check_layout_across_ranks(layout: Layout, stage: int) -> None:
     rank = dist.get_rank()
     mine = {"rank": rank, "stage": stage, "num_layers": layout.num_layers, "pipeline_stage": layout.pipeline_stage,
             "pp_interleave_num": layout.pp_interleave_num, "layer_list": as_lists(layout.layer_list)}
-    store = dist.distributed_c10d._get_default_store()
-    first = json.loads(store.compare_set(LAYOUT_KEY, "", json.dumps(mine)))
+    default_store = getattr(dist.distributed_c10d, "_get_default_store", None)  # private, present since torch 1.x
+    try:
+        first = json.loads(default_store().compare_set(LAYOUT_KEY, "", json.dumps(mine)))
+    except (TypeError, RuntimeError, NotImplementedError):  # no such function, or a store without compare_set
+        logger.debug("swapkit: this process group's store cannot compare stage layouts; not checked")
+        return
     differing = [path for key, path in _LAYOUT_KEYS if first[key] != mine[key]]
     if differing:
         raise ConfigError([Problem(differing[0], (
