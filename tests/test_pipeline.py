@@ -357,3 +357,16 @@ def test_micro_batch_num_equal_to_what_the_schedule_ran_says_nothing(caplog):
         _micro_batches_by_hand(session, chunk, 2)
     assert not [m for m in caplog.messages if "micro_batch_num" in m]
     session.remove()
+
+
+def test_a_stage_forward_outside_the_with_block_is_warned_once(caplog):
+    """schedule.step(...) outside `with session:` swaps nothing; the stage session says so once."""
+    config, (chunk,) = tiny_stage(stage=1, swap_config={"swap": True, "layer_swap": [{"backward_prefetch": 1,
+                                                                                       "layers": [5]}]})
+    session = swapkit.apply(chunk, config, layers="layers", stage=1)
+    with caplog.at_level(logging.WARNING, logger="swapkit"):
+        for i in range(2):
+            _forward(chunk, torch.randn(2, 16, 32)).backward()
+    outside = [m for m in caplog.messages if "outside `with session:`" in m]
+    assert len(outside) == 1 and "layer 5" in outside[0] and "schedule.step" in outside[0]
+    session.remove()

@@ -112,7 +112,7 @@ class StageSession(SwapSession):
     def _swap_scope_entered(self, frame: Frame) -> None:
         """swapkit.runtime.overrides Note [Swaps nobody reports], per micro-step. A grad-disabled
         forward (shape inference) saves nothing and so opens no micro-step (Note [Opening a ...])."""
-        if self._hooks is None or torch._C._current_graph_task_id() != -1 or not torch.is_grad_enabled():
+        if self._outside_block(frame) or torch._C._current_graph_task_id() != -1 or not torch.is_grad_enabled():
             return
         if self._open() is not None:
             self._current.scope_entered(frame, entry_cause(self._hook_pair[0]))
