@@ -240,44 +240,42 @@ def test_a_list_of_containers_with_stage_is_a_bind_error_naming_the_fix():
     session.remove()
 
 
-def _apply_with_offset(rank: int, world: int, offsets: list, swapped: list | None = None) -> str:
-    """Each rank applies swapkit to its stage with its own config's offset and layer swaps (rank 1
-    applies after rank 0)."""
+def _apply_with_offsets(rank: int, world: int, cases: list) -> list[str]:
+    """Each case: every rank applies swapkit to its stage with its own config's offset and layer swaps,
+    rank 1 after rank 0; one process group for all cases (the first layout applied is the reference)."""
     import torch.distributed as dist
 
-    layers = swapped[rank] if swapped else True
-    config = pipeline_config("1f1b", swap_config={"swap": True, "layer_swap": [{"backward_prefetch": 1,
-                                                                                "layers": layers}]})
-    config["model"]["model_config"]["offset"] = offsets[rank]
-    plan = swapkit.build_plan(swapkit.load_config(config))
-    chunks = build_stage_chunks(swapkit.load_config(config).model, plan, rank, seed=1)
-    if rank == 1:
-        dist.barrier()
-    try:
-        swapkit.apply(chunks, config, layers="layers", stage=rank).remove()
-        outcome = "applied"
-    except swapkit.ConfigError as err:
-        outcome = str(err)
-    if rank == 0:
-        dist.barrier()
-    return outcome
+    outcomes = []
+    for offsets, swapped in cases:
+        config = pipeline_config("1f1b", swap_config={"swap": True, "layer_swap": [{"backward_prefetch": 1,
+                                                                                    "layers": swapped[rank]}]})
+        config["model"]["model_config"]["offset"] = offsets[rank]
+        plan = swapkit.build_plan(swapkit.load_config(config))
+        chunks = build_stage_chunks(swapkit.load_config(config).model, plan, rank, seed=1)
+        if rank == 1:
+            dist.barrier()
+        try:
+            swapkit.apply(chunks, config, layers="layers", stage=rank).remove()
+            outcomes.append("applied")
+        except swapkit.ConfigError as err:
+            outcomes.append(str(err))
+        if rank == 0:
+            dist.barrier()
+    return outcomes
 
 
 def test_ranks_whose_configs_lay_out_the_model_differently_are_a_config_error(tmp_path):
-    """Rank 0's config puts layers 0-4 on stage 0, rank 1's puts 4-7 on stage 1: layer 4 on both, the
-    stages no longer partition the model. The rank that applies second names both layouts and the keys."""
-    ranks = spawn(_apply_with_offset, 2, tmp_path, [[1, -1], 0])
-    assert ranks[0] == "applied"
-    assert "model.model_config.offset" in ranks[1]
-    assert "num_layers per stage [[4, 4]] (stage 1 of 2)" in ranks[1]
-    assert "rank 0 applied swapkit with [[5, 3]]" in ranks[1]
-    assert "same model.model_config" in ranks[1]
-
-
-def test_ranks_with_the_same_layout_and_different_swaps_apply(tmp_path):
-    """Swap settings may differ per rank: each stage applies only its own layers' decisions."""
-    ranks = spawn(_apply_with_offset, 2, tmp_path, [[1, -1], [1, -1]], [[0, 1], [6]])
-    assert ranks == ["applied", "applied"]
+    """The same layout with other swaps per rank applies (a stage applies only its own layers' decisions).
+    Then rank 1's config puts layers 4-7 on stage 1 where rank 0's put 5-7 (0-4 on stage 0): layer 4 on
+    both stages, no partition of the model. The rank that applies second names both layouts and the key."""
+    same = ([[1, -1], [1, -1]], [[0, 1], [6]])
+    other = ([[1, -1], 0], [True, True])
+    (rank0_same, rank0_other), (rank1_same, rank1_other) = spawn(_apply_with_offsets, 2, tmp_path, [same, other])
+    assert [rank0_same, rank0_other, rank1_same] == ["applied", "applied", "applied"]
+    assert "model.model_config.offset" in rank1_other
+    assert "num_layers per stage [[4, 4]] (stage 1 of 2)" in rank1_other
+    assert "rank 0 applied swapkit with [[5, 3]]" in rank1_other
+    assert "same model.model_config" in rank1_other
 
 
 def _fsdp_stage(rank: int, world: int) -> dict:
