@@ -8,7 +8,7 @@ from typing import Any, Mapping, Sequence
 
 from torch import nn
 
-from swapkit.runtime.binding import BindError, bind, module_tree
+from swapkit.runtime.binding import BindError, bind, container_label, module_tree
 from swapkit.config.types import Config
 from swapkit.load import load_config
 from swapkit.plan.plan import Plan, build_plan
@@ -103,7 +103,7 @@ def _log(plan: Plan, binding: Any, owner: str) -> None:
     """
     bound = replace(plan, layers=tuple(layer.plan for layer in binding.layers))  # a stage binds some layers
     trees = [module_tree(layer.module) for layer in binding.layers]
-    errors = unmatched_errors(bound, trees, f"{owner}.{binding.layers_path}")
+    errors = unmatched_errors(bound, trees, container_label(owner, binding.layers_path))
     if errors:
         raise BindError("the config names op scopes this model does not have:\n  - " + "\n  - ".join(errors))
     for line in plan.log_lines() + list(plan.notes):

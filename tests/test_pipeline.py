@@ -368,3 +368,17 @@ def test_a_stage_forward_outside_the_with_block_is_warned_once(caplog):
     outside = [m for m in caplog.messages if "outside `with session:`" in m]
     assert len(outside) == 1 and "layer 5" in outside[0] and "schedule.step" in outside[0]
     session.remove()
+
+
+def test_a_chunk_that_is_its_own_layer_container_is_named_plainly():
+    """torch's pipelining examples split an nn.Sequential of blocks: the chunk is the container (path
+    ''), named 'Sequential', not 'Sequential.'."""
+    config, (chunk,) = tiny_stage(stage=1, swap_config={
+        "swap": True, "op_swap": [{"op_name": "attentoin", "backward_prefetch": 1, "layers": True}]})
+    blocks = torch.nn.Sequential(*chunk.layers)
+    with pytest.raises(swapkit.BindError, match=r"any layer of Sequential; did you mean"):
+        swapkit.apply(blocks, config, stage=1)
+    config["swap_config"]["op_swap"][0]["op_name"] = "attention"
+    session = swapkit.apply(blocks, config, stage=1)
+    assert "in 1 x Sequential: 4 layers" in repr(session)
+    session.remove()

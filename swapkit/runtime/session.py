@@ -88,7 +88,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from swapkit.runtime.binding import Binding
+from swapkit.runtime.binding import Binding, container_label
 from swapkit.engine import CopyEngine, HostPool, make_engine, make_pool
 from swapkit.engine.pinned import PinnedMapping
 from swapkit.plan.plan import Plan
@@ -155,7 +155,8 @@ class SwapSession:
         swapped = sum(layer.layer_swap is not None or bool(layer.op_swap) for layer in plan.layers)
         recomputed = sum(layer.full or bool(layer.select or layer.comm) for layer in plan.layers)
         preset = f", preset={plan.preset}" if plan.preset else ""
-        return (f"SwapSession({type(self.model).__name__}.{self.binding.layers_path}: {len(plan.layers)} layers"
+        return (f"SwapSession({container_label(type(self.model).__name__, self.binding.layers_path)}: "
+                f"{len(plan.layers)} layers"
                 f"{preset}, swap on {swapped}, recompute on {recomputed}, engine={engine}, steps={self._steps}, "
                 f"{state})")
 

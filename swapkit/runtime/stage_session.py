@@ -40,6 +40,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from swapkit.runtime.binding import container_label
 from swapkit.runtime.microsteps import Key, MicroStep, MicroSteps, MicroStepStats
 from swapkit.runtime.overrides import entry_cause
 from swapkit.runtime.records import Saved, make_saved
@@ -182,8 +183,8 @@ class StageSession(SwapSession):
         recomputed = sum(p.full or bool(p.select or p.comm) for p in plans)
         preset = f", preset={self.plan.preset}" if self.plan.preset else ""
         return (f"StageSession(stage {self.stage} of {self.plan.layout.pipeline_stage}: layers "
-                f"{self.plan.stage_layers(self.stage)} in {len(self.chunks)} x {type(self.chunks[0]).__name__}."
-                f"{self.binding.layers_path}: {len(plans)} layers{preset}, swap on {swapped}, recompute on "
+                f"{self.plan.stage_layers(self.stage)} in {len(self.chunks)} x "
+                f"{container_label(type(self.chunks[0]).__name__, self.binding.layers_path)}: {len(plans)} layers{preset}, swap on {swapped}, recompute on "
                 f"{recomputed}, engine={engine}, steps={self._groups}, micro-steps={self._steps}, {state})")
 
     @property
