@@ -28,7 +28,6 @@ from torch import nn
 
 from swapkit.config.errors import ConfigError, Problem
 from swapkit.plan.layout import OFFSET_PATH, Layout, as_lists
-
 from swapkit.plan.plan import Plan
 from swapkit.plan.report import resolve_layer
 from swapkit.runtime.binding import Binding, BindError, BoundLayer, container_label, find_layers, module_tree
@@ -68,7 +67,8 @@ def bind_stage(chunks: list[nn.Module], plan: Plan, layers_path: str | Sequence[
         layers = list(container)
         if len(layers) != len(ids):
             raise BindError(f"stage {stage} chunk {v} (torch pipeline stage {v * plan.layout.pipeline_stage + stage})"
-                            f": {container_label(type(chunk).__name__, path)} holds {len(layers)} layers but this chunk owns "
+                            f": {container_label(type(chunk).__name__, path)} holds {len(layers)} layers but this "
+                            "chunk owns "
                             f"global layers {ids} ({len(ids)} layers) under the config's layout; build the chunk "
                             "with exactly those layers, in order")
         bound += [BoundLayer(i, layer, plan.layers[i], resolve_layer(plan.layers[i], module_tree(layer)))

@@ -182,10 +182,11 @@ class StageSession(SwapSession):
         swapped = sum(p.layer_swap is not None or bool(p.op_swap) for p in plans)
         recomputed = sum(p.full or bool(p.select or p.comm) for p in plans)
         preset = f", preset={self.plan.preset}" if self.plan.preset else ""
+        container = container_label(type(self.chunks[0]).__name__, self.binding.layers_path)
         return (f"StageSession(stage {self.stage} of {self.plan.layout.pipeline_stage}: layers "
-                f"{self.plan.stage_layers(self.stage)} in {len(self.chunks)} x "
-                f"{container_label(type(self.chunks[0]).__name__, self.binding.layers_path)}: {len(plans)} layers{preset}, swap on {swapped}, recompute on "
-                f"{recomputed}, engine={engine}, steps={self._groups}, micro-steps={self._steps}, {state})")
+                f"{self.plan.stage_layers(self.stage)} in {len(self.chunks)} x {container}: {len(plans)} layers"
+                f"{preset}, swap on {swapped}, recompute on {recomputed}, engine={engine}, steps={self._groups}, "
+                f"micro-steps={self._steps}, {state})")
 
     @property
     def stats(self) -> SwapStats:
