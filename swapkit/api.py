@@ -8,7 +8,7 @@ from typing import Any, Mapping, Sequence
 
 from torch import nn
 
-from swapkit.runtime.binding import BindError, bind, module_tree
+from swapkit.runtime.binding import BindError, bind, container_label, module_tree
 from swapkit.config.types import Config
 from swapkit.load import load_config
 from swapkit.plan.plan import Plan, build_plan
@@ -17,7 +17,7 @@ from swapkit.plan.report import layer_lines, unmatched, unmatched_errors
 from swapkit.runtime.resolve import resolve_plan
 from swapkit.runtime.scope import ScopeTracker
 from swapkit.runtime.session import AppliedMarker, SwapSession
-from swapkit.runtime.stage_binding import as_chunks, bind_stage
+from swapkit.runtime.stage_binding import as_chunks, bind_stage, check_layout_across_ranks
 from swapkit.runtime.stage_session import StageSession
 
 logger = logging.getLogger(__name__)
@@ -63,17 +63,20 @@ def apply(model: nn.Module | Sequence[nn.Module], config: Config | Plan | Mappin
     if stage is None and not isinstance(model, nn.Module):
         raise BindError(f"got {type(model).__name__} of chunk modules without stage=; pass stage=<pipeline stage> "
                         "for a pipeline stage's chunks, or one nn.Module")
-    if isinstance(config, Plan):
+    loaded = None if isinstance(config, Plan) else as_config(config)
+    if loaded is None:
         plan = config
     else:  # a stage holds some of the layers: nothing to count them from
-        plan = resolve_plan(model, as_config(config), layers) if stage is None else build_plan(as_config(config))
+        plan = resolve_plan(model, loaded, layers) if stage is None else build_plan(loaded)
     chunks = [model] if stage is None else as_chunks(model, plan, stage)
     for chunk in chunks:
         if getattr(chunk, APPLIED, None) is not None:
             raise BindError(f"swapkit is already applied to this {type(chunk).__name__}; call remove() on its "
                             "SwapSession before applying another config")
     binding = bind(model, plan, layers) if stage is None else bind_stage(chunks, plan, layers, stage)
-    _log(plan, binding)
+    if stage is not None:
+        check_layout_across_ranks(plan.layout, stage)  # Note [Stage layouts agree across ranks]
+    _log(plan, binding, type(chunks[0]).__name__)
     recompute = Recompute(binding, plan.use_reentrant, recompute_outputs=plan.dialect == "mindformers")
     recompute.apply()
     tracker = ScopeTracker()
@@ -81,7 +84,9 @@ def apply(model: nn.Module | Sequence[nn.Module], config: Config | Plan | Mappin
     if stage is None:
         session = SwapSession(model, binding, plan, tracker, recompute)
     else:
-        session = StageSession(chunks, stage, binding.model, binding, plan, tracker, recompute)
+        micro_batch_num = loaded.parallel.micro_batch_num if loaded is not None else None
+        session = StageSession(chunks, stage, binding.model, binding, plan, tracker, recompute,
+                               micro_batch_num=micro_batch_num)
     for chunk in chunks:
         object.__setattr__(chunk, APPLIED, AppliedMarker(session))  # a plain attribute: no module, parameter or buffer
     return session
@@ -91,11 +96,14 @@ def as_config(config: Config | Mapping[str, Any] | str | Path) -> Config:
     return config if isinstance(config, Config) else load_config(config)
 
 
-def _log(plan: Plan, binding: Any) -> None:
-    """Log the plan as MindFormers does; a pattern that binds nowhere is an error, not a log line."""
+def _log(plan: Plan, binding: Any, owner: str) -> None:
+    """Log the plan as MindFormers does; a pattern that binds nowhere is an error, not a log line.
+
+    ``owner`` names the class holding the layer container: the model's, or a pipeline stage's chunk's.
+    """
     bound = replace(plan, layers=tuple(layer.plan for layer in binding.layers))  # a stage binds some layers
     trees = [module_tree(layer.module) for layer in binding.layers]
-    errors = unmatched_errors(bound, trees, f"{type(binding.model).__name__}.{binding.layers_path}")
+    errors = unmatched_errors(bound, trees, container_label(owner, binding.layers_path))
     if errors:
         raise BindError("the config names op scopes this model does not have:\n  - " + "\n  - ".join(errors))
     for line in plan.log_lines() + list(plan.notes):

@@ -209,3 +209,176 @@ def test_micro_steps_with_the_cuda_engine_keep_gradients_bit_identical():
     assert session.stats.micro_steps == 2 and session.stats.offloaded_bytes > 0
     for (name, a), (_, b) in zip(ref.named_parameters(), chunk.named_parameters()):
         assert torch.equal(a.grad, b.grad), name
+
+
+def test_a_stage_session_names_its_container_and_its_own_layers():
+    """The repr and the binding of a stage name the chunk's layer container as written (not its
+    characters joined, 'ModuleList.l, a, y, e, r, s') and count the stage's layers, not the model's."""
+    config, chunks = tiny_stage("interleaved_1f1b", stage=1, swap_config={
+        "swap": True, "layer_swap": [{"backward_prefetch": 1, "layers": [0, 2, 3]}]})
+    session = swapkit.apply(chunks, config, layers="layers", stage=1)
+    assert session.binding.layers_path == "layers"
+    text = repr(session)
+    assert text.startswith("StageSession(stage 1 of 2: layers [[2, 3], [6, 7]] in 2 x PipelineChunk.layers: 4 layers")
+    assert "swap on 2, recompute on 0" in text  # layers 2 and 3; layer 0 lives on stage 0
+    session.remove()
+
+
+def test_a_bad_op_pattern_on_a_stage_names_the_chunk_container():
+    config, chunks = tiny_stage(stage=1, swap_config={
+        "swap": True, "op_swap": [{"op_name": "attentoin", "backward_prefetch": 1, "layers": True}]})
+    with pytest.raises(swapkit.BindError, match=r"any layer of PipelineChunk\.layers; did you mean 'attention'"):
+        swapkit.apply(chunks, config, layers="layers", stage=1)
+
+
+def test_a_list_of_containers_with_stage_is_a_bind_error_naming_the_fix():
+    config, chunks = tiny_stage(stage=1)
+    with pytest.raises(swapkit.BindError, match=r"layers=\['layers', 'extra'\].*stage=1.*one dotted path"):
+        swapkit.apply(chunks, config, layers=["layers", "extra"], stage=1)
+    session = swapkit.apply(chunks, config, layers=["layers"], stage=1)  # one path in a list is that path
+    assert session.binding.layers_path == "layers"
+    session.remove()
+
+
+def _apply_with_offsets(rank: int, world: int, cases: list) -> list[str]:
+    """Each case: every rank applies swapkit to its stage with its own config's offset and layer swaps,
+    rank 1 after rank 0; one process group for all cases (the first layout applied is the reference)."""
+    import torch.distributed as dist
+
+    outcomes = []
+    for offsets, swapped in cases:
+        config = pipeline_config("1f1b", swap_config={"swap": True, "layer_swap": [{"backward_prefetch": 1,
+                                                                                    "layers": swapped[rank]}]})
+        config["model"]["model_config"]["offset"] = offsets[rank]
+        plan = swapkit.build_plan(swapkit.load_config(config))
+        chunks = build_stage_chunks(swapkit.load_config(config).model, plan, rank, seed=1)
+        if rank == 1:
+            dist.barrier()
+        try:
+            swapkit.apply(chunks, config, layers="layers", stage=rank).remove()
+            outcomes.append("applied")
+        except swapkit.ConfigError as err:
+            outcomes.append(str(err))
+        if rank == 0:
+            dist.barrier()
+    return outcomes
+
+
+def test_ranks_whose_configs_lay_out_the_model_differently_are_a_config_error(tmp_path):
+    """The same layout with other swaps per rank applies (a stage applies only its own layers' decisions).
+    Then rank 1's config puts layers 4-7 on stage 1 where rank 0's put 5-7 (0-4 on stage 0): layer 4 on
+    both stages, no partition of the model. The rank that applies second names both layouts and the key."""
+    same = ([[1, -1], [1, -1]], [[0, 1], [6]])
+    other = ([[1, -1], 0], [True, True])
+    (rank0_same, rank0_other), (rank1_same, rank1_other) = spawn(_apply_with_offsets, 2, tmp_path, [same, other])
+    assert [rank0_same, rank0_other, rank1_same] == ["applied", "applied", "applied"]
+    assert "model.model_config.offset" in rank1_other
+    assert "num_layers per stage [[4, 4]] (stage 1 of 2)" in rank1_other
+    assert "rank 0 applied swapkit with [[5, 3]]" in rank1_other
+    assert "same model.model_config" in rank1_other
+
+
+def _fsdp_stage(rank: int, world: int) -> dict:
+    """FSDP2 inside each stage (a 1-rank mesh per stage), 1F1B, every layer swapped, reshard_after_forward
+    True and False, against the same sharded pipeline without swapkit; 2 optimizer steps each."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+    from pipeline_utils import batch
+    from swapkit.distributed.pipeline import make_schedule, pipeline_stages
+    from swapkit.train.model import lm_loss
+
+    groups = [dist.new_group([r]) for r in range(world)]
+    mesh = DeviceMesh.from_group(groups[rank], "cpu")
+    config = layer_swap_config("1f1b", 1)
+    plan = swapkit.build_plan(swapkit.load_config(config))
+    model = swapkit.load_config(config).model
+    out = {}
+    for reshard in (True, False):
+        for swapped in (False, True):
+            chunks = build_stage_chunks(model, plan, rank, seed=1)
+            session = swapkit.apply(chunks, config, layers="layers", stage=rank) if swapped else None
+            for chunk in chunks:
+                for layer in chunk.layers:
+                    fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
+                fully_shard(chunk, mesh=mesh, reshard_after_forward=reshard)
+            schedule = make_schedule("1f1b", pipeline_stages(chunks, rank, world, torch.device("cpu")), 4, lm_loss)
+            grads = []
+            for number in (1, 2):
+                x, y = batch(number, vars(model))
+                with session if session is not None else torch.enable_grad():
+                    schedule.step(x) if rank == 0 else schedule.step(target=y, losses=[])
+                grads.append({n: p.grad.to_local().clone() for n, p in chunks[0].named_parameters()})
+                chunks[0].zero_grad(set_to_none=True)
+            out[(reshard, swapped)] = (grads, session.stats if session is not None else None)
+    return out
+
+
+def test_fsdp2_inside_pipeline_stages_keeps_gradients_bit_identical(tmp_path):
+    for result in spawn(_fsdp_stage, 2, tmp_path):
+        for reshard in (True, False):
+            (ref, _), (got, stats) = result[(reshard, False)], result[(reshard, True)]
+            for before, after in zip(ref, got):
+                assert before.keys() == after.keys()
+                assert all(torch.equal(before[n], after[n]) for n in before), reshard
+            assert stats.micro_steps == 4 and stats.offloaded_bytes > 0
+            assert stats.skipped["parameter"] > 0  # FSDP2's unsharded weights are recognised, never copied
+
+
+def _micro_batches_by_hand(session, chunk, count: int, steps: int = 2) -> None:
+    xs = [torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(i)) for i in range(count)]
+    for _ in range(steps):
+        with session:
+            for loss in [_forward(chunk, x) for x in xs]:
+                loss.backward()
+
+
+def test_micro_batch_num_other_than_what_the_schedule_ran_warns_once(caplog):
+    """parallel_config.micro_batch_num is swapkit train's; a stage session whose schedule runs another
+    count says so once (the key did nothing), naming the key, both counts and the fix."""
+    config, (chunk,) = tiny_stage(stage=1, parallel_config={"pipeline_stage": 2, "micro_batch_num": 4})
+    session = swapkit.apply(chunk, config, layers="layers", stage=1)
+    with caplog.at_level(logging.WARNING, logger="swapkit"):
+        _micro_batches_by_hand(session, chunk, 2)
+    assert session.stats.micro_steps == 2
+    found = [m for m in caplog.messages if "micro_batch_num" in m]
+    assert len(found) == 1, caplog.messages
+    assert "parallel_config.micro_batch_num: 4" in found[0] and "ran 2 micro-batches" in found[0]
+    assert "n_microbatches" in found[0]
+    session.remove()
+
+
+def test_micro_batch_num_equal_to_what_the_schedule_ran_says_nothing(caplog):
+    config, (chunk,) = tiny_stage(stage=1, parallel_config={"pipeline_stage": 2, "micro_batch_num": 2})
+    session = swapkit.apply(chunk, config, layers="layers", stage=1)
+    with caplog.at_level(logging.WARNING, logger="swapkit"):
+        _micro_batches_by_hand(session, chunk, 2)
+    assert not [m for m in caplog.messages if "micro_batch_num" in m]
+    session.remove()
+
+
+def test_a_stage_forward_outside_the_with_block_is_warned_once(caplog):
+    """schedule.step(...) outside `with session:` swaps nothing; the stage session says so once."""
+    config, (chunk,) = tiny_stage(stage=1, swap_config={"swap": True, "layer_swap": [{"backward_prefetch": 1,
+                                                                                       "layers": [5]}]})
+    session = swapkit.apply(chunk, config, layers="layers", stage=1)
+    with caplog.at_level(logging.WARNING, logger="swapkit"):
+        for i in range(2):
+            _forward(chunk, torch.randn(2, 16, 32)).backward()
+    outside = [m for m in caplog.messages if "outside `with session:`" in m]
+    assert len(outside) == 1 and "layer 5" in outside[0] and "schedule.step" in outside[0]
+    session.remove()
+
+
+def test_a_chunk_that_is_its_own_layer_container_is_named_plainly():
+    """torch's pipelining examples split an nn.Sequential of blocks: the chunk is the container (path
+    ''), named 'Sequential', not 'Sequential.'."""
+    config, (chunk,) = tiny_stage(stage=1, swap_config={
+        "swap": True, "op_swap": [{"op_name": "attentoin", "backward_prefetch": 1, "layers": True}]})
+    blocks = torch.nn.Sequential(*chunk.layers)
+    with pytest.raises(swapkit.BindError, match=r"any layer of Sequential; did you mean"):
+        swapkit.apply(blocks, config, stage=1)
+    config["swap_config"]["op_swap"][0]["op_name"] = "attention"
+    session = swapkit.apply(blocks, config, stage=1)
+    assert "in 1 x Sequential: 4 layers" in repr(session)
+    session.remove()

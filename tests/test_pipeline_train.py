@@ -120,7 +120,10 @@ def test_pp2_dp2_fsdp2_losses_match_single_process(tmp_path):
     (["train.gradient_accumulation_steps=2"], "train.gradient_accumulation_steps: got 2"),
     (["parallel_config.pipeline_schedule=gpipe", "model.model_config.pp_interleave_num=2",
       "model.model_config.offset=0", "model.model_config.num_layers=8"], "use interleaved_1f1b"),
-    (["parallel_config.micro_batch_num=3"], "parallel_config.micro_batch_num: got 3; expected a multiple"),
+    (["parallel_config.micro_batch_num=3"], "parallel_config.micro_batch_num: got 3; expected a multiple of "
+                                            "pipeline_stage (2); set it to 2 or 4"),
+    (["parallel_config.micro_batch_num=1"], "parallel_config.micro_batch_num: got 1; expected a multiple of "
+                                            "pipeline_stage (2); set it to 2"),
 ])
 def test_bad_parallel_settings_fail_before_any_rank_starts(overrides, message, capsys):
     sets = [arg for value in overrides for arg in ("--set", value)]

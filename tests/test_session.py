@@ -641,3 +641,25 @@ def test_a_step_longer_than_the_last_offloads_past_the_learnt_tail():
     assert stats.offloaded_bytes == 4 * per_storage and stats.tail_bytes == per_storage  # s3: the real tail
     ref(x).sum().backward()
     assert_grads_equal(grads(model), grads(ref))
+
+
+def test_a_training_forward_outside_the_with_block_is_warned_once(caplog):
+    """A swap only acts inside `with session:`; a training forward through a swapped scope outside it
+    swapped nothing, silently. It is warned about once per session; no_grad forwards are not."""
+    model = llama()
+    session = swapkit.apply(model, toy_config(4, **layer_swap(2)), layers="layers")
+    with caplog.at_level("WARNING", logger="swapkit"):
+        with torch.no_grad():
+            model(llama_batch()[0])
+        assert not [m for m in caplog.messages if "outside" in m]
+        for _ in range(2):
+            llama_step(model, llama_batch())
+    outside = [m for m in caplog.messages if "outside `with session:`" in m]
+    assert len(outside) == 1, caplog.messages
+    assert "layer 0" in outside[0] and "swapped nothing" in outside[0]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="swapkit"):
+        with session:
+            llama_step(model, llama_batch())
+    assert session.stats.offloaded_bytes > 0 and not [m for m in caplog.messages if "outside" in m]
+    session.remove()

@@ -118,8 +118,11 @@ def check(config: Config, device: torch.device) -> None:
                                 f"model.model_config.pp_interleave_num is {chunks}; use interleaved_1f1b"))
     micro = micro_batches(config)
     if micro % parallel.pipeline_stage:
+        stages = parallel.pipeline_stage
+        below, above = micro - micro % stages, micro - micro % stages + stages
+        fix = f"{below} or {above}" if below else f"{above}"
         problems.append(Problem("parallel_config.micro_batch_num", f"got {micro}; expected a multiple of "
-                                f"pipeline_stage ({parallel.pipeline_stage})"))
+                                f"pipeline_stage ({stages}); set it to {fix}"))
     if device.type == "cuda" and "RANK" not in os.environ and torch.cuda.device_count() < world_size(config):
         problems.append(Problem("parallel_config", f"asks for {world_size(config)} ranks but only "
                                 f"{torch.cuda.device_count()} GPU(s) are visible; one rank per GPU"))

@@ -109,7 +109,8 @@ def bind(model: nn.Module, plan: Plan, layers_path: str | Sequence[str] | None =
     layers = [layer for _, container in found for layer in container]
     paths = tuple(path for path, _ in found)
     if len(layers) != plan.layout.num_layers:
-        raise BindError(f"{type(model).__name__}.{' + '.join(paths)} holds {len(layers)} layers but the config says "
+        where = container_label(type(model).__name__, " + ".join(paths))
+        raise BindError(f"{where} holds {len(layers)} layers but the config says "
                         f"model.model_config.num_layers: {plan.layout.num_layers}; make them agree, or leave "
                         "num_layers out and swapkit counts the layers (on the command line: --set "
                         "model.model_config.num_layers=null)")
@@ -134,12 +135,18 @@ def _warn_shared(model_name: str, layers: list[nn.Module]) -> None:
                        type(layers[shared[0]]).__name__, shared[-1])
 
 
+def container_label(owner: str, path: str) -> str:
+    """``LlamaModel.layers``, or ``Sequential`` when the module itself is the layer container (path ``''``)."""
+    return f"{owner}.{path}" if path else owner
+
+
 def describe(found: list[tuple[str, nn.Module]]) -> str:
     """``model.layers (layers 0-3: 4 x LlamaDecoderLayer)``, one entry per container."""
     parts, start = [], 0
     for path, container in found:
         kinds = " / ".join(sorted({type(m).__name__ for m in container})) or "empty"
-        parts.append(f"{path} (layers {start}-{start + len(container) - 1}: {len(container)} x {kinds})")
+        name = path or "the model itself"
+        parts.append(f"{name} (layers {start}-{start + len(container) - 1}: {len(container)} x {kinds})")
         start += len(container)
     return ", ".join(parts)
 

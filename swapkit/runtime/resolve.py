@@ -18,7 +18,7 @@ from swapkit.config.swap_entries import check_swap_layers
 from swapkit.config.types import Config
 from swapkit.plan.plan import Plan, build_plan
 from swapkit.plan.presets import PRESETS, Preset, preset_for_model_type
-from swapkit.runtime.binding import find_containers
+from swapkit.runtime.binding import container_label, find_containers
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +40,8 @@ def with_num_layers(model: nn.Module, config: Config, layers: str | Sequence[str
         return config
     found = find_containers(model, layers, config.model.layers_path)
     count = sum(len(container) for _, container in found)
-    logger.info("model.model_config.num_layers not given: %s.%s holds %d layers", type(model).__name__,
-                " + ".join(path for path, _ in found), count)
+    logger.info("model.model_config.num_layers not given: %s holds %d layers",
+                container_label(type(model).__name__, " + ".join(path for path, _ in found)), count)
     problems = Problems()
     check_swap_layers(config.swap, count, problems)
     problems.raise_if_any(config.source)

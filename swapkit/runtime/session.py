@@ -44,6 +44,15 @@ per session when that happens, saying to run the forwards that are backpropagate
 one ``with`` block, where they share one step and its prefetches. Keeping a step open until a later
 one instead would hold a dropped graph's host regions for that long, or cost every save a check.
 
+Note [A training forward outside the with block]
+The saved-tensor hooks are installed only inside ``with session:``; a forward that runs outside it
+(the block forgotten, or put around the optimizer step only) saves its tensors as plain autograd
+does, and every configured swap does nothing, silently. The scope tracker's hooks stay installed
+from ``apply`` to ``remove``, so when a swapped scope is entered with grad enabled, outside any
+backward (a recompute re-run), while the session is not active, the session logs one WARNING per
+session naming the layer. Forwards under ``torch.no_grad()`` (evaluation, a pipeline's shape
+inference) save nothing and are not reported.
+
 Note [Saved-tensor hooks stay out of Dynamo]
 ``torch.compile`` of a whole model (or of a training step) runs the frames it cannot put in a graph
 eagerly with Dynamo's frame callback still installed, and the pack and unpack hooks that their ops
@@ -82,7 +91,7 @@ from torch import nn
 
 from swapkit.config.errors import show
 from swapkit.config.types import RuntimeConfig
-from swapkit.runtime.binding import Binding
+from swapkit.runtime.binding import Binding, container_label
 from swapkit.engine import CopyEngine, HostPool, make_engine, make_pool
 from swapkit.engine.pinned import PinnedMapping
 from swapkit.plan.plan import Plan
@@ -134,6 +143,7 @@ class SwapSession:
         self._reported: set[tuple[int, str]] = set()  # unused swaps already warned about
         self._idle_reported = False  # overrides Note [Swaps that move nothing]: once per session
         self._late_reported = False  # Note [A backward after the next forward]: once per session
+        self._outside_reported = False  # Note [A training forward outside the with block]: once per session
         self.observer: Any = None  # sees every forward save and backward unpack (swapkit.planner.measure)
         recompute.output_sink = self
         tracker.on_swap_enter = self._swap_scope_entered
@@ -148,7 +158,8 @@ class SwapSession:
         swapped = sum(layer.layer_swap is not None or bool(layer.op_swap) for layer in plan.layers)
         recomputed = sum(layer.full or bool(layer.select or layer.comm) for layer in plan.layers)
         preset = f", preset={plan.preset}" if plan.preset else ""
-        return (f"SwapSession({type(self.model).__name__}.{self.binding.layers_path}: {len(plan.layers)} layers"
+        return (f"SwapSession({container_label(type(self.model).__name__, self.binding.layers_path)}: "
+                f"{len(plan.layers)} layers"
                 f"{preset}, swap on {swapped}, recompute on {recomputed}, engine={engine}, steps={self._steps}, "
                 f"{state})")
 
@@ -285,8 +296,24 @@ class SwapSession:
         if not self._idle_reported:
             self._report_idle(step)
 
+    def _outside_block(self, frame: Frame) -> bool:
+        """Is the session inactive? Warns once if a training forward runs a swapped scope then
+        (Note [A training forward outside the with block])."""
+        if self._hooks is not None:
+            return False
+        if not self._outside_reported and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+            self._outside_reported = True
+            scope = f" op {frame.path}" if frame.path else ""
+            logger.warning("swapkit: layer %d%s, configured to swap, ran a forward with grad enabled outside "
+                           "`with session:`; swapkit swapped nothing there (saved-tensor hooks act only inside "
+                           "the block). Run the forward, or schedule.step(...), inside `with session:`; warned "
+                           "once per session", frame.layer, scope)
+        return True
+
     def _swap_scope_entered(self, frame: Frame) -> None:
         """swapkit.runtime.overrides Note [Swaps nobody reports]"""
+        if self._outside_block(frame):
+            return
         step = self._step  # None in a pipeline stage before a chunk's first save opens its micro-step
         if step is not None and self._hooks is not None and torch._C._current_graph_task_id() == -1:
             step.scope_entered(frame, entry_cause(self._hook_pair[0]))

@@ -20,11 +20,19 @@ throw-away inputs. That pass is not a micro-batch: the session recognises it by 
 torch's ``_forward_metadata_inference`` on the stack when its first tensor is saved, and keeps its
 tensors as they are, uncounted, like packs outside a chunk. Passing ``input_args``/``output_args``
 to ``PipelineStage`` skips the pass altogether.
+
+Note [micro_batch_num with your own schedule]
+``parallel_config.micro_batch_num`` sets the micro-batches of ``swapkit train``'s schedule; with the
+user's own schedule its ``n_microbatches`` decides and the key does nothing. Not to leave that
+silent, the session compares the key, when the config gives it, with the forwards each chunk ran
+in an optimizer step, and warns once per session when they differ. A step in which no chunk saved
+a tensor (an evaluation under ``torch.no_grad()``) has nothing to compare.
 """
 from __future__ import annotations
 
 import logging
 import sys
+from collections import Counter
 from itertools import chain
 from typing import Any
 
@@ -32,6 +40,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from swapkit.runtime.binding import container_label
 from swapkit.runtime.microsteps import Key, MicroStep, MicroSteps, MicroStepStats
 from swapkit.runtime.overrides import entry_cause
 from swapkit.runtime.records import Saved, make_saved
@@ -52,9 +61,12 @@ class StageSession(SwapSession):
         >>> session.stats.micro_steps, session.stats.peak_device_bytes  # doctest: +SKIP
     """
 
-    def __init__(self, chunks: list[nn.Module], stage: int, *args: Any) -> None:
+    def __init__(self, chunks: list[nn.Module], stage: int, *args: Any, micro_batch_num: int | None = None) -> None:
+        """``args``: :class:`SwapSession`'s; ``micro_batch_num``: the config's, compared with what ran
+        (Note [micro_batch_num with your own schedule])."""
         super().__init__(*args)
         self.chunks, self.stage = chunks, stage
+        self.micro_batch_num, self._micro_batches_reported = micro_batch_num, False
         self._group: MicroSteps | None = None
         self._groups = 0
         self._running: int | None = None  # chunk whose forward is running (Note [Opening a micro-step lazily])
@@ -101,7 +113,7 @@ class StageSession(SwapSession):
     def _swap_scope_entered(self, frame: Frame) -> None:
         """swapkit.runtime.overrides Note [Swaps nobody reports], per micro-step. A grad-disabled
         forward (shape inference) saves nothing and so opens no micro-step (Note [Opening a ...])."""
-        if self._hooks is None or torch._C._current_graph_task_id() != -1 or not torch.is_grad_enabled():
+        if self._outside_block(frame) or torch._C._current_graph_task_id() != -1 or not torch.is_grad_enabled():
             return
         if self._open() is not None:
             self._current.scope_entered(frame, entry_cause(self._hook_pair[0]))
@@ -130,6 +142,7 @@ class StageSession(SwapSession):
                 for step in group.steps:  # swaps that saw no tensor in any micro-step's forward
                     self._report_unused(step)
                 self._check_idle(group)
+                self._check_micro_batches(group)
             else:
                 self.engine.synchronize()
         except BaseException:
@@ -148,7 +161,32 @@ class StageSession(SwapSession):
             return
         self._warn_idle(group.number, max(step.clock for step in steps), group.snapshot(self.pool.allocations))
 
+    def _check_micro_batches(self, group: MicroSteps) -> None:
+        """Note [micro_batch_num with your own schedule]."""
+        ran = sorted(set(Counter(step.key[0] for step in group.steps).values()))
+        if self.micro_batch_num is None or self._micro_batches_reported or not ran or ran == [self.micro_batch_num]:
+            return
+        self._micro_batches_reported = True
+        logger.warning("parallel_config.micro_batch_num: %d, but stage %d ran %s micro-batches per chunk in "
+                       "optimizer step %d: with your own pipeline schedule its n_microbatches decides and this key "
+                       "does nothing (swapkit train reads it); set it to your n_microbatches or remove it",
+                       self.micro_batch_num, self.stage, " or ".join(map(str, ran)), group.number)
+
     # ------------------------------------------------------------------ public
+
+    def __repr__(self) -> str:
+        """The stage, its global layers per chunk and what they swap and recompute (not the whole model's)."""
+        state = "removed" if self._removed else "active" if self._hooks is not None else "ready"
+        engine = type(self.engine).__name__ if self.engine is not None else "not started"
+        plans = [layer.plan for layer in self.binding.layers]
+        swapped = sum(p.layer_swap is not None or bool(p.op_swap) for p in plans)
+        recomputed = sum(p.full or bool(p.select or p.comm) for p in plans)
+        preset = f", preset={self.plan.preset}" if self.plan.preset else ""
+        container = container_label(type(self.chunks[0]).__name__, self.binding.layers_path)
+        return (f"StageSession(stage {self.stage} of {self.plan.layout.pipeline_stage}: layers "
+                f"{self.plan.stage_layers(self.stage)} in {len(self.chunks)} x {container}: {len(plans)} layers"
+                f"{preset}, swap on {swapped}, recompute on {recomputed}, engine={engine}, steps={self._groups}, "
+                f"micro-steps={self._steps}, {state})")
 
     @property
     def stats(self) -> SwapStats:
