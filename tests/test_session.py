@@ -641,3 +641,26 @@ def test_a_step_longer_than_the_last_offloads_past_the_learnt_tail():
     assert stats.offloaded_bytes == 4 * per_storage and stats.tail_bytes == per_storage  # s3: the real tail
     ref(x).sum().backward()
     assert_grads_equal(grads(model), grads(ref))
+
+
+def test_a_training_forward_outside_the_with_block_is_warned_once(caplog):
+    """overrides Note [A forward outside the session]: ``swapkit.apply`` alone installs no saved-tensor
+    hooks, so a training loop that forgets ``with session:`` swapped nothing, silently. The first swap
+    scope entered with grad on outside the block logs one WARNING per session naming the fix; a forward
+    under ``no_grad`` (evaluation, generation) and a forward inside the block do not."""
+    torch.manual_seed(0)
+    model = ToyNet(3, dim=64)
+    session = swapkit.apply(model, toy_config(3, **layer_swap(1)))
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        model(x)
+    with session:
+        model(x).sum().backward()
+    assert not [r for r in caplog.records if "outside" in r.getMessage()]
+    for _ in range(2):
+        model(x).sum().backward()
+    outside = [r for r in caplog.records if "outside `with session:`" in r.getMessage()]
+    assert len(outside) == 1 and outside[0].levelname == "WARNING"
+    message = outside[0].getMessage()
+    assert "layer swap at layer 0" in message and "swaps nothing" in message and "torch.no_grad()" in message
+    assert session.stats.step == 1  # the forwards outside the block were no steps

@@ -70,6 +70,26 @@ def unused_message(layer: int, path: str, cause: str | None, step: int) -> str:
             "(Note [Swaps nobody reports])")
 
 
+# Note [A forward outside the session]
+# ``swapkit.apply`` installs module hooks and recompute wrappers, but the saved-tensor hooks that
+# swap exist only inside ``with session:``. A training loop that applies swapkit and forgets the
+# block (``apply`` reads like torchtitan's ``apply_ac``, which needs no block) trains exactly as
+# before and swaps nothing, with stats that stay at step 0. The session therefore logs one WARNING
+# per session the first time a swap scope is entered in forward with grad enabled while it is not
+# active. A forward under ``torch.no_grad()`` (evaluation, ``generate``) saves nothing and is not
+# reported, nor is a recompute replaying a region in backward (a backward is running then).
+
+
+def outside_message(layer: int, path: str) -> str:
+    """The warning for a swap scope that ran a training forward outside ``with session:``."""
+    what = f"op swap at layer {layer}: {path}" if path else f"layer swap at layer {layer}"
+    return (f"swapkit: {what} ran a forward with gradients enabled outside `with session:`: the session's "
+            "saved-tensor hooks are installed only inside the block, so swap_config swaps nothing there. Run "
+            "each training forward inside `with session:` (backward may follow inside or after it); run a "
+            "forward meant to bypass swapkit under torch.no_grad() or after session.remove() "
+            "(Note [A forward outside the session])")
+
+
 # Note [Swaps that move nothing]
 # A swap can be configured, reached by tensors, and still free nothing: every candidate was saved in
 # the forward's last ``backward_prefetch`` ticks (a distance at least as long as the step: ticks count

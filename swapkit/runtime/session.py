@@ -83,7 +83,7 @@ from swapkit.runtime.binding import Binding
 from swapkit.engine import CopyEngine, HostPool, make_engine, make_pool
 from swapkit.engine.pinned import PinnedMapping
 from swapkit.plan.plan import Plan
-from swapkit.runtime.overrides import FROZEN, entry_cause, idle_message, unused_message
+from swapkit.runtime.overrides import FROZEN, entry_cause, idle_message, outside_message, unused_message
 from swapkit.runtime.recipes import PackedInput, Recipe, RecomputableOutputs, tensor_leaves
 from swapkit.runtime.recompute import Recompute
 from swapkit.runtime.records import KeptRecord, Saved, SwapRecord, is_plain, make_saved
@@ -131,6 +131,7 @@ class SwapSession:
         self._reported: set[tuple[int, str]] = set()  # unused swaps already warned about
         self._idle_reported = False  # overrides Note [Swaps that move nothing]: once per session
         self._late_reported = False  # Note [A backward after the next forward]: once per session
+        self._outside_reported = False  # overrides Note [A forward outside the session]: once per session
         self.observer: Any = None  # sees every forward save and backward unpack (swapkit.planner.measure)
         recompute.output_sink = self
         tracker.on_swap_enter = self._swap_scope_entered
@@ -283,10 +284,20 @@ class SwapSession:
             self._report_idle(step)
 
     def _swap_scope_entered(self, frame: Frame) -> None:
-        """swapkit.runtime.overrides Note [Swaps nobody reports]"""
+        """swapkit.runtime.overrides Notes [Swaps nobody reports], [A forward outside the session]"""
+        if torch._C._current_graph_task_id() != -1:  # a recompute in backward
+            return
+        if self._hooks is None:
+            self._report_outside(frame)
+            return
         step = self._step  # None in a pipeline stage before a chunk's first save opens its micro-step
-        if step is not None and self._hooks is not None and torch._C._current_graph_task_id() == -1:
+        if step is not None:
             step.scope_entered(frame, entry_cause(self._hook_pair[0]))
+
+    def _report_outside(self, frame: Frame) -> None:
+        if not self._outside_reported and torch.is_grad_enabled():
+            self._outside_reported = True
+            logger.warning(outside_message(frame.layer, frame.path))
 
     def _report_unused(self, step: Step) -> None:
         for layer, path, cause in step.unused_swaps():
