@@ -126,6 +126,11 @@ def test_hooks_added_after_compilation_are_reported(caplog):
     assert session.stats.unused_swaps == ["layer 0: attention", "layer 1: attention"]
     warnings = [m for m in caplog.messages if "saw no saved tensor" in m]
     assert len(warnings) == 2 and NOT_ENTERED in warnings[0]
+    # the fix fits the cause: there is no other checkpointing to stop here (it used to say so)
+    assert "stop the other checkpointing" not in warnings[0]
+    assert warnings[0].endswith("the swap has no effect. Call torch._dynamo.reset() after swapkit.apply, or drop "
+                                "the swap from swap_config if the module is never called "
+                                "(Note [Swaps nobody reports])")
 
 
 @pytest.mark.cuda
