@@ -44,6 +44,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from swapkit.runtime.binding import Binding
+from swapkit.runtime.kv_cache import CacheArguments
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,8 @@ class ScopeTracker:
         self.on_swap_enter: Callable[[Frame], None] | None = None
         self.swap_scopes: list[tuple[int, str]] = []  # (layer, op path) of every hooked swap, "" = layer
         self._swap_modules: dict[tuple[int, str], nn.Module] = {}  # each swap scope's module
+        # called with a swapping layer's index and the cache arguments it got, when it is given a cache
+        self.on_cache: Callable[[int, list[str]], None] | None = None
 
     @property
     def top(self) -> Frame | None:
@@ -84,9 +87,11 @@ class ScopeTracker:
             overridden = {what for what, _ in layer.scopes.overridden}
             layer_k = None if "layer swap" in overridden else layer.plan.layer_swap
             self._hook(layer.module, layer.index, "", layer_k)
-            for _, path, prefetch in layer.scopes.op_swap:
-                if f"op swap {path}" not in overridden:  # tensors of a recomputed op never reach us
-                    self._hook(layer.submodule(path), layer.index, path, prefetch)
+            op_swaps = [(path, k) for _, path, k in layer.scopes.op_swap if f"op swap {path}" not in overridden]
+            for path, prefetch in op_swaps:  # tensors of a recomputed op never reach us
+                self._hook(layer.submodule(path), layer.index, path, prefetch)
+            if layer_k is not None or op_swaps:
+                self._watch_cache(layer.module, layer.index)
 
     def remove(self) -> None:
         for _, handle in self._handles:
@@ -149,6 +154,18 @@ class ScopeTracker:
         eager = torch.compiler.disable  # Note [Bookkeeping stays out of compiled graphs]
         self._handles.append((module, module.register_forward_pre_hook(eager(enter))))
         self._handles.append((module, module.register_forward_hook(eager(leave), always_call=True)))
+
+    def _watch_cache(self, module: nn.Module, layer: int) -> None:
+        """swapkit.runtime.kv_cache Note [Caches hold swapped storages]"""
+        arguments = CacheArguments(module.forward)
+
+        def check(_module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+            names = arguments.in_use(args, kwargs)
+            if names and self.on_cache is not None:
+                self.on_cache(layer, names)
+
+        hook = torch.compiler.disable(check)  # Note [Bookkeeping stays out of compiled graphs]
+        self._handles.append((module, module.register_forward_pre_hook(hook, with_kwargs=True)))
 
 
 def _copy_error(module: nn.Module, layer: int, path: str) -> RuntimeError:

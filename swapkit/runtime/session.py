@@ -83,6 +83,7 @@ from swapkit.runtime.binding import Binding
 from swapkit.engine import CopyEngine, HostPool, make_engine, make_pool
 from swapkit.engine.pinned import PinnedMapping
 from swapkit.plan.plan import Plan
+from swapkit.runtime.kv_cache import swap_cache_warning
 from swapkit.runtime.overrides import FROZEN, entry_cause, idle_message, outside_message, unused_message
 from swapkit.runtime.recipes import PackedInput, Recipe, RecomputableOutputs, tensor_leaves
 from swapkit.runtime.recompute import Recompute
@@ -132,9 +133,11 @@ class SwapSession:
         self._idle_reported = False  # overrides Note [Swaps that move nothing]: once per session
         self._late_reported = False  # Note [A backward after the next forward]: once per session
         self._outside_reported = False  # overrides Note [A forward outside the session]: once per session
+        self._cache_reported = False  # kv_cache Note [Caches hold swapped storages]: once per session
         self.observer: Any = None  # sees every forward save and backward unpack (swapkit.planner.measure)
         recompute.output_sink = self
         tracker.on_swap_enter = self._swap_scope_entered
+        tracker.on_cache = self._cache_given
         if plan.runtime.verify and not any(layer.layer_swap is not None or layer.op_swap for layer in plan.layers):
             logger.warning("runtime.verify: true has no effect: swap_config swaps nothing on this model; set "
                            "swap_config.swap: true with a layer_swap or op_swap, or drop runtime.verify")
@@ -293,6 +296,13 @@ class SwapSession:
         step = self._step  # None in a pipeline stage before a chunk's first save opens its micro-step
         if step is not None:
             step.scope_entered(frame, entry_cause(self._hook_pair[0]))
+
+    def _cache_given(self, layer: int, names: list[str]) -> None:
+        """swapkit.runtime.kv_cache Note [Caches hold swapped storages]"""
+        if (not self._cache_reported and self._hooks is not None and torch.is_grad_enabled()
+                and torch._C._current_graph_task_id() == -1):
+            self._cache_reported = True
+            logger.warning(swap_cache_warning(layer, names))
 
     def _report_outside(self, frame: Frame) -> None:
         if not self._outside_reported and torch.is_grad_enabled():
