@@ -2,6 +2,7 @@
 without transformers: a toy layer that appends to a list cache, by keyword or positionally."""
 from __future__ import annotations
 
+import copy
 import logging
 
 import pytest
@@ -92,6 +93,8 @@ def test_a_cache_beside_swapped_layers_is_warned_once(positional, caplog):
     assert len(warnings) == 1
     assert warnings[0].startswith("swapkit: layer 0 got a key/value cache (past_key_values) in a training forward")
     assert "use_cache=False" in warnings[0]
+    copied = copy.deepcopy(model)  # a plain model: the cache watch is stripped like the other hooks
+    assert all(not layer._forward_pre_hooks and not layer._forward_pre_hooks_with_kwargs for layer in copied.layers)
     session.remove()
 
 

@@ -107,7 +107,8 @@ class ScopeTracker:
         for module, handle in self._handles:
             copy = memo.get(id(module))
             if copy is not None:
-                for hooks in (copy._forward_pre_hooks, copy._forward_hooks, copy._forward_hooks_always_called):
+                for hooks in (copy._forward_pre_hooks, copy._forward_pre_hooks_with_kwargs, copy._forward_hooks,
+                              copy._forward_hooks_always_called):
                     hooks.pop(handle.id, None)
 
     def _add_swap_scope(self, module: nn.Module, layer: int, path: str) -> None:
