@@ -117,6 +117,8 @@ class Recompute:
         self.wrapped: list[str] = []  # "layer 2: feed_forward", "layers 0-1" ... in apply order
         self._cache_warned = False  # Note [Caches in recomputed regions]: one warning per session
         self._eval_warned = False  # Note [Recompute in eval mode]: one warning per session
+        # swapkit.runtime.scope Note [Bookkeeping stays out of compiled graphs]
+        self._counted = torch.compiler.disable(self._count)
 
     def apply(self) -> None:
         for layer in self.binding.layers:
@@ -223,6 +225,11 @@ class Recompute:
             forward = _pass_through(state, originals[position], layer.index, label, position == len(layers) - 1)
             self._replace_forward(layer.module, forward, f"{label} (pass-through {layer.index})")
 
+    def _count(self, label: str) -> None:
+        """``SwapStats.recomputed_by_scope``: the region ran in forward while the session is active."""
+        if self.output_sink is not None:
+            self.output_sink.region_checkpointed(label)
+
     def _check_eval(self, label: str) -> None:
         """Note [Recompute in eval mode]: called when a region runs plainly."""
         if torch.is_grad_enabled() and not self._eval_warned:
@@ -252,6 +259,7 @@ class Recompute:
         for tensor, version in versions:  # Note [Regions that write their inputs]
             if tensor._version != version:
                 raise _written_input_error(label, module, version, tensor._version)
+        self._counted(label)
         return out
 
 

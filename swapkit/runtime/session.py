@@ -247,6 +247,15 @@ class SwapSession:
         """Recipes are recorded in forward while the session is active (Note [Output recompute])."""
         return self._hooks is not None and torch._C._current_graph_task_id() == -1
 
+    def region_checkpointed(self, label: str) -> None:
+        """A recompute region ran in forward (``SwapStats.recomputed_by_scope``), counted while active."""
+        step = self._counting_step()
+        if step is not None:
+            step.region_checkpointed(label)
+
+    def _counting_step(self) -> Step | None:
+        return self._step if self.records_recipes() else None
+
     def record_recipe(self, function: Any, args: tuple, kwargs: dict, state: tuple, out: Any,
                       label: str = "a selected scope") -> None:
         """After a selected scope ran: remember how to rebuild its outputs for their consumers."""
