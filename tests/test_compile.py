@@ -221,3 +221,19 @@ def test_finalizers_never_reach_dynamo_in_a_compiled_step(variant):
     assert session.stats.offloaded_bytes > 0 or session.stats.output_recomputes > 0
     handed = [code() for code in input_codes.seen if code() is not None]
     assert [f"{c.co_name} ({c.co_filename})" for c in handed if any(part in c.co_filename for part in HOOK_ONLY)] == []
+
+
+@pytest.mark.parametrize("variant", ["layer_swap", "full_recompute"])
+def test_fullgraph_names_swapkit_and_the_fix(variant):
+    """fullgraph=True cannot work with swapkit (its hooks are graph breaks by design). Dynamo's error said
+    only 'Skip calling torch.compiler.disable()d function ... (reason: None). Hint: Remove the
+    torch.compiler.disable call'; every swapkit wrapper now gives Dynamo the reason and the fix."""
+    model = llama(cfg=CFG)
+    session = swapkit.apply(model, config(variant), layers="layers")
+    compiled_model = torch.compile(model, backend="eager", fullgraph=True)
+    with pytest.raises(torch._dynamo.exc.Unsupported) as info:
+        with session:
+            compiled_model(llama_batch(cfg=CFG)[0])
+    message = str(info.value)
+    assert "swapkit's hooks run eagerly by design" in message
+    assert "compile without fullgraph=True" in message

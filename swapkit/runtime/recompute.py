@@ -101,6 +101,7 @@ from torch.utils.checkpoint import checkpoint
 from swapkit.runtime.binding import Binding, BoundLayer
 from swapkit.runtime.kv_cache import CacheArguments, cache_warning
 from swapkit.runtime.recipes import capture_state
+from swapkit.runtime.scope import eager
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +119,7 @@ class Recompute:
         self._cache_warned = False  # Note [Caches in recomputed regions]: one warning per session
         self._eval_warned = False  # Note [Recompute in eval mode]: one warning per session
         # swapkit.runtime.scope Note [Bookkeeping stays out of compiled graphs]
-        self._counted = torch.compiler.disable(self._count)
+        self._counted = eager(self._count)
 
     def apply(self) -> None:
         for layer in self.binding.layers:
@@ -162,7 +163,7 @@ class Recompute:
         original = module.forward
         cache = CacheArguments(original)
         # swapkit.runtime.scope Note [Bookkeeping stays out of compiled graphs]
-        capture, record = torch.compiler.disable(self._capture), torch.compiler.disable(self._record)
+        capture, record = eager(self._capture), eager(self._record)
 
         replayable = replay_safe(original, [module])  # Note [Norm statistics in recomputation]
 

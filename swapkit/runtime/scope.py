@@ -31,7 +31,10 @@ becomes its own graph whose saves happen while its frame is on the stack. The sa
 themselves are never traced: AOTAutograd's compiled function saves real tensors through them at
 run time. The cost is a graph break at each hooked scope boundary (layers and swapped or
 recomputed ops), which limits what a compiler can fuse across them. Wrapping happens in
-``install`` (at ``swapkit.apply``), which imports ``torch._dynamo`` once per process.
+``install`` (at ``swapkit.apply``), which imports ``torch._dynamo`` once per process. Under
+``fullgraph=True`` a graph break is an error; :func:`eager` gives Dynamo the reason to print, so
+that error names swapkit and the fix instead of "reason: None. Hint: Remove the
+torch.compiler.disable call".
 """
 from __future__ import annotations
 
@@ -45,6 +48,19 @@ from torch.utils.hooks import RemovableHandle
 
 from swapkit.runtime.binding import Binding
 from swapkit.runtime.kv_cache import CacheArguments
+
+FULLGRAPH = ("swapkit's hooks run eagerly by design (swapkit.runtime.scope Note [Bookkeeping stays out of compiled "
+             "graphs]): torch.compile(fullgraph=True) cannot compile a model swapkit is applied to; compile without "
+             "fullgraph=True (each bound layer and each swapped or recomputed op scope is then a graph break)")
+
+
+def eager(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` wrapped in ``torch.compiler.disable``, with the reason Dynamo shows under ``fullgraph=True``
+    (Note [Bookkeeping stays out of compiled graphs])."""
+    try:
+        return torch.compiler.disable(function, reason=FULLGRAPH)
+    except TypeError:  # a torch before disable(reason=...)
+        return torch.compiler.disable(function)
 
 
 @dataclass(frozen=True)
@@ -152,7 +168,6 @@ class ScopeTracker:
                     self._moved()
                     return
 
-        eager = torch.compiler.disable  # Note [Bookkeeping stays out of compiled graphs]
         self._handles.append((module, module.register_forward_pre_hook(eager(enter))))
         self._handles.append((module, module.register_forward_hook(eager(leave), always_call=True)))
 
@@ -165,8 +180,7 @@ class ScopeTracker:
             if names and self.on_cache is not None:
                 self.on_cache(layer, names)
 
-        hook = torch.compiler.disable(check)  # Note [Bookkeeping stays out of compiled graphs]
-        self._handles.append((module, module.register_forward_pre_hook(hook, with_kwargs=True)))
+        self._handles.append((module, module.register_forward_pre_hook(eager(check), with_kwargs=True)))
 
 
 def _copy_error(module: nn.Module, layer: int, path: str) -> RuntimeError:

@@ -88,7 +88,7 @@ from swapkit.runtime.overrides import FROZEN, entry_cause, idle_message, outside
 from swapkit.runtime.recipes import PackedInput, Recipe, RecomputableOutputs, tensor_leaves
 from swapkit.runtime.recompute import Recompute
 from swapkit.runtime.records import KeptRecord, Saved, SwapRecord, is_plain, make_saved
-from swapkit.runtime.scope import Frame, ScopeTracker
+from swapkit.runtime.scope import Frame, ScopeTracker, eager
 from swapkit.runtime.stats import SwapStats
 from swapkit.runtime.step import Step
 
@@ -427,7 +427,7 @@ def _finalizers() -> tuple[Any, ...]:
 def _out_of_dynamo(hook: Any) -> Any:
     code = getattr(getattr(hook, "__func__", hook), "__code__", None)
     if _SKIP_ALL is None or code is None:  # a torch without code execution strategies, or a callable object
-        return torch.compiler.disable(hook)
+        return eager(hook)
     _set_code_exec_strategy(code, _SKIP_ALL)
     return hook
 
