@@ -61,8 +61,7 @@ def apply(model: nn.Module | Sequence[nn.Module], config: Config | Plan | Mappin
         ...     model(tokens).sum().backward()
     """
     if stage is None and not isinstance(model, nn.Module):
-        raise BindError(f"got {type(model).__name__} of chunk modules without stage=; pass stage=<pipeline stage> "
-                        "for a pipeline stage's chunks, or one nn.Module")
+        raise _not_a_model(model)
     loaded = None if isinstance(config, Plan) else as_config(config)
     if loaded is None:
         plan = config
@@ -90,6 +89,15 @@ def apply(model: nn.Module | Sequence[nn.Module], config: Config | Plan | Mappin
     for chunk in chunks:
         object.__setattr__(chunk, APPLIED, AppliedMarker(session))  # a plain attribute: no module, parameter or buffer
     return session
+
+
+def _not_a_model(model: Any) -> BindError:
+    chunks = isinstance(model, (list, tuple)) and model and all(isinstance(m, nn.Module) for m in model)
+    if chunks:
+        return BindError(f"got {type(model).__name__} of chunk modules without stage=; pass stage=<pipeline stage> "
+                         "for a pipeline stage's chunks, or one nn.Module")
+    return BindError(f"model: got {type(model).__name__}; expected the nn.Module to apply swapkit to, as "
+                     "swapkit.apply(model, config)")
 
 
 def as_config(config: Config | Mapping[str, Any] | str | Path) -> Config:

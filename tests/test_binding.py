@@ -331,3 +331,20 @@ def test_a_wrong_layers_path_in_the_config_names_its_key(num_layers):
         swapkit.apply(ToyNet(layers=3), config)
     assert str(info.value) == ("model.model_config.layers_path: layers path 'blocks': ToyNet has no child 'blocks'; "
                                "children: layers")
+
+
+@pytest.mark.parametrize("model, config, shown", [
+    (toy_config(3), ToyNet(layers=3), "dict"),  # the arguments swapped
+    ("llama", toy_config(3), "str"),
+])
+def test_a_model_that_is_no_module_is_a_clear_bind_error(model, config, shown):
+    """Before: 'got dict of chunk modules without stage=', as if a pipeline stage's chunks were meant."""
+    with pytest.raises(BindError) as info:
+        swapkit.apply(model, config)
+    assert str(info.value) == (f"model: got {shown}; expected the nn.Module to apply swapkit to, as "
+                               "swapkit.apply(model, config)")
+
+
+def test_chunk_modules_without_a_stage_still_name_stage():
+    with pytest.raises(BindError, match="got list of chunk modules without stage="):
+        swapkit.apply([ToyNet(layers=3)], toy_config(3))

@@ -126,6 +126,11 @@ def test_hooks_added_after_compilation_are_reported(caplog):
     assert session.stats.unused_swaps == ["layer 0: attention", "layer 1: attention"]
     warnings = [m for m in caplog.messages if "saw no saved tensor" in m]
     assert len(warnings) == 2 and NOT_ENTERED in warnings[0]
+    # the fix fits the cause: there is no other checkpointing to stop here (it used to say so)
+    assert "stop the other checkpointing" not in warnings[0]
+    assert warnings[0].endswith("the swap has no effect. Call torch._dynamo.reset() after swapkit.apply, or drop "
+                                "the swap from swap_config if the module is never called "
+                                "(Note [Swaps nobody reports])")
 
 
 @pytest.mark.cuda
@@ -216,3 +221,19 @@ def test_finalizers_never_reach_dynamo_in_a_compiled_step(variant):
     assert session.stats.offloaded_bytes > 0 or session.stats.output_recomputes > 0
     handed = [code() for code in input_codes.seen if code() is not None]
     assert [f"{c.co_name} ({c.co_filename})" for c in handed if any(part in c.co_filename for part in HOOK_ONLY)] == []
+
+
+@pytest.mark.parametrize("variant", ["layer_swap", "full_recompute"])
+def test_fullgraph_names_swapkit_and_the_fix(variant):
+    """fullgraph=True cannot work with swapkit (its hooks are graph breaks by design). Dynamo's error said
+    only 'Skip calling torch.compiler.disable()d function ... (reason: None). Hint: Remove the
+    torch.compiler.disable call'; every swapkit wrapper now gives Dynamo the reason and the fix."""
+    model = llama(cfg=CFG)
+    session = swapkit.apply(model, config(variant), layers="layers")
+    compiled_model = torch.compile(model, backend="eager", fullgraph=True)
+    with pytest.raises(torch._dynamo.exc.Unsupported) as info:
+        with session:
+            compiled_model(llama_batch(cfg=CFG)[0])
+    message = str(info.value)
+    assert "swapkit's hooks run eagerly by design" in message
+    assert "compile without fullgraph=True" in message

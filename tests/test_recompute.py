@@ -799,3 +799,60 @@ def test_seed001_swap_recompute_swaps_the_other_ops():
     assert all(layer.overridden == () for layer in wrapped.session.plan.layers)
     assert set(wrapped.session.stats.offloaded_by_scope) == {f"layer {i}: attention" for i in range(4)} | {
         "layer 1: feed_forward", "layer 2: feed_forward"}
+
+
+@pytest.mark.parametrize("recompute", [{"recompute": True}, {"select_recompute": {"lin": [3]}}],
+                         ids=["full", "select"])
+def test_a_gradient_forward_in_eval_mode_is_warned_once(recompute, caplog):
+    """swapkit recomputes only in training mode (as HF's gradient checkpointing): a forward with grad in eval
+    mode (training with dropout turned off through model.eval()) recomputed nothing, silently. It now warns
+    once per session; a forward in training mode, or in eval mode under no_grad, does not."""
+    from tests.toys import ToyNet, toy_config
+
+    torch.manual_seed(0)
+    model = ToyNet(3, dim=16)
+    session = swapkit.apply(model, toy_config(3, recompute_config=recompute))
+    caplog.set_level(logging.WARNING, logger="swapkit")
+    x = torch.randn(4, 16)
+    with session:
+        model(x).sum().backward()
+    model.eval()
+    with session, torch.no_grad():
+        model(x)
+    assert not [m for m in caplog.messages if "eval mode" in m]
+    for _ in range(2):
+        with session:
+            model(x).sum().backward()
+    warnings = [m for m in caplog.messages if "eval mode" in m]
+    assert len(warnings) == 1
+    assert warnings[0].startswith("swapkit: layer 0") and "is not recomputed" in warnings[0]
+    assert "model.train()" in warnings[0]
+
+
+@pytest.mark.parametrize("recompute, expected", [
+    ({"recompute": [2]}, {"layer 0": 1, "layer 1": 1}),
+    ({"select_recompute": {"lin": [3]}}, {"layer 0: lin": 1, "layer 1: lin": 1, "layer 2: lin": 1}),
+    ({"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 3}, {"layers 0-2": 1}),
+], ids=["full", "select", "uniform"])
+def test_stats_say_which_regions_were_recomputed(recompute, expected):
+    """A user checking that recompute happens (HF's gradient checkpointing beside it, eval mode, a compiled
+    model) had no stat for it: only select recompute's rebuilt outputs were counted."""
+    from tests.toys import ToyNet, toy_config
+
+    torch.manual_seed(0)
+    model = ToyNet(3, dim=16)
+    session = swapkit.apply(model, toy_config(3, recompute_config=recompute))
+    x = torch.randn(4, 16)
+    for _ in range(2):
+        with session:
+            model(x).sum().backward()
+        assert session.stats.recomputed_by_scope == expected  # per step, not accumulated
+    model.eval()
+    with session:
+        model(x).sum().backward()
+    assert session.stats.recomputed_by_scope == {}  # eval mode: nothing is recomputed (Note [Recompute in eval mode])
+    assert "recomputed regions" not in str(session.stats)
+    model.train()
+    with session:
+        model(x).sum().backward()
+    assert "recomputed regions" in str(session.stats)

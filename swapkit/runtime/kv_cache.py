@@ -14,6 +14,18 @@ the forward and its replay alike, with one warning per session naming the region
 arguments. Training needs no cache; the model's returned cache then lacks the recomputed layers,
 as with HF's gradient checkpointing. Arguments are found by name, positional ones through the
 forward's signature (GPT-2 passes its cache positionally); nothing is imported from transformers.
+
+Note [Caches hold swapped storages]
+A cache is a problem for swap too, a quieter one. HF decoder models create a cache in training
+whenever ``config.use_cache`` is true (the default), hand it to every layer, and return it in the
+output. The cache holds the keys and values it stores until the output is dropped, and attention
+saves some of them (or views of their storages) for backward: the session offloads those storages
+and drops its reference, yet their device memory stays, while the stats count them as released
+(measured on a tiny random Llama: a quarter of the attention swap's offloaded bytes with grouped
+query attention, two fifths without). Training needs no cache, so the scope tracker watches the
+layers that swap: one whose training forward (grad enabled, session active, not a replay in
+backward) receives a cache that will be written (a cache argument that is not ``None``, unless
+``use_cache`` is given and false) logs one WARNING per session saying to pass ``use_cache=False``.
 """
 from __future__ import annotations
 
@@ -42,6 +54,18 @@ class CacheArguments:
         names = {at: name for name, at in self.positions.items()}
         args = tuple(_off(names[i]) if names.get(i) in changed else a for i, a in enumerate(args))
         return args, kwargs, changed
+
+    def in_use(self, args: tuple, kwargs: dict[str, Any]) -> list[str]:
+        """The cache arguments given a cache that this call writes (Note [Caches hold swapped storages])."""
+        if not _enabled("use_cache", self._value("use_cache", args, kwargs, True)):
+            return []
+        return [name for name in CACHE_ARGUMENTS if self._value(name, args, kwargs, None) is not None]
+
+    def _value(self, name: str, args: tuple, kwargs: dict[str, Any], default: Any) -> Any:
+        if name in kwargs:
+            return kwargs[name]
+        at = self.positions[name]
+        return args[at] if at < len(args) else default
 
 
 def _positions(forward: Callable[..., Any]) -> dict[str, int]:
@@ -74,3 +98,12 @@ def cache_warning(label: str, changed: list[str]) -> str:
     return (f"swapkit: recompute of {label}: a key/value cache cannot be updated inside a recomputed region (the "
             f"replay in backward would update it again); setting {settings} inside recomputed regions. Pass "
             "use_cache=False when training to silence this (Note [Caches in recomputed regions])")
+
+
+def swap_cache_warning(layer: int, names: list[str]) -> str:
+    """Note [Caches hold swapped storages]"""
+    return (f"swapkit: layer {layer} got a key/value cache ({', '.join(names)}) in a training forward while it "
+            "swaps: the cache keeps the keys and values it stores on the device until the model's output is "
+            "dropped, and attention saves some of them for backward, so those swapped storages free no device "
+            "memory although the stats count them as released. Pass use_cache=False when training (or set "
+            "model.config.use_cache = False) (Note [Caches hold swapped storages])")

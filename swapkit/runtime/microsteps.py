@@ -199,11 +199,13 @@ class MicroSteps:
 
     def snapshot(self, host_allocations: int) -> SwapStats:
         """The micro-steps' counters added up; the peak is the peak of their sum."""
-        total = SwapStats(step=self.number, skipped=defaultdict(int), offloaded_by_scope=defaultdict(int))
+        total = SwapStats(step=self.number, skipped=defaultdict(int), offloaded_by_scope=defaultdict(int),
+                          recomputed_by_scope=defaultdict(int))
         parts = [s.snapshot() for s in self.steps]
         for part in parts:
             _add(total, part)
         total.skipped, total.offloaded_by_scope = dict(total.skipped), dict(total.offloaded_by_scope)
+        total.recomputed_by_scope = dict(total.recomputed_by_scope)
         total.peak_device_bytes, total.resident_bytes = self.peak_device_bytes, self.device_bytes
         total.host_pool_bytes = parts[-1].host_pool_bytes if parts else 0
         total.host_allocations = host_allocations - self._allocations_at_start

@@ -44,6 +44,12 @@ NO_GRAD = ("it ran with grad disabled (inside a reentrant checkpoint, which reco
 FROZEN = ("its parameters are frozen (requires_grad=False) and no input of it required grad, so it saved nothing "
           "for backward")
 
+FIXES = {  # the fix each cause calls for (others: the other checkpointing)
+    FROZEN: "Leave frozen layers out of swap_config",
+    NOT_ENTERED: ("Call torch._dynamo.reset() after swapkit.apply, or drop the swap from swap_config if the module "
+                  "is never called"),
+}
+
 
 def entry_cause(own_pack: Callable[[torch.Tensor], Any]) -> str | None:
     """Why tensors saved in a scope entered now would not reach the session (``None``: they would)."""
@@ -64,8 +70,7 @@ def unused_message(layer: int, path: str, cause: str | None, step: int) -> str:
     what = f"op swap at layer {layer}: {path}" if path else f"layer swap at layer {layer}"
     why = cause or ("nothing inside it saved a tensor through swapkit (the tensors are saved elsewhere, or "
                     "something else checkpoints the region)")
-    fix = ("Leave frozen layers out of swap_config" if cause == FROZEN else
-           "Drop the swap from swap_config, or stop the other checkpointing for this layer")
+    fix = FIXES.get(cause, "Drop the swap from swap_config, or stop the other checkpointing for this layer")
     return (f"swapkit: {what} saw no saved tensor in step {step}: {why}; the swap has no effect. {fix} "
             "(Note [Swaps nobody reports])")
 

@@ -4,6 +4,14 @@ Wrapping replaces the instance's ``forward`` with one that calls ``torch.utils.c
 module is inserted, so ``state_dict`` keys never change and :meth:`Recompute.remove` restores the
 model exactly. Recompute happens only in training mode with grad enabled.
 
+Note [Recompute in eval mode]
+As HF's gradient checkpointing, a wrapped region runs plainly in eval mode, so an evaluation
+forward under ``torch.no_grad()`` costs nothing extra. A forward with grad enabled in eval mode is
+different: it saves everything for a backward (training with dropout turned off through
+``model.eval()``, as some fine-tuning recipes do), and the recompute the config asks for silently
+did not happen, nor the swaps it overrides. The first such call of a wrapped region logs one WARNING
+per session naming the region and the fix (``model.train()``, with dropout off in the model's config).
+
 Note [Outermost scope wins]
 A layer that is fully recomputed gets no op-level wrappers. Among selected op scopes, a scope
 nested inside (or equal to) another selected scope is dropped: its tensors are already recomputed
@@ -93,6 +101,7 @@ from torch.utils.checkpoint import checkpoint
 from swapkit.runtime.binding import Binding, BoundLayer
 from swapkit.runtime.kv_cache import CacheArguments, cache_warning
 from swapkit.runtime.recipes import capture_state
+from swapkit.runtime.scope import eager
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +117,9 @@ class Recompute:
         self._restore: list[tuple[nn.Module, Any]] = []
         self.wrapped: list[str] = []  # "layer 2: feed_forward", "layers 0-1" ... in apply order
         self._cache_warned = False  # Note [Caches in recomputed regions]: one warning per session
+        self._eval_warned = False  # Note [Recompute in eval mode]: one warning per session
+        # swapkit.runtime.scope Note [Bookkeeping stays out of compiled graphs]
+        self._counted = eager(self._count)
 
     def apply(self) -> None:
         for layer in self.binding.layers:
@@ -151,12 +163,13 @@ class Recompute:
         original = module.forward
         cache = CacheArguments(original)
         # swapkit.runtime.scope Note [Bookkeeping stays out of compiled graphs]
-        capture, record = torch.compiler.disable(self._capture), torch.compiler.disable(self._record)
+        capture, record = eager(self._capture), eager(self._record)
 
         replayable = replay_safe(original, [module])  # Note [Norm statistics in recomputation]
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             if not (module.training and torch.is_grad_enabled()):
+                self._check_eval(label)
                 return original(*args, **kwargs)
             args, kwargs = self._no_cache(cache, args, kwargs, label)
             state = capture(args, kwargs) if outputs else None
@@ -200,6 +213,7 @@ class Recompute:
         def head_forward(h: Any, *args: Any, **kwargs: Any) -> Any:
             state["output"] = state["inputs"] = None
             if not (head.training and torch.is_grad_enabled()):
+                self._check_eval(label)
                 return originals[0](h, *args, **kwargs)
             _check_unit_sharding(layers, label)  # Note [Uniform units under FSDP2]
             clean_args, clean_kwargs = self._no_cache(cache, (h, *args), kwargs, label)
@@ -211,6 +225,21 @@ class Recompute:
         for position, layer in enumerate(layers[1:], start=1):
             forward = _pass_through(state, originals[position], layer.index, label, position == len(layers) - 1)
             self._replace_forward(layer.module, forward, f"{label} (pass-through {layer.index})")
+
+    def _count(self, label: str) -> None:
+        """``SwapStats.recomputed_by_scope``: the region ran in forward while the session is active."""
+        if self.output_sink is not None:
+            self.output_sink.region_checkpointed(label)
+
+    def _check_eval(self, label: str) -> None:
+        """Note [Recompute in eval mode]: called when a region runs plainly."""
+        if torch.is_grad_enabled() and not self._eval_warned:
+            self._eval_warned = True
+            logger.warning(f"swapkit: {label} ran a forward with grad enabled in eval mode, so it is not "
+                           "recomputed (swapkit recomputes only in training mode, as HF's gradient checkpointing "
+                           "does) and saves everything for backward. Call model.train() before training forwards "
+                           "(turn dropout off in the model's config instead of with model.eval()) "
+                           "(Note [Recompute in eval mode])")
 
     def _no_cache(self, cache: CacheArguments, args: tuple, kwargs: dict, label: str) -> tuple[tuple, dict]:
         """Note [Caches in recomputed regions]"""
@@ -231,6 +260,7 @@ class Recompute:
         for tensor, version in versions:  # Note [Regions that write their inputs]
             if tensor._version != version:
                 raise _written_input_error(label, module, version, tensor._version)
+        self._counted(label)
         return out
 
 

@@ -31,7 +31,10 @@ becomes its own graph whose saves happen while its frame is on the stack. The sa
 themselves are never traced: AOTAutograd's compiled function saves real tensors through them at
 run time. The cost is a graph break at each hooked scope boundary (layers and swapped or
 recomputed ops), which limits what a compiler can fuse across them. Wrapping happens in
-``install`` (at ``swapkit.apply``), which imports ``torch._dynamo`` once per process.
+``install`` (at ``swapkit.apply``), which imports ``torch._dynamo`` once per process. Under
+``fullgraph=True`` a graph break is an error; :func:`eager` gives Dynamo the reason to print, so
+that error names swapkit and the fix instead of "reason: None. Hint: Remove the
+torch.compiler.disable call".
 """
 from __future__ import annotations
 
@@ -44,6 +47,20 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from swapkit.runtime.binding import Binding
+from swapkit.runtime.kv_cache import CacheArguments
+
+FULLGRAPH = ("swapkit's hooks run eagerly by design (swapkit.runtime.scope Note [Bookkeeping stays out of compiled "
+             "graphs]): torch.compile(fullgraph=True) cannot compile a model swapkit is applied to; compile without "
+             "fullgraph=True (each bound layer and each swapped or recomputed op scope is then a graph break)")
+
+
+def eager(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` wrapped in ``torch.compiler.disable``, with the reason Dynamo shows under ``fullgraph=True``
+    (Note [Bookkeeping stays out of compiled graphs])."""
+    try:
+        return torch.compiler.disable(function, reason=FULLGRAPH)
+    except TypeError:  # a torch before disable(reason=...)
+        return torch.compiler.disable(function)
 
 
 @dataclass(frozen=True)
@@ -71,6 +88,8 @@ class ScopeTracker:
         self.on_swap_enter: Callable[[Frame], None] | None = None
         self.swap_scopes: list[tuple[int, str]] = []  # (layer, op path) of every hooked swap, "" = layer
         self._swap_modules: dict[tuple[int, str], nn.Module] = {}  # each swap scope's module
+        # called with a swapping layer's index and the cache arguments it got, when it is given a cache
+        self.on_cache: Callable[[int, list[str]], None] | None = None
 
     @property
     def top(self) -> Frame | None:
@@ -84,9 +103,11 @@ class ScopeTracker:
             overridden = {what for what, _ in layer.scopes.overridden}
             layer_k = None if "layer swap" in overridden else layer.plan.layer_swap
             self._hook(layer.module, layer.index, "", layer_k)
-            for _, path, prefetch in layer.scopes.op_swap:
-                if f"op swap {path}" not in overridden:  # tensors of a recomputed op never reach us
-                    self._hook(layer.submodule(path), layer.index, path, prefetch)
+            op_swaps = [(path, k) for _, path, k in layer.scopes.op_swap if f"op swap {path}" not in overridden]
+            for path, prefetch in op_swaps:  # tensors of a recomputed op never reach us
+                self._hook(layer.submodule(path), layer.index, path, prefetch)
+            if layer_k is not None or op_swaps:
+                self._watch_cache(layer.module, layer.index)
 
     def remove(self) -> None:
         for _, handle in self._handles:
@@ -102,7 +123,8 @@ class ScopeTracker:
         for module, handle in self._handles:
             copy = memo.get(id(module))
             if copy is not None:
-                for hooks in (copy._forward_pre_hooks, copy._forward_hooks, copy._forward_hooks_always_called):
+                for hooks in (copy._forward_pre_hooks, copy._forward_pre_hooks_with_kwargs, copy._forward_hooks,
+                              copy._forward_hooks_always_called):
                     hooks.pop(handle.id, None)
 
     def _add_swap_scope(self, module: nn.Module, layer: int, path: str) -> None:
@@ -146,9 +168,19 @@ class ScopeTracker:
                     self._moved()
                     return
 
-        eager = torch.compiler.disable  # Note [Bookkeeping stays out of compiled graphs]
         self._handles.append((module, module.register_forward_pre_hook(eager(enter))))
         self._handles.append((module, module.register_forward_hook(eager(leave), always_call=True)))
+
+    def _watch_cache(self, module: nn.Module, layer: int) -> None:
+        """swapkit.runtime.kv_cache Note [Caches hold swapped storages]"""
+        arguments = CacheArguments(module.forward)
+
+        def check(_module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+            names = arguments.in_use(args, kwargs)
+            if names and self.on_cache is not None:
+                self.on_cache(layer, names)
+
+        self._handles.append((module, module.register_forward_pre_hook(eager(check), with_kwargs=True)))
 
 
 def _copy_error(module: nn.Module, layer: int, path: str) -> RuntimeError:

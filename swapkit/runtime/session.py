@@ -95,11 +95,12 @@ from swapkit.runtime.binding import Binding, container_label
 from swapkit.engine import CopyEngine, HostPool, make_engine, make_pool
 from swapkit.engine.pinned import PinnedMapping
 from swapkit.plan.plan import Plan
+from swapkit.runtime.kv_cache import swap_cache_warning
 from swapkit.runtime.overrides import FROZEN, entry_cause, idle_message, unused_message
 from swapkit.runtime.recipes import PackedInput, Recipe, RecomputableOutputs, tensor_leaves
 from swapkit.runtime.recompute import Recompute
 from swapkit.runtime.records import KeptRecord, Saved, SwapRecord, is_plain, make_saved
-from swapkit.runtime.scope import Frame, ScopeTracker
+from swapkit.runtime.scope import Frame, ScopeTracker, eager
 from swapkit.runtime.stats import SwapStats
 from swapkit.runtime.step import Step
 
@@ -144,9 +145,11 @@ class SwapSession:
         self._idle_reported = False  # overrides Note [Swaps that move nothing]: once per session
         self._late_reported = False  # Note [A backward after the next forward]: once per session
         self._outside_reported = False  # Note [A training forward outside the with block]: once per session
+        self._cache_reported = False  # kv_cache Note [Caches hold swapped storages]: once per session
         self.observer: Any = None  # sees every forward save and backward unpack (swapkit.planner.measure)
         recompute.output_sink = self
         tracker.on_swap_enter = self._swap_scope_entered
+        tracker.on_cache = self._cache_given
         if not any(layer.layer_swap is not None or layer.op_swap for layer in plan.layers):
             for message in inactive_runtime(plan.runtime):
                 logger.warning(message)
@@ -257,6 +260,15 @@ class SwapSession:
         """Recipes are recorded in forward while the session is active (Note [Output recompute])."""
         return self._hooks is not None and torch._C._current_graph_task_id() == -1
 
+    def region_checkpointed(self, label: str) -> None:
+        """A recompute region ran in forward (``SwapStats.recomputed_by_scope``), counted while active."""
+        step = self._counting_step()
+        if step is not None:
+            step.region_checkpointed(label)
+
+    def _counting_step(self) -> Step | None:
+        return self._step if self.records_recipes() else None
+
     def record_recipe(self, function: Any, args: tuple, kwargs: dict, state: tuple, out: Any,
                       label: str = "a selected scope") -> None:
         """After a selected scope ran: remember how to rebuild its outputs for their consumers."""
@@ -306,8 +318,9 @@ class SwapSession:
             scope = f" op {frame.path}" if frame.path else ""
             logger.warning("swapkit: layer %d%s, configured to swap, ran a forward with grad enabled outside "
                            "`with session:`; swapkit swapped nothing there (saved-tensor hooks act only inside "
-                           "the block). Run the forward, or schedule.step(...), inside `with session:`; warned "
-                           "once per session", frame.layer, scope)
+                           "the block). Run the forward, or schedule.step(...), inside `with session:` (backward "
+                           "may follow inside or after it); run a forward meant to bypass swapkit under "
+                           "torch.no_grad() or after session.remove(); warned once per session", frame.layer, scope)
         return True
 
     def _swap_scope_entered(self, frame: Frame) -> None:
@@ -315,8 +328,15 @@ class SwapSession:
         if self._outside_block(frame):
             return
         step = self._step  # None in a pipeline stage before a chunk's first save opens its micro-step
-        if step is not None and self._hooks is not None and torch._C._current_graph_task_id() == -1:
+        if step is not None and torch._C._current_graph_task_id() == -1:  # not a recompute in backward
             step.scope_entered(frame, entry_cause(self._hook_pair[0]))
+
+    def _cache_given(self, layer: int, names: list[str]) -> None:
+        """swapkit.runtime.kv_cache Note [Caches hold swapped storages]"""
+        if (not self._cache_reported and self._hooks is not None and torch.is_grad_enabled()
+                and torch._C._current_graph_task_id() == -1):
+            self._cache_reported = True
+            logger.warning(swap_cache_warning(layer, names))
 
     def _report_unused(self, step: Step) -> None:
         for layer, path, cause in step.unused_swaps():
@@ -448,7 +468,7 @@ def _finalizers() -> tuple[Any, ...]:
 def _out_of_dynamo(hook: Any) -> Any:
     code = getattr(getattr(hook, "__func__", hook), "__code__", None)
     if _SKIP_ALL is None or code is None:  # a torch without code execution strategies, or a callable object
-        return torch.compiler.disable(hook)
+        return eager(hook)
     _set_code_exec_strategy(code, _SKIP_ALL)
     return hook
 

@@ -118,6 +118,9 @@ class StageSession(SwapSession):
         if self._open() is not None:
             self._current.scope_entered(frame, entry_cause(self._hook_pair[0]))
 
+    def _counting_step(self) -> MicroStep | None:
+        return self._open() if self.records_recipes() else None
+
     def record_recipe(self, *args: Any, **kwargs: Any) -> None:
         if self._open() is not None:  # outside a micro-step the outputs are simply kept
             super().record_recipe(*args, **kwargs)

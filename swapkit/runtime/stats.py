@@ -38,6 +38,8 @@ class SwapStats:
     host_allocations: int = 0  # new host buffers allocated during this step
     skipped: dict[str, int] = field(default_factory=dict)  # swap candidates kept, reason -> bytes
     offloaded_by_scope: dict[str, int] = field(default_factory=dict)  # "layer 0: attention" -> bytes
+    # checkpoint regions run in forward, to be recomputed in backward: "layer 0", "layer 1: mlp", "layers 0-1" -> calls
+    recomputed_by_scope: dict[str, int] = field(default_factory=dict)
     aborted: bool = False  # the step ended with an exception
     # swap scopes entered in forward under which no tensor reached the session ("layer 1: self_attn"):
     # something else checkpoints them (swapkit.runtime.overrides Note [Swaps nobody reports])
@@ -90,6 +92,10 @@ def _optional_rows(stats: SwapStats) -> list[tuple[str, str]]:
         scopes = sorted(stats.offloaded_by_scope.items(), key=lambda item: -item[1])
         shown = ", ".join(f"{scope} {_mib(size)}" for scope, size in scopes[:3])
         rows.append(("offloaded by scope", shown + (f" (+{len(scopes) - 3} more)" if len(scopes) > 3 else "")))
+    if stats.recomputed_by_scope:
+        regions = sorted(stats.recomputed_by_scope)
+        shown = ", ".join(regions[:3]) + (f" (+{len(regions) - 3} more)" if len(regions) > 3 else "")
+        rows.append(("recomputed regions", f"{sum(stats.recomputed_by_scope.values())}: {shown}"))
     if stats.unused_swaps:
         rows.append(("UNUSED swaps (no effect)", ", ".join(stats.unused_swaps) + " (see the warning)"))
     if stats.resident_bytes:

@@ -153,7 +153,8 @@ class Step:
         self._timings: list[Any] = []
         self.empties: dict[torch.dtype, torch.Tensor] = {}  # swapkit.runtime.records.new_empty
         self._allocations_at_start = pool.allocations
-        self.stats = SwapStats(step=number, skipped=defaultdict(int), offloaded_by_scope=defaultdict(int))
+        self.stats = SwapStats(step=number, skipped=defaultdict(int), offloaded_by_scope=defaultdict(int),
+                               recomputed_by_scope=defaultdict(int))
         self.device_bytes = 0
         self.swap_scopes = swap_scopes  # (layer, op path) of every configured swap scope
         self._entered: dict[tuple[int, str], str | None] = {}  # swap scopes entered in forward -> cause
@@ -255,6 +256,10 @@ class Step:
         keeper = tensor.detach()
         empty_keepers((keeper,))  # tracks in-place writes, holds no memory (swapkit.runtime.records Note [Version keepers])
         return make_saved((keeper, version, self, tick, recomputed, view_meta(tensor), frame))
+
+    def region_checkpointed(self, label: str) -> None:
+        """A checkpoint region ran in forward (``SwapStats.recomputed_by_scope``)."""
+        self.stats.recomputed_by_scope[label] += 1
 
     def output_recomputed(self, nbytes: int) -> None:
         with self.lock:
@@ -454,5 +459,6 @@ class Step:
             "host_pool_bytes": self.pool.total_bytes, "host_allocations": self.pool.allocations
             - self._allocations_at_start, "skipped": dict(stats.skipped),
             "offloaded_by_scope": dict(stats.offloaded_by_scope), "aborted": self.aborted, "micro_steps": 1,
+            "recomputed_by_scope": dict(stats.recomputed_by_scope),
             "unused_swaps": [scope_label(layer, path) for layer, path, _ in self.unused_swaps()],
         })
