@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import swapkit
+from swapkit.runtime import dynamo as dynamo_module
 from swapkit.runtime import session as session_module
 from swapkit.runtime.overrides import NOT_ENTERED
 from tests.toys import SMALL, ReadyWhenDone, grads, install_engine, llama, llama_batch, llama_step
@@ -196,7 +197,7 @@ def test_whole_model_compile_runs_the_session_hooks_eagerly(variant, step_compil
 def test_whole_model_compile_with_the_disable_wrappers_of_an_older_torch(monkeypatch):
     """Where torch has no code execution strategies, the hooks are torch.compiler.disable wrappers; a
     session is still found as the active one (Note [Saved-tensor hooks stay out of Dynamo])."""
-    monkeypatch.setattr(session_module, "_SKIP_ALL", None)
+    monkeypatch.setattr(dynamo_module, "_SKIP_ALL", None)
     ref_losses, ref_grads, _ = whole_model_run(None, "aot_eager", False)
     losses, got, session = whole_model_run("layer_swap", "aot_eager", False)
     assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))

@@ -95,7 +95,7 @@ def test_a_failing_step_leaves_no_hooks_behind(tmp_path):
 
 def test_trainer_with_torch_compile_offloads(tmp_path):
     """TrainingArguments(torch_compile=True) compiles the whole model: before swapkit's saved-tensor hooks
-    were kept out of Dynamo (swapkit.runtime.session Note [Saved-tensor hooks stay out of Dynamo]), the
+    were kept out of Dynamo (swapkit.runtime.dynamo Note [Saved-tensor hooks stay out of Dynamo]), the
     first step failed with InternalTorchDynamoError in the pack hook."""
     torch._dynamo.reset()
     torch.manual_seed(0)

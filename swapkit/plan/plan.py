@@ -6,7 +6,7 @@ beats swap, and every swap that a recompute decision makes pointless is listed i
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, is_dataclass, replace
 from functools import lru_cache
 from typing import Any, Callable
 
@@ -178,6 +178,8 @@ def check_plan(config: Config, problems: Problems, preset: Preset | None = None,
         written = normalize_recompute(rc, layout, config.swap.swap, Problems(), excluded=False)
         warnings += idle_excludes(rc, written, layers, layout, config.swap.swap) if written is not None else []
     warnings += _idle_reentrant(rc, layers)
+    if not any(layer.layer_swap is not None or layer.op_swap for layer in layers):
+        warnings += inactive_runtime(config.runtime)
     return Plan(layout, formative, layers, rc.dialect, config.swap.swap, rc.use_reentrant, config.runtime,
                 model.layers_path, describe(rc) if isinstance(rc, MegatronRecompute) else None,
                 preset.name if preset else None, tuple(notes), tuple(warnings), pattern_origins(config))
@@ -217,6 +219,27 @@ def _idle_reentrant(rc: Any, layers: tuple[LayerPlan, ...]) -> list[str]:
         return []
     return ["recompute_config.use_reentrant: true has no effect: this config recomputes no layer and no op; set "
             "recompute (or select_recompute) to recompute, or remove use_reentrant"]
+
+
+def inactive_runtime(runtime: RuntimeConfig) -> list[str]:
+    """Every ``runtime`` key tunes swapping (its engine, host pool, batches and checks): set to other than
+    its default where the plan swaps nothing, each does nothing. A default written out is not told apart
+    from one left out, and says nothing either way."""
+    return [f"runtime.{name}: {show(value)} has no effect: swap_config swaps nothing on this model; set "
+            f"swap_config.swap: true with a layer_swap or op_swap, or drop runtime.{name}"
+            for name, value in _changed(runtime, RuntimeConfig())]
+
+
+def _changed(settings: Any, defaults: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """``(dotted name, value)`` of each field of a settings dataclass that differs from ``defaults``."""
+    out = []
+    for item in fields(settings):
+        value, default = getattr(settings, item.name), getattr(defaults, item.name)
+        if is_dataclass(value):
+            out += _changed(value, default, f"{prefix}{item.name}.")
+        elif value != default:
+            out.append((prefix + item.name, value))
+    return out
 
 
 def _preset(name: str | None, given: Preset | None, problems: Problems) -> Preset | None:

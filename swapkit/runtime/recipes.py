@@ -164,7 +164,7 @@ class RecomputableOutputs:
 
     def forget(self, key: int, ref: weakref.ref) -> None:
         """The storage died: no later save can find it (a weak-reference callback, one code object for all
-        of them: swapkit.runtime.session Note [Saved-tensor hooks stay out of Dynamo])."""
+        of them: swapkit.runtime.dynamo Note [Saved-tensor hooks stay out of Dynamo])."""
         found = self.entries.get(key)
         if found is not None and found[0] is ref:
             del self.entries[key]

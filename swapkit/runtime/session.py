@@ -52,35 +52,9 @@ from ``apply`` to ``remove``, so when a swapped scope is entered with grad enabl
 backward (a recompute re-run), while the session is not active, the session logs one WARNING per
 session naming the layer. Forwards under ``torch.no_grad()`` (evaluation, a pipeline's shape
 inference) save nothing and are not reported.
-
-Note [Saved-tensor hooks stay out of Dynamo]
-``torch.compile`` of a whole model (or of a training step) runs the frames it cannot put in a graph
-eagerly with Dynamo's frame callback still installed, and the pack and unpack hooks that their ops
-call are Python frames too: Dynamo traced them like user code (the session's bookkeeping, weak
-references and locks), which failed with ``InternalTorchDynamoError`` or replayed the hook's side
-effects wrongly, so swaps moved nothing. On each ``__enter__`` the code objects of the hooks it
-installs (the methods the session has then) are therefore marked for Dynamo to skip, together with
-every frame they call (a code execution strategy of ``SKIP`` for the frame and recursively).
-- The finalizers of what the hooks create (``KeptRecord``, ``SwapRecord`` and ``Recipe`` ``__del__``,
-  ``RecomputableOutputs.forget``, ``PinnedMapping.__del__``) are not called by a hook: they run
-  wherever the last reference dies, in a compiled step's backward say, so they are marked the same
-  way (Dynamo was handed them before, and let them run only because their frames held no tensor;
-  ``Batch._return_host``, which a dying ``SwapRecord`` calls, holds one).
-- A mark does not stop Dynamo from inlining the function into a frame it traces (swapkit never calls
-  these from user code), and a function that was itself ``torch.compile``d still compiles when a
-  hook calls it (its wrapper installs its own frame callback): a recipe re-runs the region's eager
-  ``forward``, as it would without Dynamo. ``torch._dynamo.reset()`` does not clear the marks; they
-  are set again on every ``__enter__`` anyway (one call per code object).
-- A mark costs nothing per call (``benchmarks/microbench.py``, keep-only session, main-thread CPU per
-  saved tensor on the shared 2-core machine: 4.9-6.1 us with the marks, 5.1-6.1 us without,
-  6.3-7.4 us with ``torch.compiler.disable`` wrappers, in two rounds of alternating runs).
-- A torch without that (private) API gets the ``torch.compiler.disable`` wrappers instead, as the
-  scope hooks have them (swapkit.runtime.scope Note [Bookkeeping stays out of compiled graphs]), and
-  its finalizers stay unmarked; ``entry_cause`` and :func:`active_session` recognise both.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 from itertools import chain
@@ -89,30 +63,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from swapkit.config.errors import show
-from swapkit.config.types import RuntimeConfig
 from swapkit.runtime.binding import Binding, container_label
 from swapkit.engine import CopyEngine, HostPool, make_engine, make_pool
-from swapkit.engine.pinned import PinnedMapping
 from swapkit.plan.plan import Plan
 from swapkit.runtime.kv_cache import swap_cache_warning
 from swapkit.runtime.overrides import FROZEN, entry_cause, idle_message, unused_message
-from swapkit.runtime.recipes import PackedInput, Recipe, RecomputableOutputs, tensor_leaves
+from swapkit.runtime.dynamo import out_of_dynamo
+from swapkit.runtime.recipes import PackedInput, Recipe, tensor_leaves
 from swapkit.runtime.recompute import Recompute
-from swapkit.runtime.records import KeptRecord, Saved, SwapRecord, is_plain, make_saved
-from swapkit.runtime.scope import Frame, ScopeTracker, eager
+from swapkit.runtime.records import Saved, SwapRecord, is_plain, make_saved
+from swapkit.runtime.scope import Frame, ScopeTracker
 from swapkit.runtime.stats import SwapStats
 from swapkit.runtime.step import Step
 
 logger = logging.getLogger(__name__)
 _graph_task_id = torch._C._current_graph_task_id  # -1 outside a backward
-try:  # Note [Saved-tensor hooks stay out of Dynamo]
-    from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy
-    from torch._C._dynamo.eval_frame import set_code_exec_strategy as _set_code_exec_strategy
-
-    _SKIP_ALL: Any = _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP)  # this frame and what it calls
-except (ImportError, AttributeError):
-    _SKIP_ALL = None
 
 
 class SwapSession:
@@ -137,7 +102,7 @@ class SwapSession:
         self._steps = 0
         self._forward_ticks: int | None = None  # forward length of the last step, for the tail
         self._hooks: Any = None
-        self._hook_pair: tuple[Any, Any] | None = None  # Note [Saved-tensor hooks stay out of Dynamo]
+        self._hook_pair: tuple[Any, Any] | None = None  # swapkit.runtime.dynamo Note [Saved-tensor hooks ...]
         self._removed = False
         self._entry_lock = threading.Lock()
         self._owner: int | None = None  # the thread inside the `with` block
@@ -150,9 +115,6 @@ class SwapSession:
         recompute.output_sink = self
         tracker.on_swap_enter = self._swap_scope_entered
         tracker.on_cache = self._cache_given
-        if not any(layer.layer_swap is not None or layer.op_swap for layer in plan.layers):
-            for message in inactive_runtime(plan.runtime):
-                logger.warning(message)
 
     def __repr__(self) -> str:
         state = "removed" if self._removed else "active" if self._hooks is not None else "ready"
@@ -410,27 +372,6 @@ class SwapSession:
         self._removed = True
 
 
-def inactive_runtime(runtime: RuntimeConfig) -> list[str]:
-    """Every ``runtime`` key tunes swapping (its engine, host pool, batches and checks): set to other than
-    its default on a model where nothing is swapped, each does nothing. A default written out is not
-    told apart from one left out, and says nothing either way."""
-    return [f"runtime.{name}: {show(value)} has no effect: swap_config swaps nothing on this model; set "
-            f"swap_config.swap: true with a layer_swap or op_swap, or drop runtime.{name}"
-            for name, value in _changed(runtime, RuntimeConfig())]
-
-
-def _changed(settings: Any, defaults: Any, prefix: str = "") -> list[tuple[str, Any]]:
-    """``(dotted name, value)`` of each field of a settings dataclass that differs from ``defaults``."""
-    out = []
-    for item in dataclasses.fields(settings):
-        value, default = getattr(settings, item.name), getattr(defaults, item.name)
-        if dataclasses.is_dataclass(value):
-            out += _changed(value, default, f"{prefix}{item.name}.")
-        elif value != default:
-            out.append((prefix + item.name, value))
-    return out
-
-
 class AppliedMarker:
     """A model's ``_swapkit_applied`` attribute (Note [Deep copies of a model swapkit was applied to])."""
 
@@ -445,32 +386,6 @@ class AppliedMarker:
 
     def __reduce__(self) -> tuple:
         return type(None), ()  # pickled as None: the session (threads, hooks) never travels
-
-
-def out_of_dynamo(pack: Any, unpack: Any) -> tuple[Any, Any]:
-    """The hooks to install, never traced by Dynamo (Note [Saved-tensor hooks stay out of Dynamo]).
-
-    The finalizers that the death of a saved tensor's handle runs are marked too: they run wherever the
-    garbage collector or autograd drops the last reference, not inside a hook.
-    """
-    if _SKIP_ALL is not None:
-        for finalizer in _finalizers():
-            _set_code_exec_strategy(finalizer.__code__, _SKIP_ALL)
-    return _out_of_dynamo(pack), _out_of_dynamo(unpack)
-
-
-def _finalizers() -> tuple[Any, ...]:
-    """Code of swapkit's that runs when a handle or a storage dies (Note [Saved-tensor hooks stay out of Dynamo])."""
-    return (KeptRecord.__del__, SwapRecord.__del__, Recipe.__del__, RecomputableOutputs.forget,
-            PinnedMapping.__del__)
-
-
-def _out_of_dynamo(hook: Any) -> Any:
-    code = getattr(getattr(hook, "__func__", hook), "__code__", None)
-    if _SKIP_ALL is None or code is None:  # a torch without code execution strategies, or a callable object
-        return eager(hook)
-    _set_code_exec_strategy(code, _SKIP_ALL)
-    return hook
 
 
 def active_session() -> SwapSession | None:
