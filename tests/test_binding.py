@@ -52,6 +52,16 @@ def test_dotted_path_and_auto_detection():
         find_layers(model, "transformer")
 
 
+def test_an_empty_layers_path_names_the_model_itself_never_an_auto_detected_container():
+    """layers='' silently auto-detected whatever container the model had."""
+    with pytest.raises(BindError, match=r"layers path '' \(the model itself\) is a ToyNet; expected an nn.ModuleList"):
+        swapkit.apply(ToyNet(3, dim=8), toy_config(3, **layer_swap(1)), layers="")
+    blocks = nn.Sequential(*[nn.Linear(4, 4) for _ in range(3)])  # a model that is its own layer container
+    session = swapkit.apply(blocks, toy_config(3, **layer_swap(1)), layers="")
+    assert [layer.module for layer in session.binding.layers] == list(blocks)
+    session.remove()
+
+
 class TitanStyle(nn.Module):
     """torchtitan's models keep their layers in an ``nn.ModuleDict`` keyed by layer id, so that a
     pipeline split (which deletes keys) keeps every parameter's name."""

@@ -194,7 +194,7 @@ def find_layers(model: nn.Module, path: str | None) -> tuple[str, nn.Module]:
     A list inside a layer of another candidate (a layer's experts) is not a candidate: it cannot
     hold the model's layers. Several remaining candidates are an error listing them.
     """
-    if path:
+    if path is not None:  # "" names the model itself (an nn.Sequential of blocks, as pipelining splits)
         return path, _walk(model, path)
     candidates = _outermost([(name, module) for name, module in model.named_modules() if _is_block_list(module)])
     if len(candidates) == 1:
@@ -261,7 +261,7 @@ def _check_units(plan: Plan, found: list[tuple[str, nn.Module]]) -> None:
 
 def _walk(model: nn.Module, path: str) -> nn.Module:
     node: nn.Module = model
-    for depth, part in enumerate(path.split(".")):
+    for depth, part in enumerate(path.split(".") if path else ()):
         children = dict(node.named_children())
         if part not in children:
             where = ".".join(path.split(".")[:depth]) or type(model).__name__
@@ -269,8 +269,9 @@ def _walk(model: nn.Module, path: str) -> nn.Module:
                             f"{', '.join(children) or 'none'}")
         node = children[part]
     if not isinstance(node, CONTAINERS):
-        raise BindError(f"layers path {path!r} is a {type(node).__name__}; expected an nn.ModuleList, nn.Sequential "
-                        "or nn.ModuleDict of layers")
+        what = f"layers path {path!r}" if path else "layers path '' (the model itself)"
+        raise BindError(f"{what} is a {type(node).__name__}; expected an nn.ModuleList, nn.Sequential or "
+                        "nn.ModuleDict of layers; pass the dotted path of the layer container, or None to auto-detect")
     return as_list(node)
 
 
