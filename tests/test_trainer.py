@@ -38,7 +38,7 @@ class Recorder(transformers.TrainerCallback):
         self.seen.append(dict(logs or {}))
 
 
-def run(tmp_path, with_swapkit: bool):
+def run(tmp_path, with_swapkit: bool, config=CONFIG):
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**DECODER))
     args = transformers.TrainingArguments(
@@ -46,9 +46,18 @@ def run(tmp_path, with_swapkit: bool):
         logging_steps=1, learning_rate=1e-3, report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True,
         seed=0, dataloader_num_workers=0)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[Recorder()])
-    callback = attach(trainer, CONFIG) if with_swapkit else None
+    callback = attach(trainer, config) if with_swapkit else None
     trainer.train()
     return trainer, callback
+
+
+def test_trainer_logs_say_how_many_regions_were_recomputed(tmp_path):
+    """Nothing in the Trainer's logs showed that full recompute ran (``SwapStats.recomputed_by_scope``)."""
+    trainer, callback = run(tmp_path, True, {"recompute_config": {"recompute": True}})
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert [entry["swapkit/recomputed_regions"] for entry in logs] == [DECODER["num_hidden_layers"]] * 3
+    assert callback.session.stats.recomputed_by_scope == {"layer 0": 1, "layer 1": 1}
+    callback.session.remove()
 
 
 def test_trainer_with_swapkit_matches_the_plain_run(tmp_path):
@@ -66,6 +75,7 @@ def test_trainer_with_swapkit_matches_the_plain_run(tmp_path):
         assert entry["swapkit/offloaded_MiB"] == round(stats.offloaded_bytes / 2**20, 3) > 0
         assert entry["swapkit/saved_MiB"] >= entry["swapkit/peak_saved_MiB"] > 0
         assert entry["swapkit/late_fetches"] >= 0 and entry["swapkit/wait_s"] >= 0
+        assert entry["swapkit/recomputed_regions"] == 0  # swap only
     assert not any(key.startswith("swapkit/") for entry in plain.state.log_history for key in entry)
     recorder = next(c for c in swapped.callback_handler.callbacks if isinstance(c, Recorder))
     seen = [entry for entry in recorder.seen if "loss" in entry]

@@ -40,7 +40,8 @@ class SwapkitCallback(TrainerCallback):
 
     See Note [Where the Trainer's step begins and ends]. The logged keys are
     ``swapkit/offloaded_MiB``, ``swapkit/peak_saved_MiB``, ``swapkit/saved_MiB``,
-    ``swapkit/late_fetches`` and ``swapkit/wait_s`` of the last finished micro-batch.
+    ``swapkit/late_fetches``, ``swapkit/wait_s`` and ``swapkit/recomputed_regions`` (checkpointed
+    regions run: layers, op scopes, Megatron units) of the last finished micro-batch.
     """
 
     def __init__(self, session: SwapSession) -> None:
@@ -78,6 +79,7 @@ def stats_for_logs(session: SwapSession) -> dict[str, float]:
         "swapkit/saved_MiB": round(stats.saved_bytes / MIB, 3),
         "swapkit/late_fetches": stats.late_fetches,
         "swapkit/wait_s": round(stats.wait_seconds, 6),
+        "swapkit/recomputed_regions": sum(stats.recomputed_by_scope.values()),
     }
 
 
