@@ -66,9 +66,9 @@ from torch import nn
 from swapkit.runtime.binding import Binding, container_label
 from swapkit.engine import CopyEngine, HostPool, make_engine, make_pool
 from swapkit.plan.plan import Plan
+from swapkit.runtime.dynamo import out_of_dynamo
 from swapkit.runtime.kv_cache import swap_cache_warning
 from swapkit.runtime.overrides import FROZEN, entry_cause, idle_message, unused_message
-from swapkit.runtime.dynamo import out_of_dynamo
 from swapkit.runtime.recipes import PackedInput, Recipe, tensor_leaves
 from swapkit.runtime.recompute import Recompute
 from swapkit.runtime.records import Saved, SwapRecord, is_plain, make_saved
