@@ -40,6 +40,16 @@ class LayerPlan:
     op_swap: tuple[tuple[str, int], ...] = ()
     overridden: tuple[str, ...] = ()
 
+    @property
+    def swaps(self) -> bool:
+        """A layer or op swap is configured here (recompute may still override it: ``overridden``)."""
+        return self.layer_swap is not None or bool(self.op_swap)
+
+    @property
+    def recomputes(self) -> bool:
+        """The whole layer, or some op scope of it, is recomputed."""
+        return self.full or bool(self.select or self.comm)
+
     def to_json(self) -> dict[str, Any]:
         return {
             "layer": self.layer, "stage": self.stage, "chunk": self.chunk, "full": self.full,
@@ -178,7 +188,7 @@ def check_plan(config: Config, problems: Problems, preset: Preset | None = None,
         written = normalize_recompute(rc, layout, config.swap.swap, Problems(), excluded=False)
         warnings += idle_excludes(rc, written, layers, layout, config.swap.swap) if written is not None else []
     warnings += _idle_reentrant(rc, layers)
-    if not any(layer.layer_swap is not None or layer.op_swap for layer in layers):
+    if not any(layer.swaps for layer in layers):
         warnings += inactive_runtime(config.runtime)
     return Plan(layout, formative, layers, rc.dialect, config.swap.swap, rc.use_reentrant, config.runtime,
                 model.layers_path, describe(rc) if isinstance(rc, MegatronRecompute) else None,
@@ -215,7 +225,7 @@ def idle_excludes(rc: MindFormersRecompute, written: dict[str, Any], layers: tup
 
 def _idle_reentrant(rc: Any, layers: tuple[LayerPlan, ...]) -> list[str]:
     """``use_reentrant`` picks the checkpoint implementation: with nothing recomputed it does nothing."""
-    if not rc.use_reentrant or any(layer.full or layer.select or layer.comm for layer in layers):
+    if not rc.use_reentrant or any(layer.recomputes for layer in layers):
         return []
     return ["recompute_config.use_reentrant: true has no effect: this config recomputes no layer and no op; set "
             "recompute (or select_recompute) to recompute, or remove use_reentrant"]

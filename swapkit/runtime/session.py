@@ -120,8 +120,8 @@ class SwapSession:
         state = "removed" if self._removed else "active" if self._hooks is not None else "ready"
         engine = type(self.engine).__name__ if self.engine is not None else "not started"
         plan = self.plan
-        swapped = sum(layer.layer_swap is not None or bool(layer.op_swap) for layer in plan.layers)
-        recomputed = sum(layer.full or bool(layer.select or layer.comm) for layer in plan.layers)
+        swapped = sum(layer.swaps for layer in plan.layers)
+        recomputed = sum(layer.recomputes for layer in plan.layers)
         preset = f", preset={plan.preset}" if plan.preset else ""
         return (f"SwapSession({container_label(type(self.model).__name__, self.binding.layers_path)}: "
                 f"{len(plan.layers)} layers"

@@ -182,8 +182,8 @@ class StageSession(SwapSession):
         state = "removed" if self._removed else "active" if self._hooks is not None else "ready"
         engine = type(self.engine).__name__ if self.engine is not None else "not started"
         plans = [layer.plan for layer in self.binding.layers]
-        swapped = sum(p.layer_swap is not None or bool(p.op_swap) for p in plans)
-        recomputed = sum(p.full or bool(p.select or p.comm) for p in plans)
+        swapped = sum(p.swaps for p in plans)
+        recomputed = sum(p.recomputes for p in plans)
         preset = f", preset={self.plan.preset}" if self.plan.preset else ""
         container = container_label(type(self.chunks[0]).__name__, self.binding.layers_path)
         return (f"StageSession(stage {self.stage} of {self.plan.layout.pipeline_stage}: layers "
