@@ -79,6 +79,10 @@ class ThreadFence:
         self._engine.wait_done(self._copy)
 
 
+#: What ``wait`` returns for a copy that had finished and was not timed.
+NOT_WAITED = Waited(0.0)
+
+
 class ThreadCopyEngine:
     """Copies run in FIFO order on one daemon thread.
 
@@ -196,6 +200,10 @@ class ThreadCopyEngine:
         return copy.done
 
     def wait(self, copy: ThreadCopy, timed: bool = False) -> Waited:
+        if copy.done and not timed:  # the common case once prefetches run ahead: no clock read, no timing built
+            if copy.error is not None:
+                self._report(copy.error)
+            return NOT_WAITED
         start = time.perf_counter()
         self.wait_done(copy)
         if copy.error is not None:

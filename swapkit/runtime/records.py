@@ -110,9 +110,11 @@ class StepState(Protocol):
 
     def device_bytes_freed(self, nbytes: int) -> None: ...
 
-    def prefetched(self, nbytes: int) -> None: ...
+    def prefetched(self, nbytes: int, resident_again: bool) -> None: ...
 
-    def restored(self, lead: int, late_timing: Any) -> None: ...
+    def restored(self, lead: int) -> None: ...
+
+    def late_fetch(self, timing: Any) -> None: ...
 
     def verified(self) -> None: ...
 
@@ -225,22 +227,26 @@ class SwapRecord:
             step.stats.prefetch_copies += 1  # under the step's lock (Note [Unpacks from several threads])
         self.device_buffer, self.h2d = batch.device, batch.h2d  # the whole region: restore reads at offset
         self._let_go()
-        step.prefetched(self.nbytes)
-        self._set_resident(True)
+        step.prefetched(self.nbytes, not self.resident)  # and back on the device
+        self.resident = True
 
     def restore(self, meta: tuple, tick: int) -> torch.Tensor:
         """The saved view (saved at ``tick``), rebuilt on the prefetched storage; waits for the
         copy if it is not done (a late fetch). Note [Unpacks from several threads]."""
         step = self.step
         with step.lock:
-            late = self.device_buffer is None or (not self.waited and not step.engine.ready(self.h2d))
+            first = not self.waited
+            late = self.device_buffer is None or (first and not step.engine.ready(self.h2d))
             if self.device_buffer is None:
                 self.fetch(tick)
-            buffer, copy, first = self.device_buffer, self.h2d, not self.waited
-            self.waited = True
+            buffer, copy = self.device_buffer, self.h2d
+            if first:
+                self.waited = True
+                step.restored(self.issued_at - tick)
         timing = step.engine.wait(copy, timed=late and first)
         if first:
-            step.restored(self.issued_at - tick, timing if late else None)
+            if late:
+                step.late_fetch(timing)
             if self.checksum is not None:
                 self._verify(buffer)
         return rebuild(buffer, meta, step.empties, self.offset)
@@ -267,19 +273,15 @@ class SwapRecord:
             self.needs_host = False
             self.batch.let_go()
 
-    def _set_resident(self, resident: bool) -> None:
-        if resident != self.resident:
-            self.resident = resident
-            if resident:
-                self.step.device_bytes_added(self.nbytes)
-            else:
-                self.step.device_bytes_freed(self.nbytes)
-
-    def __del__(self) -> None:  # Note [Record lifetime]; slots a failed __init__ never set read as unset
-        if getattr(self, "needs_host", False):
+    def __del__(self) -> None:  # Note [Record lifetime]
+        try:
+            needs_host, resident = self.needs_host, self.resident
+        except AttributeError:  # a failed __init__ set neither (they are set together, after the batch slot)
+            return
+        if needs_host:
             with self.step.lock:
                 self._let_go()
-        if getattr(self, "resident", False):
+        if resident:
             self.step.device_bytes_freed(self.nbytes)
 
 

@@ -409,21 +409,27 @@ class Step:
         self._pending = []
         self._on_backward(self)
 
-    def prefetched(self, nbytes: int) -> None:
-        self.stats.prefetched_tensors += 1
-        self.stats.prefetched_bytes += nbytes
+    def prefetched(self, nbytes: int, resident_again: bool) -> None:
+        """A record's bytes were prefetched (under the lock); ``resident_again``: they count as on the device again."""
+        stats = self.stats
+        stats.prefetched_tensors += 1
+        stats.prefetched_bytes += nbytes
+        if resident_again:
+            self.device_bytes_added(nbytes)
 
     def verified(self) -> None:
         with self.lock:
             self.stats.verified_tensors += 1
 
-    def restored(self, lead: int, late_timing: Any) -> None:
-        """First use of a prefetched record: ``lead`` ticks after its copy was issued."""
+    def restored(self, lead: int) -> None:
+        """First use of a prefetched record, ``lead`` ticks after its copy was issued (under the lock)."""
+        self.stats.prefetch_lead_ticks += max(lead, 0)
+
+    def late_fetch(self, timing: Any) -> None:
+        """That first use waited for its copy (``timing``: how long)."""
         with self.lock:
-            self.stats.prefetch_lead_ticks += max(lead, 0)
-            if late_timing is not None:
-                self.stats.late_fetches += 1
-                self._timings.append(late_timing)
+            self.stats.late_fetches += 1
+            self._timings.append(timing)
 
     # ------------------------------------------------------------------ accounting and end
 
