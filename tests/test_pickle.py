@@ -16,7 +16,8 @@ import swapkit
 from swapkit.distributed.pipeline import build_stage_chunks
 from swapkit.runtime.detach import DETACHED, AttachedForward, AttachedHook
 from tests.pipeline_utils import pipeline_config
-from tests.toys import ToyNet, assert_grads_equal, grads, llama, llama_batch, llama_step, lm_loss, toy_config
+from tests.toys import (ToyNet, assert_grads_equal, grads, layer_swap, llama, llama_batch, llama_step, lm_loss,
+                         toy_config)
 
 HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
               "_forward_hooks_always_called")
@@ -151,6 +152,17 @@ def test_a_forward_of_the_models_own_comes_back_as_it_was():
         assert torch.equal(loaded(x), plain(x))
     session.remove()
     assert model.layers[0].forward.func is doubled
+
+
+def test_only_a_pickle_of_the_model_itself_names_swapkit():
+    """Loading a pickle of the model runs swapkit's strip (so imports swapkit); a deep copy pickles without it."""
+    model = ToyNet(layers=2)
+    session = swapkit.apply(model, toy_config(2, recompute_config={"recompute": [0]}, **layer_swap(1)),
+                            layers="layers")
+    assert b"swapkit.runtime.detach" in pickle.dumps(model)
+    assert b"swapkit.runtime" not in pickle.dumps(copy.deepcopy(model))
+    session.remove()
+    assert b"swapkit.runtime" not in pickle.dumps(model)
 
 
 def test_a_layer_copied_or_pickled_alone_computes_as_the_plain_layer():

@@ -13,21 +13,26 @@ process) cannot store a closure at all. Both go through one mechanism:
   it (the class's forward, bound to the copied module, or the module's own earlier ``forward``,
   copied as it would have been without swapkit);
 - the model's ``_swapkit_applied`` attribute, an :class:`AppliedMarker`, is set after every module
-  existed, so ``copy.deepcopy`` and ``pickle`` (which both follow ``__dict__`` in insertion order)
-  reach it after every sub-module of the model was copied or stored. It then strips the stand-ins
-  from the copies (:func:`strip`): hook entries whose hook is :data:`DETACHED` and their flags
-  leave the hook dicts, and a ``forward`` that is the class's own forward leaves the instance
-  ``__dict__``. A deep copy calls :func:`strip` at once on the copies in deepcopy's memo; a pickle
-  stores a call of it on the hook dicts and modules already stored, which unpickling runs once they
-  are rebuilt (``nn.Module.__getstate__`` keeps ``__dict__``'s order and its hook dicts as they are).
-  The marker itself copies and pickles as ``None``.
+  existed. ``nn.Module`` deep-copies and pickles its ``__dict__`` (``__getstate__``: a shallow copy,
+  the same hook dict objects) in insertion order, so both reach the marker after the model's hook
+  dicts and every sub-module were copied or stored. The marker then strips the stand-ins from the
+  copies (:func:`strip`): hook entries whose hook is :data:`DETACHED` leave the hook dicts with
+  their flags, and a ``forward`` that is the class's own forward leaves the instance ``__dict__``.
+  A deep copy calls :func:`strip` at once on the copies in deepcopy's memo; a pickle stores a call
+  of it (:func:`strip_loaded`) on the hook dicts and modules already stored, which unpickling runs
+  after it rebuilt them (only the marker's owner is not rebuilt yet, and swapkit wraps no owner's
+  forward). The marker itself copies and pickles as ``None``.
 
 The copy is an independent plain model: no swapkit hook or wrapper, the same forward, parameters,
 buffers and ``state_dict``; swapkit can be applied to it again. The original is not touched: it
 keeps swapping, a pending graph's backward included (nothing of a step lives in the model). Only
-what the marker's model holds is stripped (a pipeline stage's marker names its own chunk's
-modules). A layer copied or pickled on its own carries no marker: its stand-ins stay in its hook
-dicts as no-op hooks and it computes as the plain layer does, without swapkit.
+what the marker's owner holds is stripped (a pipeline stage's marker names its own chunk's
+modules). A pickle names the functions that rebuild it, so loading one imports swapkit; a pickle
+of ``copy.deepcopy(model)`` names nothing of swapkit. A layer copied or pickled on its own carries
+no marker: its stand-ins stay in its hook dicts as no-op hooks (and a class-forward stand-in in its
+``__dict__``), and it computes as the plain layer does, without swapkit. A shallow ``copy.copy``
+shares the original's hook dicts (and parameters): a layer's scope hook raises when such a copy is
+called (``swapkit.runtime.scope``).
 """
 from __future__ import annotations
 
@@ -75,7 +80,7 @@ class AttachedHook:
         return self.function(*args)
 
     def __reduce__(self) -> tuple:
-        return _detached, ()
+        return detached_hook, ()
 
 
 class AttachedForward:
@@ -97,15 +102,20 @@ class AttachedForward:
 
     def __reduce__(self) -> tuple:
         if self.previous is not None:
-            return _same, (self.previous,)
+            return unchanged, (self.previous,)
         return class_forward, (self.module,)
 
 
-def _detached() -> _Detached:
+# What a pickle stores of swapkit: the names detached_hook, unchanged, class_forward and strip_loaded, called
+# when it is loaded (so loading imports swapkit; renaming one breaks files saved before).
+
+def detached_hook() -> _Detached:
+    """A pickled :class:`AttachedHook`: :data:`DETACHED`."""
     return DETACHED
 
 
-def _same(value: Any) -> Any:
+def unchanged(value: Any) -> Any:
+    """A pickled :class:`AttachedForward` that replaced the module's own ``forward``: that forward."""
     return value
 
 
@@ -172,10 +182,10 @@ class AppliedMarker:
         return None
 
     def __reduce__(self) -> tuple:
-        return _strip_loaded, self._touched()  # the session (threads, hooks) never travels
+        return strip_loaded, self._touched()  # the session (threads, hooks) never travels
 
 
-def _strip_loaded(hook_dicts: list[tuple[dict, ...]], modules: list[nn.Module]) -> None:
+def strip_loaded(hook_dicts: list[tuple[dict, ...]], modules: list[nn.Module]) -> None:
     """Unpickling a marker: strip what the model's rebuilt modules carry of swapkit; the attribute is ``None``."""
     strip(hook_dicts, modules)
     return None
