@@ -19,8 +19,6 @@ from tests.pipeline_utils import pipeline_config
 from tests.toys import (ToyNet, assert_grads_equal, grads, layer_swap, llama, llama_batch, llama_step, lm_loss,
                          toy_config)
 
-HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
-              "_forward_hooks_always_called")
 # layer swap, op swap, full recompute and select recompute on the built-in model
 MINDFORMERS = toy_config(4, recompute_config={"recompute": [0], "select_recompute": {r"feed_forward\.mul": [1]}},
                          swap_config={"swap": True, "layer_swap": [{"backward_prefetch": 1, "layers": [2, 3]}],
@@ -48,19 +46,20 @@ def saved(model, tmp_path):
 
 def swapkit_left(model) -> list[str]:
     """Everything of swapkit a model carries: hook entries, instance forwards, swapkit objects in ``__dict__``."""
-    left = [f"{name or 'model'}.{hooks}" for name, module in model.named_modules() for hooks in HOOK_DICTS
-            if getattr(module, hooks)]
+    left = []
     for name, module in model.named_modules():
-        left += [f"{name}.{key}" for key, value in module.__dict__.items()
-                 if key == "forward" or isinstance(value, (AttachedHook, AttachedForward))
+        left += [f"{name or 'model'}.{key}" for key, value in module.__dict__.items()
+                 if ("hook" in key and isinstance(value, dict) and value) or key == "forward"
+                 or isinstance(value, (AttachedHook, AttachedForward))
                  or (key == "_swapkit_applied" and value is not None)]
     return left
 
 
 def attachments(model) -> dict:
     """What swapkit installed on ``model``, by object identity: to check that pickling changed nothing."""
-    return {name: ([list(getattr(m, hooks).items()) for hooks in HOOK_DICTS], m.__dict__.get("forward"),
-                   m.__dict__.get("_swapkit_applied")) for name, m in model.named_modules()}
+    return {name: {key: list(value.items()) if isinstance(value, dict) else value for key, value in m.__dict__.items()
+                   if "hook" in key or key in ("forward", "_swapkit_applied")}
+            for name, m in model.named_modules()}
 
 
 def assert_plain_twin(loaded, original_state: dict) -> None:
@@ -196,4 +195,32 @@ def test_a_pipeline_chunk_pickles_without_its_micro_step_hooks():
     assert swapkit_left(loaded) == [] and loaded._swapkit_applied is None
     x = torch.randn(2, 16, 32)
     assert torch.equal(loaded(x), chunk(x))
+    session.remove()
+
+
+def test_a_hugging_face_model_pickles_as_the_plain_model():
+    pytest.importorskip("transformers")
+    from tests.hf_zoo import FAMILIES
+
+    family = FAMILIES["llama"]
+    model = family.build()
+    reference = copy.deepcopy(model)
+    config = {"model": {"model_config": {"num_layers": family.num_layers}}, "runtime": {"min_offload_bytes": 0},
+              "recompute_config": {"recompute": [0]},
+              "swap_config": {"swap": True, "layer_swap": [{"backward_prefetch": 1, "layers": [1]}]}}
+    session = swapkit.apply(model, config, layers=family.layers)
+    with session:
+        family.forward(model).loss.backward()
+    assert session.stats.offloaded_bytes > 0
+    model.zero_grad()
+    loaded = pickled(model)
+    assert swapkit_left(loaded) == []  # the cache watch (a pre-hook with kwargs) included
+    losses = []
+    for m in (loaded, reference):
+        torch.manual_seed(0)
+        loss = family.forward(m).loss
+        loss.backward()
+        losses.append(loss.detach())
+    assert torch.equal(*losses)
+    assert_grads_equal(grads(loaded), grads(reference))
     session.remove()

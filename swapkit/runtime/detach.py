@@ -41,9 +41,9 @@ from typing import Any, Callable, Iterable
 
 from torch import nn
 
-# the dicts a hook's id is a key of: the hooks themselves, then their flags
-HOOK_DICTS = (("_forward_pre_hooks", ("_forward_pre_hooks_with_kwargs",)),
-              ("_forward_hooks", ("_forward_hooks_with_kwargs", "_forward_hooks_always_called")))
+# the dicts a module hook's id is a key of: pre-hooks and their flags, forward hooks and their flags
+HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+              "_forward_hooks_always_called")
 
 
 class _Detached:
@@ -124,24 +124,23 @@ def class_forward(module: nn.Module) -> MethodType:
     return MethodType(type(module).forward, module)
 
 
-def strip(hook_dicts: Iterable[dict], modules: Iterable[nn.Module]) -> None:
+def strip(hooked: Iterable[tuple[dict, ...]], modules: Iterable[nn.Module]) -> None:
     """Remove swapkit's stand-ins from copies (Note [Copies and pickles of a model swapkit was applied to]).
 
     Args:
-        hook_dicts: a copied module's hook dicts (:data:`HOOK_DICTS` order: pre-hooks and their
-            flag dict, forward hooks and their two flag dicts), one tuple per hooked module.
+        hooked: the hook dicts of each copied module that swapkit hooked, in :data:`HOOK_DICTS` order.
         modules: copied modules whose ``forward`` swapkit wrapped.
     """
-    for dicts in hook_dicts:
-        _strip_hooks(dicts[0], dicts[1:2])
-        _strip_hooks(dicts[2], dicts[3:])
+    for pre_hooks, pre_flags, hooks, *flags in hooked:
+        _strip_hooks(pre_hooks, (pre_flags,))
+        _strip_hooks(hooks, flags)
     for module in modules:
         forward = module.__dict__.get("forward")
         if isinstance(forward, MethodType) and forward.__self__ is module and forward.__func__ is type(module).forward:
             del module.__dict__["forward"]
 
 
-def _strip_hooks(hooks: dict, flags: tuple[dict, ...]) -> None:
+def _strip_hooks(hooks: dict, flags: Iterable[dict]) -> None:
     for key in [key for key, hook in hooks.items() if hook is DETACHED]:
         del hooks[key]
         for flag in flags:
@@ -150,7 +149,7 @@ def _strip_hooks(hooks: dict, flags: tuple[dict, ...]) -> None:
 
 def hook_dicts(module: nn.Module) -> tuple[dict, ...]:
     """``module``'s hook dicts in the order :func:`strip` takes them."""
-    return tuple(getattr(module, name) for hooks, flags in HOOK_DICTS for name in (hooks, *flags))
+    return tuple(getattr(module, name) for name in HOOK_DICTS)
 
 
 class AppliedMarker:
@@ -185,9 +184,9 @@ class AppliedMarker:
         return strip_loaded, self._touched()  # the session (threads, hooks) never travels
 
 
-def strip_loaded(hook_dicts: list[tuple[dict, ...]], modules: list[nn.Module]) -> None:
+def strip_loaded(hooked: list[tuple[dict, ...]], modules: list[nn.Module]) -> None:
     """Unpickling a marker: strip what the model's rebuilt modules carry of swapkit; the attribute is ``None``."""
-    strip(hook_dicts, modules)
+    strip(hooked, modules)
     return None
 
 
