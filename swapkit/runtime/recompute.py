@@ -2,7 +2,9 @@
 
 Wrapping replaces the instance's ``forward`` with one that calls ``torch.utils.checkpoint``; no
 module is inserted, so ``state_dict`` keys never change and :meth:`Recompute.remove` restores the
-model exactly. Recompute happens only in training mode with grad enabled.
+model exactly. Recompute happens only in training mode with grad enabled. The wrapper is an
+``AttachedForward``: a copy or a pickle of the model gets the forward it replaced
+(``swapkit.runtime.detach`` Note [Copies and pickles of a model swapkit was applied to]).
 
 Note [Recompute in eval mode]
 As HF's gradient checkpointing, a wrapped region runs plainly in eval mode, so an evaluation

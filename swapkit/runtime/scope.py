@@ -2,7 +2,9 @@
 
 Forward pre-hooks push a :class:`Frame`, forward hooks (``always_call=True``, so they also run
 when the forward raises) pop it. The innermost scope that configures a swap decides the distance
-``k``; an op without its own swap inherits the enclosing layer swap.
+``k``; an op without its own swap inherits the enclosing layer swap. Every hook is an
+``AttachedHook``, which a copy or a pickle of the model leaves behind (``swapkit.runtime.detach``
+Note [Copies and pickles of a model swapkit was applied to]).
 
 Note [Recompute does not move the clock]
 While a checkpointed region recomputes in backward, its modules' hooks fire again and push and
