@@ -16,7 +16,8 @@ from swapkit.runtime.recompute import Recompute
 from swapkit.plan.report import layer_lines, unmatched, unmatched_errors
 from swapkit.runtime.resolve import resolve_plan
 from swapkit.runtime.scope import ScopeTracker
-from swapkit.runtime.session import AppliedMarker, SwapSession
+from swapkit.runtime.detach import AppliedMarker
+from swapkit.runtime.session import SwapSession
 from swapkit.runtime.stage_binding import as_chunks, bind_stage, check_layout_across_ranks
 from swapkit.runtime.stage_session import StageSession
 
@@ -86,8 +87,8 @@ def apply(model: nn.Module | Sequence[nn.Module], config: Config | Plan | Mappin
         micro_batch_num = loaded.parallel.micro_batch_num if loaded is not None else None
         session = StageSession(chunks, stage, binding.model, binding, plan, tracker, recompute,
                                micro_batch_num=micro_batch_num)
-    for chunk in chunks:
-        object.__setattr__(chunk, APPLIED, AppliedMarker(session))  # a plain attribute: no module, parameter or buffer
+    for chunk in chunks:  # a plain attribute, no module, parameter or buffer, set last: swapkit.runtime.detach
+        object.__setattr__(chunk, APPLIED, AppliedMarker(session, chunk))  # Note [Copies and pickles of a model ...]
     return session
 
 

@@ -629,7 +629,7 @@ def test_a_step_longer_than_the_last_offloads_past_the_learnt_tail():
     the extra layers (Note [The last k ticks stay on the device])."""
     model = ToyNet(layers=4)
     session = synced_session(model, toy_config(4, **layer_swap(1, offload_batch_bytes=0)))
-    ref = copy.deepcopy(model)  # a plain copy (Note [Deep copies of a model swapkit was applied to])
+    ref = copy.deepcopy(model)  # a plain copy (swapkit.runtime.detach Note [Copies and pickles of a model ...])
     x = torch.randn(8, 16)
     with session:  # a short step: layers 0 and 1 (ticks 0-3), so the learnt tail is tick 3
         model.layers[1](model.layers[0](x)).sum().backward()

@@ -2,7 +2,9 @@
 
 Wrapping replaces the instance's ``forward`` with one that calls ``torch.utils.checkpoint``; no
 module is inserted, so ``state_dict`` keys never change and :meth:`Recompute.remove` restores the
-model exactly. Recompute happens only in training mode with grad enabled.
+model exactly. Recompute happens only in training mode with grad enabled. The wrapper is an
+``AttachedForward``: a copy or a pickle of the model gets the forward it replaced
+(``swapkit.runtime.detach`` Note [Copies and pickles of a model swapkit was applied to]).
 
 Note [Recompute in eval mode]
 As HF's gradient checkpointing, a wrapped region runs plainly in eval mode, so an evaluation
@@ -99,6 +101,7 @@ from torch.nn.modules.batchnorm import _NormBase
 from torch.utils.checkpoint import checkpoint
 
 from swapkit.runtime.binding import Binding, BoundLayer
+from swapkit.runtime.detach import AttachedForward
 from swapkit.runtime.kv_cache import CacheArguments, cache_warning
 from swapkit.runtime.recipes import capture_state
 from swapkit.runtime.scope import eager
@@ -143,20 +146,14 @@ class Recompute:
         self._restore.clear()
         self.wrapped.clear()
 
-    def detach_copies(self, memo: dict) -> None:
-        """Give deep copies of the wrapped modules their class's forward back (``memo`` maps ids to copies)."""
-        for module, previous in self._restore:
-            copy = memo.get(id(module))
-            if copy is None:
-                continue
-            if previous is not None:
-                raise RuntimeError(f"swapkit: cannot deep-copy {type(module).__name__}: it had its own forward "
-                                   "before swapkit wrapped it; call session.remove() before copying the model")
-            copy.__dict__.pop("forward", None)
+    def wrapped_modules(self) -> list[nn.Module]:
+        """The modules whose ``forward`` is wrapped (detach Note [Copies and pickles of a model ...])."""
+        return [module for module, _ in self._restore]
 
     def _replace_forward(self, module: nn.Module, forward: Callable[..., Any], label: str) -> None:
-        self._restore.append((module, module.__dict__.get("forward")))
-        module.forward = forward
+        previous = module.__dict__.get("forward")
+        self._restore.append((module, previous))
+        module.forward = AttachedForward(forward, module, previous)
         self.wrapped.append(label)
 
     def _wrap(self, module: nn.Module, label: str, outputs: bool = False) -> None:

@@ -2,7 +2,9 @@
 
 Forward pre-hooks push a :class:`Frame`, forward hooks (``always_call=True``, so they also run
 when the forward raises) pop it. The innermost scope that configures a swap decides the distance
-``k``; an op without its own swap inherits the enclosing layer swap.
+``k``; an op without its own swap inherits the enclosing layer swap. Every hook is an
+``AttachedHook``, which a copy or a pickle of the model leaves behind (``swapkit.runtime.detach``
+Note [Copies and pickles of a model swapkit was applied to]).
 
 Note [Recompute does not move the clock]
 While a checkpointed region recomputes in backward, its modules' hooks fire again and push and
@@ -47,6 +49,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from swapkit.runtime.binding import Binding
+from swapkit.runtime.detach import AttachedHook
 from swapkit.runtime.kv_cache import CacheArguments
 
 FULLGRAPH = ("swapkit's hooks run eagerly by design (swapkit.runtime.scope Note [Bookkeeping stays out of compiled "
@@ -118,14 +121,9 @@ class ScopeTracker:
         self.swap_scopes.clear()
         self._swap_modules.clear()
 
-    def detach_copies(self, memo: dict) -> None:
-        """Remove the hooks from deep copies of the hooked modules (``memo`` maps ids to copies)."""
-        for module, handle in self._handles:
-            copy = memo.get(id(module))
-            if copy is not None:
-                for hooks in (copy._forward_pre_hooks, copy._forward_pre_hooks_with_kwargs, copy._forward_hooks,
-                              copy._forward_hooks_always_called):
-                    hooks.pop(handle.id, None)
+    def hooked_modules(self) -> list[nn.Module]:
+        """The modules carrying this tracker's hooks (detach Note [Copies and pickles of a model ...])."""
+        return [module for module, _ in self._handles]
 
     def _add_swap_scope(self, module: nn.Module, layer: int, path: str) -> None:
         """Note [A shared module's swap scope]"""
@@ -168,8 +166,8 @@ class ScopeTracker:
                     self._moved()
                     return
 
-        self._handles.append((module, module.register_forward_pre_hook(eager(enter))))
-        self._handles.append((module, module.register_forward_hook(eager(leave), always_call=True)))
+        self._handles.append((module, module.register_forward_pre_hook(AttachedHook(eager(enter)))))
+        self._handles.append((module, module.register_forward_hook(AttachedHook(eager(leave)), always_call=True)))
 
     def _watch_cache(self, module: nn.Module, layer: int) -> None:
         """swapkit.runtime.kv_cache Note [Caches hold swapped storages]"""
@@ -180,12 +178,14 @@ class ScopeTracker:
             if names and self.on_cache is not None:
                 self.on_cache(layer, names)
 
-        self._handles.append((module, module.register_forward_pre_hook(eager(check), with_kwargs=True)))
+        self._handles.append((module, module.register_forward_pre_hook(AttachedHook(eager(check)),
+                                                                           with_kwargs=True)))
 
 
 def _copy_error(module: nn.Module, layer: int, path: str) -> RuntimeError:
-    """swapkit.runtime.session Note [Deep copies of a model swapkit was applied to]"""
+    """A shallow copy (``copy.copy``) shares the hooked module's hook dicts and so calls its hooks
+    (swapkit.runtime.detach Note [Copies and pickles of a model swapkit was applied to])."""
     where = f"layer {layer}" + (f" op {path}" if path else "")
     return RuntimeError(f"swapkit: this {type(module).__name__} is a copy of {where} of a model swapkit was applied to, "
-                        "and it still carries that model's swapkit hooks and wrappers; deep-copy the whole model "
-                        "(swapkit removes itself from the copy) or call session.remove() before copying it")
+                        "and it shares that model's swapkit hooks (a shallow copy); use copy.deepcopy or pickle, "
+                        "which leave swapkit behind, or call session.remove() before copying it")

@@ -17,17 +17,6 @@ race between two entries could leave a hook installed on a thread). Entering is 
 claimed atomically under a lock: a session already active anywhere, or another session active on
 this thread, raises instead.
 
-Note [Deep copies of a model swapkit was applied to]
-swapkit changes a model in place: recompute wrappers are instance ``forward`` attributes that
-close over the original modules, and scope hooks push frames onto this session's tracker.
-``copy.deepcopy`` copies functions by reference, so a copy would run the original's modules. The
-model's ``_swapkit_applied`` attribute is an :class:`AppliedMarker`, set after every module
-existed, so it is copied after every sub-module's copy is finished and recorded in deepcopy's
-memo; its ``__deepcopy__`` strips swapkit's wrappers and hooks from those copies and copies itself
-as ``None``. The copy is an independent plain model, to which swapkit can be applied again. A
-layer deep-copied on its own still carries the hooks; its scope hook sees a module it was not
-registered on and raises (``swapkit.runtime.scope``).
-
 Note [Backward after the with block]
 ``with session:`` must cover the forward; backward may run inside or after it. Unpack hooks are
 attached to each saved tensor, so they run after the block too; the block's exit only removes the
@@ -348,10 +337,10 @@ class SwapSession:
     def active(self) -> bool:
         return self._hooks is not None
 
-    def detach_copies(self, memo: dict) -> None:
-        """Strip swapkit from the copies ``copy.deepcopy`` made (Note [Deep copies of a model ...])."""
-        self.tracker.detach_copies(memo)
-        self.recompute.detach_copies(memo)
+    def attached_modules(self) -> tuple[list[nn.Module], list[nn.Module]]:
+        """The modules carrying swapkit's hooks, and those whose ``forward`` it wrapped
+        (swapkit.runtime.detach Note [Copies and pickles of a model swapkit was applied to])."""
+        return self.tracker.hooked_modules(), self.recompute.wrapped_modules()
 
     def remove(self) -> None:
         """Undo everything :func:`swapkit.apply` did: hooks, recompute wrappers, engine, pool."""
@@ -370,22 +359,6 @@ class SwapSession:
             self.pool.clear()
         self.model.__dict__.pop("_swapkit_applied", None)
         self._removed = True
-
-
-class AppliedMarker:
-    """A model's ``_swapkit_applied`` attribute (Note [Deep copies of a model swapkit was applied to])."""
-
-    __slots__ = ("session",)
-
-    def __init__(self, session: SwapSession) -> None:
-        self.session = session
-
-    def __deepcopy__(self, memo: dict) -> None:
-        self.session.detach_copies(memo)
-        return None
-
-    def __reduce__(self) -> tuple:
-        return type(None), ()  # pickled as None: the session (threads, hooks) never travels
 
 
 def active_session() -> SwapSession | None:

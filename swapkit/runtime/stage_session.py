@@ -41,6 +41,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from swapkit.runtime.binding import container_label
+from swapkit.runtime.detach import AttachedHook
 from swapkit.runtime.microsteps import Key, MicroStep, MicroSteps, MicroStepStats
 from swapkit.runtime.overrides import entry_cause
 from swapkit.runtime.records import Saved, make_saved
@@ -73,8 +74,9 @@ class StageSession(SwapSession):
         self._current: MicroStep | None = None
         self._chunk_hooks: list[RemovableHandle] = []
         for v, chunk in enumerate(chunks):
-            self._chunk_hooks.append(chunk.register_forward_pre_hook(self._chunk_hook(v)))
-            self._chunk_hooks.append(chunk.register_forward_hook(self._chunk_hook(None), always_call=True))
+            self._chunk_hooks.append(chunk.register_forward_pre_hook(AttachedHook(self._chunk_hook(v))))
+            leave = AttachedHook(self._chunk_hook(None))
+            self._chunk_hooks.append(chunk.register_forward_hook(leave, always_call=True))
 
     # ------------------------------------------------------------------ micro-steps
 
@@ -95,6 +97,11 @@ class StageSession(SwapSession):
             self._running, self._current = chunk, None
 
         return hook
+
+    def attached_modules(self) -> tuple[list[nn.Module], list[nn.Module]]:
+        """The session's, and the chunks, which carry the micro-step hooks."""
+        hooked, wrapped = super().attached_modules()
+        return hooked + list(self.chunks), wrapped
 
     def _pack(self, tensor: torch.Tensor) -> Saved:
         if torch._C._current_graph_task_id() != -1 or self._open() is None:  # Note [Opening a micro-step ...]
