@@ -331,7 +331,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _env(args: argparse.Namespace) -> dict[str, Any]:
     import platform, datetime  # noqa: E401 - only the standalone run records these
-    return {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"cpu_count": os.cpu_count(), "usable_cpus": usable, "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__,
             "python": platform.python_version(), "swapkit": swapkit.__version__, "device": args.device,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "length": args.length, "reps": args.reps, "ways": args.ways, "gc": not args.no_gc}
@@ -341,7 +343,9 @@ def report_lines(result: dict[str, Any]) -> list[str]:
     """A Markdown table of the standalone run."""
     micro, env = result["microbench"], result["env"]
     load = micro["load_average"]
-    lines = [f"# Per-saved-tensor overhead ({env['date']}, torch {env['torch']}, {env['cpu_count']} cores, "
+    usable = env.get("usable_cpus", env["cpu_count"])
+    pinned = f" (the process may run on {usable} of them)" if usable != env["cpu_count"] else ""
+    lines = [f"# Per-saved-tensor overhead ({env['date']}, torch {env['torch']}, {env['cpu_count']} cores{pinned}, "
              f"{env['torch_threads']} torch threads, {env['device']}"
              f"{'' if env.get('gc', True) else ', cyclic GC disabled'})", "",
              f"{micro['saved_tensors_per_step']} saved tensors of {micro['tensor_bytes']} bytes per step, "
