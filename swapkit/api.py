@@ -16,13 +16,12 @@ from swapkit.runtime.recompute import Recompute
 from swapkit.plan.report import layer_lines, unmatched, unmatched_errors
 from swapkit.runtime.resolve import resolve_plan
 from swapkit.runtime.scope import ScopeTracker
-from swapkit.runtime.detach import AppliedMarker
+from swapkit.runtime.detach import applied, mark
 from swapkit.runtime.session import SwapSession
 from swapkit.runtime.stage_binding import as_chunks, bind_stage, check_layout_across_ranks
 from swapkit.runtime.stage_session import StageSession
 
 logger = logging.getLogger(__name__)
-APPLIED = "_swapkit_applied"
 
 
 def apply(model: nn.Module | Sequence[nn.Module], config: Config | Plan | Mapping[str, Any] | str | Path,
@@ -70,7 +69,7 @@ def apply(model: nn.Module | Sequence[nn.Module], config: Config | Plan | Mappin
         plan = resolve_plan(model, loaded, layers) if stage is None else build_plan(loaded)
     chunks = [model] if stage is None else as_chunks(model, plan, stage)
     for chunk in chunks:
-        if getattr(chunk, APPLIED, None) is not None:
+        if applied(chunk) is not None:
             raise BindError(f"swapkit is already applied to this {type(chunk).__name__}; call remove() on its "
                             "SwapSession before applying another config")
     binding = bind(model, plan, layers) if stage is None else bind_stage(chunks, plan, layers, stage)
@@ -87,8 +86,8 @@ def apply(model: nn.Module | Sequence[nn.Module], config: Config | Plan | Mappin
         micro_batch_num = loaded.parallel.micro_batch_num if loaded is not None else None
         session = StageSession(chunks, stage, binding.model, binding, plan, tracker, recompute,
                                micro_batch_num=micro_batch_num)
-    for chunk in chunks:  # a plain attribute, no module, parameter or buffer, set last: swapkit.runtime.detach
-        object.__setattr__(chunk, APPLIED, AppliedMarker(session, chunk))  # Note [Copies and pickles of a model ...]
+    for chunk in chunks:  # set last: swapkit.runtime.detach Note [Copies and pickles of a model ...]
+        mark(chunk, session)
     return session
 
 

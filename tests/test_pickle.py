@@ -224,3 +224,23 @@ def test_a_hugging_face_model_pickles_as_the_plain_model():
     assert torch.equal(*losses)
     assert_grads_equal(grads(loaded), grads(reference))
     session.remove()
+
+
+def test_a_model_compiled_before_apply_pickles_as_the_plain_model():
+    """swapkit applied to ``torch.compile(model)`` (layers under ``_orig_mod``): the wrapper copies and pickles
+    only the module it wraps, so the marker sits there (detach Note [Copies and pickles of a model ...])."""
+    model, plain = ToyNet(layers=2), ToyNet(layers=2)
+    plain.load_state_dict(model.state_dict())
+    compiled = torch.compile(model, backend="eager")
+    config = toy_config(2, recompute_config={"recompute": [0]}, **layer_swap(1))
+    session = swapkit.apply(compiled, config)
+    assert session.binding.layers_path == "_orig_mod.layers"
+    x = torch.randn(2, 16)
+    for loaded in (pickled(compiled), copy.deepcopy(compiled)):
+        assert swapkit_left(loaded._orig_mod) == [] and loaded._swapkit_applied is None
+        assert torch.equal(loaded._orig_mod(x), plain(x))
+    with pytest.raises(swapkit.BindError, match="already applied"):  # the compiled module is that model
+        swapkit.apply(model, config, layers="layers")
+    session.remove()
+    assert swapkit_left(model) == [] and getattr(compiled, "_swapkit_applied", None) is None
+    swapkit.apply(model, config, layers="layers").remove()

@@ -168,6 +168,39 @@ def test_late_fetch_waits_and_is_counted():
     assert stats.late_fetches >= 1 and stats.wait_seconds >= 0.03
 
 
+class PrefetchFails(GatedEngine):
+    """Every host-to-device copy waits for the gate, then fails (a device allocation error, say)."""
+
+    def prefetch(self, src):
+        def job():
+            self.gate.wait(timeout=30)
+            raise MemoryError("device copy failed")
+
+        return torch.empty(src.numel(), dtype=torch.uint8), self._submit(job)
+
+
+def test_a_late_fetch_whose_copy_fails_counts_neither_its_lead_nor_a_late_fetch():
+    """The first restore waits for its prefetch, which fails: backward raises the copy's error, and the
+    stats count that restore nowhere (as before the restore path took the step's lock once)."""
+    model = ToyNet(layers=4)
+    session = swapkit.apply(model, toy_config(4, **layer_swap(1)), layers="layers")
+    engine = PrefetchFails()
+    install_engine(session, engine)
+    engine.gate.set()
+    with session:
+        out = model(torch.randn(8, 16)).sum()
+    engine.gate.clear()  # the first restore blocks on its prefetch; the gate opens and the copy fails
+    open_gate_when_blocked(engine, 0.01)
+    with pytest.raises(MemoryError, match="device copy failed") as failure:
+        out.backward()
+    failure.value.__traceback__ = None  # its frames hold the graph
+    del failure, out
+    stats = session.stats
+    assert stats.prefetched_tensors > 0  # the prefetch was issued ahead of its first use: it had a lead
+    assert stats.late_fetches == 0 and stats.wait_seconds == 0 and stats.prefetch_lead_ticks == 0
+    session.remove()
+
+
 def test_storage_saved_three_times_moves_once_and_views_keep_strides():
     class ThreeViews(torch.autograd.Function):
         @staticmethod

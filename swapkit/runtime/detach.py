@@ -22,6 +22,10 @@ process) cannot store a closure at all. Both go through one mechanism:
   of it (:func:`strip_loaded`) on the hook dicts and modules already stored, which unpickling runs
   after it rebuilt them (only the marker's owner is not rebuilt yet, and swapkit wraps no owner's
   forward). The marker itself copies and pickles as ``None``.
+- the marker goes where a copy or a pickle stores it (:func:`mark`): on the model itself, or, for a
+  ``torch.compile`` wrapper swapkit was applied to (``OptimizedModule``, which copies and pickles as a
+  call that wraps the copy of its ``_orig_mod`` again, never storing its own ``__dict__``), on the
+  module it wraps (on the wrapper it would never be stored, and the copy would keep the stand-ins).
 
 The copy is an independent plain model: no swapkit hook or wrapper, the same forward, parameters,
 buffers and ``state_dict``; swapkit can be applied to it again. The original is not touched: it
@@ -36,11 +40,14 @@ called (``swapkit.runtime.scope``).
 """
 from __future__ import annotations
 
+import sys
 from types import MethodType
 from typing import Any, Callable, Iterable
 
 from torch import nn
 
+#: the model's (a pipeline chunk's) attribute holding its :class:`AppliedMarker`
+APPLIED = "_swapkit_applied"
 # the dicts a module hook's id is a key of: pre-hooks and their flags, forward hooks and their flags
 HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
               "_forward_hooks_always_called")
@@ -192,3 +199,28 @@ def strip_loaded(hooked: list[tuple[dict, ...]], modules: list[nn.Module]) -> No
 
 def _unique(modules: Iterable[nn.Module]) -> list[nn.Module]:
     return list({id(m): m for m in modules}.values())
+
+
+def stored_module(module: nn.Module) -> nn.Module:
+    """The module whose ``__dict__`` a copy or a pickle of ``module`` stores: ``module``, or the module a
+    ``torch.compile`` wrapper wraps (Note [Copies and pickles of a model swapkit was applied to])."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # not imported: no torch.compile wrapper exists
+    while eval_frame is not None and isinstance(module, eval_frame.OptimizedModule):
+        module = module._orig_mod
+    return module
+
+
+def applied(module: nn.Module) -> AppliedMarker | None:
+    """The marker of the session applied to ``module``, or ``None``."""
+    return stored_module(module).__dict__.get(APPLIED)
+
+
+def mark(module: nn.Module, session: Any) -> None:
+    """Set ``module``'s marker, last (a plain attribute: no module, parameter or buffer)."""
+    home = stored_module(module)
+    object.__setattr__(home, APPLIED, AppliedMarker(session, home))
+
+
+def unmark(module: nn.Module) -> None:
+    """Remove ``module``'s marker (``session.remove()``)."""
+    stored_module(module).__dict__.pop(APPLIED, None)

@@ -114,7 +114,7 @@ class StepState(Protocol):
 
     def restored(self, lead: int) -> None: ...
 
-    def late_fetch(self, timing: Any) -> None: ...
+    def late_fetch(self, lead: int, timing: Any) -> None: ...
 
     def verified(self) -> None: ...
 
@@ -239,14 +239,15 @@ class SwapRecord:
             late = self.device_buffer is None or (first and not step.engine.ready(self.h2d))
             if self.device_buffer is None:
                 self.fetch(tick)
-            buffer, copy = self.device_buffer, self.h2d
+            buffer, copy, lead = self.device_buffer, self.h2d, self.issued_at - tick
             if first:
                 self.waited = True
-                step.restored(self.issued_at - tick)
+                if not late:  # its copy finished without error (ready said so): the wait cannot fail
+                    step.restored(lead)
         timing = step.engine.wait(copy, timed=late and first)
         if first:
-            if late:
-                step.late_fetch(timing)
+            if late:  # counted once the copy arrived: a failed one counts nowhere
+                step.late_fetch(lead, timing)
             if self.checksum is not None:
                 self._verify(buffer)
         return rebuild(buffer, meta, step.empties, self.offset)

@@ -55,6 +55,7 @@ from torch import nn
 from swapkit.runtime.binding import Binding, container_label
 from swapkit.engine import CopyEngine, HostPool, make_engine, make_pool
 from swapkit.plan.plan import Plan
+from swapkit.runtime.detach import unmark
 from swapkit.runtime.dynamo import out_of_dynamo
 from swapkit.runtime.kv_cache import swap_cache_warning
 from swapkit.runtime.overrides import FROZEN, entry_cause, idle_message, unused_message
@@ -357,7 +358,7 @@ class SwapSession:
             self.engine.close()
         if self.pool is not None:
             self.pool.clear()
-        self.model.__dict__.pop("_swapkit_applied", None)
+        unmark(self.model)
         self._removed = True
 
 

@@ -41,7 +41,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from swapkit.runtime.binding import container_label
-from swapkit.runtime.detach import AttachedHook
+from swapkit.runtime.detach import AttachedHook, unmark
 from swapkit.runtime.microsteps import Key, MicroStep, MicroSteps, MicroStepStats
 from swapkit.runtime.overrides import entry_cause
 from swapkit.runtime.records import Saved, make_saved
@@ -217,7 +217,7 @@ class StageSession(SwapSession):
             if self._group is not None:
                 self._group.close()
             for chunk in self.chunks:
-                chunk.__dict__.pop("_swapkit_applied", None)
+                unmark(chunk)
         super().remove()
 
 

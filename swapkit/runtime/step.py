@@ -422,12 +422,13 @@ class Step:
             self.stats.verified_tensors += 1
 
     def restored(self, lead: int) -> None:
-        """First use of a prefetched record, ``lead`` ticks after its copy was issued (under the lock)."""
+        """First use of a prefetched record whose copy had finished, ``lead`` ticks after it was issued (lock held)."""
         self.stats.prefetch_lead_ticks += max(lead, 0)
 
-    def late_fetch(self, timing: Any) -> None:
-        """That first use waited for its copy (``timing``: how long)."""
+    def late_fetch(self, lead: int, timing: Any) -> None:
+        """A first use that waited for its copy (``timing``: how long), ``lead`` ticks after it was issued."""
         with self.lock:
+            self.stats.prefetch_lead_ticks += max(lead, 0)
             self.stats.late_fetches += 1
             self._timings.append(timing)
 
