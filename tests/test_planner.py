@@ -213,6 +213,32 @@ def test_train_budget_checks_steps_before_measuring(config_file, capsys, monkeyp
     assert "--steps: got 0; expected an integer >= 1" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["plan", "--budget", "1MiB", "--layers", "model.layers"],
+     "--layers: got 'model.layers'; the built-in model keeps its layers in 'layers': drop --layers, or add --model"),
+    (["plan", "--budget", "1MiB", "--file-layers"],
+     "model.model_config.layers_path: got 'blocks'; the built-in model keeps its layers in 'layers'"),
+    (["train", "--budget", "1MiB", "--file-layers"], "model.model_config.layers_path: got 'blocks'"),
+    (["train", "--steps", "1", "--file-layers"], "model.model_config.layers_path: got 'blocks'"),
+])
+def test_a_layer_path_the_built_in_model_lacks_is_refused_before_measuring(tmp_path, capsys, monkeypatch, argv,
+                                                                           message):
+    """The built-in model's runs bound 'layers' whatever --layers or layers_path said: a misspelt path
+    trained silently (Note [Layer paths of the built-in model])."""
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("measured before checking the layer path")
+
+    monkeypatch.setattr("swapkit.planner.command.measure", no_measuring)
+    layers_path = {"layers_path": "blocks"} if "--file-layers" in argv else {}
+    config = {**CONFIG, "model": {"model_config": {**CONFIG["model"]["model_config"], **layers_path}}}
+    path = tmp_path / "model.yaml"
+    path.write_text(yaml.safe_dump(config), encoding="utf-8")
+    command, *rest = [arg for arg in argv if arg != "--file-layers"]
+    assert main([command, str(path), *rest]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
 @pytest.mark.parametrize("command, flag", [("plan", "--out"), ("train", "--metrics-out")])
 def test_unwritable_output_is_refused_before_measuring(config_file, tmp_path, capsys, monkeypatch, command, flag):
     def no_measuring(*args, **kwargs):
