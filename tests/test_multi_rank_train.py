@@ -243,8 +243,10 @@ def test_bf16_autocast_runs_in_the_pipeline_as_in_one_process(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--metrics-out", "{tmp}/missing/m.json"], "--metrics-out: got {tmp}/missing/m.json; its folder {tmp}/missing "
                                                 "does not exist"),
-    (["--set", "train.save_dir={tmp}/file"], "train.save_dir: got {tmp}/file, which is a file"),
-    (["--set", "runtime.engine=cuda"], "runtime.engine: got 'cuda' but the model trains on cpu"),
+    (["--set", "train.save_dir={tmp}/file"], "train.save_dir (from --set train.save_dir={tmp}/file): got {tmp}/file, "
+                                             "which is a file"),
+    (["--set", "runtime.engine=cuda"], "runtime.engine (from --set runtime.engine=cuda): got 'cuda' but the model "
+                                       "trains on cpu"),
     (["--set", "model.model_config.vocab_size=1048576", "--set", "model.model_config.hidden_size=65536"],
      "needs about 3594.6 GiB; cpu has"),
 ])
