@@ -176,7 +176,8 @@ def test_sizes_per_stage_without_a_pipeline_say_so(config_file, capsys):
 def test_cuda_engine_on_cpu_is_a_config_error_as_in_train(config_file, capsys, command):
     argv = [command, str(config_file), "--budget", "1MiB", "--set", "runtime.engine=cuda"]
     assert main(argv) == 2
-    assert "runtime.engine: got 'cuda' but the model trains on cpu; set runtime.engine: auto" in capsys.readouterr().err
+    assert ("invalid swapkit command line (1 problem):\n  - runtime.engine (from --set runtime.engine=cuda): got 'cuda' "
+            "but the model trains on cpu; set runtime.engine: auto") in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv", [["--budget", "lots"], ["--budget", "0"], ["--out", "x.yaml"]])
@@ -393,3 +394,36 @@ def test_select_recompute_of_an_op_scope_is_measured_and_predicted(measured, pla
     assert result.summary is not None
     for step in steady(result):
         assert abs(step["peak_device_bytes"] - predicted) <= 0.05 * predicted
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"steps": 0}, r"measure\(steps=0\): expected a whole number >= 1"),
+    ({"warmup": -1}, r"measure\(warmup=-1\): expected a whole number >= 0"),
+    ({"device": "gpu"}, r"measure\(device='gpu'\): expected 'cpu', 'cuda' or None"),
+])
+def test_bad_measure_arguments_are_clear_errors_before_anything_runs(kwargs, message):
+    """steps=0 ran every mode and failed with 'StatisticsError: no median for empty data'; device='gpu'
+    with torch's own device-string error."""
+    with pytest.raises(ValueError, match=message):
+        measure(load_config(CONFIG), **kwargs)
+
+
+def test_measure_takes_the_config_forms_apply_takes():
+    """A dict in the YAML layout failed with "AttributeError: 'dict' object has no attribute 'parallel'"."""
+    measured = measure(CONFIG, steps=1, warmup=0, select=False)
+    assert measured.trace.num_layers == 3
+
+
+@pytest.mark.parametrize("budget", [0, -1, 1.5, "1MiB", None, True])
+def test_plan_budget_refuses_a_budget_that_is_not_a_byte_count(planner, budget):
+    """0, -1 and 1.5 were 'cannot be met' BudgetErrors; '1MiB' and None failed comparing int and str."""
+    with pytest.raises(ValueError, match=r"budget: got .*; expected a whole number of bytes >= 1 "
+                                         r"\(swapkit\.plan\.size\.parse_size reads a size such as '64MiB'\)"):
+        plan_budget(planner, budget)
+
+
+@pytest.mark.parametrize("count", [2, 4])
+def test_predict_refuses_a_choice_count_other_than_the_layer_count(planner, count):
+    """Too few choices failed with an IndexError; too many were predicted with the extras ignored."""
+    with pytest.raises(ValueError, match=f"predict: got {count} choices for a model of 3 layers"):
+        planner.predict((KEEP,) * count)
