@@ -427,3 +427,14 @@ def test_predict_refuses_a_choice_count_other_than_the_layer_count(planner, coun
     """Too few choices failed with an IndexError; too many were predicted with the extras ignored."""
     with pytest.raises(ValueError, match=f"predict: got {count} choices for a model of 3 layers"):
         planner.predict((KEEP,) * count)
+
+
+def test_the_report_stays_aligned_when_a_decision_is_longer_than_its_column(planner):
+    """A swap of four scopes (51 characters) pushed its row's numbers out of their columns."""
+    from swapkit.plan.emit import table
+
+    figures = {"saved_bytes": 2**20, "swapped_bytes": 2**19, "forward_seconds": 1e-3, "predicted_cost_seconds": 0.0}
+    rows = [{"layer": 0, "decision": "keep", **figures},
+            {"layer": 1, "decision": "swap attention.wq, attention_norm, feed_forward, ffn_norm k=8", **figures}]
+    head, *cells = table(rows, plan_budget(planner, 1 << 40)).splitlines()[:3]
+    assert len({len(head), *map(len, cells)}) == 1  # every column right-aligned at the same place
