@@ -252,6 +252,15 @@ def test_unwritable_output_is_refused_before_measuring(config_file, tmp_path, ca
     assert f"{flag}: got {out}; its folder {out.parent} does not exist" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("command, flag, example", [("plan", "--out", "planned.yaml"),
+                                                    ("train", "--metrics-out", "metrics.json")])
+def test_an_output_that_is_a_folder_suggests_a_file_of_its_kind(config_file, tmp_path, capsys, command, flag, example):
+    """plan --budget --out DIR suggested DIR/metrics.json for the planned YAML."""
+    assert main([command, str(config_file), "--budget", "1MiB", flag, str(tmp_path)]) == 2
+    assert f"{flag}: got {tmp_path}, which is a directory; expected a file path such as {tmp_path / example}" in \
+        capsys.readouterr().err
+
+
 @pytest.mark.parametrize("command, flag", [("plan", "--out"), ("train", "--metrics-out")])
 def test_an_output_onto_the_planned_config_is_refused_and_leaves_it_intact(config_file, capsys, monkeypatch,
                                                                            command, flag):
