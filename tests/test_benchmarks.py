@@ -257,3 +257,17 @@ def test_memory_cap_runs_on_a_gpu(tmp_path):
     data = json.loads((tmp_path / "memory_cap.json").read_text())
     assert len(data["variants"]) == 5 and data["cap"]["need_bytes"] > 0
     assert (tmp_path / "memory_cap.md").stat().st_size > 0
+
+
+def test_host_pool_records_the_load_average_before_and_after_measuring(tmp_path, monkeypatch, swapkit_log_level):
+    """It read the load average once, after measuring, and reported it as 'at start' ('at end: —')."""
+    host_pool = bench_module("host_pool")
+    clock = iter(range(1, 100))
+    monkeypatch.setattr(os, "getloadavg", lambda: (float(next(clock)),) * 3)
+    measured_at = []
+    compare = host_pool.compare
+    monkeypatch.setattr(host_pool, "compare", lambda *a: measured_at.append(os.getloadavg()[0]) or compare(*a))
+    assert host_pool.main(["--quick", "--steps", "1", "--out", str(tmp_path)]) == 0
+    env = json.loads((tmp_path / "host_pool.json").read_text())["env"]
+    assert env["load_average_at_start"][0] < min(measured_at) <= max(measured_at) < env["load_average_at_end"][0]
+    assert "at end —" not in (tmp_path / "host_pool.md").read_text()
