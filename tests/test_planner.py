@@ -176,8 +176,8 @@ def test_sizes_per_stage_without_a_pipeline_say_so(config_file, capsys):
 def test_cuda_engine_on_cpu_is_a_config_error_as_in_train(config_file, capsys, command):
     argv = [command, str(config_file), "--budget", "1MiB", "--set", "runtime.engine=cuda"]
     assert main(argv) == 2
-    assert ("invalid swapkit command line (1 problem):\n  - runtime.engine (from --set runtime.engine=cuda): got 'cuda' "
-            "but the model trains on cpu; set runtime.engine: auto") in capsys.readouterr().err
+    assert ("invalid swapkit command line (1 problem):\n  - runtime.engine (from --set runtime.engine=cuda): got "
+            "'cuda' but the model trains on cpu; set runtime.engine: auto") in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv", [["--budget", "lots"], ["--budget", "0"], ["--out", "x.yaml"]])
