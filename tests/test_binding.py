@@ -83,6 +83,13 @@ def test_an_empty_layer_container_is_an_error_not_a_plan_of_zero_layers(sections
         swapkit.apply(EmptyLayers(), sections, layers="layers")
 
 
+def test_auto_detection_that_finds_only_an_empty_container_says_so():
+    """It said only 'found no ... of repeated layers; pass layers=...', and layers='layers' then gave 0 layers."""
+    with pytest.raises(BindError, match=r"repeated layers in EmptyLayers \(layers is empty: a model built with no "
+                                        r"layers has nothing to swap or recompute\); pass layers="):
+        swapkit.apply(EmptyLayers(), {})
+
+
 class TitanStyle(nn.Module):
     """torchtitan's models keep their layers in an ``nn.ModuleDict`` keyed by layer id, so that a
     pipeline split (which deletes keys) keeps every parameter's name."""
