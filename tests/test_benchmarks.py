@@ -113,6 +113,8 @@ BAD_ARGUMENTS = [  # each was a traceback after minutes of work (ZeroDivisionErr
     ("pipeline", "parse_args", ["--reps", "0"], "--reps: got '0'"),
     ("planner_frontier", "main", ["--threads", "0"], "--threads: got '0'"),
     ("memory_cap", "parse_args", ["--prefetch", "0"], "--prefetch: got '0'"),
+    ("memory_cap", "parse_args", ["--warmup", "-1"], "--warmup: got -1; expected an integer >= 0"),  # 0 is allowed
+    ("memory_cap", "parse_args", ["--steps", "0"], "--steps: got 0; expected a positive integer"),
     ("swap_vs_recompute", "main", ["--config", "missing.yaml"], "--config: invalid swapkit config"),
     ("host_pool", "main", ["--config", "missing.yaml"], "config file not found: missing.yaml"),
 ]
