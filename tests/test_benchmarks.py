@@ -273,3 +273,11 @@ def test_host_pool_records_the_load_average_before_and_after_measuring(tmp_path,
     env = json.loads((tmp_path / "host_pool.json").read_text())["env"]
     assert env["load_average_at_start"][0] < min(measured_at) <= max(measured_at) < env["load_average_at_end"][0]
     assert "at end —" not in (tmp_path / "host_pool.md").read_text()
+
+
+def test_planner_frontier_reports_the_load_average_as_the_other_benchmarks_do():
+    """It printed the raw tuples: 'load average at start (2.25634765625, 1.884765625, 1.4521484375)'."""
+    env = {"cpu": "cpu", "cpu_count": 2, "torch_threads": 1, "torch": "2.x", "model": {}, "batch": 2, "reps": 1,
+           "warmup": 1, "load_start": (0.25634765625, 1.884765625, 1.4521484375), "load_end": (0.5, 0.5, 0.5)}
+    text = bench_module("planner_frontier").markdown({"env": env, "links": []})
+    assert "load average (1/5/15 min) at start 0.26/1.88/1.45, at end 0.50/0.50/0.50;" in text
