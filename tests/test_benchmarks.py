@@ -281,3 +281,11 @@ def test_planner_frontier_reports_the_load_average_as_the_other_benchmarks_do():
            "warmup": 1, "load_start": (0.25634765625, 1.884765625, 1.4521484375), "load_end": (0.5, 0.5, 0.5)}
     text = bench_module("planner_frontier").markdown({"env": env, "links": []})
     assert "load average (1/5/15 min) at start 0.26/1.88/1.45, at end 0.50/0.50/0.50;" in text
+
+
+@pytest.mark.parametrize("fraction, verdict", [(0.5, "this is a favourable but not free link"),
+                                               (1.0, "this link is about as slow as that"),
+                                               (4.0, "this link is slower than that")])
+def test_the_sweep_describes_the_link_the_fraction_gives(fraction, verdict):
+    """--link-fraction 1 or 4 was still called 'a favourable but not free link' (the default 0.5's words)."""
+    assert bench_module("sweep").link_verdict(fraction) == verdict
