@@ -47,6 +47,9 @@ def stage_budgets(text: str, stages: int) -> list[int]:
         ConfigError: a bad size, or a count other than 1 or ``stages``.
     """
     parts = [part.strip() for part in str(text).split(",")]
+    if len(parts) > 1 and not all(parts):  # parse_size('') said only "got ''"
+        raise ConfigError([Problem("--budget", f"got {text!r}, with an empty size between its commas; give one size "
+                                               "for every stage (200MiB) or one per stage (200MiB,150MiB)")])
     sizes = [parse_size(part) for part in parts]
     if len(sizes) not in (1, stages):
         raise ConfigError([Problem("--budget", f"got {len(sizes)} sizes ({text!r}) for parallel_config.pipeline_stage:"
