@@ -185,8 +185,8 @@ def hardware_line(env: dict[str, Any]) -> str:
     return (f"{env['cpu']}, {env['cpu_count']} cores ({env['torch_threads']} torch threads), "
             f"{env['ram_bytes'] / 2**30:.0f} GiB RAM{gpu}; torch {env['torch']}, Python {env['python']}, "
             f"swapkit {env['swapkit']}; device {env['device']}, engine {env['engine']}; {env['date']}; "
-            f"load average (1/5/15 min) at start {_load(env.get('load_average_at_start'))}, at end "
-            f"{_load(env.get('load_average_at_end'))}{deterministic}")
+            f"load average (1/5/15 min) at start {load_average_text(env.get('load_average_at_start'))}, at end "
+            f"{load_average_text(env.get('load_average_at_end'))}{deterministic}")
 
 
 def nvidia_driver() -> str | None:
@@ -199,5 +199,5 @@ def nvidia_driver() -> str | None:
     return out.strip().splitlines()[0] if out.strip() else None
 
 
-def _load(values: Any) -> str:
+def load_average_text(values: Any) -> str:
     return "—" if values is None else "/".join(f"{x:.2f}" for x in values)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -141,8 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     seq = 2048 if args.quick else 8192
     mixes = {"benchmark model, one forward": saved_storage_sizes(setup),
              f"Llama-3-8B layer, seq {seq}, bf16": llama3_8b_layer(seq)}
+    env = environment(setup, "cuda" if setup.device.type == "cuda" else "thread", {})  # load average before measuring
     rows = [compare(name, sizes, setup.device, steps) for name, sizes in mixes.items()]
-    env = environment(setup, "cuda" if setup.device.type == "cuda" else "thread", {})
+    env["load_average_at_end"] = os.getloadavg()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "host_pool.json").write_text(json.dumps({"env": env, "steps": steps, "rows": rows}, indent=1))
     (args.out / "host_pool.md").write_text(markdown(env, rows))

@@ -78,7 +78,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--cap: got {args.cap}; expected a fraction in (0, 1]")
     for name in ("warmup", "steps", "rounds"):
         if getattr(args, name) < (0 if name == "warmup" else 1):
-            parser.error(f"--{name}: got {getattr(args, name)}; expected a positive integer")
+            least = "an integer >= 0" if name == "warmup" else "a positive integer"  # no warm-up is allowed
+            parser.error(f"--{name}: got {getattr(args, name)}; expected {least}")
     return args
 
 

@@ -36,8 +36,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 import torch  # noqa: E402
 
-from common import (DEFAULT_BATCH, DEFAULT_MODEL, QUICK_BATCH, QUICK_MODEL, cpu_model, output_dir,  # noqa: E402
-                    positive_int)
+from common import (DEFAULT_BATCH, DEFAULT_MODEL, QUICK_BATCH, QUICK_MODEL, cpu_model,  # noqa: E402
+                    load_average_text, output_dir, positive_int)
 from swapkit.load import load_config  # noqa: E402
 from swapkit.plan.emit import planned_sections  # noqa: E402
 from swapkit.plan.planner import KEEP, RECOMPUTE, BudgetError, Choice, Planner, plan_budget  # noqa: E402
@@ -161,8 +161,9 @@ def markdown(results: dict[str, Any]) -> str:
                if load > (env["cpu_count"] or 1) else [])
     lines = ["# Budget planner: predicted vs measured, planned vs fixed strategies", "", *warning,
              f"{env['cpu']}, {env['cpu_count']} cores ({env['torch_threads']} torch threads), torch {env['torch']}, "
-             "load average at start "
-             f"{env['load_start']}, at end {env['load_end']}; model {env['model']}, batch {env['batch']}; "
+             "load average (1/5/15 min) at start "
+             f"{load_average_text(env['load_start'])}, at end {load_average_text(env['load_end'])}; "
+             f"model {env['model']}, batch {env['batch']}; "
              f"{env['reps']} interleaved timed steps after {env['warmup']} warm-up steps per variant. "
              "Memory is the session's accounting of device-resident saved bytes (CPU: not RSS).", ""]
     for link in results["links"]:

@@ -55,7 +55,14 @@ def choose_link(baseline: Runner, batch: tuple[torch.Tensor, torch.Tensor], laye
             "why": f"one layer's swapped activations ({layer_bytes / 2**20:.1f} MiB) take {fraction:.2f} x that "
                    f"layer's measured forward time ({layer_forward * 1e3:.1f} ms) at {bandwidth:.2f} GB/s, plus "
                    f"{latency_s * 1e6:.0f} us per copy; a whole-layer swap of a large model on a GPU over PCIe "
-                   "sits near 1, so this is a favourable but not free link"}
+                   f"sits near 1, so {link_verdict(fraction)}"}
+
+
+def link_verdict(fraction: float) -> str:
+    """How ``--link-fraction`` compares with a GPU over PCIe (near 1): the text followed it only at 0.5."""
+    if fraction < 0.9:
+        return "this is a favourable but not free link"
+    return "this link is about as slow as that" if fraction <= 1.1 else "this link is slower than that"
 
 
 def run_sweep(setup: Setup, batch: tuple[torch.Tensor, torch.Tensor], prefetches: list[int], link: dict[str, Any],

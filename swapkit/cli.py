@@ -31,7 +31,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.run(args)
     except (ConfigError, BindError) as err:
-        print(f"swapkit: {err}", file=sys.stderr)
+        print(f"swapkit: {_blamed(err, getattr(args, 'overrides', ()))}", file=sys.stderr)
         return EXIT_USAGE
     except Interrupted as err:  # swapkit train's processes: SIGINT or SIGTERM, named
         sys.stderr.write(f"swapkit: {err}\n")  # one write: torchrun's ranks share the terminal
@@ -42,6 +42,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as err:  # noqa: BLE001 - Note [No traceback]
         print(f"swapkit: {_failure(err, args.verbose)}", file=sys.stderr)
         return EXIT_FAILED
+
+
+def _blamed(err: ConfigError | BindError, overrides: Sequence[str]) -> ConfigError | BindError:
+    """``err`` with its problems at keys that ``--set`` wrote naming that ``--set``: the loader does this
+    for what it checks; this covers the checks made later (``runtime.engine`` against the device,
+    ``train.resume`` without ``train.save_dir``, ``train.device: cuda`` without CUDA).
+    ``swapkit.config.loader`` Note [Blame the command line]."""
+    if not isinstance(err, ConfigError) or not overrides:
+        return err
+    from swapkit.config.errors import Problems
+    from swapkit.config.loader import blame_overrides
+
+    problems = Problems()
+    problems.items = list(err.problems)
+    blame_overrides(problems, overrides)
+    return ConfigError(problems.items, err.source)
 
 
 # Note [No traceback]

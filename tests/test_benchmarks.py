@@ -113,6 +113,8 @@ BAD_ARGUMENTS = [  # each was a traceback after minutes of work (ZeroDivisionErr
     ("pipeline", "parse_args", ["--reps", "0"], "--reps: got '0'"),
     ("planner_frontier", "main", ["--threads", "0"], "--threads: got '0'"),
     ("memory_cap", "parse_args", ["--prefetch", "0"], "--prefetch: got '0'"),
+    ("memory_cap", "parse_args", ["--warmup", "-1"], "--warmup: got -1; expected an integer >= 0"),  # 0 is allowed
+    ("memory_cap", "parse_args", ["--steps", "0"], "--steps: got 0; expected a positive integer"),
     ("swap_vs_recompute", "main", ["--config", "missing.yaml"], "--config: invalid swapkit config"),
     ("host_pool", "main", ["--config", "missing.yaml"], "config file not found: missing.yaml"),
 ]
@@ -257,3 +259,33 @@ def test_memory_cap_runs_on_a_gpu(tmp_path):
     data = json.loads((tmp_path / "memory_cap.json").read_text())
     assert len(data["variants"]) == 5 and data["cap"]["need_bytes"] > 0
     assert (tmp_path / "memory_cap.md").stat().st_size > 0
+
+
+def test_host_pool_records_the_load_average_before_and_after_measuring(tmp_path, monkeypatch, swapkit_log_level):
+    """It read the load average once, after measuring, and reported it as 'at start' ('at end: —')."""
+    host_pool = bench_module("host_pool")
+    clock = iter(range(1, 100))
+    monkeypatch.setattr(os, "getloadavg", lambda: (float(next(clock)),) * 3)
+    measured_at = []
+    compare = host_pool.compare
+    monkeypatch.setattr(host_pool, "compare", lambda *a: measured_at.append(os.getloadavg()[0]) or compare(*a))
+    assert host_pool.main(["--quick", "--steps", "1", "--out", str(tmp_path)]) == 0
+    env = json.loads((tmp_path / "host_pool.json").read_text())["env"]
+    assert env["load_average_at_start"][0] < min(measured_at) <= max(measured_at) < env["load_average_at_end"][0]
+    assert "at end —" not in (tmp_path / "host_pool.md").read_text()
+
+
+def test_planner_frontier_reports_the_load_average_as_the_other_benchmarks_do():
+    """It printed the raw tuples: 'load average at start (2.25634765625, 1.884765625, 1.4521484375)'."""
+    env = {"cpu": "cpu", "cpu_count": 2, "torch_threads": 1, "torch": "2.x", "model": {}, "batch": 2, "reps": 1,
+           "warmup": 1, "load_start": (0.25634765625, 1.884765625, 1.4521484375), "load_end": (0.5, 0.5, 0.5)}
+    text = bench_module("planner_frontier").markdown({"env": env, "links": []})
+    assert "load average (1/5/15 min) at start 0.26/1.88/1.45, at end 0.50/0.50/0.50;" in text
+
+
+@pytest.mark.parametrize("fraction, verdict", [(0.5, "this is a favourable but not free link"),
+                                               (1.0, "this link is about as slow as that"),
+                                               (4.0, "this link is slower than that")])
+def test_the_sweep_describes_the_link_the_fraction_gives(fraction, verdict):
+    """--link-fraction 1 or 4 was still called 'a favourable but not free link' (the default 0.5's words)."""
+    assert bench_module("sweep").link_verdict(fraction) == verdict

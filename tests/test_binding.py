@@ -62,6 +62,34 @@ def test_an_empty_layers_path_names_the_model_itself_never_an_auto_detected_cont
     session.remove()
 
 
+class EmptyLayers(nn.Module):
+    """A model whose layer container holds no blocks (a factory that built none)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, 4)
+        self.layers = nn.ModuleList()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.embed(x)
+
+
+@pytest.mark.parametrize("sections", [{}, {"swap_config": {"swap": True}}, {"recompute_config": {"recompute": True}}])
+def test_an_empty_layer_container_is_an_error_not_a_plan_of_zero_layers(sections):
+    """Counted from the model, 0 layers gave a session that swapped and recomputed nothing, silently
+    (Note [An empty layer container])."""
+    with pytest.raises(BindError, match=r"EmptyLayers\.layers holds no layers, so nothing could be swapped or "
+                                        r"recomputed; name the container that holds the model's layers"):
+        swapkit.apply(EmptyLayers(), sections, layers="layers")
+
+
+def test_auto_detection_that_finds_only_an_empty_container_says_so():
+    """It said only 'found no ... of repeated layers; pass layers=...', and layers='layers' then gave 0 layers."""
+    with pytest.raises(BindError, match=r"repeated layers in EmptyLayers \(layers is empty: a model built with no "
+                                        r"layers has nothing to swap or recompute\); pass layers="):
+        swapkit.apply(EmptyLayers(), {})
+
+
 class TitanStyle(nn.Module):
     """torchtitan's models keep their layers in an ``nn.ModuleDict`` keyed by layer id, so that a
     pipeline split (which deletes keys) keeps every parameter's name."""

@@ -40,7 +40,7 @@ def test_a_config_error_in_a_rank_is_one_message_with_exit_2(saved, tmp_path, ca
     code, _ = run_cli("pp2.yaml", tmp_path, "seed", "--steps", "3", *resume_args(folder, "train.seed=1"))
     err = capsys.readouterr().err
     assert code == 2, err
-    assert "train.seed: 0 -> 1 (changed since step_0000002.pt was saved)" in err
+    assert "train.seed (from --set train.seed=1): 0 -> 1 (changed since step_0000002.pt was saved)" in err
     assert "Traceback" not in err
 
 
@@ -90,7 +90,7 @@ def test_ranks_without_a_checkpoint_beside_ranks_with_one_fail_before_training(s
     code, _ = run_cli("pp2.yaml", tmp_path, "missing", "--steps", "3", *resume_args(folder))
     err = capsys.readouterr().err
     assert code == 2, err
-    assert "train.resume: no checkpoint step that every rank saved" in err
+    assert "train.resume (from --set train.resume=true): no checkpoint step that every rank saved" in err
     assert "rank 1: none" in err and "Traceback" not in err
 
 
@@ -110,8 +110,10 @@ def test_a_changed_micro_batch_num_is_refused_like_gradient_accumulation(saved, 
         assert losses(metrics)[:2] == losses(saved[1])
         return
     assert code == 2, err
-    assert f"{change} (changed since step_0000002.pt was saved)" in err
-    assert "parallel_config" in err.split(" - train.resume: ", 1)[1].split("\n", 1)[0] and "Traceback" not in err
+    key, values = change.split(": ", 1)  # the change came from the command line: the problem names the --set
+    assert f"{key} (from --set {sets[0]}): {values} (changed since step_0000002.pt was saved)" in err
+    resume_line = err.split(" - train.resume (from --set train.resume=true): ", 1)[1].split("\n", 1)[0]
+    assert "parallel_config" in resume_line and "Traceback" not in err
 
 
 def test_one_process_ignores_micro_batch_num_on_resume(tmp_path):
@@ -243,8 +245,10 @@ def test_bf16_autocast_runs_in_the_pipeline_as_in_one_process(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--metrics-out", "{tmp}/missing/m.json"], "--metrics-out: got {tmp}/missing/m.json; its folder {tmp}/missing "
                                                 "does not exist"),
-    (["--set", "train.save_dir={tmp}/file"], "train.save_dir: got {tmp}/file, which is a file"),
-    (["--set", "runtime.engine=cuda"], "runtime.engine: got 'cuda' but the model trains on cpu"),
+    (["--set", "train.save_dir={tmp}/file"], "train.save_dir (from --set train.save_dir={tmp}/file): got {tmp}/file, "
+                                             "which is a file"),
+    (["--set", "runtime.engine=cuda"], "runtime.engine (from --set runtime.engine=cuda): got 'cuda' but the model "
+                                       "trains on cpu"),
     (["--set", "model.model_config.vocab_size=1048576", "--set", "model.model_config.hidden_size=65536"],
      "needs about 3594.6 GiB; cpu has"),
 ])

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
+import swapkit
 from swapkit.runtime.overrides import FROZEN, NO_GRAD, NOT_ENTERED, OTHER_HOOKS
 from torch import nn
 
@@ -214,3 +215,23 @@ def test_a_swap_that_frees_memory_is_not_warned(caplog):
     caplog.set_level(logging.WARNING, logger="swapkit")
     run(model, session, steps=3)
     assert session.stats.released_bytes > 0 and idle_warnings(caplog) == []
+
+
+def test_a_too_long_default_prefetch_is_named_as_written(caplog):
+    """Under the default strategy the distance is swap_config.default_prefetch: the warning said to lower
+    backward_prefetch, a key the config does not have."""
+    from tests.toys import llama, llama_batch, llama_step
+
+    model = llama()
+    config = {"model": {"model_config": {"num_layers": len(model.layers)}},
+              "swap_config": {"swap": True, "default_prefetch": 10_000}, "runtime": {"min_offload_bytes": 0}}
+    session = swapkit.apply(model, config)
+    caplog.set_level(logging.WARNING, logger="swapkit")
+    for _ in range(2):
+        with session:
+            llama_step(model, llama_batch())
+    session.remove()
+    (message,) = idle_warnings(caplog)
+    assert "saved in the forward's last swap_config.default_prefetch ticks" in message
+    assert "swap_config.default_prefetch counts saved tensors, not layers); lower swap_config.default_prefetch " \
+           "well below" in message and "backward_prefetch" not in message.replace("default_prefetch", "")

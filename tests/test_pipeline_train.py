@@ -95,7 +95,8 @@ def test_a_failing_rank_stops_every_rank_with_its_error(pp2, tmp_path, capsys):
                       "--set", "train.resume=true")
     err = capsys.readouterr().err
     assert code == 2, err  # no valid checkpoint: a config problem, as in one process (it was exit 1, a traceback)
-    assert "train.resume: no checkpoint step that every rank saved and can load in" in err
+    assert ("train.resume (from --set train.resume=true): no checkpoint step that every rank saved and can load "
+            "in") in err
     assert "not valid: rank001/step_0000002.pt (UnpicklingError" in err
     assert "Traceback" not in err
 
@@ -117,13 +118,16 @@ def test_pp2_dp2_fsdp2_losses_match_single_process(tmp_path):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["train.gradient_accumulation_steps=2"], "train.gradient_accumulation_steps: got 2"),
+    (["train.gradient_accumulation_steps=2"],
+     "train.gradient_accumulation_steps (from --set train.gradient_accumulation_steps=2): got 2"),
     (["parallel_config.pipeline_schedule=gpipe", "model.model_config.pp_interleave_num=2",
       "model.model_config.offset=0", "model.model_config.num_layers=8"], "use interleaved_1f1b"),
-    (["parallel_config.micro_batch_num=3"], "parallel_config.micro_batch_num: got 3; expected a multiple of "
-                                            "pipeline_stage (2); set it to 2 or 4"),
-    (["parallel_config.micro_batch_num=1"], "parallel_config.micro_batch_num: got 1; expected a multiple of "
-                                            "pipeline_stage (2); set it to 2"),
+    (["parallel_config.micro_batch_num=3"], "parallel_config.micro_batch_num (from --set parallel_config."
+                                            "micro_batch_num=3): got 3; expected a multiple of pipeline_stage (2); "
+                                            "set it to 2 or 4"),
+    (["parallel_config.micro_batch_num=1"], "parallel_config.micro_batch_num (from --set parallel_config."
+                                            "micro_batch_num=1): got 1; expected a multiple of pipeline_stage (2); "
+                                            "set it to 2"),
 ])
 def test_bad_parallel_settings_fail_before_any_rank_starts(overrides, message, capsys):
     sets = [arg for value in overrides for arg in ("--set", value)]

@@ -85,6 +85,28 @@ def test_bad_model_specs_are_usage_errors(capsys, tmp_path, spec, message):
     assert "Traceback" not in err and message in err
 
 
+@needs_hf
+@pytest.mark.parametrize("values, message", [
+    ({"hidden_size": "big"}, "transformers refuses this config.json: StrictDataclassFieldValidationError: "
+                             "Validation error for field 'hidden_size'"),
+    ({"hidden_size": 30}, "transformers refuses this config.json: StrictDataclassClassValidationError: "),
+    ({"model_type": "gpt2", "n_embd": 30, "n_head": 4, "n_layer": 2, "vocab_size": 64},
+     "transformers cannot build a model from this config: ValueError: `embed_dim` must be divisible by num_heads"),
+])
+@pytest.mark.parametrize("budget", [[], ["--budget", "1MiB"]], ids=["plan", "budget"])
+def test_a_config_json_transformers_refuses_is_a_usage_error_naming_the_file(capsys, tmp_path, values, message,
+                                                                             budget):
+    """Its values failed inside transformers: exit 1, 'failed: StrictDataclassFieldValidationError', no file."""
+    path = tmp_path / "config.json"
+    llama = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "vocab_size": 64}
+    path.write_text(json.dumps(values if "model_type" in values else {**llama, **values}))
+    status, _, err = plan_json(capsys, tmp_path, "--model", f"hf:{path}", *budget)
+    assert status == 2, err
+    assert f"invalid swapkit command line (1 problem):\n  - --model: hf:{path}: {message}" in err
+    assert err.rstrip().endswith("; correct that value in the config") and "Traceback" not in err
+
+
 def test_a_factory_in_the_current_folder_imports_as_with_python_m(capsys, tmp_path, monkeypatch):
     (tmp_path / "my_models.py").write_text("from tests.user_models import TinyGPT\n\ndef make():\n"
                                            "    return TinyGPT()\n")

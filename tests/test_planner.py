@@ -176,7 +176,8 @@ def test_sizes_per_stage_without_a_pipeline_say_so(config_file, capsys):
 def test_cuda_engine_on_cpu_is_a_config_error_as_in_train(config_file, capsys, command):
     argv = [command, str(config_file), "--budget", "1MiB", "--set", "runtime.engine=cuda"]
     assert main(argv) == 2
-    assert "runtime.engine: got 'cuda' but the model trains on cpu; set runtime.engine: auto" in capsys.readouterr().err
+    assert ("invalid swapkit command line (1 problem):\n  - runtime.engine (from --set runtime.engine=cuda): got "
+            "'cuda' but the model trains on cpu; set runtime.engine: auto") in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv", [["--budget", "lots"], ["--budget", "0"], ["--out", "x.yaml"]])
@@ -213,6 +214,32 @@ def test_train_budget_checks_steps_before_measuring(config_file, capsys, monkeyp
     assert "--steps: got 0; expected an integer >= 1" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["plan", "--budget", "1MiB", "--layers", "model.layers"],
+     "--layers: got 'model.layers'; the built-in model keeps its layers in 'layers': drop --layers, or add --model"),
+    (["plan", "--budget", "1MiB", "--file-layers"],
+     "model.model_config.layers_path: got 'blocks'; the built-in model keeps its layers in 'layers'"),
+    (["train", "--budget", "1MiB", "--file-layers"], "model.model_config.layers_path: got 'blocks'"),
+    (["train", "--steps", "1", "--file-layers"], "model.model_config.layers_path: got 'blocks'"),
+])
+def test_a_layer_path_the_built_in_model_lacks_is_refused_before_measuring(tmp_path, capsys, monkeypatch, argv,
+                                                                           message):
+    """The built-in model's runs bound 'layers' whatever --layers or layers_path said: a misspelt path
+    trained silently (Note [Layer paths of the built-in model])."""
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("measured before checking the layer path")
+
+    monkeypatch.setattr("swapkit.planner.command.measure", no_measuring)
+    layers_path = {"layers_path": "blocks"} if "--file-layers" in argv else {}
+    config = {**CONFIG, "model": {"model_config": {**CONFIG["model"]["model_config"], **layers_path}}}
+    path = tmp_path / "model.yaml"
+    path.write_text(yaml.safe_dump(config), encoding="utf-8")
+    command, *rest = [arg for arg in argv if arg != "--file-layers"]
+    assert main([command, str(path), *rest]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
 @pytest.mark.parametrize("command, flag", [("plan", "--out"), ("train", "--metrics-out")])
 def test_unwritable_output_is_refused_before_measuring(config_file, tmp_path, capsys, monkeypatch, command, flag):
     def no_measuring(*args, **kwargs):
@@ -223,6 +250,15 @@ def test_unwritable_output_is_refused_before_measuring(config_file, tmp_path, ca
     assert main([command, str(config_file), "--budget", "1MiB", flag, str(out)]) == 2
     err = capsys.readouterr().err
     assert f"{flag}: got {out}; its folder {out.parent} does not exist" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("command, flag, example", [("plan", "--out", "planned.yaml"),
+                                                    ("train", "--metrics-out", "metrics.json")])
+def test_an_output_that_is_a_folder_suggests_a_file_of_its_kind(config_file, tmp_path, capsys, command, flag, example):
+    """plan --budget --out DIR suggested DIR/metrics.json for the planned YAML."""
+    assert main([command, str(config_file), "--budget", "1MiB", flag, str(tmp_path)]) == 2
+    assert f"{flag}: got {tmp_path}, which is a directory; expected a file path such as {tmp_path / example}" in \
+        capsys.readouterr().err
 
 
 @pytest.mark.parametrize("command, flag", [("plan", "--out"), ("train", "--metrics-out")])
@@ -367,3 +403,47 @@ def test_select_recompute_of_an_op_scope_is_measured_and_predicted(measured, pla
     assert result.summary is not None
     for step in steady(result):
         assert abs(step["peak_device_bytes"] - predicted) <= 0.05 * predicted
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"steps": 0}, r"measure\(steps=0\): expected a whole number >= 1"),
+    ({"warmup": -1}, r"measure\(warmup=-1\): expected a whole number >= 0"),
+    ({"device": "gpu"}, r"measure\(device='gpu'\): expected 'cpu', 'cuda' or None"),
+])
+def test_bad_measure_arguments_are_clear_errors_before_anything_runs(kwargs, message):
+    """steps=0 ran every mode and failed with 'StatisticsError: no median for empty data'; device='gpu'
+    with torch's own device-string error."""
+    with pytest.raises(ValueError, match=message):
+        measure(load_config(CONFIG), **kwargs)
+
+
+def test_measure_takes_the_config_forms_apply_takes():
+    """A dict in the YAML layout failed with "AttributeError: 'dict' object has no attribute 'parallel'"."""
+    measured = measure(CONFIG, steps=1, warmup=0, select=False)
+    assert measured.trace.num_layers == 3
+
+
+@pytest.mark.parametrize("budget", [0, -1, 1.5, "1MiB", None, True])
+def test_plan_budget_refuses_a_budget_that_is_not_a_byte_count(planner, budget):
+    """0, -1 and 1.5 were 'cannot be met' BudgetErrors; '1MiB' and None failed comparing int and str."""
+    with pytest.raises(ValueError, match=r"budget: got .*; expected a whole number of bytes >= 1 "
+                                         r"\(swapkit\.plan\.size\.parse_size reads a size such as '64MiB'\)"):
+        plan_budget(planner, budget)
+
+
+@pytest.mark.parametrize("count", [2, 4])
+def test_predict_refuses_a_choice_count_other_than_the_layer_count(planner, count):
+    """Too few choices failed with an IndexError; too many were predicted with the extras ignored."""
+    with pytest.raises(ValueError, match=f"predict: got {count} choices for a model of 3 layers"):
+        planner.predict((KEEP,) * count)
+
+
+def test_the_report_stays_aligned_when_a_decision_is_longer_than_its_column(planner):
+    """A swap of four scopes (51 characters) pushed its row's numbers out of their columns."""
+    from swapkit.plan.emit import table
+
+    figures = {"saved_bytes": 2**20, "swapped_bytes": 2**19, "forward_seconds": 1e-3, "predicted_cost_seconds": 0.0}
+    rows = [{"layer": 0, "decision": "keep", **figures},
+            {"layer": 1, "decision": "swap attention.wq, attention_norm, feed_forward, ffn_norm k=8", **figures}]
+    head, *cells = table(rows, plan_budget(planner, 1 << 40)).splitlines()[:3]
+    assert len({len(head), *map(len, cells)}) == 1  # every column right-aligned at the same place

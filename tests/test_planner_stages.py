@@ -142,6 +142,16 @@ def test_cli_exit_2_below_the_minimum_and_bad_budget_lists(tmp_path, capsys):
     assert "one size for every stage or one per stage" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("text", ["1MiB,", "1MiB,,2MiB", ",1MiB"])
+def test_an_empty_size_in_a_budget_list_names_the_whole_list(tmp_path, capsys, text):
+    """'--budget 1MiB,' said only "--budget: got ''; expected a size such as 64MiB"."""
+    path = tmp_path / "pp.yaml"
+    path.write_text(yaml.safe_dump(stage_config("1f1b")), encoding="utf-8")
+    assert main(["plan", str(path), "--budget", text]) == 2
+    assert (f"--budget: got {text!r}, with an empty size between its commas; give one size for every stage (200MiB) "
+            "or one per stage (200MiB,150MiB)") in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------------- the replay alone (pure)
 
 def _step(saves: int = 4, nbytes: int = 4096):

@@ -130,6 +130,20 @@ def test_bad_config_exits_2(tmp_path, capsys, text, args, message):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("override, message", [
+    ("runtime.engine=cuda", "runtime.engine (from --set runtime.engine=cuda): got 'cuda' but the model trains on cpu"),
+    ("train.resume=true", "train.resume (from --set train.resume=true): is true but train.save_dir is not set"),
+])
+def test_a_problem_found_after_loading_names_the_set_that_wrote_it(tmp_path, capsys, override, message):
+    """Checks made after the loader's (engine against device, resume against save_dir) blamed the file
+    for what --set wrote (swapkit.config.loader Note [Blame the command line])."""
+    good = tmp_path / "good.yaml"
+    good.write_text("model:\n  model_config:\n    num_layers: 2\n")
+    assert cli.main(["train", str(good), "--no-progress", "--steps", "1", "--set", override]) == 2
+    err = capsys.readouterr().err
+    assert "invalid swapkit command line (1 problem)" in err and message in err
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown when CUDA is missing")
 def test_cuda_without_cuda_exits_2_with_a_clear_message():
     done = run_cli("train", TINY, "--device", "cuda", "--steps", 1, "--no-progress")

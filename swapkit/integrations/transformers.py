@@ -28,6 +28,7 @@ from torch import nn
 from transformers import CONFIG_MAPPING, AutoConfig, AutoModel, AutoModelForCausalLM, TrainerCallback
 
 import swapkit
+from swapkit.config.errors import clip
 from swapkit.config.types import Config
 from swapkit.runtime.session import SwapSession
 
@@ -139,8 +140,11 @@ def meta_model(spec: str) -> nn.Module:
         model_config = _config_from_file(path / "config.json" if path.is_dir() else path)
     else:
         model_config = _config_for_type(spec)
-    with torch.device("meta"):
-        return AutoModel.from_config(model_config)
+    try:
+        with torch.device("meta"):
+            return AutoModel.from_config(model_config)
+    except Exception as err:  # noqa: BLE001 - transformers checks sizes (heads dividing hidden) as it builds
+        raise _refused(spec, "cannot build a model from this config", err) from None
 
 
 def random_model(spec: str, seed: int = 0) -> nn.Module:
@@ -188,4 +192,13 @@ def _config_from_file(path: Path) -> Any:
         raise ValueError(f"--model hf:{path}: cannot read a config.json ({err})") from None
     if not isinstance(values, dict) or "model_type" not in values:
         raise ValueError(f"--model hf:{path}: a transformers config.json needs a model_type key")
-    return AutoConfig.for_model(values.pop("model_type"), **values)
+    try:
+        return AutoConfig.for_model(values.pop("model_type"), **values)
+    except Exception as err:  # noqa: BLE001 - transformers validates the file's values with several error types
+        raise _refused(str(path), "refuses this config.json", err) from None
+
+
+def _refused(spec: str, what: str, err: Exception) -> ValueError:
+    """A transformers error about the user's config as a ``--model`` problem (exit 2, not a failed run)."""
+    return ValueError(f"--model hf:{spec}: transformers {what}: {type(err).__name__}: "
+                      f"{clip(' '.join(str(err).split()), 300)}; correct that value in the config")

@@ -86,20 +86,30 @@ def _layer_bytes(trace: Trace, layer: int, choice: Choice, min_offload_bytes: in
     return saved, swapped
 
 
-TABLE_HEAD = (f"{'layer':<6} {'decision':<46} {'saved MiB':>9} {'swapped MiB':>11} {'forward ms':>10} "
-              f"{'predicted cost ms':>17}")
+DECISION_WIDTH = 46  # the decision column's least width; a longer decision widens it for every row
 
 
-def row_cells(row: dict[str, Any]) -> str:
-    """One layer's row of the report (aligned under :data:`TABLE_HEAD`)."""
-    return (f"{row['layer']:<6} {row['decision']:<46} {row['saved_bytes'] / 2**20:>9.3f} "
+def table_head(rows: list[dict[str, Any]]) -> str:
+    """The report's header, its decision column as wide as the longest decision of ``rows``."""
+    return (f"{'layer':<6} {'decision':<{decision_width(rows)}} {'saved MiB':>9} {'swapped MiB':>11} "
+            f"{'forward ms':>10} {'predicted cost ms':>17}")
+
+
+def decision_width(rows: list[dict[str, Any]]) -> int:
+    return max([DECISION_WIDTH] + [len(row["decision"]) for row in rows])
+
+
+def row_cells(row: dict[str, Any], width: int = DECISION_WIDTH) -> str:
+    """One layer's row of the report (aligned under :func:`table_head` of rows whose decisions fit ``width``)."""
+    return (f"{row['layer']:<6} {row['decision']:<{width}} {row['saved_bytes'] / 2**20:>9.3f} "
             f"{row['swapped_bytes'] / 2**20:>11.3f} {row['forward_seconds'] * 1e3:>10.2f} "
             f"{row['predicted_cost_seconds'] * 1e3:>17.2f}")
 
 
 def table(rows: list[dict[str, Any]], planned: Planned) -> str:
     """The per-layer report and the predicted totals, as text."""
-    lines = [TABLE_HEAD] + [row_cells(row) for row in rows]
+    width = decision_width(rows)  # a swap of several scopes is longer than the default column
+    lines = [table_head(rows)] + [row_cells(row, width) for row in rows]
     p, b = planned.predicted, planned.baseline
     lines.append(f"predicted: peak_device_bytes {p.peak_device_bytes} (keep all: {b.peak_device_bytes}), "
                  f"step {p.step_seconds * 1e3:.1f} ms (keep all: {b.step_seconds * 1e3:.1f} ms), "

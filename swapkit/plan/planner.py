@@ -122,6 +122,9 @@ class Planner:
         """The prediction for one choice per layer."""
         found = self._cache.get(choices)
         if found is None:
+            if len(choices) != self.trace.num_layers:  # zip-like code would drop or miss layers silently
+                raise ValueError(f"predict: got {len(choices)} choices for a model of {self.trace.num_layers} "
+                                 "layers; give one Choice per layer (KEEP, RECOMPUTE or a Choice('swap', ...))")
             modes = tuple(c.mode for c in choices)
             step = self._steps.get(modes)
             if step is None:
@@ -179,7 +182,11 @@ def plan_budget(planner: Planner, budget: int, margin: float = 0.02) -> Planned:
 
     Raises:
         BudgetError: no plan the search finds reaches the budget.
+        ValueError: ``budget`` is not a whole number of bytes >= 1.
     """
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+        raise ValueError(f"budget: got {budget!r}; expected a whole number of bytes >= 1 "
+                         "(swapkit.plan.size.parse_size reads a size such as '64MiB')")
     keep = tuple(KEEP for _ in range(planner.trace.num_layers))
     baseline = planner.predict(keep)
     if baseline.peak_device_bytes <= budget:

@@ -28,6 +28,8 @@ from swapkit.plan.planner import Planned
 from swapkit.plan.size import parse_size
 from swapkit.planner.run import measure, plan_for_budget
 from swapkit.planner.sources import source_from_spec
+from swapkit.train.files import raise_problems
+from swapkit.train.loop import builtin_layers_problems
 from swapkit.train.summary import human_bytes
 
 logger = logging.getLogger(__name__)
@@ -59,6 +61,8 @@ def budget_plan(path: str, overrides: Sequence[str], budget_text: str, device: s
         BudgetError: the budget (a stage's: ``StageBudgetError``) is below the smallest reachable peak.
     """
     config = load_config(path, overrides)
+    if model is None:  # the built-in model: Note [Layer paths of the built-in model]
+        raise_problems(builtin_layers_problems(config, layers), config.source)
     problems = Problems()
     raw = apply_overrides(read_yaml_file(Path(path)), overrides, problems)
     if config.parallel.pipeline_stage > 1 and model is None:  # one plan per stage (swapkit.planner.stages)

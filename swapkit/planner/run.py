@@ -8,9 +8,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
 
 import torch
 
+from swapkit.api import as_config
 from swapkit.config.errors import ConfigError, Problem
 from swapkit.config.types import Config
 from swapkit.engine import make_engine
@@ -55,8 +58,8 @@ class Measured:
     device: str
 
 
-def measure(config: Config, device: str | None = None, steps: int = 3, warmup: int = 1,
-            model: ModelSource | None = None, select: bool = True) -> Measured:
+def measure(config: Config | Mapping[str, Any] | str | Path, device: str | None = None, steps: int = 3,
+            warmup: int = 1, model: ModelSource | None = None, select: bool = True) -> Measured:
     """Measure ``steps`` training steps (after ``warmup``) of the configured built-in model, or of
     ``model``, kept and fully recomputed (``swapkit.planner.measure.Note [Measuring in two modes]``),
     the link, and a swap probe; with ``select`` also the two children of a layer that own the most
@@ -65,11 +68,17 @@ def measure(config: Config, device: str | None = None, steps: int = 3, warmup: i
     With ``gradient_accumulation_steps`` above 1 each measured step is one micro-batch (each is its
     own swap step, so the peak is per micro-batch) and the predicted step time counts every one.
 
+    Args:
+        config: a ``Config``, or what :func:`swapkit.load_config` takes (a dict in the YAML layout, a path).
+
     Raises:
         ConfigError: ``parallel_config.pipeline_stage`` is not 1, the device is unavailable or does not
             suit ``runtime.engine``, or the runs cannot fit in its memory (``swapkit.train.budget``
             Note [Memory estimate]).
+        ValueError: ``steps`` below 1, ``warmup`` below 0, or a ``device`` other than cpu or cuda.
     """
+    config = as_config(config)
+    _check_arguments(device, steps, warmup)
     _check_single_stage(config)
     where = resolve_device(config, device)
     raise_problems(engine_problems(config, where), config.source)  # as swapkit train: exit 2, not a failed run
@@ -93,6 +102,15 @@ def measure(config: Config, device: str | None = None, steps: int = 3, warmup: i
                                                                      config.runtime.min_offload_bytes))
     useful = [useful_scopes(trace, i, scopes[i], config.runtime.min_offload_bytes) for i in range(len(scopes))]
     return Measured(trace, links, useful, str(where))
+
+
+def _check_arguments(device: str | None, steps: int, warmup: int) -> None:
+    """:func:`measure`'s own arguments (``steps=0`` measured nothing and failed taking a median of nothing)."""
+    if device not in (None, "cpu", "cuda"):
+        raise ValueError(f"measure(device={device!r}): expected 'cpu', 'cuda' or None (train.device)")
+    for name, value, least in (("steps", steps, 1), ("warmup", warmup, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"measure({name}={value!r}): expected a whole number >= {least}")
 
 
 def _check_single_stage(config: Config) -> None:

@@ -36,7 +36,7 @@ def source_from_spec(spec: str, config: Config, layers: str | None) -> ModelSour
 
         meta = meta_random_model(spec[len("hf:"):])
     except (ImportError, ValueError) as err:
-        raise ConfigError([Problem("--model", str(err))]) from None
+        raise ConfigError([Problem("--model", str(err).removeprefix("--model "))]) from None
     vocab = int(getattr(meta.config, "vocab_size", 0) or 0)
     if vocab < 2:
         raise ConfigError([Problem("--model", f"{spec}: the planner feeds random token ids and needs a vocab_size")])

@@ -18,7 +18,7 @@ from torch import nn
 from swapkit.config.errors import ConfigError, Problem
 from swapkit.config.types import Config, MindFormersRecompute, ParallelConfig, SwapConfig
 from swapkit.distributed.pipeline import build_stage_chunks, micro_batches
-from swapkit.plan.emit import TABLE_HEAD, layer_rows, planned_config, planned_sections, row_cells
+from swapkit.plan.emit import decision_width, layer_rows, planned_config, planned_sections, row_cells, table_head
 from swapkit.plan.plan import build_plan
 from swapkit.plan.planner import BudgetError, Choice, Planned, plan_budget
 from swapkit.plan.size import parse_size
@@ -47,6 +47,9 @@ def stage_budgets(text: str, stages: int) -> list[int]:
         ConfigError: a bad size, or a count other than 1 or ``stages``.
     """
     parts = [part.strip() for part in str(text).split(",")]
+    if len(parts) > 1 and not all(parts):  # parse_size('') said only "got ''"
+        raise ConfigError([Problem("--budget", f"got {text!r}, with an empty size between its commas; give one size "
+                                               "for every stage (200MiB) or one per stage (200MiB,150MiB)")])
     sizes = [parse_size(part) for part in parts]
     if len(sizes) not in (1, stages):
         raise ConfigError([Problem("--budget", f"got {len(sizes)} sizes ({text!r}) for parallel_config.pipeline_stage:"
@@ -188,7 +191,8 @@ def stage_rows(stages: list[StagePlanned], min_offload_bytes: int) -> list[dict[
 
 def stage_table(rows: list[dict[str, Any]], stages: list[StagePlanned]) -> str:
     """The per-layer report with the stage, and each stage's predicted totals, as text."""
-    lines = [f"{'stage':<6} {TABLE_HEAD}"] + [f"{row['stage']:<6} {row_cells(row)}" for row in rows]
+    width = decision_width(rows)
+    lines = [f"{'stage':<6} {table_head(rows)}"] + [f"{row['stage']:<6} {row_cells(row, width)}" for row in rows]
     for one in stages:
         p, b = one.planned.predicted, one.planned.baseline
         lines.append(f"stage {one.stage} predicted: peak_device_bytes {p.peak_device_bytes} (budget {one.budget}, "

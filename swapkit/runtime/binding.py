@@ -202,9 +202,19 @@ def find_layers(model: nn.Module, path: str | None) -> tuple[str, nn.Module]:
         return candidates[0][0], as_list(candidates[0][1])
     if not candidates:
         raise BindError(f"found no nn.ModuleList, nn.Sequential or nn.ModuleDict of repeated layers in "
-                        f"{type(model).__name__}; pass "
+                        f"{type(model).__name__}{_empty_containers(model)}; pass "
                         "layers='path.to.layers' (or set model.model_config.layers_path)")
     raise BindError(_several_containers(type(model).__name__, candidates))
+
+
+def _empty_containers(model: nn.Module) -> str:
+    """``' (model.layers is empty: ...)'`` when the model has empty containers: why none was found
+    (a transformers config with num_hidden_layers: 0), runtime.resolve Note [An empty layer container]."""
+    empty = [name for name, module in model.named_modules() if name and isinstance(module, CONTAINERS) and not module]
+    if not empty:
+        return ""
+    return (f" ({', '.join(empty[:4])} {'is' if len(empty) == 1 else 'are'} empty: a model built with no layers "
+            "has nothing to swap or recompute)")
 
 
 def _check_not_hybrid(model: nn.Module, name: str, found: nn.Module) -> None:

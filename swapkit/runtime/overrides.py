@@ -26,7 +26,7 @@ every entry. A layer swap around an HF-checkpointed layer is caught the same way
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Callable
 
 import torch
@@ -88,9 +88,11 @@ def unused_message(layer: int, path: str, cause: str | None, step: int) -> str:
 # reported in step 2. Offloaded storages whose copy had not finished when backward began (the thread
 # engine behind on a loaded CPU) are not this case: their swap was configured right. A pipeline stage's
 # session checks its micro-steps added up, when its ``with`` block (the optimizer step) ends.
+# Under MindFormers' default strategy the distance is written as ``swap_config.default_prefetch``, so the
+# tail reason names that key: the user wrote no backward_prefetch.
 IDLE_REASONS = {
-    "tail": ("saved in the forward's last backward_prefetch ticks, which stay on the device (the step saved "
-             "{ticks} tensors: backward_prefetch counts saved tensors, not layers); lower backward_prefetch "
+    "tail": ("saved in the forward's last {prefetch_key} ticks, which stay on the device (the step saved "
+             "{ticks} tensors: {prefetch_key} counts saved tensors, not layers); lower {prefetch_key} "
              "well below {ticks}"),
     "small": "smaller than runtime.min_offload_bytes ({min_offload_bytes} bytes); lower it",
     "host_cap": "refused by runtime.max_host_bytes ({max_host_bytes} bytes); raise it",
@@ -98,14 +100,24 @@ IDLE_REASONS = {
 }
 
 
-def idle_message(step: int, ticks: int, offloaded: int, skipped: Mapping[str, int], runtime: Any) -> str | None:
-    """The warning for a step whose swaps freed nothing (Note [Swaps that move nothing]), or ``None``."""
+def idle_message(step: int, ticks: int, offloaded: int, skipped: Mapping[str, int], runtime: Any,
+                 prefetch_key: str = "backward_prefetch") -> str | None:
+    """The warning for a step whose swaps freed nothing (Note [Swaps that move nothing]), or ``None``;
+    ``prefetch_key``: the key that sets the distance (:func:`distance_key`)."""
     kept = {reason: n for reason, n in skipped.items() if reason in IDLE_REASONS and n}
     if offloaded or not kept:
         return None
-    values = {"ticks": ticks, "min_offload_bytes": runtime.min_offload_bytes, "max_host_bytes": runtime.max_host_bytes}
+    values = {"ticks": ticks, "min_offload_bytes": runtime.min_offload_bytes, "max_host_bytes": runtime.max_host_bytes,
+              "prefetch_key": prefetch_key}
     total = sum(kept.values())
     reasons = "; ".join(f"{n:,} bytes {IDLE_REASONS[reason].format(**values)}"  # the reasons that matter
                         for reason, n in sorted(kept.items(), key=lambda item: -item[1]) if n * 10 >= total)
     return (f"swapkit: swap moved nothing off the device in step {step}: its swap candidates were kept, {reasons} "
             "(Note [Swaps that move nothing])")
+
+
+def distance_key(origins: Iterable[Any]) -> str:
+    """``swap_config.default_prefetch`` when the plan's op swap is MindFormers' default strategy (a
+    defaulted op_swap origin, ``swapkit.plan.origins``), else ``backward_prefetch``."""
+    default = any(o.kind == "op_swap" and o.default is not None for o in origins)
+    return "swap_config.default_prefetch" if default else "backward_prefetch"

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from torch import nn
 
-from swapkit.config.errors import Problems
+from swapkit.config.errors import BindError, Problems
 from swapkit.config.swap_entries import check_swap_layers
 from swapkit.config.types import Config
 from swapkit.plan.plan import Plan, build_plan
@@ -35,17 +35,36 @@ def resolve_plan(model: nn.Module, config: Config, layers: str | Sequence[str] |
 
 
 def with_num_layers(model: nn.Module, config: Config, layers: str | Sequence[str] | None = None) -> Config:
-    """``config`` with ``num_layers`` counted from the model's layer containers when it is not written."""
+    """``config`` with ``num_layers`` counted from the model's layer containers when it is not written.
+
+    Raises:
+        BindError: no container is found, or the containers hold no layer (Note [An empty layer container]).
+        ConfigError: a swap entry names a layer the model lacks.
+    """
     if config.model.num_layers is not None:
         return config
     found = find_containers(model, layers, config.model.layers_path)
     count = sum(len(container) for _, container in found)
+    if count == 0:
+        raise BindError(_empty_message(type(model).__name__, [path for path, _ in found]))
     logger.info("model.model_config.num_layers not given: %s holds %d layers",
                 container_label(type(model).__name__, " + ".join(path for path, _ in found)), count)
     problems = Problems()
     check_swap_layers(config.swap, count, problems)
     problems.raise_if_any(config.source)
     return replace(config, model=replace(config.model, num_layers=count))
+
+
+# Note [An empty layer container]
+# A layer count written in the config is at least 1, and binding checks the container against it. A
+# count taken from the model is not checked by either: an empty container (a factory that built no
+# blocks, a transformers config with num_hidden_layers: 0, --layers naming the wrong, empty list)
+# gave a plan of 0 layers, so every recompute and swap setting silently did nothing. It is an error.
+def _empty_message(model_name: str, paths: list[str]) -> str:
+    where = " + ".join(container_label(model_name, path) for path in paths)
+    return (f"{where} holds no layers, so nothing could be swapped or recomputed; name the container that holds "
+            "the model's layers (layers= in swapkit.apply, --layers, or model.model_config.layers_path), or build "
+            "the model with at least one layer")
 
 
 def model_type(model: nn.Module) -> str | None:

@@ -58,7 +58,7 @@ from swapkit.plan.plan import Plan
 from swapkit.runtime.detach import unmark
 from swapkit.runtime.dynamo import out_of_dynamo
 from swapkit.runtime.kv_cache import swap_cache_warning
-from swapkit.runtime.overrides import FROZEN, entry_cause, idle_message, unused_message
+from swapkit.runtime.overrides import FROZEN, distance_key, entry_cause, idle_message, unused_message
 from swapkit.runtime.recipes import PackedInput, Recipe, tensor_leaves
 from swapkit.runtime.recompute import Recompute
 from swapkit.runtime.records import Saved, SwapRecord, is_plain, make_saved
@@ -312,7 +312,8 @@ class SwapSession:
     def _warn_idle(self, number: int, ticks: int, stats: SwapStats) -> None:
         """swapkit.runtime.overrides Note [Swaps that move nothing]: ``ticks`` saves in the forward (the
         longest micro-step's in a pipeline stage)."""
-        message = idle_message(number, ticks, stats.offloaded_bytes, stats.skipped, self.plan.runtime)
+        message = idle_message(number, ticks, stats.offloaded_bytes, stats.skipped, self.plan.runtime,
+                               distance_key(self.plan.origins))
         if message is not None:
             self._idle_reported = True
             logger.warning(message)

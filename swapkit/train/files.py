@@ -65,8 +65,9 @@ def check_output_file(path: Path, key: str, problems: list[Problem], config: str
                                      f"and its comments: write to another file, such as {clip(str(other), 200)}"))
         return
     if path.is_dir():
+        example = "planned.yaml" if key == "--out" else "metrics.json"  # --out: swapkit plan --budget's YAML
         problems.append(Problem(key, f"got {shown}, which is a directory; expected a file path such as "
-                                     f"{clip(str(path / 'metrics.json'), 200)}"))
+                                     f"{clip(str(path / example), 200)}"))
         return
     if path.exists() and not path.is_file():  # replacing /dev/null or a FIFO with a file would be a disaster
         problems.append(Problem(key, f"got {shown}, which is not a regular file (a device, FIFO or socket); "

@@ -125,6 +125,30 @@ def engine_problems(config: Config, device: torch.device) -> list[Problem]:
     return []
 
 
+# Note [Layer paths of the built-in model]
+# `swapkit train` and the budget planner (without --model) run the built-in model, whose layer
+# container is `layers`. They bound it by that name and ignored `model.model_config.layers_path` and
+# `swapkit plan --budget --layers`, so a misspelt path trained silently where plain `swapkit plan`
+# refuses it. A path other than the built-in model's container is now a problem there too.
+BUILTIN_LAYERS = "layers"
+
+
+def builtin_layers_problems(config: Config, layers: str | None = None) -> list[Problem]:
+    """A layer path written for the built-in model (config or ``--layers``) that is not its container.
+
+    Note [Layer paths of the built-in model]
+    """
+    problems = []
+    written = config.model.layers_path
+    if written is not None and written not in (BUILTIN_LAYERS, (BUILTIN_LAYERS,)):
+        problems.append(Problem("model.model_config.layers_path", f"got {show(written)}; the built-in model keeps its "
+                                f"layers in {BUILTIN_LAYERS!r}: write {BUILTIN_LAYERS} or leave the key out"))
+    if layers is not None and layers != BUILTIN_LAYERS:
+        problems.append(Problem("--layers", f"got {show(layers)}; the built-in model keeps its layers in "
+                                f"{BUILTIN_LAYERS!r}: drop --layers, or add --model for the model it names"))
+    return problems
+
+
 def preflight(config: Config, device: torch.device, metrics_out: str | Path | None, memory: bool = True) -> None:
     """Everything that can be checked before the first step: engine, memory, output paths (exit 2).
 
@@ -137,7 +161,7 @@ def preflight(config: Config, device: torch.device, metrics_out: str | Path | No
     Raises:
         ConfigError: every problem found.
     """
-    problems = engine_problems(config, device)
+    problems = engine_problems(config, device) + builtin_layers_problems(config)
     if metrics_out is not None:
         check_output_file(Path(metrics_out), "--metrics-out", problems, config.source)
     if config.train.save_dir:
@@ -160,7 +184,7 @@ def _start(config: Config, device: torch.device, total_steps: int, metrics_out: 
         resume(run)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    run.session = swapkit.apply(model, config, layers="layers")
+    run.session = swapkit.apply(model, config, layers=BUILTIN_LAYERS)
     return run
 
 
