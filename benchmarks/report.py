@@ -52,6 +52,31 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return lines + ["| " + " | ".join(row) + " |" for row in rows]
 
 
+#: Below this share of its wall time on a core, a one-thread baseline step was kept off the cores by others.
+ON_CORE_SHARE = 0.8
+
+
+def _off_core_warning(env: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
+    """Note [Contention the load average misses]
+    The load average is a one-minute mean: a short run that starts beside a busy process, or one that
+    just started, reads a low load while it shares the cores. With one torch thread on the CPU, the
+    baseline's step runs entirely on the measuring thread, so its main-thread CPU time is its wall time
+    on an uncontended core (0.95-1.0 measured on an idle 2-core machine) and falls well below that when
+    another process takes the core (0.6 beside two test runs whose load average had not yet passed
+    the core count). That share is read directly from the run, so it is the signal used when the load
+    average says nothing."""
+    base = next((r for r in rows if r["name"] == BASELINE), None)
+    if (env.get("torch_threads") != 1 or str(env.get("device", "cpu")) != "cpu" or base is None
+            or not base.get("step_time_median_s") or base.get("main_thread_cpu_median_s") is None):
+        return []
+    share = base["main_thread_cpu_median_s"] / base["step_time_median_s"]
+    if share >= ON_CORE_SHARE:
+        return []
+    return [f"the machine was loaded: the baseline's one-thread steps ran on a core only {share:.0%} of their wall "
+            "time (other processes took the cores), so step times and the copy thread's pace are noisy; rerun on an "
+            "idle machine"]
+
+
 def hygiene_warnings(env: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
     """Reasons to distrust this run: a loaded machine, or a variant that adds work measured faster."""
     warnings = []
@@ -60,6 +85,8 @@ def hygiene_warnings(env: dict[str, Any], rows: list[dict[str, Any]]) -> list[st
     if max(loads) > cores:
         warnings.append(f"the machine was loaded (load average up to {max(loads):.2f} on {cores} cores): other "
                         "processes shared the cores, so step times are noisy; rerun on an idle machine")
+    else:
+        warnings += _off_core_warning(env, rows)
     faster = [r for r in rows if r["name"] not in (BASELINE, ACCOUNTING) and r["time_ratio"] is not None
               and r["time_ratio"] < 1]
     for r in faster:

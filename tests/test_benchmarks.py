@@ -169,6 +169,20 @@ def test_loaded_machine_and_impossible_speedups_mark_the_report():
     assert report.hygiene_warnings(quiet, rows[:2] + rows[3:]) == []
 
 
+def test_a_one_thread_baseline_kept_off_its_core_marks_the_report_loaded():
+    """Note [Contention the load average misses] in benchmarks/report.py"""
+    report = bench_module("report")
+    env = {"cpu_count": 2, "torch_threads": 1, "device": "cpu", "load_average_at_start": (1.0, 1.0, 1.0),
+           "load_average_at_end": (1.2, 1.0, 1.0)}
+    base = {"name": "baseline (no swapkit)", "time_ratio": 1.0, "step_time_median_s": 0.0169,
+            "main_thread_cpu_median_s": 0.0101}
+    warnings = report.hygiene_warnings(env, [base])
+    assert len(warnings) == 1 and warnings[0].startswith("the machine was loaded: the baseline's one-thread steps "
+                                                         "ran on a core only 60% of their wall time")
+    assert report.hygiene_warnings(env, [{**base, "main_thread_cpu_median_s": 0.0165}]) == []
+    assert report.hygiene_warnings({**env, "torch_threads": 2}, [base]) == []  # its pool threads share the work
+
+
 def test_quick_pipeline_benchmark_has_a_row_per_schedule_variant_and_stage(tmp_path):
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "pipeline.py"), "--quick", "--reps", "1",
                              "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
