@@ -290,8 +290,8 @@ def test_a_due_storage_whose_copy_finished_is_not_held_behind_a_later_copy_that_
     model = ToyNet(layers=6, block=TwoOps)
     engine = Lagging(lag=3)
     config = toy_config(6, swap_config={"swap": True, "op_swap": [
-        {"op_name": "a", "backward_prefetch": 4, "layers": True}, {"op_name": "b", "backward_prefetch": 1, "layers": True}]},
-        runtime={"min_offload_bytes": 0})
+        {"op_name": "a", "backward_prefetch": 4, "layers": True},
+        {"op_name": "b", "backward_prefetch": 1, "layers": True}]}, runtime={"min_offload_bytes": 0})
     session = swapkit.apply(model, config, layers="layers")
     install_engine(session, engine)
     engine.session = session

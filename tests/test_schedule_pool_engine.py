@@ -116,7 +116,8 @@ def test_tick_queue_pops_as_a_sorted_reference_under_random_pushes_and_rekeys():
                 clock += 1
                 assert [i.name for i in queue.pop_due(clock * sign)] == reference.pop_due(clock * sign)
                 assert len(queue) == len(reference.entries)
-        assert [i.name for i in queue.drain()] == [item.name for _, _, item in sorted(reference.entries, key=lambda e: e[1])]
+        in_push_order = sorted(reference.entries, key=lambda e: e[1])
+        assert [i.name for i in queue.drain()] == [item.name for _, _, item in in_push_order]
         assert len(queue) == 0 and queue.pop_due(clock * sign) == ()
 
 

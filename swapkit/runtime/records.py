@@ -333,13 +333,14 @@ def view_meta(tensor: torch.Tensor) -> tuple:
             tensor.is_neg())
 
 
-def rebuild(buffer: torch.Tensor, meta: tuple, empties: dict[torch.dtype, torch.Tensor], at: int = 0) -> torch.Tensor:
-    """The view ``meta`` describes, on the storage of ``buffer`` whose bytes start ``at`` bytes into
-    ``buffer`` (Note [One move per storage])."""
-    return view_on(buffer.untyped_storage(), buffer.storage_offset() + at, meta, empties)
+def rebuild(buffer: torch.Tensor, meta: tuple, empties: dict[torch.dtype, torch.Tensor]) -> torch.Tensor:
+    """The view ``meta`` describes, on the storage of ``buffer``, ``buffer.storage_offset()`` bytes in (Note
+    [One move per storage])."""
+    return view_on(buffer.untyped_storage(), buffer.storage_offset(), meta, empties)
 
 
-def view_on(storage: torch.UntypedStorage, at: int, meta: tuple, empties: dict[torch.dtype, torch.Tensor]) -> torch.Tensor:
+def view_on(storage: torch.UntypedStorage, at: int, meta: tuple,
+            empties: dict[torch.dtype, torch.Tensor]) -> torch.Tensor:
     """The view ``meta`` describes, on ``storage`` from byte ``at`` (a record's slot of a batch's region,
     aligned to ``batch.ALIGN``). The new tensor is ``Tensor.new`` of an empty one cached per dtype in
     ``empties`` (a step's, all on its device), which skips ``torch.empty``'s argument parsing

@@ -93,8 +93,9 @@ attribute read there. What keeps them lean, each giving the same guarantee as th
   the collector measured about 5 us per swapped save, 10-15% of a swap session's cost
   (``benchmarks/results/overhead``). For the same reason a handle's view metadata
   holds its size as a plain tuple, not a ``torch.Size`` (:func:`~swapkit.runtime.records.view_meta`),
-  and the tick queues' heap entries are pairs of integers (``swapkit.runtime.schedule`` Note [Heap
-  entries the collector does not see]): a swapped save leaves about five tracked objects, not seven.
+  the tick queues' entries are pairs of integers (``swapkit.runtime.schedule`` Note [Heap entries the
+  collector does not see]) and the records waiting for their copy sit in a deque, with no entry object
+  each: a swapped save leaves about five tracked objects, not seven.
 What is left is measured by ``benchmarks/microbench.py`` against bare identity hooks and against the
 floor of any safe keep (a detached keeper and its version, Note [Version keepers] in
 ``swapkit.runtime.records``): see ``benchmarks/results/overhead``.
