@@ -19,12 +19,14 @@ collector untracks at its first look, and the items sit in one dict by ``seq``.
 Note [In-order pushes]
 The step pushes in tick order almost always: a record enters the release queue at its first save
 (horizon ``t + k``, rising with ``t`` for one distance ``k``) and the prefetch queue at its release,
-which follows horizon order. So an entry that pops after every entry of the *run* goes on its end,
-a deque read from the end that pops first (the left for ascending keys; the right for descending,
-the order records were released in), with no heap sift; only the others (several distances,
-re-keyed items, a later save of a released storage) go on a heap. ``pop_due`` takes the smaller of
-the two fronts each time, comparing whole ``(key, seq)`` entries, so items pop exactly in key,
-then push order, wherever each entry was kept.
+which follows horizon order. So the queue keeps a *run*: a deque of entries in push order that is
+also their pop order read from one end, with no heap sift. An ascending queue pops its run from the
+left, and a push joins it when it pops after every entry there (a key no lower than the last one);
+a descending queue pops from the right, the record released last (the highest horizon) first, and a
+push joins when it pops before every entry there (a strictly higher key: a later push loses ties).
+Only the other pushes (several distances, re-keyed items, a later save of a released storage) go on
+a heap. ``pop_due`` takes the smaller of the two fronts each time, comparing whole ``(key, seq)``
+entries, so items pop exactly in key, then push order, wherever each entry was kept.
 """
 from __future__ import annotations
 
