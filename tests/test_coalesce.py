@@ -208,6 +208,105 @@ def test_each_scope_gets_its_own_batch():
     assert session.stats.offload_copies == 3
 
 
+class CountsReady(ReadyWhenDone):
+    """Counts ``ready`` calls on copies to host (``offload_storages``) and on prefetches."""
+
+    def __init__(self) -> None:
+        super().__init__("cpu")
+        self.offloads: list = []
+        self.asked = {"offload": 0, "prefetch": 0}
+
+    def offload_storages(self, region, sources, producer=None, where=""):
+        copy = super().offload_storages(region, sources, producer, where)
+        self.offloads.append(copy)
+        return copy
+
+    def ready(self, copy) -> bool:
+        self.asked["offload" if any(copy is c for c in self.offloads) else "prefetch"] += 1
+        return super().ready(copy)
+
+
+def test_the_engine_is_asked_once_per_batch_whether_its_copy_finished():
+    """swapkit.runtime.step Note [Releases never stall compute]: a batch remembers a copy seen finished,
+    in forward (its copy to host) and in backward (its prefetch), so the engine is asked once per
+    batch, not once per storage."""
+    reference = MixedNet(layers=4)
+    expected = run(reference)
+    model = copy.deepcopy(reference)
+    model.zero_grad(set_to_none=True)
+    engine = CountsReady()
+    session = swapped(model, engine, k=2)
+    assert_grads_equal(run(model, session), expected)
+    stats = session.stats
+    assert stats.prefetch_copies < stats.prefetched_tensors  # batches of several storages came back
+    assert engine.asked == {"offload": stats.offload_copies, "prefetch": stats.prefetch_copies}
+
+
+class TwoOps(nn.Module):
+    """``tanh(sigmoid(x))`` as two scopes ``a`` and ``b``; each saves its own output, once."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.a, self.b = nn.Sigmoid(), nn.Tanh()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x))
+
+
+class Lagging(ReadyWhenDone):
+    """A copy to host counts as finished ``lag`` saves after it was queued (copies still finish in queue
+    order), read from the session's forward clock: deterministic, unlike a real link."""
+
+    def __init__(self, lag: int) -> None:
+        super().__init__("cpu")
+        self.lag, self.session, self.queued = lag, None, []
+
+    def offload_storages(self, region, sources, producer=None, where=""):
+        copy = super().offload_storages(region, sources, producer, where)
+        self.queued.append((copy, self.session._step.clock))
+        return copy
+
+    def ready(self, copy) -> bool:
+        super().ready(copy)
+        clock = next((at for queued, at in self.queued if queued is copy), None)
+        return clock is None or self.session._step.clock - clock >= self.lag
+
+
+def test_a_due_storage_whose_copy_finished_is_not_held_behind_a_later_copy_that_came_due_first(monkeypatch):
+    """swapkit.runtime.step Note [Releases never stall compute]: with two distances, storages come due
+    out of copy order (``b``'s output, saved after ``a``'s with k=1, is due before it, k=4). Waiting
+    records are kept in copy order, so each is released at the first save that finds it due and its
+    copy finished, never later."""
+    from swapkit.runtime.records import SwapRecord
+
+    released = []
+    release = SwapRecord.release
+    monkeypatch.setattr(SwapRecord, "release", lambda record: released.append(
+        (record.step.clock, record.horizon, record.batch.d2h)) or release(record))
+    reference = ToyNet(layers=6, block=TwoOps)
+    x = torch.linspace(-1, 1, 48).reshape(3, 16).requires_grad_()
+    reference(x).sum().backward()
+    expected = {"input": x.grad.clone()}
+    model = ToyNet(layers=6, block=TwoOps)
+    engine = Lagging(lag=3)
+    config = toy_config(6, swap_config={"swap": True, "op_swap": [
+        {"op_name": "a", "backward_prefetch": 4, "layers": True},
+        {"op_name": "b", "backward_prefetch": 1, "layers": True}]}, runtime={"min_offload_bytes": 0})
+    session = swapkit.apply(model, config, layers="layers")
+    install_engine(session, engine)
+    engine.session = session
+    x = x.detach().requires_grad_()
+    with session:
+        model(x).sum().backward()
+    assert_grads_equal({"input": x.grad}, expected)
+    queued = {id(copy): clock for copy, clock in engine.queued}
+    # released at the save of tick `clock - 1`: the first with tick >= horizon and the copy `lag` saves old
+    assert [clock for clock, _, _ in released] == [max(horizon + 1, queued[id(d2h)] + engine.lag)
+                                                   for _, horizon, d2h in released]
+    horizons = [horizon for _, horizon, d2h in sorted(released, key=lambda r: queued[id(r[2])])]
+    assert horizons != sorted(horizons) and len(released) >= 6  # some came due before one copied earlier
+
+
 def test_a_negative_batch_size_is_a_config_error_naming_the_key():
     with pytest.raises(swapkit.ConfigError, match=r"runtime\.offload_batch_bytes: got -1"):
         swapkit.load_config({**toy_config(1), "runtime": {"offload_batch_bytes": -1}})

@@ -1,6 +1,7 @@
 """Pure pieces of the runtime: the tick queues, the host pool, the thread engine, the scope stack."""
 from __future__ import annotations
 
+import random
 import time
 from types import SimpleNamespace
 
@@ -38,6 +39,86 @@ def test_tick_queue_lazily_rekeys_items_whose_key_moved():
     item.key = 6  # saved again later: its horizon moved out
     assert queue.pop_due(3) == [] and len(queue) == 1
     assert queue.pop_due(6) == [item]
+
+
+def test_tick_queue_mixes_in_order_and_out_of_order_pushes_in_key_then_push_order():
+    """swapkit.runtime.schedule Note [In-order pushes]: entries kept in the run or on the heap pop as one
+    order, equal keys in push order wherever each was kept."""
+    pushes = [("a", 1), ("b", 3), ("c", 3), ("d", 2), ("e", 3), ("f", 5), ("g", 2), ("h", 5), ("i", 4)]
+    up, down = TickQueue(lambda i: i.key), TickQueue(lambda i: i.key, descending=True)
+    for name, key in pushes:
+        up.push(SimpleNamespace(name=name, key=key))
+        down.push(SimpleNamespace(name=name, key=key))
+    assert [i.name for i in up.pop_due(2)] == ["a", "d", "g"]
+    assert [i.name for i in up.pop_due(4)] == ["b", "c", "e", "i"]
+    up.push(SimpleNamespace(name="j", key=5))  # behind the run's last 5: in order again
+    up.push(SimpleNamespace(name="k", key=0))  # long due: popped first
+    assert [i.name for i in up.pop_due(9)] == ["k", "f", "h", "j"] and len(up) == 0
+    assert [i.name for i in down.pop_due(3)] == ["f", "h", "i", "b", "c", "e"]
+    assert [i.name for i in down.pop_due(0)] == ["d", "g", "a"] and len(down) == 0
+
+
+def test_tick_queue_descending_in_release_order_and_rekeyed():
+    """The prefetch queue's common case, pushed with rising keys and popped from the highest down; an
+    item whose key moved is pushed again when its old key comes due, and pops at once if due."""
+    items = [SimpleNamespace(name=n, key=k) for n, k in [("a", 1), ("b", 2), ("c", 4), ("d", 6)]]
+    queue = TickQueue(lambda i: i.key, descending=True)
+    for item in items:
+        queue.push(item)
+    items[0].key = 3
+    assert [i.name for i in queue.pop_due(5)] == ["d"]
+    assert [i.name for i in queue.pop_due(2)] == ["c", "b"]  # a still sits at the key it was pushed with
+    assert len(queue) == 1 and [i.name for i in queue.pop_due(1)] == ["a"]
+
+
+class ReferenceQueue:
+    """What a heap of ``(key when pushed, push order)`` pops, with lazy re-keying (a moved item is pushed
+    again, with a new push order): the tick queue before its in-order run, as a sorted list."""
+
+    def __init__(self, descending: bool) -> None:
+        self.sign, self.entries, self.pushes = (-1 if descending else 1), [], 0
+
+    def push(self, item) -> None:
+        self.entries.append((self.sign * item.key, self.pushes, item))
+        self.pushes += 1
+
+    def pop_due(self, bound: int) -> list:
+        due = []
+        while self.entries:
+            self.entries.sort(key=lambda e: e[:2])
+            pushed, _, item = self.entries[0]
+            if pushed > self.sign * bound:
+                break
+            self.entries.pop(0)
+            if self.sign * item.key != pushed:
+                self.push(item)
+            else:
+                due.append(item.name)
+        return due
+
+
+def test_tick_queue_pops_as_a_sorted_reference_under_random_pushes_and_rekeys():
+    rng = random.Random(0)
+    for descending in (False, True):
+        sign = -1 if descending else 1
+        queue, reference, items, clock = TickQueue(lambda i: i.key, descending), ReferenceQueue(descending), [], 0
+        for _ in range(600):
+            roll = rng.random()
+            if roll < 0.55:  # mostly in tick order, with ties, sometimes behind
+                ahead = rng.choice([0, 0, 1, 3]) if rng.random() < 0.8 else -rng.randint(1, 6)
+                item = SimpleNamespace(key=(clock + ahead) * sign, name=len(items))
+                items.append(item)
+                queue.push(item)
+                reference.push(item)
+            elif roll < 0.7 and items:  # a later save moves an item's key (either way: the queue does not care)
+                rng.choice(items).key += rng.choice([-2, -1, 1, 2, 4]) * sign
+            else:
+                clock += 1
+                assert [i.name for i in queue.pop_due(clock * sign)] == reference.pop_due(clock * sign)
+                assert len(queue) == len(reference.entries)
+        in_push_order = sorted(reference.entries, key=lambda e: e[1])
+        assert [i.name for i in queue.drain()] == [item.name for _, _, item in in_push_order]
+        assert len(queue) == 0 and queue.pop_due(clock * sign) == ()
 
 
 def test_host_pool_reuses_buffers_by_size_and_respects_the_cap():

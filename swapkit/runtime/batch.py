@@ -71,7 +71,8 @@ class Batch:
     """Swapped storages of one frame that share one host region and one copy each way."""
 
     __slots__ = ("step", "frame", "producer", "nbytes", "count", "data_bytes", "_sources", "host", "d2h",
-                 "issued", "flushed", "kept", "device", "h2d", "holders")
+                 "issued", "flushed", "kept", "copied", "device", "h2d", "arrived", "device_storage", "device_at",
+                 "holders")
 
     def __init__(self, step: StepState, frame: Frame, producer: Any = None) -> None:
         self.step, self.frame, self.producer = step, frame, producer  # Note [A batch has one producer]
@@ -82,9 +83,13 @@ class Batch:
         self.issued = -1
         self.flushed = False  # closed: copied, kept or discarded
         self.kept = False  # never copied (refused by the pool, or discarded): its storages stay on the device
+        self.copied = False  # its copy to host was seen finished (swapkit.runtime.step Note [Releases never stall ...])
         self.device: torch.Tensor | None = None
         self.h2d: Any = None
-        self.holders = 0  # records that may still need the host region
+        self.arrived = False  # its copy back was seen finished (arrival_seen)
+        self.device_storage: torch.UntypedStorage | None = None  # device's storage and byte offset: read once
+        self.device_at = 0
+        self.holders = 0  # records that may still need the host region (until fetch gives it back)
 
     def fits(self, frame: Frame, nbytes: int, limit: int, producer: Any) -> bool:
         """Can a storage of ``nbytes`` saved in ``frame`` on ``producer`` join this open batch?"""
@@ -130,7 +135,14 @@ class Batch:
         """Issue the one host-to-device copy of the region (once); the host region returns to the pool."""
         if self.device is None:
             self.device, self.h2d = self.step.engine.prefetch(self.host)
+            self.device_storage, self.device_at = self.device.untyped_storage(), self.device.storage_offset()
             self._return_host()
+
+    def arrival_seen(self) -> bool:
+        """Has the copy back finished? Remembered once it has: a copy that finished stays finished, and a
+        failed one raises from ``engine.ready`` each time it is asked (called under the step's lock)."""
+        self.arrived = self.step.engine.ready(self.h2d)
+        return self.arrived
 
     def let_go(self) -> None:
         """A record no longer needs the host region (prefetched, used in place, or dead)."""

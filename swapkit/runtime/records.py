@@ -78,7 +78,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from operator import itemgetter
+from operator import attrgetter, itemgetter
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -90,6 +90,7 @@ if TYPE_CHECKING:
 
     from swapkit.engine import CopyEngine, HostPool
     from swapkit.runtime.scope import Frame
+    from swapkit.runtime.stats import SwapStats
 
 
 class StepState(Protocol):
@@ -101,18 +102,15 @@ class StepState(Protocol):
 
     number: int
     verify: bool
-    empties: dict[torch.dtype, torch.Tensor]  # empty tensors on the device, one per dtype (records.new_empty)
+    empties: dict[torch.dtype, torch.Tensor]  # empty tensors on the device, one per dtype (records.view_on)
     engine: CopyEngine
     pool: HostPool
     lock: threading.RLock
+    stats: SwapStats  # changed under ``lock`` (Note [Unpacks from several threads])
 
     def device_bytes_added(self, nbytes: int) -> None: ...
 
     def device_bytes_freed(self, nbytes: int) -> None: ...
-
-    def prefetched(self, nbytes: int, resident_again: bool) -> None: ...
-
-    def restored(self, lead: int) -> None: ...
 
     def late_fetch(self, lead: int, timing: Any) -> None: ...
 
@@ -198,7 +196,8 @@ class SwapRecord:
         """Drop every device reference; the copy has finished or, on an engine with
         ``stream_ordered_release``, been queued (Note [Version keepers])."""
         storage = self.storage()  # alive: the keepers hold it until now
-        self._check_source(storage)
+        if storage is not None and (storage.nbytes() != self.nbytes or storage.data_ptr() != self.data_ptr):
+            raise storage_changed(self.nbytes, storage.nbytes(), self.frame.label)  # Note [Storages another ...]
         if self.step.verify and storage is not None:  # Note [Verify mode]
             engine = self.step.engine
             with engine.reading_sources():
@@ -209,48 +208,46 @@ class SwapRecord:
         self.resident = False
         self.step.device_bytes_freed(self.nbytes)
 
-    def _check_source(self, storage: torch.UntypedStorage | None) -> None:
-        """Note [Storages another component may resize]"""
-        if storage is not None and (storage.nbytes() != self.nbytes or storage.data_ptr() != self.data_ptr):
-            raise storage_changed(self.nbytes, storage.nbytes(), self.frame.label)
-
     def fetch(self, tick: int) -> None:
         """Start the host-to-device copy (once) at backward tick ``tick``; the host buffer can go
         back to the pool at once (``swapkit.engine.pool.Note [Host buffer reuse is ordered by the
-        copy queue]``)."""
+        copy queue]``). Called under the step's lock (Note [Unpacks from several threads])."""
         if self.device_buffer is not None:
             return
-        step, batch = self.step, self.batch
+        step, batch, stats = self.step, self.batch, self.step.stats
         self.issued_at = tick
         if batch.device is None:
             batch.fetch()
-            step.stats.prefetch_copies += 1  # under the step's lock (Note [Unpacks from several threads])
+            stats.prefetch_copies += 1
         self.device_buffer, self.h2d = batch.device, batch.h2d  # the whole region: restore reads at offset
-        self._let_go()
-        step.prefetched(self.nbytes, not self.resident)  # and back on the device
-        self.resident = True
+        self.needs_host = False  # the batch's fetch gave its host region back to the pool: nothing to let go
+        stats.prefetched_tensors += 1
+        stats.prefetched_bytes += self.nbytes
+        if not self.resident:  # back on the device
+            step.device_bytes_added(self.nbytes)
+            self.resident = True
 
     def restore(self, meta: tuple, tick: int) -> torch.Tensor:
         """The saved view (saved at ``tick``), rebuilt on the prefetched storage; waits for the
         copy if it is not done (a late fetch). Note [Unpacks from several threads]."""
-        step = self.step
+        step, batch = self.step, self.batch
         with step.lock:
             first = not self.waited
-            late = self.device_buffer is None or (first and not step.engine.ready(self.h2d))
+            late = self.device_buffer is None or (first and not (batch.arrived or batch.arrival_seen()))
             if self.device_buffer is None:
                 self.fetch(tick)
             buffer, copy, lead = self.device_buffer, self.h2d, self.issued_at - tick
             if first:
                 self.waited = True
-                if not late:  # its copy finished without error (ready said so): the wait cannot fail
-                    step.restored(lead)
+                if not late and lead > 0:  # its copy finished without error (ready said so): the wait cannot fail
+                    step.stats.prefetch_lead_ticks += lead
         timing = step.engine.wait(copy, timed=late and first)
         if first:
             if late:  # counted once the copy arrived: a failed one counts nowhere
                 step.late_fetch(lead, timing)
             if self.checksum is not None:
                 self._verify(buffer)
-        return rebuild(buffer, meta, step.empties, self.offset)
+        return view_on(batch.device_storage, batch.device_at + self.offset, meta, step.empties)
 
     def _verify(self, buffer: torch.Tensor) -> None:
         """Note [Verify mode]"""
@@ -291,7 +288,7 @@ def empty_keepers(keepers: tuple[torch.Tensor, ...]) -> None:
     keepers]): ``set_()`` each, then put their version counters back as they were. The private setter
     ``torch.autograd._unsafe_preserve_version_counter`` calls, without its context manager's Python
     (swapkit.runtime.step Note [The cost of a save])."""
-    versions = tuple([keeper._version for keeper in keepers])
+    versions = tuple(map(_version_of, keepers))
     try:
         for keeper in keepers:
             keeper.set_()
@@ -300,6 +297,7 @@ def empty_keepers(keepers: tuple[torch.Tensor, ...]) -> None:
 
 
 _set_versions = torch._C._autograd._unsafe_set_version_counter
+_version_of = attrgetter("_version")
 
 
 def is_parameter(tensor: torch.Tensor) -> bool:
@@ -335,21 +333,23 @@ def view_meta(tensor: torch.Tensor) -> tuple:
             tensor.is_neg())
 
 
-def new_empty(empties: dict[torch.dtype, torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A new empty tensor: ``Tensor.new`` of one cached per dtype in ``empties`` (a step's, all on its
-    device), which skips ``torch.empty``'s argument parsing (swapkit.runtime.step Note [The cost of a save])."""
+def rebuild(buffer: torch.Tensor, meta: tuple, empties: dict[torch.dtype, torch.Tensor]) -> torch.Tensor:
+    """The view ``meta`` describes, on the storage of ``buffer``, ``buffer.storage_offset()`` bytes in (Note
+    [One move per storage])."""
+    return view_on(buffer.untyped_storage(), buffer.storage_offset(), meta, empties)
+
+
+def view_on(storage: torch.UntypedStorage, at: int, meta: tuple,
+            empties: dict[torch.dtype, torch.Tensor]) -> torch.Tensor:
+    """The view ``meta`` describes, on ``storage`` from byte ``at`` (a record's slot of a batch's region,
+    aligned to ``batch.ALIGN``). The new tensor is ``Tensor.new`` of an empty one cached per dtype in
+    ``empties`` (a step's, all on its device), which skips ``torch.empty``'s argument parsing
+    (swapkit.runtime.step Note [The cost of a save])."""
+    dtype, size, stride, offset, conj, neg = meta
     template = empties.get(dtype)
     if template is None:
-        template = empties[dtype] = torch.empty(0, dtype=dtype, device=device)
-    return template.new()
-
-
-def rebuild(buffer: torch.Tensor, meta: tuple, empties: dict[torch.dtype, torch.Tensor], at: int = 0) -> torch.Tensor:
-    """The view ``meta`` describes, on the storage of ``buffer`` whose bytes start ``at`` bytes into
-    ``buffer`` (a record's slot of a batch's region, aligned to ``batch.ALIGN``; Note [One move per storage])."""
-    dtype, size, stride, offset, conj, neg = meta
-    offset += (buffer.storage_offset() + at) // dtype.itemsize
-    out = new_empty(empties, dtype, buffer.device).set_(buffer.untyped_storage(), offset, size, stride)
+        template = empties[dtype] = torch.empty(0, dtype=dtype, device=storage.device)
+    out = template.new().set_(storage, offset + at // dtype.itemsize, size, stride)
     if neg:
         out = torch._neg_view(out)
     return out.conj() if conj else out

@@ -10,7 +10,10 @@ engine orders reuse after queued copies (Note [Stream-ordered release]), else on
 has finished (``engine.ready``), the others being looked at again on the next tick. A larger
 ``backward_prefetch`` holds device memory longer but the forward never waits on a copy. Copies
 finish in issue order (one FIFO queue per engine), so the waiting records are kept by issue order
-and the check stops at the first unfinished one.
+(a deque, as records come due in that order almost always; one out of order is inserted) and the
+check stops at the first unfinished one. ``engine.ready`` is asked once per batch, not per record:
+the batch remembers a copy seen finished (``Batch.copied``), which stays finished, while a failed
+copy raises from ``ready`` each time it is asked and is never remembered.
 
 Note [Stream-ordered release]
 On a GPU the CPU runs far ahead: at the forward's saves no copy has executed, so waiting for
@@ -65,12 +68,17 @@ attribute read there. What keeps them lean, each giving the same guarantee as th
 - the schedule is looked at only once a swap record was queued in the step, the scopes seen only when
   the frame changed since the previous save, the recomputable outputs only when there are some, and a
   frame's label (the stats key) is built once per frame;
+- the tick queues append records pushed in tick order to a deque and keep a heap only for the others
+  (``swapkit.runtime.schedule`` Note [In-order pushes]); the records waiting for their copy are a
+  deque in copy order, and the engine is asked whether a copy finished once per batch, in forward
+  (Note [Releases never stall compute]) and in backward (``SwapRecord.restore``);
 - the device-byte counters have their own plain lock (records die on any thread), not the step's
   re-entrant one;
 - in backward, once nothing is left to prefetch, the step turns ``watch_unpacks`` off and the session's
   unpack no longer calls it: only backward pops the prefetch queue and nothing pushes to it any more,
   so an empty queue stays empty (a :class:`~swapkit.runtime.microsteps.MicroStep` keeps watching: it
-  looks ahead into other micro-steps);
+  looks ahead into other micro-steps). The queue is asked whether it is empty only at an unpack that
+  prefetched nothing, so watching stops one unpack later, never at the cost of an unpack that prefetched;
 - the handle is a tuple (:class:`~swapkit.runtime.records.Saved`, built by one C call, unpacked by
   index), the current frame is one attribute of the scope tracker, the plain-tensor test is inlined
   here, and the tick queues read a record's horizon with ``attrgetter``;
@@ -85,19 +93,20 @@ attribute read there. What keeps them lean, each giving the same guarantee as th
   the collector measured about 5 us per swapped save, 10-15% of a swap session's cost
   (``benchmarks/results/overhead``). For the same reason a handle's view metadata
   holds its size as a plain tuple, not a ``torch.Size`` (:func:`~swapkit.runtime.records.view_meta`),
-  and the tick queues' heap entries are pairs of integers (``swapkit.runtime.schedule`` Note [Heap
-  entries the collector does not see]): a swapped save leaves about five tracked objects, not seven.
+  the tick queues' entries are pairs of integers (``swapkit.runtime.schedule`` Note [Heap entries the
+  collector does not see]) and the records waiting for their copy sit in a deque, with no entry object
+  each: a swapped save leaves about five tracked objects, not seven.
 What is left is measured by ``benchmarks/microbench.py`` against bare identity hooks and against the
 floor of any safe keep (a detached keeper and its version, Note [Version keepers] in
 ``swapkit.runtime.records``): see ``benchmarks/results/overhead``.
 """
 from __future__ import annotations
 
-import heapq
+import bisect
 import operator
 import threading
 import weakref
-from collections import defaultdict
+from collections import defaultdict, deque
 from typing import Any, Callable
 
 import torch
@@ -119,6 +128,10 @@ _TENSOR, _PARAMETER, _STRIDED = torch.Tensor, torch.nn.Parameter, torch.strided
 
 
 _horizon = operator.attrgetter("horizon")  # a record's tick key, read in C (Note [The cost of a save])
+
+#: ``(batch.issued, offset)``: where a record's bytes are in the engine's FIFO copy queue (swapkit.runtime.batch
+#: Note [Coalesced copies]), read in C
+_copy_order = operator.attrgetter("batch.issued", "offset")
 
 
 class Step:
@@ -148,10 +161,10 @@ class Step:
         self._recomputable = RecomputableOutputs(self.device)
         self._skipped_storages: set[int] = set()
         self._release: TickQueue[SwapRecord] = TickQueue(_horizon)
-        self._pending: list[tuple[int, int, SwapRecord]] = []  # due, copy unfinished; by (batch, offset)
+        self._pending: deque[SwapRecord] = deque()  # due, copy unfinished, in copy order (Note [Releases ...])
         self._prefetch: TickQueue[SwapRecord] = TickQueue(_horizon, descending=True)
         self._timings: list[Any] = []
-        self.empties: dict[torch.dtype, torch.Tensor] = {}  # swapkit.runtime.records.new_empty
+        self.empties: dict[torch.dtype, torch.Tensor] = {}  # swapkit.runtime.records.view_on
         self._allocations_at_start = pool.allocations
         self.stats = SwapStats(step=number, skipped=defaultdict(int), offloaded_by_scope=defaultdict(int),
                                recomputed_by_scope=defaultdict(int))
@@ -273,7 +286,10 @@ class Step:
             return self._skip("small", key, nbytes)
         if self.tail_ticks is not None and tick < self.tail_ticks <= tick + frame.prefetch:
             return self._skip("tail", key, nbytes)  # Note [The last k ticks stay on the device]
-        record = SwapRecord(self, nbytes, version, frame, tick, self._open_batch(frame, nbytes), storage, keeper)
+        batch, producer = self._batch, self._producer()  # swapkit.runtime.batch Note [A batch has one producer]
+        if batch is None or not batch.fits(frame, nbytes, self.runtime.offload_batch_bytes, producer):
+            batch = self._open_batch(frame, producer)
+        record = SwapRecord(self, nbytes, version, frame, tick, batch, storage, keeper)
         self.stats.offloaded_tensors += 1
         self.stats.offloaded_bytes += nbytes
         self.stats.offloaded_by_scope[frame.label] += nbytes
@@ -283,13 +299,11 @@ class Step:
             self.flush()
         return record
 
-    def _open_batch(self, frame: Frame, nbytes: int) -> Batch:
-        """The batch a new swap record joins (swapkit.runtime.batch Notes [Coalesced copies], [A batch has
-        one producer])."""
-        batch, producer = self._batch, self._producer()
-        if batch is None or not batch.fits(frame, nbytes, self.runtime.offload_batch_bytes, producer):
-            self.flush()
-            batch = self._batch = Batch(self, frame, producer)
+    def _open_batch(self, frame: Frame, producer: Any) -> Batch:
+        """Flush the open batch, which a new swap record cannot join, and open the one it joins
+        (swapkit.runtime.batch Notes [Coalesced copies], [A batch has one producer])."""
+        self.flush()
+        batch = self._batch = Batch(self, frame, producer)
         return batch
 
     def flush(self) -> None:
@@ -329,6 +343,7 @@ class Step:
     def _advance(self, tick: int) -> None:
         """Release the records whose horizon has come and whose copy was queued (Note [Stream-ordered
         release]) or has finished (Note [Releases never stall compute])."""
+        pending = self._pending
         for record in self._release.pop_due(tick):
             if not record.batch.flushed:
                 self._flush_batch_of(record)
@@ -336,11 +351,17 @@ class Step:
                 continue
             if self._release_queued:
                 self._released(record)
+            elif not pending or _copy_order(pending[-1]) < _copy_order(record):
+                pending.append(record)
             else:
-                heapq.heappush(self._pending, (record.batch.issued, record.offset, record))  # copy order
-        pending = self._pending
-        while pending and self.engine.ready(pending[0][2].batch.d2h):  # Note [Releases never stall compute]
-            self._released(heapq.heappop(pending)[2])
+                bisect.insort(pending, record, key=_copy_order)
+        while pending and (pending[0].batch.copied or self._copy_finished(pending[0].batch)):
+            self._released(pending.popleft())  # Note [Releases never stall compute]
+
+    def _copy_finished(self, batch: Batch) -> bool:
+        """Has ``batch``'s copy to host finished? Remembered once it has (Note [Releases never stall compute])."""
+        batch.copied = self.engine.ready(batch.d2h)
+        return batch.copied
 
     def _released(self, record: SwapRecord) -> None:
         record.release()
@@ -389,10 +410,11 @@ class Step:
         with self.lock:
             if not self.backward_started and torch._C._current_graph_task_id() != -1:
                 self._begin_backward()
-            for record in self._prefetch.pop_due(tick):
+            due = self._prefetch.pop_due(tick)
+            for record in due:
                 record.fetch(tick)
-            if self.backward_started and not (self._scheduled and self._prefetch):
-                self._prefetches_done()
+            if not due and self.backward_started and not (self._scheduled and self._prefetch):
+                self._prefetches_done()  # asked only when nothing was due (Note [The cost of a save])
 
     def _prefetches_done(self) -> None:
         """Only backward pops the prefetch queue and nothing pushes to it any more: an empty queue
@@ -402,28 +424,16 @@ class Step:
     def _begin_backward(self) -> None:
         self.backward_started = True
         self._discard_open_batch()
-        for record in [r for _, _, r in self._pending] + self._release.drain():  # Note [The last k ticks ...]
+        for record in [*self._pending, *self._release.drain()]:  # Note [The last k ticks ...]
             record.drop_host_copy()
             if not record.batch.kept:
                 self.stats.tail_bytes += record.nbytes
-        self._pending = []
+        self._pending.clear()
         self._on_backward(self)
-
-    def prefetched(self, nbytes: int, resident_again: bool) -> None:
-        """A record's bytes were prefetched (under the lock); ``resident_again``: they count as on the device again."""
-        stats = self.stats
-        stats.prefetched_tensors += 1
-        stats.prefetched_bytes += nbytes
-        if resident_again:
-            self.device_bytes_added(nbytes)
 
     def verified(self) -> None:
         with self.lock:
             self.stats.verified_tensors += 1
-
-    def restored(self, lead: int) -> None:
-        """First use of a prefetched record whose copy had finished, ``lead`` ticks after it was issued (lock held)."""
-        self.stats.prefetch_lead_ticks += max(lead, 0)
 
     def late_fetch(self, lead: int, timing: Any) -> None:
         """A first use that waited for its copy (``timing``: how long), ``lead`` ticks after it was issued."""
@@ -453,7 +463,7 @@ class Step:
         self._batch = None  # an open batch's sources go with it; its records keep it for their lifetime
         self._release.drain()
         self._prefetch.drain()
-        self._pending = []
+        self._pending.clear()
         self._index.clear()
         self._recomputable.clear()
 
