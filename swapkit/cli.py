@@ -134,6 +134,9 @@ def _configure_logging(verbose: bool) -> None:
     logger.handlers[:] = [handler]
     logger.setLevel(logging.DEBUG if verbose else logging.INFO)
     logger.propagate = False
+    # the planner's progress shows where its measurement runs' own lines are hidden
+    # (swapkit.planner.progress Note [An emulated link makes planning slow])
+    logging.getLogger("swapkit.planner.progress").setLevel(logging.DEBUG if verbose else logging.INFO)
 
 
 def run_plan(args: argparse.Namespace) -> int:

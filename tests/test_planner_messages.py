@@ -7,7 +7,8 @@ import pytest
 import yaml
 
 from swapkit.cli import main
-from swapkit.config.types import RuntimeConfig
+from swapkit.config.types import EngineOptions, RuntimeConfig
+from swapkit.planner.progress import Progress, emulated_latency
 from swapkit.planner.quiet import held_warnings, setting_warnings
 
 CONFIG = {
@@ -65,3 +66,41 @@ def test_the_held_back_warnings_show_at_debug_naming_the_measurement_run(caplog)
 def test_settings_that_leave_something_to_swap_say_nothing():
     assert setting_warnings(RuntimeConfig(min_offload_bytes=1024, max_host_bytes=1 << 20), [512, 4096, 65536]) == []
     assert setting_warnings(RuntimeConfig(min_offload_bytes=1 << 20), []) == []
+
+
+def test_an_emulated_latency_is_announced_and_every_round_logged(tmp_path, capfd):
+    """A 0.2 s latency made a 2-layer plan take a minute in silence."""
+    argv = ["plan", str(write(tmp_path, CONFIG)), "--budget", "1GiB", "--set", "runtime.engine_options.latency_s=0.001"]
+    assert main(argv) == 0
+    err = capfd.readouterr().err
+    assert ("runtime.engine_options.latency_s: 0.001 emulates a slow link: every copy of the planner's swap probe "
+            "and of its link measurement sleeps it (the link measurement alone: 32 copies, 0.0 s)") in err
+    rounds = [line for line in err.splitlines() if line.startswith("INFO - measured round ")]
+    total = int(rounds[0].split(" of ")[1].split()[0])
+    assert len(rounds) == total >= 4 and f"measured round {total} of {total}" in rounds[-1]
+    assert "(keep, recompute, probe" in rounds[0]
+
+
+def test_without_an_emulated_latency_the_rounds_show_only_with_v(tmp_path, capfd):
+    path = str(write(tmp_path, CONFIG))
+    assert main(["plan", path, "--budget", "1GiB"]) == 0
+    assert "measured round" not in capfd.readouterr().err
+    assert main(["-v", "plan", path, "--budget", "1GiB"]) == 0
+    assert "DEBUG - measured round 1 of " in capfd.readouterr().err
+
+
+def test_the_estimate_counts_the_rounds_left_at_the_longest_round_and_the_link(caplog):
+    progress = Progress(4, slow=True, after=6.4)
+    with caplog.at_level(logging.DEBUG, logger="swapkit"):
+        for seconds in (12.0, 0.5, 11.0, 12.0):
+            progress.round_done(["keep", "probe"], seconds)
+    assert [r.getMessage().split("; ")[-1] for r in caplog.records] == [
+        "about 42 s left", "about 30 s left", "about 18 s left", "about 6 s left"]
+    assert {r.levelname for r in caplog.records} == {"INFO"}
+
+
+def test_the_cuda_engine_sleeps_no_emulated_latency():
+    options = {"engine_options": EngineOptions(latency_s=0.2)}
+    assert emulated_latency(RuntimeConfig(engine="auto", **options), "cuda") == 0.0
+    assert emulated_latency(RuntimeConfig(engine="auto", **options), "cpu") == 0.2
+    assert emulated_latency(RuntimeConfig(engine="thread", **options), "cuda") == 0.2

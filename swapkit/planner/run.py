@@ -23,6 +23,7 @@ from swapkit.plan.simulate import Links, simulate
 from swapkit.plan.trace import KEEP, RECOMPUTE, SELECT, Trace, compose
 from swapkit.planner.link import measure_link
 from swapkit.planner.measure import PROBE, PROBE_DISTANCE, Tracer, mode_config, release_lag
+from swapkit.planner.progress import announce, emulated_latency
 from swapkit.planner.quiet import held_warnings, setting_warnings
 from swapkit.planner.segments import build_trace, to_segments
 from swapkit.planner.sampling import measure_modes
@@ -94,8 +95,10 @@ def measure(config: Config | Mapping[str, Any] | str | Path, device: str | None 
         return {SELECT + scope: mode_config(config, SELECT + scope) for scope in picked}
 
     first = {mode: mode_config(config, mode) for mode in FIRST_MODES}
+    # the link's sleeps after the rounds, said up front (swapkit.planner.progress Note [An emulated link ...])
+    slow = announce(emulated_latency(config.runtime, where.type))
     with held_warnings(logger):  # swapkit.planner.quiet Note [Warnings about the measurement runs]
-        results = measure_modes(first, later, where, patterns, steps, warmup, model)
+        results = measure_modes(first, later, where, patterns, steps, warmup, model, slow)
     runs = {mode: result[0] for mode, result in results.items() if mode != PROBE}
     _, scope_seconds, scopes, _, keep_step = results[KEEP]
     trace = build_trace(config.model.num_layers, runs, scope_seconds, config.train.gradient_accumulation_steps)
