@@ -104,3 +104,35 @@ def test_the_cuda_engine_sleeps_no_emulated_latency():
     assert emulated_latency(RuntimeConfig(engine="auto", **options), "cuda") == 0.0
     assert emulated_latency(RuntimeConfig(engine="auto", **options), "cpu") == 0.2
     assert emulated_latency(RuntimeConfig(engine="thread", **options), "cuda") == 0.2
+
+
+UNMATCHED = {**CONFIG, "swap_config": {"swap": True, "op_swap": [{"op_name": "nosuchop", "backward_prefetch": 1,
+                                                                  "layers": True}]}}
+
+
+@pytest.mark.parametrize("command", ["plan", "train"])
+def test_a_pattern_that_matches_nothing_is_refused_under_budget_as_without(tmp_path, capsys, monkeypatch, command):
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("measured before checking the input's patterns")
+
+    monkeypatch.setattr("swapkit.planner.command.measure", no_measuring)
+    assert main([command, str(write(tmp_path, UNMATCHED)), "--budget", "1GiB"]) == 2
+    err = capsys.readouterr().err
+    assert "swap_config.op_swap[0].op_name: op_swap pattern 'nosuchop' matches no sub-module in any layer" in err
+    assert main(["plan", str(write(tmp_path, UNMATCHED))]) == 2  # plain plan says the same
+    assert "op_swap pattern 'nosuchop' matches no sub-module" in capsys.readouterr().err
+
+
+def test_budget_says_once_that_it_replaces_the_input_sections_and_not_how_to_activate_them(tmp_path, capfd):
+    inactive = {**CONFIG, "swap_config": {"swap": False, "layer_swap": [{"backward_prefetch": 1, "layers": [0]}]},
+                "recompute_config": {"recompute": False}, "context": {"memory_optimize_level": "O1"}}
+    assert main(["plan", str(write(tmp_path, inactive)), "--budget", "1GiB"]) == 0
+    err = capfd.readouterr().err
+    assert "inactive" not in err and "set swap_config.swap: true" not in err
+    assert err.count("WARNING - --budget replaces recompute_config and swap_config with the plan it chooses") == 1
+    assert err.count("context.memory_optimize_level has no effect") == 1  # the input's other warnings stay
+
+
+def test_budget_without_swap_or_recompute_sections_says_nothing_about_them(tmp_path, capfd):
+    assert main(["plan", str(write(tmp_path, CONFIG)), "--budget", "1GiB"]) == 0
+    assert "--budget replaces" not in capfd.readouterr().err
