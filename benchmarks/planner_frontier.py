@@ -36,7 +36,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 import torch  # noqa: E402
 
-from common import (DEFAULT_BATCH, DEFAULT_MODEL, QUICK_BATCH, QUICK_MODEL, cpu_model,  # noqa: E402
+from common import (DEFAULT_BATCH, DEFAULT_MODEL, QUICK_BATCH, QUICK_MODEL, counted, cpu_model,  # noqa: E402
                     load_average_text, output_dir, positive_int)
 from swapkit.load import load_config  # noqa: E402
 from swapkit.plan.emit import planned_sections  # noqa: E402
@@ -174,7 +174,8 @@ def markdown(results: dict[str, Any]) -> str:
              "load average (1/5/15 min) at start "
              f"{load_average_text(env['load_start'])}, at end {load_average_text(env['load_end'])}; "
              f"model {env['model']}, batch {env['batch']}; "
-             f"{env['reps']} interleaved timed steps after {env['warmup']} warm-up steps per variant. "
+             f"{counted(env['reps'], 'interleaved timed step')} after {counted(env['warmup'], 'warm-up step')} "
+             "per variant. "
              "Memory is the session's accounting of device-resident saved bytes (CPU: not RSS).", ""]
     for link in results["links"]:
         lines += [f"## link `{link['link']}` {link['engine_options'] or '(no throttle)'}", "",

@@ -34,6 +34,7 @@ def test_quick_benchmark_writes_results_and_checks_hold(tmp_path):
     assert data["env"]["deterministic"] is True
     assert data["env"]["cublas_workspace_config"] == os.environ.get("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     assert "deterministic kernels" in (out / "results.md").read_text()
+    assert "**Run:** 1 warm-up step then 2 interleaved repetitions per variant" in (out / "results.md").read_text()
     variants = {v["name"]: v for v in data["variants"]}
     for key in ("time_ratio", "step_time_median_s", "peak_device_bytes", "memory_ratio", "moved_bytes",
                 "late_fetches", "wait_seconds"):
@@ -193,6 +194,7 @@ def test_planner_frontier_quick_run_writes_results(tmp_path):
                              "1", "--links", "free", "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "has no effect" not in result.stderr, result.stderr[-2000:]  # about its own variants, not the user's
+    assert "1 interleaved timed step after 1 warm-up step per variant" in (out / "results.md").read_text()
     for name in ("results.json", "results.md", "planner_tradeoff.png"):
         assert (out / name).stat().st_size > 0, name
     data = json.loads((out / "results.json").read_text())
