@@ -70,7 +70,7 @@ def setting_warnings(runtime: RuntimeConfig, sizes: list[int]) -> list[str]:
     largest, floor = max(sizes), runtime.min_offload_bytes
     if floor > largest:
         return [f"runtime.min_offload_bytes: {floor} is larger than every saved tensor of this model (the largest "
-                f"is {largest} bytes): the planner found nothing to swap and plans with recompute alone; lower it "
+                f"is {largest} bytes): the planner found nothing to swap (it plans keep and recompute only); lower it "
                 f"to {largest} or less to let it swap"]
     swappable = [size for size in sizes if size >= floor]
     cap = runtime.max_host_bytes
