@@ -39,6 +39,11 @@ QUICK_MODEL = {"num_layers": 2, "hidden_size": 128, "num_heads": 2, "intermediat
 DEFAULT_BATCH, QUICK_BATCH = 4, 2
 
 
+def counted(count: int, noun: str) -> str:
+    """``1 warm-up step``, ``3 warm-up steps``: a count with its noun in the right number."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
 def positive_int(text: str) -> int:
     """An ``argparse`` type: a count such as ``--reps`` or ``--prefetch``, at least 1."""
     try:

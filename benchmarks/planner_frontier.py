@@ -36,7 +36,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 import torch  # noqa: E402
 
-from common import (DEFAULT_BATCH, DEFAULT_MODEL, QUICK_BATCH, QUICK_MODEL, cpu_model,  # noqa: E402
+from common import (DEFAULT_BATCH, DEFAULT_MODEL, QUICK_BATCH, QUICK_MODEL, counted, cpu_model,  # noqa: E402
                     load_average_text, output_dir, positive_int)
 from swapkit.load import load_config  # noqa: E402
 from swapkit.plan.emit import planned_sections  # noqa: E402
@@ -84,6 +84,16 @@ def base_config(model: dict, batch: int, link: dict) -> dict[str, Any]:
             "train": {"steps": 1000, "batch_size": batch, "lr": 1e-4, "seed": 0}}
 
 
+def variant_config(base: dict[str, Any], sections: dict[str, Any]) -> dict[str, Any]:
+    """A variant's config: ``base`` with its sections; the emulated link (``runtime``) only where the
+    variant swaps (one that swaps nothing, a recompute-only plan's ``swap: true`` with empty lists
+    included, would be warned that its engine settings do nothing)."""
+    swap = sections.get("swap_config", {})
+    lists = [swap.get(key) for key in ("layer_swap", "op_swap")]  # both absent: MindFormers' default strategy
+    swaps = bool(swap.get("swap")) and (any(lists) or all(entries is None for entries in lists))
+    return {**{key: value for key, value in base.items() if swaps or key != "runtime"}, **sections}
+
+
 def run_interleaved(configs: dict[str, dict], reps: int, warmup: int) -> dict[str, dict[str, Any]]:
     """Median step time and max peak per config, runs interleaved in one process."""
     runs = {name: _start(load_config(cfg), torch.device("cpu"), warmup + reps, None) for name, cfg in configs.items()}
@@ -113,7 +123,7 @@ def one_link(name: str, link: dict, model: dict, batch: int, reps: int, warmup: 
     fixed = fixed_variants(model["num_layers"])
     if quick:  # a smoke run: three fixed variants
         fixed = {k: v for k, v in fixed.items() if k in (QUICK_VARIANTS)}
-    configs = {v: {**base, **sections} for v, sections in fixed.items()}
+    configs = {v: variant_config(base, sections) for v, sections in fixed.items()}
     plans = {}
     for fraction in FRACTIONS:
         budget = int(baseline.peak_device_bytes * fraction)
@@ -123,7 +133,7 @@ def one_link(name: str, link: dict, model: dict, batch: int, reps: int, warmup: 
             plans[fraction] = {"budget": budget, "error": str(err)}
             continue
         label = f"planned {fraction}"
-        configs[label] = {**base, **planned_sections(planned.choices)}
+        configs[label] = variant_config(base, planned_sections(planned.choices))
         plans[fraction] = {"budget": budget, "label": label, "decisions": [c.describe() for c in planned.choices],
                            "predicted": {**planned.predicted.to_json(),
                                          "uncertain_bytes": planned.predicted.uncertain_bytes}}
@@ -164,7 +174,8 @@ def markdown(results: dict[str, Any]) -> str:
              "load average (1/5/15 min) at start "
              f"{load_average_text(env['load_start'])}, at end {load_average_text(env['load_end'])}; "
              f"model {env['model']}, batch {env['batch']}; "
-             f"{env['reps']} interleaved timed steps after {env['warmup']} warm-up steps per variant. "
+             f"{counted(env['reps'], 'interleaved timed step')} after {counted(env['warmup'], 'warm-up step')} "
+             "per variant. "
              "Memory is the session's accounting of device-resident saved bytes (CPU: not RSS).", ""]
     for link in results["links"]:
         lines += [f"## link `{link['link']}` {link['engine_options'] or '(no throttle)'}", "",

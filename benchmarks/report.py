@@ -10,7 +10,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 
-from common import hardware_line  # noqa: E402
+from common import counted, hardware_line  # noqa: E402
 from variants import ACCOUNTING, BASELINE, FULL_RECOMPUTE, LAYER_SWAP  # noqa: E402
 
 MIB = 2**20
@@ -121,10 +121,11 @@ def render_markdown(results: dict[str, Any]) -> str:
 def _setup_line(results: dict[str, Any]) -> str:
     cfg, run = results["env"]["config"], results["run"]
     model = ", ".join(f"{k} {v}" for k, v in cfg["model_config"].items() if k in _SIZE_KEYS)
-    return (f"**Model:** built-in Llama-style, {model}, batch {cfg['batch_size']}. **Run:** {run['warmup']} warm-up "
-            f"steps then {run['reps']} interleaved repetitions per variant; swap variants use backward_prefetch "
-            f"{run['prefetch']}; a step is forward + loss + backward (no optimizer). Time ratio = median over "
-            "repetitions of (variant step / baseline step in the same repetition).")
+    return (f"**Model:** built-in Llama-style, {model}, batch {cfg['batch_size']}. **Run:** "
+            f"{counted(run['warmup'], 'warm-up step')} then {counted(run['reps'], 'interleaved repetition')} per "
+            f"variant; swap variants use backward_prefetch {run['prefetch']}; a step is forward + loss + backward "
+            "(no optimizer). Time ratio = median over repetitions of (variant step / baseline step in the same "
+            "repetition).")
 
 
 _SIZE_KEYS = ("num_layers", "hidden_size", "num_heads", "intermediate_size", "vocab_size", "seq_length")

@@ -134,6 +134,9 @@ def _configure_logging(verbose: bool) -> None:
     logger.handlers[:] = [handler]
     logger.setLevel(logging.DEBUG if verbose else logging.INFO)
     logger.propagate = False
+    # the planner's progress shows where its measurement runs' own lines are hidden
+    # (swapkit.planner.progress Note [An emulated link makes planning slow])
+    logging.getLogger("swapkit.planner.progress").setLevel(logging.DEBUG if verbose else logging.INFO)
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -148,27 +151,53 @@ def run_plan(args: argparse.Namespace) -> int:
     if not (args.log or args.verbose):
         logger.setLevel(logging.WARNING)
     config = load_config(args.config, args.overrides)  # before importing torch: a bad config fails fast
-    from swapkit.config.errors import Problems
-    from swapkit.config.loader import blame_overrides
-    from swapkit.plan.report import plan_report, summary, table, unmatched_problems, with_exact_overridden
-    from swapkit.runtime.binding import bind, module_tree
+    from swapkit.plan.report import plan_report, summary, table, with_exact_overridden
 
     model, plan = _plan_model(args, config)
     for line in plan.log_lines() + list(plan.notes):
         logger.info(line)
     for message in plan.warnings:
         logger.warning(message)
-    binding = bind(model, plan, args.layers)
-    trees = [module_tree(layer.module) for layer in binding.layers]
-    problems = Problems()
-    problems.items = unmatched_problems(plan, trees, f"{type(model).__name__}.{binding.layers_path}")
-    blame_overrides(problems, args.overrides)  # Note [Blame the command line]
-    problems.raise_if_any(config.source)
+    trees = _matched_trees(args, config, model, plan)
     for level, message in plan_report(plan, trees):
         logger.log(logging.getLevelName(level), message)
     plan = with_exact_overridden(plan, trees)
     print(json.dumps(plan.to_json(), indent=2) if args.json else table(plan) + "\n\n" + "\n".join(summary(plan)))
     return EXIT_OK
+
+
+def _matched_trees(args: argparse.Namespace, config: Config, model: Any, plan: Plan) -> list[dict]:
+    """The bound layers' module trees; an op pattern that matches no sub-module in any layer is a
+    ConfigError (exit 2) with a did-you-mean."""
+    from swapkit.config.errors import Problems
+    from swapkit.config.loader import blame_overrides
+    from swapkit.plan.report import unmatched_problems
+    from swapkit.runtime.binding import bind, module_tree
+
+    binding = bind(model, plan, getattr(args, "layers", None))
+    trees = [module_tree(layer.module) for layer in binding.layers]
+    problems = Problems()
+    problems.items = unmatched_problems(plan, trees, f"{type(model).__name__}.{binding.layers_path}")
+    blame_overrides(problems, args.overrides)  # Note [Blame the command line]
+    problems.raise_if_any(config.source)
+    return trees
+
+
+def _check_patterns(args: argparse.Namespace) -> None:
+    """``--budget``: the input's op patterns are checked against the model as plain ``swapkit plan``
+    checks them, before anything is measured (they add candidate scopes for the planner;
+    ``swapkit.planner.command`` Note [The sections --budget replaces])."""
+    from swapkit.load import validated_config
+
+    if getattr(args, "model", None) and not args.model.startswith("hf:"):
+        return  # refused by budget_plan, naming --model, before any user code is imported
+    config = validated_config(args.config, args.overrides)  # its warnings: when budget_plan loads it
+    if getattr(args, "model", None) is None:  # the built-in model's layer path named first, as budget_plan does
+        from swapkit.train.files import raise_problems
+        from swapkit.train.loop import builtin_layers_problems
+
+        raise_problems(builtin_layers_problems(config, getattr(args, "layers", None)), config.source)
+    _matched_trees(args, config, *_plan_model(args, config))
 
 
 def run_budget_plan(args: argparse.Namespace) -> int:
@@ -179,6 +208,7 @@ def run_budget_plan(args: argparse.Namespace) -> int:
     _check_outputs({"--out": args.out}, args.config)
     if not (args.log or args.verbose):  # as plain `swapkit plan`: the measurement runs' log lines with --log
         logger.setLevel(logging.WARNING)
+    _check_patterns(args)
     try:
         plan = budget_plan(args.config, args.overrides, args.budget, args.device, args.model, args.layers)
     except BudgetError as err:
@@ -225,7 +255,7 @@ def _plan_model(args: argparse.Namespace, config: Config) -> tuple[Any, Plan]:
     from swapkit.plan.plan import build_plan
     from swapkit.runtime.resolve import resolve_plan
 
-    if args.model is None:
+    if getattr(args, "model", None) is None:  # swapkit train has no --model
         from swapkit.train.model import build_model
 
         plan = build_plan(config)  # the built-in model needs num_layers from the config
@@ -236,7 +266,7 @@ def _plan_model(args: argparse.Namespace, config: Config) -> tuple[Any, Plan]:
         model = build_meta_model(args.model)
     except ValueError as err:
         raise ConfigError([Problem("--model", str(err).removeprefix("--model "))]) from None
-    return model, resolve_plan(model, config, args.layers)
+    return model, resolve_plan(model, config, getattr(args, "layers", None))
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -289,6 +319,7 @@ def run_budget_train(args: argparse.Namespace) -> int:
     if not args.verbose:  # the measurement runs' own log lines (every mode's Set ... lines) only with -v
         logger.setLevel(logging.WARNING)
     try:
+        _check_patterns(args)
         plan = budget_plan(args.config, args.overrides, args.budget, args.device)
     except BudgetError as err:
         print(f"swapkit: {err}", file=sys.stderr)

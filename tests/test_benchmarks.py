@@ -34,6 +34,7 @@ def test_quick_benchmark_writes_results_and_checks_hold(tmp_path):
     assert data["env"]["deterministic"] is True
     assert data["env"]["cublas_workspace_config"] == os.environ.get("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     assert "deterministic kernels" in (out / "results.md").read_text()
+    assert "**Run:** 1 warm-up step then 2 interleaved repetitions per variant" in (out / "results.md").read_text()
     variants = {v["name"]: v for v in data["variants"]}
     for key in ("time_ratio", "step_time_median_s", "peak_device_bytes", "memory_ratio", "moved_bytes",
                 "late_fetches", "wait_seconds"):
@@ -206,6 +207,8 @@ def test_planner_frontier_quick_run_writes_results(tmp_path):
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "planner_frontier.py"), "--quick", "--reps",
                              "1", "--links", "free", "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
+    assert "has no effect" not in result.stderr, result.stderr[-2000:]  # about its own variants, not the user's
+    assert "1 interleaved timed step after 1 warm-up step per variant" in (out / "results.md").read_text()
     for name in ("results.json", "results.md", "planner_tradeoff.png"):
         assert (out / name).stat().st_size > 0, name
     data = json.loads((out / "results.json").read_text())
@@ -303,3 +306,32 @@ def test_planner_frontier_reports_the_load_average_as_the_other_benchmarks_do():
 def test_the_sweep_describes_the_link_the_fraction_gives(fraction, verdict):
     """--link-fraction 1 or 4 was still called 'a favourable but not free link' (the default 0.5's words)."""
     assert bench_module("sweep").link_verdict(fraction) == verdict
+
+
+def test_planner_stages_quick_run_writes_a_row_per_stage_without_warnings_about_its_own_configs(tmp_path):
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "planner_stages.py"), "--quick", "--out",
+                             str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "has no effect" not in result.stderr and "moved nothing" not in result.stderr, result.stderr[-2000:]
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["env"]["quick"] is True
+    assert [(row["schedule"], row["stage"]) for row in data["rows"]] == [("1f1b", 0), ("1f1b", 1)]
+    for row in data["rows"]:
+        assert 0 < row["measured_bytes"] and 0 < row["predicted_bytes"] <= row["baseline_bytes"]
+    assert (tmp_path / "results.md").read_text().count("| 1f1b |") == 2
+
+
+def test_planner_stages_trains_a_recompute_only_plan_without_its_idle_runtime_settings():
+    """Its ranks warned 'runtime.min_offload_bytes: 0 has no effect' about the benchmark's own setting."""
+    from swapkit.load import load_config
+    from swapkit.plan.emit import planned_config
+    from swapkit.plan.plan import build_plan
+    from swapkit.plan.planner import KEEP, RECOMPUTE, Choice
+
+    stages = bench_module("planner_stages")
+    raw = stages.stage_config("1f1b", stages.QUICK)
+    recompute_only = planned_config(raw, (RECOMPUTE, KEEP, RECOMPUTE, KEEP))
+    assert build_plan(load_config(recompute_only)).warnings  # as planned: swap: true with empty lists
+    assert build_plan(load_config(stages.trained_config(recompute_only))).warnings == ()
+    swapping = planned_config(raw, (Choice("swap", ("",), 1), KEEP, KEEP, KEEP))
+    assert stages.trained_config(swapping)["runtime"] == {"min_offload_bytes": 0}

@@ -117,6 +117,10 @@ CASES = [
     ("lr-nan", "train", BASE + "  lr: .nan\n", [], 2, ["train.lr: got nan"]),
     ("sexagesimal-steps", "train", BASE + "  steps: 1:30\n", [], 2, ["train.steps: got '1:30'", "base-60"]),
     ("octal-seed", "train", BASE + "  seed: 010\n", [], 2, ["train.seed: got '010'", "octal"]),
+    ("quoted-lr", "train", BASE + "  lr: '0.1'\n", [], 2,
+     ["train.lr: got '0.1'; expected a number > 0. '0.1' is text because it is quoted; write the number unquoted: 0.1"]),
+    ("quoted-steps-set", "train", BASE, ["--set", "train.steps='5'"], 2,
+     ["got '5'; expected an integer >= 1. '5' is text because it is quoted; write the number unquoted: 5"]),
     ("sexagesimal-set", "train", BASE, ["--set", "train.steps=1:30"], 2,
      ["train.steps (from --set train.steps=1:30): got '1:30'", "base-60"]),
     # ---- outputs checked before the first step

@@ -55,6 +55,7 @@ def integer(minimum: int | None = None, maximum: int | None = None) -> Check:
 
 _SEXAGESIMAL = re.compile(r"[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?")
 _LEADING_ZERO = re.compile(r"[-+]?0[0-9_]+")
+_DECIMAL = re.compile(r"[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
 
 
 def yaml11_hint(value: Any) -> str | None:
@@ -67,6 +68,8 @@ def yaml11_hint(value: Any) -> str | None:
     if _LEADING_ZERO.fullmatch(value):
         return (f"{value!r} is read as text: YAML 1.1 reads a leading 0 as octal (010 = 8); "
                 "write the number without leading zeros")
+    if _DECIMAL.fullmatch(value.strip()):
+        return f"{value!r} is text because it is quoted; write the number unquoted: {value.strip()}"
     return None
 
 

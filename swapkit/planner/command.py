@@ -22,7 +22,8 @@ import yaml
 from swapkit.config.errors import ConfigError, Problem, Problems
 from swapkit.config.loader import apply_overrides
 from swapkit.config.yaml_reader import read_yaml_file
-from swapkit.load import load_config, validated_config
+from swapkit.config.types import Config
+from swapkit.load import validated_config
 from swapkit.plan.emit import layer_rows, planned_config, planned_sections, table, to_json
 from swapkit.plan.planner import Planned
 from swapkit.plan.size import parse_size
@@ -60,7 +61,7 @@ def budget_plan(path: str, overrides: Sequence[str], budget_text: str, device: s
         ConfigError: a bad config or ``--budget``.
         BudgetError: the budget (a stage's: ``StageBudgetError``) is below the smallest reachable peak.
     """
-    config = load_config(path, overrides)
+    config = load_budget_input(path, overrides)
     if model is None:  # the built-in model: Note [Layer paths of the built-in model]
         raise_problems(builtin_layers_problems(config, layers), config.source)
     problems = Problems()
@@ -80,6 +81,40 @@ def budget_plan(path: str, overrides: Sequence[str], budget_text: str, device: s
     use_reentrant = bool(getattr(config.recompute, "use_reentrant", False))
     document = to_json(planned_sections(planned.choices, use_reentrant), rows, planned, budget)
     return BudgetPlan(planned_config(raw, planned.choices, use_reentrant), planned, table(rows, planned), document)
+
+
+# Note [The sections --budget replaces]
+# The planned config is the input with its recompute_config and swap_config replaced by the plan
+# (``swapkit.plan.emit.planned_config``); the input's own strategy is never run. So the input is
+# validated as ``load_config`` validates it (a mistake there is still an error, and its op patterns,
+# which must match a sub-module as plain ``swapkit plan`` checks, add candidate scopes for the
+# planner), but its warnings about those two sections are not logged: "layer_swap is inactive ...
+# set swap_config.swap: true" told a user to change a section the plan throws away. One WARNING says
+# instead, once, which of the sections the input writes are replaced.
+REPLACED = ("recompute_config", "swap_config")
+
+
+def load_budget_input(path: str, overrides: Sequence[str]) -> Config:
+    """The input config of a ``--budget`` command, validated, its warnings logged but for the
+    sections the plan replaces; one WARNING names those it writes (Note [The sections --budget replaces]).
+
+    Raises:
+        ConfigError: as :func:`swapkit.load.load_config`.
+    """
+    config = validated_config(path, overrides)
+    for key in config.no_effect:
+        if not key.startswith(REPLACED):
+            logger.warning("%s has no effect in PyTorch eager; accepted and ignored", key)
+    for message in config.warnings:
+        if not message.startswith(REPLACED):
+            logger.warning(message)
+    raw = apply_overrides(read_yaml_file(Path(path)), overrides, Problems())
+    written = [key for key in REPLACED if raw.get(key)]
+    if written:
+        logger.warning("--budget replaces %s with the plan it chooses: the input's strategy is not run (its active op "
+                       "patterns only add scopes for the planner to consider); the planned config shows what "
+                       "runs", " and ".join(written))
+    return config
 
 
 def _single_budget(text: str) -> int:

@@ -22,9 +22,10 @@ from swapkit.engine import CopyEngine
 from swapkit.plan.simulate import Link, Links
 
 SMALL_BYTES = 4096
+REPEATS = 7  # copies per size and direction (Note [The fastest copy is the link])
 
 
-def measure_link(engine: CopyEngine, large_bytes: int = 1 << 20, repeats: int = 7) -> Links:
+def measure_link(engine: CopyEngine, large_bytes: int = 1 << 20, repeats: int = REPEATS) -> Links:
     """Time copies of two sizes in each direction and fit ``latency + bytes / bandwidth``.
 
     Args:
@@ -39,6 +40,11 @@ def measure_link(engine: CopyEngine, large_bytes: int = 1 << 20, repeats: int = 
     d2h = _fit({n: _fastest(_offload_seconds, engine, n, repeats) for n in (SMALL_BYTES, large_bytes)})
     h2d = _fit({n: _fastest(_prefetch_seconds, engine, n, repeats) for n in (SMALL_BYTES, large_bytes)})
     return Links(d2h, h2d)
+
+
+def copies_per_measurement(repeats: int = REPEATS) -> int:
+    """How many copies :func:`measure_link` makes: two sizes, two directions, a warm-up and ``repeats`` each."""
+    return 2 * 2 * (repeats + 1)
 
 
 def _fastest(measure, engine: CopyEngine, nbytes: int, repeats: int) -> float:

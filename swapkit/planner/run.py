@@ -23,6 +23,8 @@ from swapkit.plan.simulate import Links, simulate
 from swapkit.plan.trace import KEEP, RECOMPUTE, SELECT, Trace, compose
 from swapkit.planner.link import measure_link
 from swapkit.planner.measure import PROBE, PROBE_DISTANCE, Tracer, mode_config, release_lag
+from swapkit.planner.progress import announce, emulated_latency
+from swapkit.planner.quiet import held_warnings, setting_warnings
 from swapkit.planner.segments import build_trace, to_segments
 from swapkit.planner.sampling import measure_modes
 from swapkit.planner.steps import ModelSource
@@ -93,13 +95,18 @@ def measure(config: Config | Mapping[str, Any] | str | Path, device: str | None 
         return {SELECT + scope: mode_config(config, SELECT + scope) for scope in picked}
 
     first = {mode: mode_config(config, mode) for mode in FIRST_MODES}
-    results = measure_modes(first, later, where, patterns, steps, warmup, model)
+    # the link's sleeps after the rounds, said up front (swapkit.planner.progress Note [An emulated link ...])
+    slow = announce(emulated_latency(config.runtime, where.type))
+    with held_warnings(logger):  # swapkit.planner.quiet Note [Warnings about the measurement runs]
+        results = measure_modes(first, later, where, patterns, steps, warmup, model, slow)
     runs = {mode: result[0] for mode, result in results.items() if mode != PROBE}
     _, scope_seconds, scopes, _, keep_step = results[KEEP]
     trace = build_trace(config.model.num_layers, runs, scope_seconds, config.train.gradient_accumulation_steps)
     links = _measure_links(config, where, trace, results[PROBE][3])
     links = dataclasses.replace(links, copy_overhead_s=copy_overhead(trace, links, keep_step, results[PROBE][4],
                                                                      config.runtime.min_offload_bytes))
+    for message in setting_warnings(config.runtime, _storage_sizes(trace)):
+        logger.warning(message)
     useful = [useful_scopes(trace, i, scopes[i], config.runtime.min_offload_bytes) for i in range(len(scopes))]
     return Measured(trace, links, useful, str(where))
 
@@ -184,6 +191,10 @@ def _config_patterns(config: Config) -> list[tuple[str, ...]]:
     return [tuple(p for p, _ in layer.op_swap) + layer.select + layer.comm for layer in plan.layers]
 
 
+def _storage_sizes(trace: Trace) -> list[int]:
+    """The size of every storage the keep run saved (the session's records)."""
+    return [save.nbytes for segment in trace.modes[KEEP].values() for save in segment.forward if save.storage]
+
+
 def _largest_storage(trace: Trace) -> int:
-    sizes = [save.nbytes for segment in trace.modes[KEEP].values() for save in segment.forward]
-    return max(sizes, default=1 << 20)
+    return max(_storage_sizes(trace), default=1 << 20)

@@ -22,6 +22,7 @@ import torch
 
 from swapkit.config.types import Config
 from swapkit.planner.measure import Tracer, candidate_scopes
+from swapkit.planner.progress import Progress
 from swapkit.planner.segments import scale_segments, to_segments, tracing_factor
 from swapkit.planner.steps import BuiltinSteps, ModelSource, ModelSteps
 
@@ -116,24 +117,29 @@ Later = Callable[[Tracer, list[list[str]]], dict[str, Config]]
 
 
 def measure_modes(first: dict[str, Config], later: Later, device: torch.device, patterns: list[tuple[str, ...]],
-                  steps: int, warmup: int, model: ModelSource | None) -> dict[str, tuple]:
+                  steps: int, warmup: int, model: ModelSource | None, slow: float = 0.0) -> dict[str, tuple]:
     """Every mode's :meth:`ModeRun.result`: the ``first`` modes, then those ``later`` picks from the
     first mode's last warm-up step (its tracer and candidate scopes), side by side on CPU
-    (Note [Measuring modes side by side]). At least one warm-up step runs."""
+    (Note [Measuring modes side by side]). At least one warm-up step runs. Each round is logged as it
+    ends, at INFO when ``slow`` (seconds the link measurement will sleep after the rounds:
+    ``swapkit.planner.progress`` Note [An emulated link makes planning slow])."""
     warmup = max(warmup, 1)
     if device.type != "cpu":
-        return _one_after_another(first, later, device, patterns, steps, warmup, model)
+        progress = Progress(len(first) * (warmup + steps), slow > 0, slow)
+        return _one_after_another(first, later, device, patterns, steps, warmup, model, progress)
+    progress = Progress(2 * warmup + steps, slow > 0, slow)
     runs: dict[str, ModeRun] = {}
     try:
         for mode, config in first.items():
             runs[mode] = ModeRun(config, device, patterns, model)
-        _rounds(runs, range(warmup), record=False)
+        _rounds(runs, range(warmup), False, progress)
         keep = next(iter(runs.values()))
         picked = later(keep.last, keep.scopes)
         added = {mode: ModeRun(config, device, patterns, model) for mode, config in picked.items()}
-        _rounds(added, range(warmup), record=False)
+        progress.rounds -= 0 if added else warmup
+        _rounds(added, range(warmup), False, progress)
         runs.update(added)
-        _rounds(runs, range(warmup, warmup + steps), record=True)
+        _rounds(runs, range(warmup, warmup + steps), True, progress)
         factor = pooled_factor(list(runs.values()))
         return {mode: run.result(factor) for mode, run in runs.items()}
     finally:
@@ -143,31 +149,36 @@ def measure_modes(first: dict[str, Config], later: Later, device: torch.device, 
 
 def _one_after_another(first: dict[str, Config], later: Later, device: torch.device,
                        patterns: list[tuple[str, ...]], steps: int, warmup: int,
-                       model: ModelSource | None) -> dict[str, tuple]:
+                       model: ModelSource | None, progress: Progress | None = None) -> dict[str, tuple]:
+    progress = progress or Progress(len(first) * (warmup + steps), False)
     results: dict[str, tuple] = {}
     keep: tuple | None = None
     for mode, config in first.items():
-        results[mode], warm = _alone(config, device, patterns, steps, warmup, model)
+        results[mode], warm = _alone(mode, config, device, patterns, steps, warmup, model, progress)
         keep = keep or warm
-    for mode, config in later(*keep).items():
-        results[mode], _ = _alone(config, device, patterns, steps, warmup, model)
+    picked = later(*keep)
+    progress.rounds += len(picked) * (warmup + steps)
+    for mode, config in picked.items():
+        results[mode], _ = _alone(mode, config, device, patterns, steps, warmup, model, progress)
     return results
 
 
-def _alone(config: Config, device: torch.device, patterns: list[tuple[str, ...]], steps: int, warmup: int,
-           model: ModelSource | None) -> tuple[tuple, tuple]:
+def _alone(mode: str, config: Config, device: torch.device, patterns: list[tuple[str, ...]], steps: int,
+           warmup: int, model: ModelSource | None, progress: Progress) -> tuple[tuple, tuple]:
     run = ModeRun(config, device, patterns, model)
     try:
-        _rounds({"": run}, range(warmup), record=False)
+        _rounds({mode: run}, range(warmup), False, progress)
         warm = (run.last, run.scopes)
-        _rounds({"": run}, range(warmup, warmup + steps), record=True)
+        _rounds({mode: run}, range(warmup, warmup + steps), True, progress)
         return run.result(), warm
     finally:
         run.close()
 
 
-def _rounds(runs: dict[str, ModeRun], numbers: range, record: bool) -> None:
+def _rounds(runs: dict[str, ModeRun], numbers: range, record: bool, progress: Progress) -> None:
     for number in numbers:
+        start = time.perf_counter()
         for run in runs.values():
             run.step_pair(number, record)
+        progress.round_done(list(runs), time.perf_counter() - start)
 
