@@ -61,7 +61,7 @@ def _off_core_warning(env: dict[str, Any], rows: list[dict[str, Any]]) -> list[s
     The load average is a one-minute mean: a short run that starts beside a busy process, or one that
     just started, reads a low load while it shares the cores. With one torch thread on the CPU, the
     baseline's step runs entirely on the measuring thread, so its main-thread CPU time is its wall time
-    on an uncontended core (0.95-1.0 measured on an idle 2-core machine) and falls well below that when
+    on an uncontended core (0.999 and 1.000 in two quick runs on the idle 2-core machine) and falls well below that when
     another process takes the core (0.6 beside two test runs whose load average had not yet passed
     the core count). That share is read directly from the run, so it is the signal used when the load
     average says nothing."""
