@@ -90,7 +90,7 @@ attribute read there. What keeps them lean, each giving the same guarantee as th
 - a swap record keeps its first keeper in a slot: a list per record would be one more object for the
   cyclic garbage collector to scan in every collection while the step lives: every object a save
   leaves alive until backward brings the next full collection nearer. On the benchmark's process
-  the collector measured about 5 us per swapped save, 10-15% of a swap session's cost
+  the collector measured 1-5 us per swapped save depending on the run, 3-15% of a swap session's cost
   (``benchmarks/results/overhead``). For the same reason a handle's view metadata
   holds its size as a plain tuple, not a ``torch.Size`` (:func:`~swapkit.runtime.records.view_meta`),
   the tick queues' entries are pairs of integers (``swapkit.runtime.schedule`` Note [Heap entries the
