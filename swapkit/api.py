@@ -16,7 +16,7 @@ from swapkit.runtime.recompute import Recompute
 from swapkit.plan.report import layer_lines, unmatched, unmatched_errors
 from swapkit.runtime.resolve import resolve_plan
 from swapkit.runtime.scope import ScopeTracker
-from swapkit.runtime.detach import applied, mark
+from swapkit.runtime.detach import applied, mark, shallow_copy_message
 from swapkit.runtime.session import SwapSession
 from swapkit.runtime.stage_binding import as_chunks, bind_stage, check_layout_across_ranks
 from swapkit.runtime.stage_session import StageSession
@@ -69,9 +69,10 @@ def apply(model: nn.Module | Sequence[nn.Module], config: Config | Plan | Mappin
         plan = resolve_plan(model, loaded, layers) if stage is None else build_plan(loaded)
     chunks = [model] if stage is None else as_chunks(model, plan, stage)
     for chunk in chunks:
-        if applied(chunk) is not None:
-            raise BindError(f"swapkit is already applied to this {type(chunk).__name__}; call remove() on its "
-                            "SwapSession before applying another config")
+        marker = applied(chunk)
+        if marker is not None:
+            raise BindError(shallow_copy_message(chunk, marker) or f"swapkit is already applied to this "
+                            f"{type(chunk).__name__}; call remove() on its SwapSession before applying another config")
     binding = bind(model, plan, layers) if stage is None else bind_stage(chunks, plan, layers, stage)
     if stage is not None:
         check_layout_across_ranks(plan.layout, stage)  # Note [Stage layouts agree across ranks]

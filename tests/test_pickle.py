@@ -244,3 +244,28 @@ def test_a_model_compiled_before_apply_pickles_as_the_plain_model():
     session.remove()
     assert swapkit_left(model) == [] and getattr(compiled, "_swapkit_applied", None) is None
     swapkit.apply(model, config, layers="layers").remove()
+
+
+def test_a_shallow_copy_of_the_model_takes_swapkit_once_the_session_is_removed():
+    """``copy.copy`` shares the model's layers and its marker object: refused while the session lives (it
+    would hook the same layers twice), applied as the original once ``remove()`` made the marker stale."""
+    model, reference = llama(), llama()
+    config = toy_config(4, **layer_swap(1))
+    session = swapkit.apply(model, config, layers="layers")
+    shallow = copy.copy(model)
+    with pytest.raises(swapkit.BindError, match=r"shallow copy \(copy.copy\) of a model swapkit is applied to.*"
+                                                r"call remove\(\) on that model's SwapSession first"):
+        swapkit.apply(shallow, config, layers="layers")
+    with pytest.raises(swapkit.BindError, match="already applied to this"):
+        swapkit.apply(model, config, layers="layers")
+    session.remove()
+    assert swapkit_left(copy.deepcopy(shallow)) == []  # the stale marker copies as None, strips nothing
+    again = swapkit.apply(shallow, config, layers="layers")
+    batch = llama_batch()
+    with again:
+        loss = llama_step(shallow, batch)
+    assert again.stats.offloaded_bytes > 0
+    assert torch.equal(loss, llama_step(reference, batch))
+    assert_grads_equal(grads(shallow), grads(reference))
+    again.remove()
+    assert swapkit_left(shallow) == []

@@ -1,6 +1,8 @@
 """The budget planner on a tiny random Hugging Face Llama (nothing downloaded): measure, plan, run."""
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 import yaml
@@ -142,3 +144,48 @@ def test_cli_budget_with_a_factory_model_is_a_clean_error(tmp_path, capsys):
     assert main(["plan", str(config), "--model", "mypkg.models:build", "--budget", "1MiB"]) == 2
     err = capsys.readouterr().err
     assert "--model" in err and "ModelSource" in err and "Traceback" not in err
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@pytest.fixture
+def transformers_warnings():
+    """The warnings transformers logs: on its own handler, which does not propagate (caplog misses them) and
+    writes to the stream it found at import (capsys and capfd miss them)."""
+    records, hf_logger = _Records(), logging.getLogger("transformers")
+    hf_logger.addHandler(records)
+    yield records.messages
+    hf_logger.removeHandler(records)
+
+
+@pytest.mark.parametrize("model_type", ["bert", "roberta"])
+def test_cli_plans_an_encoder_only_config_as_its_masked_lm(model_type, tmp_path, capsys, transformers_warnings):
+    """An encoder (BERT, RoBERTa) trains as its masked-LM model: not the causal-LM model, which is a
+    decoder only with is_decoder=True and warns once per build without it."""
+    import json
+
+    from swapkit.cli import main
+    from swapkit.integrations.transformers import random_model
+    from swapkit.planner.sources import _loss
+
+    model_json = tmp_path / "config.json"
+    model_json.write_text(json.dumps({"model_type": model_type, "hidden_size": 32, "intermediate_size": 64,
+                                      "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 64,
+                                      "max_position_embeddings": 64, "pad_token_id": 1}))
+    model = random_model(str(model_json)).eval()  # no dropout: the two losses below are comparable
+    assert type(model).__name__.endswith("ForMaskedLM")
+    ids = torch.randint(2, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    expected = model(input_ids=ids, labels=ids).loss  # the masked-LM loss, not a stand-in on the logits
+    assert torch.equal(_loss(model, {"input_ids": ids}), expected)
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({"model": {"model_config": {"seq_length": 16}}, "train": {"batch_size": 2}}))
+    assert main(["plan", str(config), "--model", f"hf:{model_json}", "--json", "--budget", "1GiB"]) == 0
+    assert transformers_warnings == []
+    assert len(json.loads(capsys.readouterr().out)["layers"]) == 2

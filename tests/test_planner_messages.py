@@ -9,7 +9,7 @@ import yaml
 from swapkit.cli import main
 from swapkit.config.types import EngineOptions, RuntimeConfig
 from swapkit.planner.progress import Progress, emulated_latency
-from swapkit.planner.quiet import held_warnings, setting_warnings
+from swapkit.planner.quiet import held_warnings, setting_warnings, stage_setting_warnings
 
 CONFIG = {
     "model": {"model_config": {"num_layers": 2, "hidden_size": 32, "num_heads": 2, "intermediate_size": 88,
@@ -87,6 +87,32 @@ def test_without_an_emulated_latency_the_rounds_show_only_with_v(tmp_path, capfd
     assert "measured round" not in capfd.readouterr().err
     assert main(["-v", "plan", path, "--budget", "1GiB"]) == 0
     assert "DEBUG - measured round 1 of " in capfd.readouterr().err
+
+
+PIPELINE = {**CONFIG, "parallel_config": {"pipeline_stage": 2, "micro_batch_num": 2}}
+
+
+def test_a_pipeline_config_hears_about_its_settings_once_not_once_per_stage(tmp_path, capfd):
+    """Each stage is measured on its own; the slow link and min_offload_bytes are the config's, not a stage's."""
+    argv = ["plan", str(write(tmp_path, PIPELINE)), "--budget", "1GiB", "--set", "runtime.min_offload_bytes=100000000",
+            "--set", "runtime.engine_options.latency_s=0.001"]
+    assert main(argv) == 0
+    err = capfd.readouterr().err
+    assert err.count("emulates a slow link") == 1
+    assert "(the link measurement alone: 32 copies on each of 2 stages, 0.1 s)" in err
+    assert err.count("runtime.min_offload_bytes: 100000000 is larger than every saved tensor of any stage") == 1
+    assert err.count("is larger than every saved tensor") == 1
+
+
+def test_a_setting_that_leaves_only_some_stages_nothing_names_them():
+    runtime = RuntimeConfig(min_offload_bytes=4096)
+    assert stage_setting_warnings(runtime, [[512, 1024], [1024, 2048]]) == [
+        "runtime.min_offload_bytes: 4096 is larger than every saved tensor of any stage (the largest is 2048 bytes): "
+        "the planner found nothing to swap (it plans keep and recompute only); lower it to 2048 or less to let it swap"]
+    per_stage = stage_setting_warnings(runtime, [[512, 8192], [1024, 2048]])
+    assert len(per_stage) == 1 and per_stage[0].startswith(
+        "runtime.min_offload_bytes: 4096 is larger than every saved tensor of stage 1 (the largest is 2048 bytes)")
+    assert stage_setting_warnings(runtime, [[8192], [4096]]) == []
 
 
 def test_the_estimate_counts_the_rounds_left_at_the_longest_round_and_the_link(caplog):

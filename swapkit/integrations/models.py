@@ -2,8 +2,9 @@
 
 ``pkg.module:factory`` imports ``pkg.module`` and calls ``factory()`` with the meta device as the
 default device; ``hf:<model_type>`` or ``hf:<path to config.json>`` builds a transformers model
-from its config, in the form it is trained in: the causal-LM model where the family has one, else the
-base model (:func:`swapkit.integrations.transformers.meta_random_model`).
+from its config, in the form it is trained in: the masked-LM model of an encoder-only config (BERT,
+RoBERTa, ...), else the causal-LM model where the family has one, else the base model
+(:func:`swapkit.integrations.transformers.meta_random_model`).
 """
 from __future__ import annotations
 
@@ -62,8 +63,9 @@ def _import(module_name: str, attribute: str, spec: str):
 
 
 def _hf_model(spec: str) -> nn.Module:
-    """The family's training form (its causal-LM model when it has one, as ``--budget`` trains and as
-    users train): layer paths such as ``model.layers`` mean the same with and without ``--budget``."""
+    """The family's training form (masked LM for an encoder-only config, else its causal-LM model when it
+    has one, as ``--budget`` trains and as users train): layer paths such as ``model.layers`` mean the
+    same with and without ``--budget``."""
     try:
         from swapkit.integrations.transformers import meta_random_model
     except ImportError as err:

@@ -25,7 +25,9 @@ from typing import Any, Mapping, Sequence
 
 import torch
 from torch import nn
-from transformers import CONFIG_MAPPING, AutoConfig, AutoModel, AutoModelForCausalLM, TrainerCallback
+from transformers import (CONFIG_MAPPING, AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM,
+                          TrainerCallback)
+from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
 import swapkit
 from swapkit.config.errors import clip
@@ -148,8 +150,9 @@ def meta_model(spec: str) -> nn.Module:
 
 
 def random_model(spec: str, seed: int = 0) -> nn.Module:
-    """The model ``spec`` names (as :func:`meta_model`) with seeded random weights on the CPU: the
-    family's causal-LM head when it has one, else the base model (``swapkit plan --budget --model``).
+    """The model ``spec`` names (as :func:`meta_model`) with seeded random weights on the CPU, in the
+    form it is trained in (``swapkit plan --budget --model``): the masked-LM model of an encoder-only
+    config (BERT, RoBERTa, ...), else the family's causal-LM model when it has one, else the base model.
 
     Raises:
         ValueError: as :func:`meta_model`.
@@ -171,10 +174,22 @@ def meta_random_model(spec: str) -> nn.Module:
 
 
 def _training_form(model_config: Any) -> nn.Module:
+    if is_encoder_only(model_config):
+        return AutoModelForMaskedLM.from_config(model_config)
     try:
         return AutoModelForCausalLM.from_config(model_config)
     except ValueError:  # a family without a causal-LM head
         return AutoModel.from_config(model_config)
+
+
+def is_encoder_only(model_config: Any) -> bool:
+    """Whether a config is an encoder trained as a masked LM (BERT, RoBERTa, ELECTRA, ...): a family with
+    a masked-LM model, configured neither as a decoder nor as an encoder-decoder. Such families' causal-LM
+    models (``BertLMHeadModel``) are decoders only with ``is_decoder=True``; built from the encoder's config
+    they warn and train a head and an attention mask that BERT users do not."""
+    return (model_config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+            and not getattr(model_config, "is_decoder", False)
+            and not getattr(model_config, "is_encoder_decoder", False))
 
 
 def _config_for_type(model_type: str) -> Any:

@@ -7,8 +7,9 @@ copies per size and direction) and runs a swap probe (every layer swapped with d
 ``swapkit.planner.measure`` Note [Release lag]) whose backward waits for each prefetch in turn, so
 with a latency of 0.2 s a 2-layer model took a minute to plan, in silence. The sleeps are the
 measurement (how late copies finish under that link is what the release lag and the copy overhead
-need), so they stay; instead the planner says up front, once, that the emulated latency makes it
-slow and how long the link measurement alone sleeps, and logs each measurement round as it ends
+need), so they stay; instead the planner says up front, once (once for a pipeline config too, whose
+stages each measure the link), that the emulated latency makes it slow and how long the link
+measurement alone sleeps, and logs each measurement round as it ends
 with an estimate of what is left. Without an emulated latency the rounds take a few seconds in all
 and are logged at DEBUG (``-v``). Progress goes to the ``swapkit.planner.progress`` logger, which
 the CLI shows at INFO even where it hides the measurement runs' own lines.
@@ -29,15 +30,21 @@ def emulated_latency(runtime: RuntimeConfig, device_type: str) -> float:
     return runtime.engine_options.latency_s if thread else 0.0
 
 
-def announce(latency: float) -> float:
+def link_seconds(latency: float) -> float:
+    """How long one link measurement sleeps under an emulated ``latency`` (0: not slow)."""
+    return copies_per_measurement() * latency
+
+
+def announce(latency: float, stages: int = 1) -> None:
     """The up-front line when an emulated latency makes the measurement slow (Note [An emulated link
-    makes planning slow]); returns how long the link measurement will sleep (0: not slow)."""
+    makes planning slow]), said once for the user's config: a pipeline's ``stages`` each measure the link."""
+    if latency <= 0:
+        return
     copies = copies_per_measurement()
-    if latency > 0:
-        logger.info("runtime.engine_options.latency_s: %g emulates a slow link: every copy of the planner's swap "
-                    "probe and of its link measurement sleeps it (the link measurement alone: %d copies, %.1f s); "
-                    "progress follows per measurement round", latency, copies, copies * latency)
-    return copies * latency
+    count = f"{copies} copies" if stages == 1 else f"{copies} copies on each of {stages} stages"
+    logger.info("runtime.engine_options.latency_s: %g emulates a slow link: every copy of the planner's swap "
+                "probe and of its link measurement sleeps it (the link measurement alone: %s, %.1f s); "
+                "progress follows per measurement round", latency, count, stages * link_seconds(latency))
 
 
 class Progress:

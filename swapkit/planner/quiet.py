@@ -10,9 +10,11 @@ never configured. While the runs are measured, WARNING records of the loggers th
 session or a plan (:data:`RUN_LOGGERS`) are therefore held back (a filter on each logger: a filter
 on a parent logger does not see its children's records). Afterwards the planner says, about the
 user's config, what the held-back warnings stood for (:func:`setting_warnings`: the swap settings
-that leave the planner nothing to swap, from the measured sizes); the others are logged at DEBUG
-(``-v``), naming the run they came from. The input config's own warnings were logged when it was
-loaded. INFO lines (the runs' ``Formative`` / ``Set`` lines, shown with ``--log``) pass unchanged.
+that leave the planner nothing to swap, from the measured sizes; for a pipeline config once, not
+once per stage measured, unless a setting leaves only some stages nothing:
+:func:`stage_setting_warnings`); the others are logged at DEBUG (``-v``), naming the run they came
+from. The input config's own warnings were logged when it was loaded.
+INFO lines (the runs' ``Formative`` / ``Set`` lines, shown with ``--log``) pass unchanged.
 """
 from __future__ import annotations
 
@@ -61,22 +63,32 @@ def held_warnings(logger: logging.Logger) -> Iterator[HeldWarnings]:
             logger.debug("a measurement run (a config the planner wrote, not yours) warned: %s", message)
 
 
-def setting_warnings(runtime: RuntimeConfig, sizes: list[int]) -> list[str]:
+def setting_warnings(runtime: RuntimeConfig, sizes: list[int], what: str = "this model") -> list[str]:
     """What the user's swap settings leave the planner, given every saved storage's size: nothing to
     swap when ``runtime.min_offload_bytes`` is above all of them or ``runtime.max_host_bytes`` below
-    every one it could swap."""
+    every one it could swap. ``what`` names whose storages they are."""
     if not sizes:
         return []
     largest, floor = max(sizes), runtime.min_offload_bytes
     if floor > largest:
-        return [f"runtime.min_offload_bytes: {floor} is larger than every saved tensor of this model (the largest "
+        return [f"runtime.min_offload_bytes: {floor} is larger than every saved tensor of {what} (the largest "
                 f"is {largest} bytes): the planner found nothing to swap (it plans keep and recompute only); lower it "
                 f"to {largest} or less to let it swap"]
     swappable = [size for size in sizes if size >= floor]
     cap = runtime.max_host_bytes
     if cap is not None and cap < min(swappable):
-        return [f"runtime.max_host_bytes: {cap} is smaller than every saved tensor the planner could swap (the "
-                f"smallest is {min(swappable)} bytes): a swap in the plan would move nothing under it, and the "
+        return [f"runtime.max_host_bytes: {cap} is smaller than every saved tensor the planner could swap in {what} "
+                f"(the smallest is {min(swappable)} bytes): a swap in the plan would move nothing under it, and the "
                 f"planner could not measure how late copies finish; raise it to at least {max(swappable)} or "
                 "remove it"]
     return []
+
+
+def stage_setting_warnings(runtime: RuntimeConfig, sizes: list[list[int]]) -> list[str]:
+    """:func:`setting_warnings` for a pipeline, given each stage's storage sizes: said once about the
+    user's config where a setting leaves no stage anything to swap, else once per stage it leaves
+    nothing (a warning that really differs per stage)."""
+    whole = setting_warnings(runtime, [size for stage in sizes for size in stage], "any stage")
+    if whole:
+        return whole
+    return [message for stage, one in enumerate(sizes) for message in setting_warnings(runtime, one, f"stage {stage}")]

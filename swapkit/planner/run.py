@@ -23,7 +23,7 @@ from swapkit.plan.simulate import Links, simulate
 from swapkit.plan.trace import KEEP, RECOMPUTE, SELECT, Trace, compose
 from swapkit.planner.link import measure_link
 from swapkit.planner.measure import PROBE, PROBE_DISTANCE, Tracer, mode_config, release_lag
-from swapkit.planner.progress import announce, emulated_latency
+from swapkit.planner.progress import announce, emulated_latency, link_seconds
 from swapkit.planner.quiet import held_warnings, setting_warnings
 from swapkit.planner.segments import build_trace, to_segments
 from swapkit.planner.sampling import measure_modes
@@ -61,7 +61,8 @@ class Measured:
 
 
 def measure(config: Config | Mapping[str, Any] | str | Path, device: str | None = None, steps: int = 3,
-            warmup: int = 1, model: ModelSource | None = None, select: bool = True) -> Measured:
+            warmup: int = 1, model: ModelSource | None = None, select: bool = True, *,
+            config_notes: bool = True) -> Measured:
     """Measure ``steps`` training steps (after ``warmup``) of the configured built-in model, or of
     ``model``, kept and fully recomputed (``swapkit.planner.measure.Note [Measuring in two modes]``),
     the link, and a swap probe; with ``select`` also the two children of a layer that own the most
@@ -72,6 +73,9 @@ def measure(config: Config | Mapping[str, Any] | str | Path, device: str | None 
 
     Args:
         config: a ``Config``, or what :func:`swapkit.load_config` takes (a dict in the YAML layout, a path).
+        config_notes: log what concerns the user's config (the slow-link notice of
+            ``swapkit.planner.progress``, :func:`~swapkit.planner.quiet.setting_warnings`); ``False`` where
+            the caller says them once for several measurements (a pipeline's stages).
 
     Raises:
         ConfigError: ``parallel_config.pipeline_stage`` is not 1, the device is unavailable or does not
@@ -96,7 +100,10 @@ def measure(config: Config | Mapping[str, Any] | str | Path, device: str | None 
 
     first = {mode: mode_config(config, mode) for mode in FIRST_MODES}
     # the link's sleeps after the rounds, said up front (swapkit.planner.progress Note [An emulated link ...])
-    slow = announce(emulated_latency(config.runtime, where.type))
+    latency = emulated_latency(config.runtime, where.type)
+    if config_notes:
+        announce(latency)
+    slow = link_seconds(latency)
     with held_warnings(logger):  # swapkit.planner.quiet Note [Warnings about the measurement runs]
         results = measure_modes(first, later, where, patterns, steps, warmup, model, slow)
     runs = {mode: result[0] for mode, result in results.items() if mode != PROBE}
@@ -105,8 +112,9 @@ def measure(config: Config | Mapping[str, Any] | str | Path, device: str | None 
     links = _measure_links(config, where, trace, results[PROBE][3])
     links = dataclasses.replace(links, copy_overhead_s=copy_overhead(trace, links, keep_step, results[PROBE][4],
                                                                      config.runtime.min_offload_bytes))
-    for message in setting_warnings(config.runtime, _storage_sizes(trace)):
-        logger.warning(message)
+    if config_notes:
+        for message in setting_warnings(config.runtime, storage_sizes(trace)):
+            logger.warning(message)
     useful = [useful_scopes(trace, i, scopes[i], config.runtime.min_offload_bytes) for i in range(len(scopes))]
     return Measured(trace, links, useful, str(where))
 
@@ -191,10 +199,10 @@ def _config_patterns(config: Config) -> list[tuple[str, ...]]:
     return [tuple(p for p, _ in layer.op_swap) + layer.select + layer.comm for layer in plan.layers]
 
 
-def _storage_sizes(trace: Trace) -> list[int]:
+def storage_sizes(trace: Trace) -> list[int]:
     """The size of every storage the keep run saved (the session's records)."""
     return [save.nbytes for segment in trace.modes[KEEP].values() for save in segment.forward if save.storage]
 
 
 def _largest_storage(trace: Trace) -> int:
-    return max(_storage_sizes(trace), default=1 << 20)
+    return max(storage_sizes(trace), default=1 << 20)

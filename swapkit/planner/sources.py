@@ -1,9 +1,11 @@
 """``swapkit plan --budget --model hf:...``: a tiny-step recipe for a transformers model.
 
 The planner has to run training steps, so it needs real weights (random, seeded), a batch and a
-loss. For ``hf:<model_type>`` or ``hf:<config.json>`` the causal-LM head of that family is built
-when it has one (loss: next-token cross entropy on random tokens); otherwise the base model, with
-the mean square of its last hidden state as a stand-in loss. Other ``--model`` forms name a factory
+loss. For ``hf:<model_type>`` or ``hf:<config.json>`` the model is built in its training form
+(:func:`swapkit.integrations.transformers.random_model`): the masked-LM model of an encoder-only
+config (BERT, RoBERTa, ...; loss: cross entropy predicting every random token), else the family's
+causal-LM model (loss: next-token cross entropy on random tokens), else the base model, with the mean
+square of its last hidden state as a stand-in loss. Other ``--model`` forms name a factory
 whose inputs swapkit cannot know: plan those from Python with
 :class:`~swapkit.planner.steps.ModelSource`.
 """
@@ -83,4 +85,6 @@ def _loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def _has_lm_head(model: nn.Module) -> bool:
-    return type(model).__name__.endswith("ForCausalLM")
+    """A causal- or masked-LM model: ``labels`` gives its loss (a masked LM's logits cover every position
+    whichever tokens are labelled, so labelling all of them measures the memory of masking some)."""
+    return type(model).__name__.endswith(("ForCausalLM", "ForMaskedLM"))

@@ -9,6 +9,7 @@ global layer indices.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -23,10 +24,15 @@ from swapkit.plan.plan import build_plan
 from swapkit.plan.planner import BudgetError, Choice, Planned, plan_budget
 from swapkit.plan.size import parse_size
 from swapkit.plan.stages import SCHEDULES, StageBudgetError, StagePlanner, StageSchedule
-from swapkit.planner.run import Measured, measure
+from swapkit.planner.progress import announce, emulated_latency
+from swapkit.planner.quiet import stage_setting_warnings
+from swapkit.planner.run import Measured, measure, storage_sizes
 from swapkit.planner.steps import ModelSource
 from swapkit.train.budget import BUILTIN_FIX, builtin_sizes, check_step_memory
+from swapkit.train.loop import resolve_device
 from swapkit.train.model import lm_loss
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -98,15 +104,21 @@ def plan_stages(config: Config, budget_text: str, device: str | None = None,
 
 
 def measure_stages(config: Config, device: str | None = None, steps: int = 3, warmup: int = 1) -> list[Measured]:
-    """Each stage's layers measured in this process, one micro-batch per step (module docstring).
+    """Each stage's layers measured in this process, one micro-batch per step (module docstring). What
+    concerns the user's config (an emulated slow link, swap settings that leave nothing to swap) is said
+    once, not once per stage's measurement.
 
     Raises:
         ConfigError: a schedule the planner does not replay.
     """
     schedule_of(config)
-    plan = build_plan(config)
-    return [measure(measuring_config(config, len(plan.stage_layers(stage)[0])), device, steps, warmup,
-                    model=stage_source(config, stage)) for stage in range(config.parallel.pipeline_stage)]
+    plan, stages = build_plan(config), config.parallel.pipeline_stage
+    announce(emulated_latency(config.runtime, resolve_device(config, device).type), stages)
+    measured = [measure(measuring_config(config, len(plan.stage_layers(stage)[0])), device, steps, warmup,
+                        model=stage_source(config, stage), config_notes=False) for stage in range(stages)]
+    for message in stage_setting_warnings(config.runtime, [storage_sizes(one.trace) for one in measured]):
+        logger.warning(message)
+    return measured
 
 
 def measuring_config(config: Config, num_layers: int) -> Config:

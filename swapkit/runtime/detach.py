@@ -36,7 +36,11 @@ of ``copy.deepcopy(model)`` names nothing of swapkit. A layer copied or pickled 
 no marker: its stand-ins stay in its hook dicts as no-op hooks (and a class-forward stand-in in its
 ``__dict__``), and it computes as the plain layer does, without swapkit. A shallow ``copy.copy``
 shares the original's hook dicts (and parameters): a layer's scope hook raises when such a copy is
-called (``swapkit.runtime.scope``).
+called (``swapkit.runtime.scope``). A shallow copy of the model shares its sub-modules and holds the
+same marker object: while the session lives, applying swapkit to the copy is refused (it would hook
+the original's layers a second time; :func:`shallow_copy_message`); ``session.remove()`` clears the
+marker's session (:func:`unmark`), so the copy's marker is stale, :func:`applied` ignores it, and
+swapkit can be applied to the copy as to the original.
 """
 from __future__ import annotations
 
@@ -175,7 +179,9 @@ class AppliedMarker:
         self.session, self.owner = session, owner
 
     def _touched(self) -> tuple[list[tuple[dict, ...]], list[nn.Module]]:
-        """The hook dicts of the owner's hooked modules, and its wrapped modules."""
+        """The hook dicts of the owner's hooked modules, and its wrapped modules (none once removed)."""
+        if self.session is None:
+            return [], []
         own = {id(m) for m in self.owner.modules()}
         hooked, wrapped = self.session.attached_modules()
         return ([hook_dicts(m) for m in _unique(hooked) if id(m) in own],
@@ -211,8 +217,20 @@ def stored_module(module: nn.Module) -> nn.Module:
 
 
 def applied(module: nn.Module) -> AppliedMarker | None:
-    """The marker of the session applied to ``module``, or ``None``."""
-    return stored_module(module).__dict__.get(APPLIED)
+    """The marker of the live session applied to ``module``, or ``None`` (also for the stale marker a
+    shallow copy kept of a session since removed)."""
+    marker = stored_module(module).__dict__.get(APPLIED)
+    return marker if marker is not None and marker.session is not None else None
+
+
+def shallow_copy_message(module: nn.Module, marker: AppliedMarker) -> str | None:
+    """Why swapkit cannot be applied to ``module`` when it is a shallow copy of the model ``marker`` is
+    on (Note [Copies and pickles of a model swapkit was applied to]), or ``None`` when it is not one."""
+    if marker.owner is stored_module(module):
+        return None
+    return (f"this {type(module).__name__} is a shallow copy (copy.copy) of a model swapkit is applied to: it shares "
+            "that model's layers and their hooks; call remove() on that model's SwapSession first, or apply "
+            "swapkit to a copy.deepcopy of the model")
 
 
 def mark(module: nn.Module, session: Any) -> None:
@@ -222,5 +240,8 @@ def mark(module: nn.Module, session: Any) -> None:
 
 
 def unmark(module: nn.Module) -> None:
-    """Remove ``module``'s marker (``session.remove()``)."""
-    stored_module(module).__dict__.pop(APPLIED, None)
+    """Remove ``module``'s marker and clear its session (``session.remove()``): a shallow copy of
+    ``module`` holds the same marker, now stale."""
+    marker = stored_module(module).__dict__.pop(APPLIED, None)
+    if marker is not None:
+        marker.session = None
