@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
 import yaml
 
 from swapkit.cli import main
@@ -162,3 +163,34 @@ def test_budget_says_once_that_it_replaces_the_input_sections_and_not_how_to_act
 def test_budget_without_swap_or_recompute_sections_says_nothing_about_them(tmp_path, capfd):
     assert main(["plan", str(write(tmp_path, CONFIG)), "--budget", "1GiB"]) == 0
     assert "--budget replaces" not in capfd.readouterr().err
+
+
+def test_rounds_are_counted_right_when_the_first_rounds_pick_no_more_modes(monkeypatch, caplog):
+    """A pipeline stage with nothing to select logged an empty round for the modes it did not pick: "round 5 of 4 ()"."""
+    from swapkit.planner import sampling
+
+    class FakeRun:
+        last, scopes = None, []
+
+        def __init__(self, *args):
+            pass
+
+        def step_pair(self, number, record):
+            pass
+
+        def result(self, factor):
+            return ()
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(sampling, "ModeRun", FakeRun)
+    monkeypatch.setattr(sampling, "pooled_factor", lambda runs: 1.0)
+    with caplog.at_level(logging.DEBUG, logger="swapkit.planner.progress"):  # the CLI tests set its level
+        sampling.measure_modes({"keep": None, "probe": None}, lambda tracer, scopes: {}, torch.device("cpu"), [],
+                               steps=3, warmup=1, model=None)
+    rounds = [r.getMessage() for r in caplog.records if r.getMessage().startswith("measured round ")]
+    # the total is known once the warm-up picked the later modes: none here, so their warm-up never runs
+    assert [line.split(" (")[0] for line in rounds] == ["measured round 1 of 5"] + [
+        f"measured round {n} of 4" for n in range(2, 5)]
+    assert all("(keep, probe)" in line for line in rounds)

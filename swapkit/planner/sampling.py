@@ -136,8 +136,10 @@ def measure_modes(first: dict[str, Config], later: Later, device: torch.device, 
         keep = next(iter(runs.values()))
         picked = later(keep.last, keep.scopes)
         added = {mode: ModeRun(config, device, patterns, model) for mode, config in picked.items()}
-        progress.rounds -= 0 if added else warmup
-        _rounds(added, range(warmup), False, progress)
+        if added:
+            _rounds(added, range(warmup), False, progress)
+        else:  # no round to run or to count for them
+            progress.rounds -= warmup
         runs.update(added)
         _rounds(runs, range(warmup, warmup + steps), True, progress)
         factor = pooled_factor(list(runs.values()))
