@@ -1,6 +1,8 @@
 """Shared pytest setup: ``@pytest.mark.cuda`` tests are skipped on machines without CUDA; shared fixtures."""
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -47,3 +49,14 @@ def remove_sessions(monkeypatch):
     yield
     for session in made:
         session.remove()
+
+
+@pytest.fixture
+def cli_loggers_restored():
+    """``swapkit.cli.main`` configures the ``swapkit`` logger (handler, level, no propagation) and the
+    planner's progress logger (its level); put both back as they were after the test."""
+    loggers = [logging.getLogger(name) for name in ("swapkit", "swapkit.planner.progress")]
+    saved = [(logger.handlers[:], logger.level, logger.propagate) for logger in loggers]
+    yield
+    for logger, (handlers, level, propagate) in zip(loggers, saved):
+        logger.handlers[:], logger.level, logger.propagate = handlers, level, propagate

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -17,13 +16,7 @@ CONFIGS = ROOT / "configs"
 SEED_CONFIGS = sorted(CONFIGS.glob("*.yaml"))
 
 
-@pytest.fixture(autouse=True)
-def restore_swapkit_logger():
-    """main() configures the `swapkit` logger (handler, level, no propagation); undo it after each test."""
-    logger = logging.getLogger("swapkit")
-    saved = (logger.handlers[:], logger.level, logger.propagate)
-    yield
-    logger.handlers[:], logger.level, logger.propagate = saved[0], saved[1], saved[2]
+pytestmark = pytest.mark.usefixtures("cli_loggers_restored")  # conftest
 
 
 def run_main(capsys, *argv):

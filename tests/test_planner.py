@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 
 import pytest
 import torch
@@ -24,12 +23,7 @@ CONFIG = {
 }
 
 
-@pytest.fixture(autouse=True)
-def restore_swapkit_logger():
-    logger = logging.getLogger("swapkit")
-    saved = (logger.handlers[:], logger.level, logger.propagate)
-    yield
-    logger.handlers[:], logger.level, logger.propagate = saved
+pytestmark = pytest.mark.usefixtures("cli_loggers_restored")  # conftest
 
 
 @pytest.fixture(autouse=True, scope="module")

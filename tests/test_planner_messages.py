@@ -20,12 +20,7 @@ CONFIG = {
 }
 
 
-@pytest.fixture(autouse=True)
-def restore_swapkit_logger():
-    logger = logging.getLogger("swapkit")
-    saved = (logger.handlers[:], logger.level, logger.propagate)
-    yield
-    logger.handlers[:], logger.level, logger.propagate = saved
+pytestmark = pytest.mark.usefixtures("cli_loggers_restored")  # conftest
 
 
 @pytest.fixture(autouse=True, scope="module")
