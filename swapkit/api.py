@@ -16,7 +16,7 @@ from swapkit.runtime.recompute import Recompute
 from swapkit.plan.report import layer_lines, unmatched, unmatched_errors
 from swapkit.runtime.resolve import resolve_plan
 from swapkit.runtime.scope import ScopeTracker
-from swapkit.runtime.detach import applied, mark, shallow_copy_message
+from swapkit.runtime.detach import applied, carries_swapkit, mark, shallow_copy_message
 from swapkit.runtime.session import SwapSession
 from swapkit.runtime.stage_binding import as_chunks, bind_stage, check_layout_across_ranks
 from swapkit.runtime.stage_session import StageSession
@@ -74,6 +74,7 @@ def apply(model: nn.Module | Sequence[nn.Module], config: Config | Plan | Mappin
             raise BindError(shallow_copy_message(chunk, marker) or f"swapkit is already applied to this "
                             f"{type(chunk).__name__}; call remove() on its SwapSession before applying another config")
     binding = bind(model, plan, layers) if stage is None else bind_stage(chunks, plan, layers, stage)
+    _refuse_shared_layers(binding, type(chunks[0]).__name__)
     if stage is not None:
         check_layout_across_ranks(plan.layout, stage)  # Note [Stage layouts agree across ranks]
     _log(plan, binding, type(chunks[0]).__name__)
@@ -90,6 +91,18 @@ def apply(model: nn.Module | Sequence[nn.Module], config: Config | Plan | Mappin
     for chunk in chunks:  # set last: swapkit.runtime.detach Note [Copies and pickles of a model ...]
         mark(chunk, session)
     return session
+
+
+def _refuse_shared_layers(binding: Any, owner: str) -> None:
+    """A bound layer that already carries another session's hooks belongs to another model too (swapkit.runtime.detach
+    Note [Copies and pickles of a model swapkit was applied to]): hooking it again would swap and recompute twice."""
+    for layer in binding.layers:
+        if carries_swapkit(layer.module):
+            raise BindError(f"layer {layer.index} of this {owner} already carries the hooks of another swapkit session: "
+                            "another model shares it (a shallow copy.copy of this model or the model this one was "
+                            "copied from, or a module that contains it or is part of it) and swapkit is applied to "
+                            "that model; call remove() on that model's SwapSession first, or copy models with "
+                            "copy.deepcopy")
 
 
 def _not_a_model(model: Any) -> BindError:

@@ -267,5 +267,22 @@ def test_a_shallow_copy_of_the_model_takes_swapkit_once_the_session_is_removed()
     assert again.stats.offloaded_bytes > 0
     assert torch.equal(loss, llama_step(reference, batch))
     assert_grads_equal(grads(shallow), grads(reference))
+    with pytest.raises(swapkit.BindError, match=r"layer 0 of this .* already carries the hooks of another swapkit "
+                                                r"session: another model shares it"):
+        swapkit.apply(model, config, layers="layers")  # the original shares the layers the copy hooked
     again.remove()
     assert swapkit_left(shallow) == []
+    swapkit.apply(model, config, layers="layers").remove()  # free again once the copy's session is removed
+
+
+def test_a_layer_another_session_hooked_is_refused_not_hooked_twice():
+    """swapkit applied to a module holding the layers (here a wrapper around the model) after it was applied to
+    the model itself: both would swap and recompute the same layers."""
+    model = llama()
+    config = toy_config(4, **layer_swap(1))
+    inner = swapkit.apply(model, config, layers="layers")
+    outer = torch.nn.Sequential(model)
+    with pytest.raises(swapkit.BindError, match="layer 0 of this Sequential already carries the hooks of another"):
+        swapkit.apply(outer, config, layers="0.layers")
+    inner.remove()
+    swapkit.apply(outer, config, layers="0.layers").remove()

@@ -223,6 +223,19 @@ def applied(module: nn.Module) -> AppliedMarker | None:
     return marker if marker is not None and marker.session is not None else None
 
 
+def carries_swapkit(module: nn.Module) -> bool:
+    """Whether ``module`` or a sub-module holds a live hook or forward wrapper of a swapkit session: a layer
+    another model shares (a shallow ``copy.copy`` swapkit was applied to, or a module containing this layer
+    or contained in it), which ``apply`` refuses to hook a second time."""
+    for sub in module.modules():
+        if isinstance(sub.__dict__.get("forward"), AttachedForward):
+            return True
+        for hooks in (sub._forward_pre_hooks, sub._forward_hooks):
+            if any(isinstance(hook, AttachedHook) for hook in hooks.values()):
+                return True
+    return False
+
+
 def shallow_copy_message(module: nn.Module, marker: AppliedMarker) -> str | None:
     """Why swapkit cannot be applied to ``module`` when it is a shallow copy of the model ``marker`` is
     on (Note [Copies and pickles of a model swapkit was applied to]), or ``None`` when it is not one."""
