@@ -130,9 +130,10 @@ class ThreadCopyEngine:
 
         return self._submit(job)
 
-    def producer(self) -> None:
-        """A tensor saved on CPU is complete when saved: nothing to order copies after."""
-        return None
+    #: ``producer()`` is always ``None``: a tensor saved on CPU is complete when saved, nothing to order copies
+    #: after. ``NoneType`` called returns ``None`` in C, without the Python frame a method costs at every
+    #: swapped save (swapkit.runtime.step Note [The cost of a save]).
+    producer = staticmethod(type(None))
 
     def reading_sources(self) -> contextlib.nullcontext:
         """Sources are read after their copy finished (releases wait for ``ready``): no ordering needed."""

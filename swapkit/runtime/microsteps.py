@@ -35,13 +35,13 @@ brings bytes back early; correctness never depends on it (an unpack waits for it
 from __future__ import annotations
 
 import sys
-import threading
 from collections import defaultdict
 from dataclasses import dataclass, fields
 from typing import Any, Callable
 
 import torch
 
+from swapkit.runtime.ledger import ByteLedger
 from swapkit.runtime.records import Saved
 from swapkit.runtime.scope import Frame
 from swapkit.runtime.step import Step
@@ -59,6 +59,7 @@ class MicroStep(Step):
         self.group, self.key = group, key
         super().__init__(number, *step_args, on_backward=group.backward_began, swap_scopes=swap_scopes)
         self.forward_done = self.direct = self.tail_released = False
+        self.bytes_changed = self._changed_in_group  # its own ledger and the optimizer step's
 
     def save(self, tensor: torch.Tensor, frame: Frame | None) -> Saved:
         """Pack one tensor; first release what earlier micro-steps' finished copies allow."""
@@ -87,13 +88,11 @@ class MicroStep(Step):
             for record in self._prefetch.pop_due(bound):
                 record.fetch(bound)
 
-    def device_bytes_added(self, nbytes: int) -> None:
-        super().device_bytes_added(nbytes)
-        self.group.bytes_changed(nbytes)
-
-    def device_bytes_freed(self, nbytes: int) -> None:
-        super().device_bytes_freed(nbytes)
-        self.group.bytes_changed(-nbytes)
+    def _changed_in_group(self, delta: int) -> None:
+        """Device bytes changed by ``delta``, in this micro-step and in its optimizer step (whose peak is
+        of the micro-steps' sum): two appends, no lock (swapkit.runtime.ledger Note [The device-bytes ledger])."""
+        self.ledger.changed(delta)
+        self.group.ledger.changed(delta)
 
 
 @dataclass(frozen=True)
@@ -117,8 +116,7 @@ class MicroSteps:
         self._opened: dict[int, int] = defaultdict(int)
         self._last_opened: MicroStep | None = None
         self._allocations_at_start = host_allocations
-        self.device_bytes = self.peak_device_bytes = 0
-        self._lock = threading.Lock()
+        self.ledger = ByteLedger()  # the sum over its micro-steps (swapkit.runtime.ledger)
 
     # ------------------------------------------------------------------ forward
 
@@ -177,11 +175,6 @@ class MicroSteps:
 
     # ------------------------------------------------------------------ accounting and end
 
-    def bytes_changed(self, delta: int) -> None:
-        with self._lock:
-            self.device_bytes += delta
-            self.peak_device_bytes = max(self.peak_device_bytes, self.device_bytes)
-
     def finish(self) -> None:
         """The block ended: forwards without a backward yet wait for their copies (eval, or backward later)."""
         for step in self.steps:
@@ -206,7 +199,7 @@ class MicroSteps:
             _add(total, part)
         total.skipped, total.offloaded_by_scope = dict(total.skipped), dict(total.offloaded_by_scope)
         total.recomputed_by_scope = dict(total.recomputed_by_scope)
-        total.peak_device_bytes, total.resident_bytes = self.peak_device_bytes, self.device_bytes
+        total.resident_bytes, total.peak_device_bytes = self.ledger.settle()
         total.host_pool_bytes = parts[-1].host_pool_bytes if parts else 0
         total.host_allocations = host_allocations - self._allocations_at_start
         total.micro_steps = len(parts)

@@ -96,7 +96,7 @@ class Recipe:
 
     def __del__(self) -> None:
         if self.nbytes:
-            self.step.device_bytes_freed(self.nbytes)
+            self.step.bytes_changed(-self.nbytes)
 
 
 def _unchanged(value: PackedInput) -> bool:

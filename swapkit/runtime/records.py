@@ -79,7 +79,7 @@ from __future__ import annotations
 import functools
 import weakref
 from operator import attrgetter, itemgetter
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import torch
 
@@ -108,9 +108,9 @@ class StepState(Protocol):
     lock: threading.RLock
     stats: SwapStats  # changed under ``lock`` (Note [Unpacks from several threads])
 
-    def device_bytes_added(self, nbytes: int) -> None: ...
-
-    def device_bytes_freed(self, nbytes: int) -> None: ...
+    #: ``bytes_changed(+n)`` / ``bytes_changed(-n)``: device bytes held, from any thread without a lock
+    #: (swapkit.runtime.ledger Note [The device-bytes ledger])
+    bytes_changed: Callable[[int], None]
 
     def late_fetch(self, lead: int, timing: Any) -> None: ...
 
@@ -157,7 +157,7 @@ class KeptRecord:
         return self._storage
 
     def __del__(self) -> None:  # Note [Record lifetime]
-        self.step.device_bytes_freed(self.nbytes)
+        self.step.bytes_changed(-self.nbytes)
 
 
 class SwapRecord:
@@ -206,7 +206,7 @@ class SwapRecord:
         self.keeper, self.more = None, ()
         self.released = True
         self.resident = False
-        self.step.device_bytes_freed(self.nbytes)
+        self.step.bytes_changed(-self.nbytes)
 
     def fetch(self, tick: int) -> None:
         """Start the host-to-device copy (once) at backward tick ``tick``; the host buffer can go
@@ -224,7 +224,7 @@ class SwapRecord:
         stats.prefetched_tensors += 1
         stats.prefetched_bytes += self.nbytes
         if not self.resident:  # back on the device
-            step.device_bytes_added(self.nbytes)
+            step.bytes_changed(self.nbytes)
             self.resident = True
 
     def restore(self, meta: tuple, tick: int) -> torch.Tensor:
@@ -280,7 +280,7 @@ class SwapRecord:
             with self.step.lock:
                 self._let_go()
         if resident:
-            self.step.device_bytes_freed(self.nbytes)
+            self.step.bytes_changed(-self.nbytes)
 
 
 def empty_keepers(keepers: tuple[torch.Tensor, ...]) -> None:

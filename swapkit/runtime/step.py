@@ -72,8 +72,9 @@ attribute read there. What keeps them lean, each giving the same guarantee as th
   (``swapkit.runtime.schedule`` Note [In-order pushes]); the records waiting for their copy are a
   deque in copy order, and the engine is asked whether a copy finished once per batch, in forward
   (Note [Releases never stall compute]) and in backward (``SwapRecord.restore``);
-- the device-byte counters have their own plain lock (records die on any thread), not the step's
-  re-entrant one;
+- a device-byte change is one append to the step's ledger, a C call with no lock (records die on any
+  thread): the total and its peak are replayed in order when read (``swapkit.runtime.ledger`` Note
+  [The device-bytes ledger]);
 - in backward, once nothing is left to prefetch, the step turns ``watch_unpacks`` off and the session's
   unpack no longer calls it: only backward pops the prefetch queue and nothing pushes to it any more,
   so an empty queue stays empty (a :class:`~swapkit.runtime.microsteps.MicroStep` keeps watching: it
@@ -114,6 +115,7 @@ import torch
 from swapkit.config.types import RuntimeConfig
 from swapkit.engine import CopyEngine, HostPool
 from swapkit.runtime.batch import Batch
+from swapkit.runtime.ledger import SETTLE_TICKS, ByteLedger
 from swapkit.runtime.recipes import Recipe, RecomputableOutputs, RecomputedOutput
 from swapkit.runtime.records import (
     KeptRecord, Saved, SwapRecord, empty_keepers, is_parameter, make_saved, view_meta,
@@ -126,6 +128,8 @@ from swapkit.runtime.stats import SwapStats
 
 _TENSOR, _PARAMETER, _STRIDED = torch.Tensor, torch.nn.Parameter, torch.strided
 
+
+_SETTLE_MASK = SETTLE_TICKS - 1
 
 _horizon = operator.attrgetter("horizon")  # a record's tick key, read in C (Note [The cost of a save])
 
@@ -168,12 +172,12 @@ class Step:
         self._allocations_at_start = pool.allocations
         self.stats = SwapStats(step=number, skipped=defaultdict(int), offloaded_by_scope=defaultdict(int),
                                recomputed_by_scope=defaultdict(int))
-        self.device_bytes = 0
+        self.ledger = ByteLedger()  # swapkit.runtime.ledger Note [The device-bytes ledger]
+        self.bytes_changed = self.ledger.changed  # +n / -n device bytes, from any thread: one C call
         self.swap_scopes = swap_scopes  # (layer, op path) of every configured swap scope
         self._entered: dict[tuple[int, str], str | None] = {}  # swap scopes entered in forward -> cause
         self._seen: set[tuple[int, str]] = set()  # scopes a forward save reached
         self.lock = threading.RLock()  # swapkit.runtime.records Note [Unpacks from several threads]
-        self._bytes_lock = threading.Lock()  # device_bytes: records die on any thread; taken after self.lock
 
     # ------------------------------------------------------------------ forward
 
@@ -218,7 +222,9 @@ class Step:
         record = self._swap_record(storage, key, nbytes, tick, frame, version, keeper) \
             if frame is not None and frame.prefetch is not None else None
         self.stats.saved_bytes += nbytes  # only the forward thread saves
-        self.device_bytes_added(nbytes)
+        self.bytes_changed(nbytes)
+        if not tick & _SETTLE_MASK:
+            self.ledger.settle()  # bounds the unsettled changes (swapkit.runtime.ledger)
         if record is None:
             record = KeptRecord(self, nbytes, version, storage)
             self._index[key] = weakref.ref(record)  # Note [The cost of a save]
@@ -277,7 +283,7 @@ class Step:
     def output_recomputed(self, nbytes: int) -> None:
         with self.lock:
             self.stats.output_recomputes += 1
-            self.device_bytes_added(nbytes)
+        self.bytes_changed(nbytes)
 
     def _swap_record(self, storage: torch.UntypedStorage, key: int, nbytes: int, tick: int, frame: Frame,
                      version: int, keeper: torch.Tensor) -> SwapRecord | None:
@@ -444,15 +450,10 @@ class Step:
 
     # ------------------------------------------------------------------ accounting and end
 
-    def device_bytes_added(self, nbytes: int) -> None:
-        with self._bytes_lock:
-            self.device_bytes = now = self.device_bytes + nbytes
-            if now > self.stats.peak_device_bytes:
-                self.stats.peak_device_bytes = now
-
-    def device_bytes_freed(self, nbytes: int) -> None:
-        with self._bytes_lock:
-            self.device_bytes -= nbytes
+    @property
+    def device_bytes(self) -> int:
+        """Saved bytes this step holds on the device now (swapkit.runtime.ledger Note [The device-bytes ledger])."""
+        return self.ledger.settle()[0]
 
     def close(self, aborted: bool = False, superseded: bool = False) -> None:
         """Drop the schedule (records live on only through the graph's handles); ``superseded``: the
@@ -471,8 +472,10 @@ class Step:
         """The counters as a plain :class:`SwapStats` (resolves CUDA timings)."""
         stats = self.stats
         seconds = sum(t.seconds() for t in self._timings)
+        resident, peak = self.ledger.settle()
         return SwapStats(**{
-            **vars(stats), "ticks": self.clock, "wait_seconds": seconds, "resident_bytes": self.device_bytes,
+            **vars(stats), "ticks": self.clock, "wait_seconds": seconds, "resident_bytes": resident,
+            "peak_device_bytes": peak,
             "host_pool_bytes": self.pool.total_bytes, "host_allocations": self.pool.allocations
             - self._allocations_at_start, "skipped": dict(stats.skipped),
             "offloaded_by_scope": dict(stats.offloaded_by_scope), "aborted": self.aborted, "micro_steps": 1,

@@ -1,0 +1,84 @@
+"""The device-bytes ledger (swapkit.runtime.ledger Note [The device-bytes ledger]): exact totals and
+peaks from changes made on any thread without a lock, and a bounded backlog."""
+from __future__ import annotations
+
+import gc
+import threading
+
+import torch
+from torch import nn
+
+import swapkit
+from swapkit.runtime import step as step_module
+from swapkit.runtime.ledger import ByteLedger
+
+
+def test_settle_replays_the_changes_in_order_for_the_total_and_its_running_peak():
+    ledger = ByteLedger()
+    for delta in (5, 3, -4, 10, -14):
+        ledger.changed(delta)
+    assert ledger.settle() == (0, 14)  # 5, 8, 4, 14, 0
+    ledger.changed(6)
+    assert ledger.settle() == (6, 14)  # the peak carries over settles
+    for delta in (20, -26):
+        ledger.changed(delta)
+    assert ledger.settle() == (0, 26)
+
+
+def test_changes_from_many_threads_while_another_settles_are_neither_lost_nor_counted_twice():
+    ledger, stop = ByteLedger(), threading.Event()
+    per_thread, threads = 20_000, 4
+    peaks: list[int] = []
+
+    def add() -> None:
+        for _ in range(per_thread):
+            ledger.changed(3)
+            ledger.changed(-1)
+
+    def settle() -> None:
+        while not stop.is_set():
+            peaks.append(ledger.settle()[1])
+
+    settler = threading.Thread(target=settle)
+    settler.start()
+    workers = [threading.Thread(target=add) for _ in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    stop.set()
+    settler.join()
+    now, peak = ledger.settle()
+    assert now == 2 * per_thread * threads
+    assert now + 1 <= peak <= now + threads  # at most one +3 per thread still waits for its -1
+    assert peaks == sorted(peaks)  # a settle never loses what an earlier one saw
+
+
+class _Chain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Identity()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(100):
+            x = torch.sin(x)
+        return x.sum()
+
+
+def test_forwards_whose_graphs_are_dropped_inside_one_block_keep_the_backlog_bounded(monkeypatch):
+    """No backward ever comes, so nothing reads the stats: the saves settle every SETTLE_TICKS ticks."""
+    monkeypatch.setattr(step_module, "_SETTLE_MASK", 63)
+    model = _Chain()
+    session = swapkit.apply(model, {"model": {"model_config": {"num_layers": 1}}}, layers="layers")
+    x = torch.randn(8, requires_grad=True)
+    with session:
+        for _ in range(30):
+            model(x)  # 100 saves; the graph (and its records) dies at once
+        gc.collect()
+        step = session._step
+        backlog = len(step.ledger._changes)
+        # unsettled: the saves since the last settle (< 64) and the deaths of about one forward, not 6000
+        assert step.clock == 3000 and backlog < 64 + 2 * 100, backlog
+        assert step.device_bytes == 0  # every record died: the ledger is back to zero
+        assert step.ledger.settle()[1] == 100 * 8 * 4  # one forward's saves at most, never two
+    session.remove()
