@@ -140,24 +140,29 @@ class Saved(tuple):
 make_saved = functools.partial(tuple.__new__, Saved)
 
 
-class KeptRecord:
+class KeptRecord(list):
     """A storage that stays on the device; exists for storage de-duplication and accounting.
 
-    It holds its storage: that adds no lifetime, since every handle of the record holds a keeper
-    of the same storage (swapkit.runtime.step Note [The cost of a save])."""
+    ``KeptRecord((step, nbytes, version, storage))``, read by name. Most saves of a step that keeps are
+    each a new storage, so a record is built at nearly every save: as a list it is built by one C call,
+    where a class's ``__init__`` costs a Python frame (``swapkit.runtime.step`` Note [The cost of a save];
+    :class:`Saved` is a tuple for the same reason, but a tuple takes no weak reference, which the
+    step's storage index holds). It holds its storage: that adds no lifetime, since every handle of
+    the record holds a keeper of the same storage."""
 
-    __slots__ = ("step", "nbytes", "version", "_storage", "__weakref__")
+    __slots__ = ("__weakref__",)
+    __eq__, __ne__, __hash__ = object.__eq__, object.__ne__, object.__hash__  # a record is equal only to itself
     swapped = released = False
-
-    def __init__(self, step: StepState, nbytes: int, version: int, storage: torch.UntypedStorage) -> None:
-        self.step, self.nbytes, self.version, self._storage = step, nbytes, version, storage
+    step = property(itemgetter(0))
+    nbytes = property(itemgetter(1))
+    version = property(itemgetter(2), doc="its storage's version when first saved")
 
     def storage(self) -> torch.UntypedStorage:
         """The storage this record stands for (``SwapRecord.storage`` is a weak reference)."""
-        return self._storage
+        return self[3]
 
     def __del__(self) -> None:  # Note [Record lifetime]
-        self.step.bytes_changed(-self.nbytes)
+        self[0].bytes_changed(-self[1])
 
 
 class SwapRecord:

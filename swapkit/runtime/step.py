@@ -61,7 +61,7 @@ attribute read there. What keeps them lean, each giving the same guarantee as th
 - the storage index maps ``id(storage)`` to one weak reference to the record; the record knows its
   storage (a :class:`KeptRecord` holds it, which adds no lifetime because each of its handles holds a
   keeper of that storage; a :class:`SwapRecord` holds a weak reference), so a recycled id is still
-  caught by ``record.storage() is storage``;
+  caught by ``record.storage() is storage``; a kept record is a list, built without a Python frame;
 - ``isinstance(t, nn.Parameter)`` runs the metaclass hook (a failing ``getattr`` on the tensor); a plain
   ``torch.Tensor`` that is not a view and has no attributes is no parameter, and the others are asked
   :func:`~swapkit.runtime.records.is_parameter`, which answers from ``type`` and ``__dict__``;
@@ -226,7 +226,7 @@ class Step:
         if not tick & _SETTLE_MASK:
             self.ledger.settle()  # bounds the unsettled changes (swapkit.runtime.ledger)
         if record is None:
-            record = KeptRecord(self, nbytes, version, storage)
+            record = KeptRecord((self, nbytes, version, storage))
             self._index[key] = weakref.ref(record)  # Note [The cost of a save]
             return make_saved((keeper, version, self, tick, record, None, frame))
         self._index[key] = weakref.ref(record)
