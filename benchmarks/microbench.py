@@ -44,6 +44,15 @@ stretches that wall time counts and CPU time does not, so the CPU-time ratios ar
 they cover the hooks' own work on the thread that runs forward and backward (the critical path of a
 GPU step), not the copy thread's. Both are recorded, with the load average before and after.
 
+Note [Each way alone]
+Every way of the paired run lives in one process, beside the others' sessions, models and copy
+threads, and a way's cost moves with its neighbours: the floor (f) measured 1.3-1.7x the identity
+hooks in a process without a swap session and 2.1-2.4x in the paired run. A training process runs
+one session. So ``--isolated N`` also runs each way in a process of its own, with only (a) and (b)
+beside it, paired in that process as above; ``N`` rounds, the ways' processes rotated each round,
+one after another (never two at once). Each process gives the way's ratio to (b) on the CPU clock;
+the report gives the median over rounds and the range, next to the paired run's ratios.
+
 Run it alone: ``python benchmarks/microbench.py --out benchmarks/results/overhead`` (default output
 ``bench-out/overhead``).
 
@@ -60,7 +69,9 @@ import json
 import os
 import logging
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, ContextManager
@@ -245,6 +256,25 @@ def run(device: torch.device, length: int, reps: int, width: int = 16, ways: tup
     return summary
 
 
+def run_isolated(device: str, length: int, reps: int, rounds: int, ways: tuple[str, ...],
+                 scratch: Path) -> dict[str, dict[str, Any]]:
+    """Each of ``ways`` (not (a) or (b)) alone in a process with (a) and (b), ``rounds`` times, rotated
+    (Note [Each way alone]): per way, the CPU ratios to (b) of every round, their median and range."""
+    alone = [w for w in ways if w not in WAYS[:2]]
+    ratios: dict[str, list[float]] = {w: [] for w in alone}
+    for turn in range(rounds):
+        shift = turn % len(alone) if alone else 0
+        for way in alone[shift:] + alone[:shift]:
+            out = scratch / f"{way}-{turn}"
+            command = [sys.executable, str(Path(__file__).resolve()), "--ways", way, "--reps", str(reps),
+                       "--length", str(length), "--device", device, "--out", str(out)]
+            subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+            micro = json.loads((out / "overhead.json").read_text())["microbench"]
+            ratios[way].append(micro["cpu_over_identity"][way])
+    return {way: {"cpu_over_identity": values, "median": statistics.median(values),
+                  "range": [min(values), max(values)]} for way, values in ratios.items() if values}
+
+
 def _copy_thread_alive(session: swapkit.SwapSession) -> bool | None:
     """Whether the session's engine copies on a thread of its own (``None``: not a thread engine)."""
     worker = getattr(session.engine, "_worker", False)
@@ -305,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="ways to run, comma-separated (none and identity always run); leave out swap_per_tensor "
                              "to measure a swapkit tree from before runtime.offload_batch_bytes existed")
     parser.add_argument("--no-gc", action="store_true", help="run with Python's cyclic garbage collector disabled")
+    parser.add_argument("--isolated", type=positive_int, metavar="ROUNDS",
+                        help="also run each way alone in a process of its own, ROUNDS times (Note [Each way alone])")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print(f"--device cuda: CUDA is not available (torch {torch.__version__}); use --device cpu", file=sys.stderr)
@@ -322,6 +354,9 @@ def main(argv: list[str] | None = None) -> int:
         gc.enable()
     result = {"env": _env(args), "microbench": micro}
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.isolated:
+        with tempfile.TemporaryDirectory() as scratch:
+            result["isolated"] = run_isolated(args.device, args.length, args.reps, args.isolated, ways, Path(scratch))
     (args.out / "overhead.json").write_text(json.dumps(result, indent=1) + "\n")
     text = "\n".join(report_lines(result)) + "\n"
     (args.out / "overhead.md").write_text(text)
@@ -366,6 +401,16 @@ def report_lines(result: dict[str, Any]) -> list[str]:
                       f"tensor, and the full collections among them over {micro['reps']} repetitions (Note [The "
                       "collector's clock] in benchmarks/microbench.py); the medians before it leave full "
                       "collections out."]
+    isolated = result.get("isolated")
+    if isolated:
+        rounds = len(next(iter(isolated.values()))["cpu_over_identity"])
+        lines += ["", f"Each way alone (Note [Each way alone]): main-thread CPU over (b) in a process with only (a) "
+                      f"and (b) beside it; median (range) over {rounds} rounds, and the paired run's ratio above.", "",
+                  "| way | alone: CPU over (b) | paired run: CPU over (b) |", "|---|---|---|"]
+        for name, one in isolated.items():
+            low, high = one["range"]
+            lines.append(f"| {LABELS[name]} | {one['median']:.2f}x ({low:.2f}-{high:.2f}) | "
+                         f"{micro['cpu_over_identity'][name]:.2f}x |")
     if micro["swap_copy_jobs"] is not None:
         lines += ["", f"Copy jobs per step (each way together): {micro['swap_copy_jobs']} in (d), "
                       f"{micro['swap_per_tensor_copy_jobs']} in (e), for {micro['swap_offloaded_tensors']} swapped "

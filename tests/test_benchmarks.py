@@ -79,6 +79,22 @@ def test_microbench_takes_the_swap_way_apart_and_leaves_the_collector_on():
         "date": "-", "torch": "-", "cpu_count": 2, "torch_threads": 2, "device": "cpu"}}))
 
 
+def test_microbench_isolated_runs_each_way_in_a_process_of_its_own(tmp_path):
+    """--isolated N (Note [Each way alone]): every chosen way runs N times, each time in a new process with
+    only (a) and (b) beside it, and the report puts its ratios next to the paired run's."""
+    out = tmp_path / "overhead"
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "microbench.py"), "--length", "20", "--reps",
+                             "1", "--ways", "keep,floor", "--isolated", "2", "--out", str(out)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    isolated = json.loads((out / "overhead.json").read_text())["isolated"]
+    assert set(isolated) == {"keep", "floor"}  # (a) and (b) run in every process, never alone
+    for one in isolated.values():
+        assert len(one["cpu_over_identity"]) == 2 and one["range"][0] <= one["median"] <= one["range"][1]
+    report = (out / "overhead.md").read_text()
+    assert "| (c) swapkit session, keep all | " in report.split("Each way alone")[-1]
+
+
 def test_microbench_floor_is_a_safe_keep():
     """Way (f) is the floor of any *safe* keep: it must still catch an in-place write to a saved
     tensor (which autograd stops checking once hooks are installed), and hand back the same values."""
