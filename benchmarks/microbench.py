@@ -257,7 +257,7 @@ def run(device: torch.device, length: int, reps: int, width: int = 16, ways: tup
 
 
 def run_isolated(device: str, length: int, reps: int, rounds: int, ways: tuple[str, ...],
-                 scratch: Path) -> dict[str, dict[str, Any]]:
+                 scratch: Path, no_gc: bool = False) -> dict[str, dict[str, Any]]:
     """Each of ``ways`` (not (a) or (b)) alone in a process with (a) and (b), ``rounds`` times, rotated
     (Note [Each way alone]): per way, the CPU ratios to (b) of every round, their median and range."""
     alone = [w for w in ways if w not in WAYS[:2]]
@@ -267,7 +267,7 @@ def run_isolated(device: str, length: int, reps: int, rounds: int, ways: tuple[s
         for way in alone[shift:] + alone[:shift]:
             out = scratch / f"{way}-{turn}"
             command = [sys.executable, str(Path(__file__).resolve()), "--ways", way, "--reps", str(reps),
-                       "--length", str(length), "--device", device, "--out", str(out)]
+                       "--length", str(length), "--device", device, "--out", str(out), *(["--no-gc"] if no_gc else [])]
             subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
             micro = json.loads((out / "overhead.json").read_text())["microbench"]
             ratios[way].append(micro["cpu_over_identity"][way])
@@ -356,7 +356,9 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.isolated:
         with tempfile.TemporaryDirectory() as scratch:
-            result["isolated"] = run_isolated(args.device, args.length, args.reps, args.isolated, ways, Path(scratch))
+            ran = tuple(w for w in ways if w in micro["cpu_over_identity"])  # CUDA runs no swap_inline
+            result["isolated"] = run_isolated(args.device, args.length, args.reps, args.isolated, ran, Path(scratch),
+                                              args.no_gc)
     (args.out / "overhead.json").write_text(json.dumps(result, indent=1) + "\n")
     text = "\n".join(report_lines(result)) + "\n"
     (args.out / "overhead.md").write_text(text)

@@ -3,7 +3,11 @@ peaks from changes made on any thread without a lock, and a bounded backlog."""
 from __future__ import annotations
 
 import gc
+import signal
 import threading
+import time
+
+import pytest
 
 import torch
 from torch import nn
@@ -54,6 +58,43 @@ def test_changes_from_many_threads_while_another_settles_are_neither_lost_nor_co
     assert peaks == sorted(peaks)  # a settle never loses what an earlier one saw
 
 
+class _Interrupt(Exception):
+    pass
+
+
+@pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs signal.setitimer")
+def test_an_interrupt_inside_settle_neither_loses_nor_repeats_a_change():
+    """Note [Settling survives interrupts]: a signal handler raising at any point of settle (Ctrl-C, swapkit
+    train's Interrupted) leaves every change to be replayed once."""
+    def interrupt(*_):
+        raise _Interrupt
+
+    ledger, per_round, rounds, interrupted = ByteLedger(), 50_000, 20, 0
+    for _ in range(per_round):
+        ledger.changed(1)
+    start = time.perf_counter()
+    ledger.settle()
+    takes = time.perf_counter() - start  # how long one round's settle runs here
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        for turn in range(rounds):
+            for _ in range(per_round):
+                ledger.changed(1)
+            settled = False
+            signal.setitimer(signal.ITIMER_REAL, takes * (turn + 1) / (rounds + 1))  # somewhere inside it
+            try:
+                ledger.settle()
+                settled = True
+                time.sleep(5)  # the timer ends this if settle finished first
+            except _Interrupt:
+                interrupted += not settled
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert ledger.settle() == ((rounds + 1) * per_round,) * 2
+    assert interrupted > 0  # some settles were cut short (else this test tested nothing)
+
+
 class _Chain(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -81,4 +122,26 @@ def test_forwards_whose_graphs_are_dropped_inside_one_block_keep_the_backlog_bou
         assert step.clock == 3000 and backlog < 64 + 2 * 100, backlog
         assert step.device_bytes == 0  # every record died: the ledger is back to zero
         assert step.ledger.settle()[1] == 100 * 8 * 4  # one forward's saves at most, never two
+    session.remove()
+
+
+def test_a_pipeline_stage_settles_its_micro_steps_and_their_optimizer_step_as_forwards_go_on():
+    """Each forward of a stage is a micro-step with its own ledger, all feeding the optimizer step's: a forward
+    settles them when it ends and when the next one opens, so dropped graphs leave no backlog behind."""
+    from tests.test_pipeline import _forward, tiny_stage
+
+    config, (chunk,) = tiny_stage(stage=1, runtime={"min_offload_bytes": 0})
+    session = swapkit.apply(chunk, config, layers="layers", stage=1)
+    x = torch.randn(2, 16, 32)
+    with session:
+        for _ in range(40):
+            _forward(chunk, x)  # the graph dies at once
+        gc.collect()
+        group = session._group
+        saved_per_forward = group.steps[0].stats.saved_bytes
+        backlog = [len(step.ledger._changes) for step in group.steps]
+        assert len(group.steps) == 40 and max(backlog[:-1]) == 0, backlog  # settled when the next forward opened
+        assert len(group.ledger._changes) <= 2 * group.steps[-1].clock  # at most the last forward's changes
+    stats = session.stats
+    assert stats.peak_device_bytes == saved_per_forward and stats.resident_bytes == 0  # never two forwards at once
     session.remove()

@@ -88,6 +88,11 @@ class MicroStep(Step):
             for record in self._prefetch.pop_due(bound):
                 record.fetch(bound)
 
+    def settle(self) -> None:
+        """Replay this micro-step's device-byte changes and its optimizer step's (swapkit.runtime.ledger)."""
+        super().settle()
+        self.group.ledger.settle()
+
     def _changed_in_group(self, delta: int) -> None:
         """Device bytes changed by ``delta``, in this micro-step and in its optimizer step (whose peak is
         of the micro-steps' sum): two appends, no lock (swapkit.runtime.ledger Note [The device-bytes ledger])."""
@@ -128,6 +133,8 @@ class MicroSteps:
         for waiting in self._waiting():
             if waiting is not expected and not waiting.tail_released:  # Note [Micro-step tails]
                 waiting.release_tail()
+        if self._last_opened is not None:  # its graph may have died since its forward ended (eval-like forwards)
+            self._last_opened.settle()
         step = make(key, self._tails.get(key))
         self.steps.append(step)
         self._last_opened = step
@@ -135,6 +142,7 @@ class MicroSteps:
 
     def forward_ended(self, step: MicroStep) -> None:
         step.forward_done = True
+        step.settle()  # bounds the ledgers' backlog (swapkit.runtime.ledger Note [The device-bytes ledger])
         step.flush()  # its saves are done: its open batch's copy can start (swapkit.runtime.batch)
 
     def poll(self, current: MicroStep) -> None:

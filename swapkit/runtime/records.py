@@ -152,6 +152,7 @@ class KeptRecord(list):
 
     __slots__ = ("__weakref__",)
     __eq__, __ne__, __hash__ = object.__eq__, object.__ne__, object.__hash__  # a record is equal only to itself
+    __repr__ = object.__repr__  # not its storage's bytes
     swapped = released = False
     step = property(itemgetter(0))
     nbytes = property(itemgetter(1))

@@ -224,7 +224,7 @@ class Step:
         self.stats.saved_bytes += nbytes  # only the forward thread saves
         self.bytes_changed(nbytes)
         if not tick & _SETTLE_MASK:
-            self.ledger.settle()  # bounds the unsettled changes (swapkit.runtime.ledger)
+            self.settle()  # bounds the unsettled changes (swapkit.runtime.ledger)
         if record is None:
             record = KeptRecord((self, nbytes, version, storage))
             self._index[key] = weakref.ref(record)  # Note [The cost of a save]
@@ -449,6 +449,10 @@ class Step:
             self._timings.append(timing)
 
     # ------------------------------------------------------------------ accounting and end
+
+    def settle(self) -> None:
+        """Replay the device-byte changes so far (swapkit.runtime.ledger Note [The device-bytes ledger])."""
+        self.ledger.settle()
 
     @property
     def device_bytes(self) -> int:
