@@ -211,6 +211,11 @@ class SlabLedger:
         """Bytes of every slab opened (the pool's ``total_bytes``)."""
         return self.slabs.held_bytes
 
+    @property
+    def free_bytes(self) -> int:
+        """Bytes in free or kept ranges (the pool's ``free_bytes``)."""
+        return self.slabs.free_bytes + sum(block.span for kept in self._kept.values() for block in kept)
+
     def acquire(self, nbytes: int) -> Block | None:
         """The range a request of ``nbytes`` (>= 1) gets, or ``None`` where the pool refuses it."""
         kept = self._kept.get(nbytes)

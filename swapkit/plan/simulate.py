@@ -14,6 +14,9 @@ What the planner predicts, and where it is wrong:
   unpacks a tick ``<=`` its horizon. Recompute is a different measured segment (the layer's saves
   replaced by its checkpoint inputs; for a select-recomputed op, its region's inputs and, in
   backward, the bytes its recipe rebuilds until the recipe dies).
+- The host pool (``runtime.max_host_bytes``): a swapped storage whose batch the pool refuses stays
+  on the device (no copies, no release), and the pool's bytes are predicted as the session reports
+  them (``swapkit.plan.hostpool`` Note [The host pool in the replay]).
 - Copies run one at a time in issue order on one queue (the thread engine's worker; the CUDA
   engine's side stream). A copy takes ``latency + bytes / bandwidth`` of its direction, measured on
   the engine (:mod:`swapkit.planner.link`) and starts when issued or when the previous copy ends.
@@ -260,8 +263,8 @@ def simulate(step: FlatStep, swap_k: Callable[[int | None, str | None], int | No
     replay.backward()
     prompt = replay.peak
     if links.release_lag_s:
-        prompt_replay = _Replay(step, swap_k, Links(links.d2h, links.h2d, 0.0, links.copy_overhead_s), min_offload_bytes,
-                                use.refused)
+        prompt_links = Links(links.d2h, links.h2d, 0.0, links.copy_overhead_s)
+        prompt_replay = _Replay(step, swap_k, prompt_links, min_offload_bytes, use.refused)
         prompt_replay.forward()
         prompt_replay.backward()
         prompt = prompt_replay.peak
