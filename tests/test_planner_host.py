@@ -243,3 +243,18 @@ def test_the_probe_measures_the_link_without_the_cap(measured):
 
     config = load_config(capped_config(20_000))
     assert mode_config(config, PROBE).runtime == dataclasses.replace(config.runtime, max_host_bytes=None)
+
+
+def test_cli_plan_of_tiny_yaml_under_a_cap_runs_within_its_budget(inline_copies, one_thread, tmp_path, capsys):
+    """``swapkit plan configs/tiny.yaml --budget 6MiB --set runtime.max_host_bytes=300000``: the planned
+    config (whatever mix of swap and recompute it chose) runs under the budget and the cap."""
+    from tests.test_cli_plan import CONFIGS
+
+    out, metrics = tmp_path / "planned.yaml", tmp_path / "metrics.json"
+    assert main(["plan", str(CONFIGS / "tiny.yaml"), "--budget", "6MiB", "--set", "runtime.max_host_bytes=300000",
+                 "--json", "--out", str(out)]) == 0
+    predicted = json.loads(capsys.readouterr().out)["predicted"]
+    assert main(["train", str(out), "--steps", "2", "--no-progress", "--metrics-out", str(metrics)]) == 0
+    last = json.loads(metrics.read_text())["steps"][-1]
+    assert last["peak_device_bytes"] <= 6 << 20 and last["host_pool_bytes"] <= 300_000
+    assert last["host_pool_bytes"] == predicted["host_pool_bytes"]
