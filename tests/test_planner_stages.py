@@ -127,8 +127,9 @@ def test_a_host_cap_on_a_pipeline_is_said_to_be_unmodelled(measured, caplog):
     _, config, found = measured
     capped = dataclasses.replace(config, runtime=dataclasses.replace(config.runtime, max_host_bytes=1 << 20))
     with caplog.at_level(logging.WARNING, logger="swapkit.planner.stages"):
-        plan_stages(capped, "1TiB", measured=found)
+        stages = plan_stages(capped, "1TiB", measured=found)
         plan_stages(config, "1TiB", measured=found)
+    assert "host_pool_bytes" not in stages[0].planned.predicted.to_json()  # no pool figure it did not predict
     said = [r.getMessage() for r in caplog.records if "max_host_bytes" in r.getMessage()]
     assert said == ["runtime.max_host_bytes: 1048576 is not modelled for pipeline stages (their micro-steps share one "
                     "host pool): a stage's plan assumes every swap it chooses fits the pool; where one does not, it "

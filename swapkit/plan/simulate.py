@@ -92,8 +92,10 @@ class Prediction:
     peak_if_prompt: int = 0  # the peak if every copy were seen finished on time (no release lag)
     copies: int = 0  # copies per step, both directions
     layer_wait: tuple[tuple[int | None, float], ...] = ()  # exposed wait by layer (None: outside layers)
-    host_pool_bytes: int = 0  # the host pool's bytes (SwapStats.host_pool_bytes): swapkit.plan.hostpool
-    host_cap_bytes: int = 0  # swapped bytes runtime.max_host_bytes keeps on the device (skipped["host_cap"])
+    # the host pool's bytes (SwapStats.host_pool_bytes) and the swapped bytes runtime.max_host_bytes keeps on
+    # the device (skipped["host_cap"]): swapkit.plan.hostpool; None where not modelled (a pipeline stage)
+    host_pool_bytes: int | None = None
+    host_cap_bytes: int = 0
 
     @property
     def uncertain_bytes(self) -> int:
@@ -101,9 +103,11 @@ class Prediction:
         return max(self.peak_device_bytes - self.peak_if_prompt, 0)
 
     def to_json(self) -> dict:
-        return {"peak_device_bytes": self.peak_device_bytes, "step_seconds": round(self.step_seconds, 6),
-                "moved_bytes_per_step": self.moved_bytes_per_step, "host_pool_bytes": self.host_pool_bytes,
-                "host_cap_bytes": self.host_cap_bytes}
+        document = {"peak_device_bytes": self.peak_device_bytes, "step_seconds": round(self.step_seconds, 6),
+                    "moved_bytes_per_step": self.moved_bytes_per_step}
+        if self.host_pool_bytes is not None:
+            document.update(host_pool_bytes=self.host_pool_bytes, host_cap_bytes=self.host_cap_bytes)
+        return document
 
 
 class _Record:
