@@ -258,3 +258,15 @@ def test_cli_plan_of_tiny_yaml_under_a_cap_runs_within_its_budget(inline_copies,
     last = json.loads(metrics.read_text())["steps"][-1]
     assert last["peak_device_bytes"] <= 6 << 20 and last["host_pool_bytes"] <= 300_000
     assert last["host_pool_bytes"] == predicted["host_pool_bytes"]
+
+
+def test_the_first_step_offloads_its_tail_and_the_pool_keeps_those_bytes():
+    """k=4 on 6 storages: the steady step swaps storages 0-2 (one region); the first step, which does
+    not know the forward's length yet, also offloads 3-5 ([0-3] due at tick 4, [4, 5] flushed when the
+    forward leaves the layer), and the pool keeps what it grew to."""
+    steady = predict(4, HostModel())
+    assert steady.moved_bytes_per_step == 2 * 3 * KIB4 and steady.host_pool_bytes == 6 * KIB4
+    assert predict(4, HostModel(skip_tail=False)).host_pool_bytes == 6 * KIB4
+    # a cap below the first step's region [0-3] refuses it there, and the steady step's [0-2] still fits
+    capped = predict(4, HostModel(max_bytes=3 * KIB4))
+    assert capped.host_cap_bytes == 0 and capped.host_pool_bytes == 3 * KIB4

@@ -24,7 +24,10 @@ stays on the device (``skipped["host_cap"]``). The replay does the same:
   the planner gives the replay with the engine's page granule): slab sizes, the shared and exact
   kinds, same-size reuse, the cap. The replay runs two steps on it and reports the second (the
   steady one the planner predicts): ``host_pool_bytes`` is what the slabs hold, as the session's
-  stats say, and the refused batches are the second step's.
+  stats say, and the refused batches are the second step's. The first step also offloads the saves
+  of the forward's tail (the session learns the forward's length only then: ``swapkit.runtime.step``
+  Note [The last k ticks stay on the device]), so its slabs may be larger than the steady step needs,
+  and the pool keeps them.
 Where it is approximate:
 - Without a ledger from the engine (a pure caller), :class:`PackedLedger` packs regions end to end:
   no slab rounding, so ``host_pool_bytes`` is the data's (aligned), and the cap refuses a batch only
@@ -93,11 +96,13 @@ class HostModel:
         max_bytes: ``runtime.max_host_bytes`` (``None``: unbounded).
         batch_bytes: ``runtime.offload_batch_bytes``.
         ledger: makes a fresh ledger for a cap (the planner passes the engine's ``SlabLedger``).
+        skip_tail: ``runtime.skip_tail_offload`` (steady steps do not offload the forward's tail).
     """
 
     max_bytes: int | None = None
     batch_bytes: int = 16 << 20
     ledger: Callable[[int | None], Ledger] = field(default=PackedLedger, compare=False)
+    skip_tail: bool = True
 
 
 @dataclass(frozen=True)
@@ -111,11 +116,12 @@ class HostUse:
 
 
 def swap_distance(save: FlatSave, tick: int, last: int, swap_k: Callable[[int | None, str | None], int | None],
-                  min_offload_bytes: int) -> int | None:
+                  min_offload_bytes: int, skip_tail: bool = True) -> int | None:
     """The distance of a new storage first saved at ``tick``, or ``None`` where it is kept: not in a
-    swapped scope, smaller than ``min_offload_bytes``, or due only after the forward's last tick."""
+    swapped scope, smaller than ``min_offload_bytes``, or (``skip_tail``: a steady step) due only
+    after the forward's last tick."""
     k = swap_k(save.layer, save.scope)
-    if k is None or save.nbytes < min_offload_bytes or tick + k >= last + 1:
+    if k is None or save.nbytes < min_offload_bytes or (skip_tail and tick + k >= last + 1):
         return None
     return k
 
@@ -131,8 +137,9 @@ class _Batcher:
     """One forward of the step, batched as the session batches it (Note [The host pool in the replay])."""
 
     def __init__(self, step: FlatStep, swap_k, swap_scope, min_offload_bytes: int, host: HostModel,
-                 ledger: Ledger) -> None:
+                 ledger: Ledger, skip_tail: bool) -> None:
         self.step, self.swap_k, self.swap_scope, self.min_bytes = step, swap_k, swap_scope, min_offload_bytes
+        self.skip_tail = skip_tail
         self.limit, self.ledger = host.batch_bytes, ledger
         self.open: _Batch | None = None
         self.horizon: dict[tuple, int] = {}  # swapped storage -> its horizon
@@ -156,7 +163,7 @@ class _Batcher:
                     self.horizon[save.storage] = max(self.horizon[save.storage], tick + self.k[save.storage])
                 continue
             self.seen.add(save.storage)
-            k = swap_distance(save, tick, last, self.swap_k, self.min_bytes)
+            k = swap_distance(save, tick, last, self.swap_k, self.min_bytes, self.skip_tail)
             if k is not None:
                 self._join(save, tick, k)
         self.open = None  # still open when backward begins: discarded, its storages stay (tail)
@@ -202,8 +209,8 @@ def host_use(step: FlatStep, swap_k: Callable[[int | None, str | None], int | No
     scope_of = swap_scope or (lambda layer, scope: swap_k(layer, scope))
     ledger = host.ledger(host.max_bytes)
     batcher = None
-    for _ in range(2):
-        batcher = _Batcher(step, swap_k, scope_of, min_offload_bytes, host, ledger)
+    for steady in (False, True):  # the first step offloads its tail too (nothing learnt yet)
+        batcher = _Batcher(step, swap_k, scope_of, min_offload_bytes, host, ledger, steady and host.skip_tail)
         batcher.run()
         for region in batcher.regions:  # every region is back before the next step asks
             ledger.release(region)

@@ -69,7 +69,7 @@ class Measured:
         ``offload_batch_bytes`` and the pool's own placement (``swapkit.plan.hostpool`` Note [The host
         pool in the replay])."""
         return HostModel(runtime.max_host_bytes, runtime.offload_batch_bytes,
-                         functools.partial(SlabLedger, granule=self.host_granule))
+                         functools.partial(SlabLedger, granule=self.host_granule), runtime.skip_tail_offload)
 
 
 def measure(config: Config | Mapping[str, Any] | str | Path, device: str | None = None, steps: int = 3,
