@@ -270,3 +270,12 @@ def test_the_first_step_offloads_its_tail_and_the_pool_keeps_those_bytes():
     # a cap below the first step's region [0-3] refuses it there, and the steady step's [0-2] still fits
     capped = predict(4, HostModel(max_bytes=3 * KIB4))
     assert capped.host_cap_bytes == 0 and capped.host_pool_bytes == 3 * KIB4
+
+
+def test_the_replays_alignments_are_the_runtimes():
+    """swapkit.plan is pure (no torch): it states the batch slot and pool range alignments itself."""
+    from swapkit.engine.slabs import ALIGNMENT
+    from swapkit.plan.hostpool import RANGE_ALIGN, SLOT_ALIGN
+    from swapkit.runtime.batch import ALIGN
+
+    assert (SLOT_ALIGN, RANGE_ALIGN) == (ALIGN, ALIGNMENT)

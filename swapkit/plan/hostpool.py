@@ -13,8 +13,9 @@ stays on the device (``skipped["host_cap"]``). The replay does the same:
   holds the save; the layer itself for a layer swap), closed where the runtime flushes it: a save in
   another frame (any save, a kept or uncounted one too), a storage that would take it past
   ``runtime.offload_batch_bytes`` (``0``: one storage per batch), or a member coming due
-  (``tick >= horizon``; a later save of a member moves its horizon out). Storages too small or in the
-  forward's tail are not swapped and join no batch (``swapkit.plan.simulate`` Note [Cost model]).
+  (``tick >= horizon``; a later save of a member moves its horizon out). Storages too small or (in a
+  steady step) in the forward's tail are not swapped and join no batch (``swapkit.plan.simulate``
+  Note [Cost model]).
 - Regions are asked for in that order and none comes back during forward: a swapped record lives
   until backward (the step's queues hold it), and its region goes back when backward prefetches the
   batch or drops it from the tail (``swapkit.engine.pool`` Note [Host buffer reuse is ordered by the
@@ -35,10 +36,11 @@ Where it is approximate:
 - The pool waits for a parked range's fence and places a request of a new size by best fit: where
   ranges were parked (a fence not yet passed) rather than kept when the next step asks, the real
   layout can differ from the ledger's, and so can a refusal near the cap.
-- Batches are as the frames of the plan's swapped scopes say; a frame the runtime pushes that the
-  measured scopes do not show (an op scope the plan does not name) is not seen, so a batch the
-  runtime splits there is one region here. On CUDA the producer stream also splits batches (Note [A
-  batch has one producer]); the replay assumes one stream.
+- Frames are told apart by layer and swapped scope, as the plan names them; a module shared by
+  several layer positions saves in its last position's frame (``swapkit.runtime.scope`` Note [A
+  shared module's swap scope]), which the replay does not follow. On CUDA the producer stream also
+  splits batches (``swapkit.runtime.batch`` Note [A batch has one producer]); the replay assumes one
+  stream.
 - Copy timing is still per storage (each swapped storage's copy issued at its save,
   ``swapkit.plan.simulate`` Note [Cost model]); only the pool's decisions are per batch.
 - Pipeline stages (:mod:`swapkit.plan.stages`) share one pool between micro-steps and are not
