@@ -20,6 +20,11 @@ A plan fits when its peak, predicted with copies seen finished late (``release_l
 the target *and* at most ``UNCERTAIN_TOLERANCE`` of that peak depends on copy timing (the peak with
 prompt copies is not lower by more): the search counts both as excess, so it prefers plans whose
 peak does not hinge on a copy finishing just in time, and the measured peak lands on the prediction.
+Under ``runtime.max_host_bytes`` every candidate is replayed with the host pool
+(``swapkit.plan.hostpool`` Note [The host pool in the replay]): a swap whose batch the pool refuses
+removes nothing from the peak, so no move counts on it, and trimming drops such swaps (as fast, fewer
+refused bytes). A budget the cap puts out of reach is searched again without the cap, and the error
+names the cap and the host pool that plan needs.
 """
 from __future__ import annotations
 
@@ -39,8 +44,9 @@ UNCERTAIN_TOLERANCE = 0.03
 class BudgetError(ValueError):
     """The budget is below the lowest peak the planner can reach.
 
-    ``host_cap`` and ``uncapped`` say when ``runtime.max_host_bytes`` is a cause: the lowest peak
-    reached without the cap, and the host pool bytes that plan holds (``None``: the cap is no cause)."""
+    When ``runtime.max_host_bytes`` is a cause, ``host_cap`` is the cap and ``uncapped`` the prediction
+    of the plan the search makes without it (its peak and the host pool bytes it needs); both ``None``
+    otherwise."""
 
     def __init__(self, budget: int, reachable: int, baseline: int, host_cap: int | None = None,
                  uncapped: Prediction | None = None) -> None:
