@@ -117,8 +117,9 @@ def run_interleaved(configs: dict[str, dict], reps: int, warmup: int) -> dict[st
 def one_link(name: str, link: dict, model: dict, batch: int, reps: int, warmup: int,
              quick: bool = False) -> dict[str, Any]:
     base = base_config(model, batch, link)
-    measured = measure(load_config(base), steps=2 if quick else 5)
-    planner = Planner(measured.trace, measured.links, measured.scopes, 1024)
+    config = load_config(base)
+    measured = measure(config, steps=2 if quick else 5)
+    planner = Planner(measured.trace, measured.links, measured.scopes, 1024, host=measured.host(config.runtime))
     baseline = planner.predict((KEEP,) * model["num_layers"])
     fixed = fixed_variants(model["num_layers"])
     if quick:  # a smoke run: three fixed variants

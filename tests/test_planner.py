@@ -97,7 +97,9 @@ def test_budget_above_the_baseline_keeps_everything(config_file, capsys):
     assert {row["decision"] for row in document["layers"]} == {"keep"}
     assert document["plan"]["swap_config"] == {"swap": False}
     assert document["predicted"] == document["baseline"]
-    assert set(document["predicted"]) == {"peak_device_bytes", "step_seconds", "moved_bytes_per_step"}
+    assert set(document["predicted"]) == {"peak_device_bytes", "step_seconds", "moved_bytes_per_step",
+                                          "host_pool_bytes", "host_cap_bytes"}
+    assert document["predicted"]["host_pool_bytes"] == 0  # nothing swapped: the pool holds nothing
 
 
 def test_budget_below_the_minimum_exits_2_with_the_reachable_minimum(config_file, planner, capsys):

@@ -4,6 +4,8 @@ through the real pipeline (2 gloo ranks, torch.distributed.pipelining) on determ
 """
 from __future__ import annotations
 
+import dataclasses
+import logging
 import re
 
 import pytest
@@ -118,6 +120,21 @@ def test_a_budget_above_every_baseline_keeps_everything(measured):
     _, config, found = measured
     stages = plan_stages(config, "1TiB", measured=found)
     assert all(c.keeps_all for one in stages for c in one.planned.choices)
+
+
+def test_a_host_cap_on_a_pipeline_is_said_to_be_unmodelled(measured, caplog):
+    """swapkit.plan.hostpool Note [The host pool in the replay]: stages share one pool, not replayed."""
+    _, config, found = measured
+    capped = dataclasses.replace(config, runtime=dataclasses.replace(config.runtime, max_host_bytes=1 << 20))
+    with caplog.at_level(logging.WARNING, logger="swapkit.planner.stages"):
+        stages = plan_stages(capped, "1TiB", measured=found)
+        plan_stages(config, "1TiB", measured=found)
+    assert "host_pool_bytes" not in stages[0].planned.predicted.to_json()  # no pool figure it did not predict
+    said = [r.getMessage() for r in caplog.records if "max_host_bytes" in r.getMessage()]
+    assert said == ["runtime.max_host_bytes: 1048576 is not modelled for pipeline stages (their micro-steps share one "
+                    "host pool): a stage's plan assumes every swap it chooses fits the pool; where one does not, it "
+                    "stays on the device and that stage's measured peak can land over its budget (swapkit train "
+                    "--budget reports it); remove the cap, or raise it"]
 
 
 def test_below_a_stage_minimum_the_error_names_the_stage_and_its_minimum(measured):

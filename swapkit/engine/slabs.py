@@ -177,3 +177,67 @@ class SlabAllocator:
         del self._by_length[index]
         del self._ends[(slab, start)], self._starts[(slab, end)]
         self.free_bytes -= end - start
+
+
+class SlabLedger:
+    """The placement decisions of :class:`~swapkit.engine.pool.HostPool`, on offsets only: what the
+    budget planner replays to predict ``host_pool_bytes`` and the batches ``max_host_bytes`` refuses
+    (``swapkit.plan.hostpool`` Note [The host pool in the replay]).
+
+    It takes the same steps as the pool: a freed range is kept whole for its exact size (Note [Same-size
+    reuse] in ``swapkit.engine.pool``); a request no kept range serves merges them back and takes the
+    best fit in a slab of its kind, else opens a slab sized by :func:`next_slab_bytes`, else (at the cap)
+    takes room in a slab of the other kind. Unlike the pool it has no fences: a range given back is free
+    at once (the replay gives ranges back only where their copies have finished).
+
+    Args:
+        max_bytes: ``runtime.max_host_bytes``; ``None`` is unbounded.
+        granule: the engine's ``host_granule`` (slab sizes are multiples of it).
+        alignment: as the pool's.
+
+    Example:
+        >>> ledger = SlabLedger(max_bytes=4096)
+        >>> ledger.acquire(3000) is not None, ledger.acquire(3000), ledger.held_bytes
+        (True, None, 3000)
+    """
+
+    def __init__(self, max_bytes: int | None = None, granule: int = 1, alignment: int = ALIGNMENT) -> None:
+        self.max_bytes, self.granule = max_bytes, granule
+        self.slabs = SlabAllocator(alignment)
+        self._kept: dict[int, list[Block]] = {}
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of every slab opened (the pool's ``total_bytes``)."""
+        return self.slabs.held_bytes
+
+    @property
+    def free_bytes(self) -> int:
+        """Bytes in free or kept ranges (the pool's ``free_bytes``)."""
+        return self.slabs.free_bytes + sum(block.span for kept in self._kept.values() for block in kept)
+
+    def acquire(self, nbytes: int) -> Block | None:
+        """The range a request of ``nbytes`` (>= 1) gets, or ``None`` where the pool refuses it."""
+        kept = self._kept.get(nbytes)
+        if kept:
+            return kept.pop()
+        kind = slab_kind(nbytes)
+        self._merge_kept()
+        return self.slabs.allocate(nbytes, kind) or self._grow(nbytes, kind) or self.slabs.allocate(nbytes, 1 - kind)
+
+    def release(self, block: Block) -> None:
+        """Give a range back (kept whole for its size, as the pool keeps it)."""
+        self._kept.setdefault(block.nbytes, []).append(block)
+
+    def _merge_kept(self) -> None:
+        for kept in self._kept.values():
+            for block in kept:
+                self.slabs.free(block)
+        self._kept.clear()
+
+    def _grow(self, nbytes: int, kind: int) -> Block | None:
+        size = next_slab_bytes(nbytes, self.slabs.held_bytes, self.max_bytes, self.granule)
+        if size is None:
+            return None
+        self.slabs.add_slab(size, kind)
+        return self.slabs.allocate(nbytes, kind)

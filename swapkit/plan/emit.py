@@ -113,7 +113,11 @@ def table(rows: list[dict[str, Any]], planned: Planned) -> str:
     p, b = planned.predicted, planned.baseline
     lines.append(f"predicted: peak_device_bytes {p.peak_device_bytes} (keep all: {b.peak_device_bytes}), "
                  f"step {p.step_seconds * 1e3:.1f} ms (keep all: {b.step_seconds * 1e3:.1f} ms), "
-                 f"moved {p.moved_bytes_per_step} bytes/step (out and back)")
+                 f"moved {p.moved_bytes_per_step} bytes/step (out and back)"
+                 + ("" if p.host_pool_bytes is None else f", host pool {p.host_pool_bytes} bytes"))
+    if p.host_cap_bytes:  # a plan the search chose keeps them only where it still fits (swapkit.plan.hostpool)
+        lines.append(f"predicted: runtime.max_host_bytes keeps {p.host_cap_bytes} swapped bytes on the device "
+                     "(the host pool cannot hold their batches; counted in the peak)")
     return "\n".join(lines)
 
 

@@ -20,12 +20,20 @@ A plan fits when its peak, predicted with copies seen finished late (``release_l
 the target *and* at most ``UNCERTAIN_TOLERANCE`` of that peak depends on copy timing (the peak with
 prompt copies is not lower by more): the search counts both as excess, so it prefers plans whose
 peak does not hinge on a copy finishing just in time, and the measured peak lands on the prediction.
+Under ``runtime.max_host_bytes`` every candidate is replayed with the host pool
+(``swapkit.plan.hostpool`` Note [The host pool in the replay]): a swap whose batch the pool refuses
+removes nothing from the peak, so no move counts on it, and trimming drops such swaps (as fast, fewer
+refused bytes). A budget the cap puts out of reach is searched again without the cap, and the error
+names the cap and the host pool that plan needs.
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
+from swapkit.plan.hostpool import HostModel
 from swapkit.plan.simulate import Links, Prediction, simulate
 from swapkit.plan.trace import SELECT, FlatStep, Trace, compose
 
@@ -34,13 +42,27 @@ UNCERTAIN_TOLERANCE = 0.03
 
 
 class BudgetError(ValueError):
-    """The budget is below the lowest peak the planner can reach."""
+    """The budget is below the lowest peak the planner can reach.
 
-    def __init__(self, budget: int, reachable: int, baseline: int) -> None:
+    When ``runtime.max_host_bytes`` is a cause, ``host_cap`` is the cap and ``uncapped`` the prediction
+    of the plan the search makes without it (its peak and the host pool bytes it needs); both ``None``
+    otherwise."""
+
+    def __init__(self, budget: int, reachable: int, baseline: int, host_cap: int | None = None,
+                 uncapped: Prediction | None = None) -> None:
         self.budget, self.reachable, self.baseline = budget, reachable, baseline
-        super().__init__(f"--budget {budget} bytes cannot be met: the smallest reachable peak_device_bytes is "
-                         f"{reachable} bytes ({reachable / 2**20:.2f} MiB; keeping everything needs {baseline} "
-                         f"bytes); raise --budget to at least {reachable}")
+        self.host_cap, self.uncapped = host_cap, uncapped
+        message = (f"--budget {budget} bytes cannot be met: the smallest reachable peak_device_bytes is "
+                   f"{reachable} bytes ({reachable / 2**20:.2f} MiB; keeping everything needs {baseline} "
+                   f"bytes); raise --budget to at least {reachable}")
+        if host_cap is not None and uncapped is not None:
+            reach = "meets the budget" if uncapped.peak_device_bytes <= budget else \
+                f"reaches {uncapped.peak_device_bytes} bytes"
+            message += (f", or raise runtime.max_host_bytes ({host_cap} bytes): the host pool cannot hold the "
+                        f"swaps the plan needs, so they would stay on the device (skipped['host_cap']); without "
+                        f"the cap the planner {reach} with a host pool of {uncapped.host_pool_bytes} bytes "
+                        f"(set runtime.max_host_bytes to at least that, or remove it)")
+        super().__init__(message)
 
 
 @dataclass(frozen=True)
@@ -66,6 +88,12 @@ class Choice:
         if self.action != "swap" or scope is None:
             return None
         return self.prefetch if any(inside(scope, s) for s in self.scopes) else None
+
+    def swap_scope(self, scope: str | None) -> str | None:
+        """The swapped scope holding a save in ``scope`` (the frame its batch is in), or ``None``."""
+        if self.action != "swap" or scope is None:
+            return None
+        return next((s for s in self.scopes if inside(scope, s)), None)
 
     def describe(self) -> str:
         select = f"recompute {self.select}" if self.select else ""
@@ -108,11 +136,15 @@ class Planner:
         links: the engine's measured links.
         scopes: per layer, the candidate scope paths worth swapping (see :func:`useful_scopes`).
         min_offload_bytes: the session's ``runtime.min_offload_bytes``.
+        host: the session's host pool (``runtime.max_host_bytes``: a swap whose batch the pool refuses
+            stays on the device, ``swapkit.plan.hostpool`` Note [The host pool in the replay]);
+            ``None``: unbounded.
     """
 
     def __init__(self, trace: Trace, links: Links, scopes: list[list[str]], min_offload_bytes: int,
-                 prefetches: tuple[int, ...] = PREFETCH_CHOICES) -> None:
+                 prefetches: tuple[int, ...] = PREFETCH_CHOICES, host: HostModel | None = None) -> None:
         self.trace, self.links, self.scopes, self.min_bytes = trace, links, scopes, min_offload_bytes
+        self.host = host or HostModel()
         self.prefetches = prefetches
         self._steps: dict[tuple[str, ...], FlatStep] = {}
         self.selects = sorted(m[len(SELECT):] for m in trace.modes if m.startswith(SELECT))
@@ -130,12 +162,21 @@ class Planner:
             if step is None:
                 step = self._steps[modes] = compose(self.trace, modes=modes)
             found = self._cache[choices] = self._simulate(
-                step, lambda layer, scope: None if layer is None else choices[layer].swap_k(scope))
+                step, lambda layer, scope: None if layer is None else choices[layer].swap_k(scope),
+                lambda layer, scope: choices[layer].swap_scope(scope))
         return found
 
-    def _simulate(self, step: FlatStep, swap_k: Callable[[int | None, str | None], int | None]) -> Prediction:
+    def _simulate(self, step: FlatStep, swap_k: Callable[[int | None, str | None], int | None],
+                  swap_scope: Callable[[int, str | None], str | None]) -> Prediction:
         """Replay one composed step (a pipeline stage's planner replays its schedule instead)."""
-        return simulate(step, swap_k, self.links, self.min_bytes)
+        return simulate(step, swap_k, self.links, self.min_bytes, self.host, swap_scope)
+
+    def without_host_cap(self) -> Planner:
+        """This planner with an unbounded host pool (what a budget error compares with)."""
+        free = copy.copy(self)
+        free.host = dataclasses.replace(self.host, max_bytes=None)
+        free._cache = {}
+        return free
 
     def moves(self, choices: tuple[Choice, ...]) -> Iterator[tuple[Choice, ...]]:
         """Every plan that differs from ``choices`` by one step on one layer."""
@@ -197,10 +238,23 @@ def plan_budget(planner: Planner, budget: int, margin: float = 0.02) -> Planned:
     fitting = [c for c in found if planner.predict(c).peak_device_bytes <= budget]
     if not fitting:
         lowest = min(planner.predict(c).peak_device_bytes for c in found)
-        raise BudgetError(budget, lowest, baseline.peak_device_bytes)
+        raise BudgetError(budget, lowest, baseline.peak_device_bytes, *_host_cap_cause(planner, budget, target, lowest))
     trimmed = [_trim(planner, c, max(target, planner.predict(c).peak_device_bytes)) for c in fitting]
     choices = min(trimmed, key=lambda c: (excess(planner.predict(c), budget) > 0, planner.predict(c).step_seconds))
     return Planned(choices, planner.predict(choices), baseline)
+
+
+def _host_cap_cause(planner: Planner, budget: int, target: int, lowest: int) -> tuple:
+    """``(max_host_bytes, a plan's prediction without it)`` when the cap keeps the budget out of reach:
+    without the cap the search goes lower (the plan it would choose, or else its lowest); ``()`` when
+    there is no cap or it is no cause."""
+    cap = planner.host.max_bytes
+    if cap is None:
+        return ()
+    free = planner.without_host_cap()
+    chosen = free.predict(_descend(free, tuple(KEEP for _ in range(free.trace.num_layers)), target, by_time=True))
+    best = chosen if chosen.peak_device_bytes <= budget else free.predict(_lowest(free))
+    return (cap, best) if best.peak_device_bytes < lowest else ()
 
 
 def reachable_peak(planner: Planner) -> int:
@@ -249,10 +303,17 @@ def _trim(planner: Planner, choices: tuple[Choice, ...], target: int) -> tuple[C
             for new in planner.cheaper(layer, choice):
                 candidate = choices[:layer] + (new,) + choices[layer + 1:]
                 result = planner.predict(candidate)
-                if excess(result, target) == 0 and result.step_seconds < current.step_seconds:
+                if excess(result, target) == 0 and _better(result, current):
                     choices, current, improved = candidate, result, True
                     break
     return choices
+
+
+def _better(new: Prediction, current: Prediction) -> bool:
+    """Faster; or as fast with fewer swapped bytes the host pool refuses (a swap that stays on the device
+    only costs the run its bookkeeping and a ``skipped["host_cap"]`` count)."""
+    return new.step_seconds < current.step_seconds or (
+        new.step_seconds == current.step_seconds and new.host_cap_bytes < current.host_cap_bytes)
 
 
 def select_candidates(trace: Trace, candidates: list[str], min_offload_bytes: int, limit: int = 2) -> list[str]:

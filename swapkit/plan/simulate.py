@@ -14,6 +14,9 @@ What the planner predicts, and where it is wrong:
   unpacks a tick ``<=`` its horizon. Recompute is a different measured segment (the layer's saves
   replaced by its checkpoint inputs; for a select-recomputed op, its region's inputs and, in
   backward, the bytes its recipe rebuilds until the recipe dies).
+- The host pool (``runtime.max_host_bytes``): a swapped storage whose batch the pool refuses stays
+  on the device (no copies, no release), and the pool's bytes are predicted as the session reports
+  them (``swapkit.plan.hostpool`` Note [The host pool in the replay]).
 - Copies run one at a time in issue order on one queue (the thread engine's worker; the CUDA
   engine's side stream). A copy takes ``latency + bytes / bandwidth`` of its direction, measured on
   the engine (:mod:`swapkit.planner.link`) and starts when issued or when the previous copy ends.
@@ -50,6 +53,7 @@ import bisect
 from dataclasses import dataclass
 from typing import Callable
 
+from swapkit.plan.hostpool import HostModel, host_use
 from swapkit.plan.trace import FlatStep
 
 
@@ -88,6 +92,10 @@ class Prediction:
     peak_if_prompt: int = 0  # the peak if every copy were seen finished on time (no release lag)
     copies: int = 0  # copies per step, both directions
     layer_wait: tuple[tuple[int | None, float], ...] = ()  # exposed wait by layer (None: outside layers)
+    # the host pool's bytes (SwapStats.host_pool_bytes) and the swapped bytes runtime.max_host_bytes keeps on
+    # the device (skipped["host_cap"]): swapkit.plan.hostpool; None where not modelled (a pipeline stage)
+    host_pool_bytes: int | None = None
+    host_cap_bytes: int = 0
 
     @property
     def uncertain_bytes(self) -> int:
@@ -95,8 +103,11 @@ class Prediction:
         return max(self.peak_device_bytes - self.peak_if_prompt, 0)
 
     def to_json(self) -> dict:
-        return {"peak_device_bytes": self.peak_device_bytes, "step_seconds": round(self.step_seconds, 6),
-                "moved_bytes_per_step": self.moved_bytes_per_step}
+        document = {"peak_device_bytes": self.peak_device_bytes, "step_seconds": round(self.step_seconds, 6),
+                    "moved_bytes_per_step": self.moved_bytes_per_step}
+        if self.host_pool_bytes is not None:
+            document.update(host_pool_bytes=self.host_pool_bytes, host_cap_bytes=self.host_cap_bytes)
+        return document
 
 
 class _Record:
@@ -113,8 +124,9 @@ class _Replay:
     """One replay; ``swap_k(layer, scope)`` gives the distance in force for a first save there."""
 
     def __init__(self, step: FlatStep, swap_k: Callable[[int | None, str | None], int | None], links: Links,
-                 min_offload_bytes: int) -> None:
+                 min_offload_bytes: int, refused: frozenset = frozenset()) -> None:
         self.step, self.swap_k, self.links, self.min_bytes = step, swap_k, links, min_offload_bytes
+        self.refused = refused  # storages the host pool keeps on the device (swapkit.plan.hostpool)
         self.records: dict[tuple, _Record] = {}
         self.now = self.queue_free = self.wait = 0.0
         self.bytes = self.peak = self.moved = self.late = 0
@@ -159,8 +171,9 @@ class _Replay:
 
     def _new(self, save, tick: int, last: int) -> None:
         k = self.swap_k(save.layer, save.scope)
-        if k is not None and (save.nbytes < self.min_bytes or self._in_tail(tick + k, last)):
-            k = None  # kept: too small, or in the forward's tail
+        if k is not None and (save.nbytes < self.min_bytes or self._in_tail(tick + k, last)
+                              or save.storage in self.refused):
+            k = None  # kept: too small, in the forward's tail, or its batch refused by the host pool
         record = self.records[save.storage] = _Record(save.nbytes, tick, k, save.layer)
         self._add(save.nbytes)
         if k is not None:
@@ -229,9 +242,17 @@ class _Replay:
 
 
 def simulate(step: FlatStep, swap_k: Callable[[int | None, str | None], int | None], links: Links,
-             min_offload_bytes: int = 1024) -> Prediction:
+             min_offload_bytes: int = 1024, host: HostModel | None = None,
+             swap_scope: Callable[[int, str | None], str | None] | None = None) -> Prediction:
     """Predict one steady-state step of ``step`` when first saves in (layer, scope) are swapped with
     distance ``swap_k(layer, scope)`` (``None``: kept). Note [Cost model].
+
+    Args:
+        host: the session's host pool (``runtime.max_host_bytes``, ``runtime.offload_batch_bytes``); a
+            batch the pool refuses stays on the device (``swapkit.plan.hostpool`` Note [The host pool
+            in the replay]). ``None``: an unbounded pool of packed regions.
+        swap_scope: the swapped scope holding a save of a layer (its batch's frame); ``None`` tells
+            frames apart by distance.
 
     Example:
         >>> from swapkit.plan.trace import FlatSave, FlatStep
@@ -240,12 +261,14 @@ def simulate(step: FlatStep, swap_k: Callable[[int | None, str | None], int | No
         >>> simulate(step, lambda layer, scope: None, Links(Link(0, 1e9), Link(0, 1e9))).peak_device_bytes
         4096
     """
-    replay = _Replay(step, swap_k, links, min_offload_bytes)
+    use = host_use(step, swap_k, swap_scope, min_offload_bytes, host or HostModel())
+    replay = _Replay(step, swap_k, links, min_offload_bytes, use.refused)
     replay.forward()
     replay.backward()
     prompt = replay.peak
     if links.release_lag_s:
-        prompt_replay = _Replay(step, swap_k, Links(links.d2h, links.h2d, 0.0, links.copy_overhead_s), min_offload_bytes)
+        prompt_links = Links(links.d2h, links.h2d, 0.0, links.copy_overhead_s)
+        prompt_replay = _Replay(step, swap_k, prompt_links, min_offload_bytes, use.refused)
         prompt_replay.forward()
         prompt_replay.backward()
         prompt = prompt_replay.peak
@@ -253,4 +276,4 @@ def simulate(step: FlatStep, swap_k: Callable[[int | None, str | None], int | No
     waits = tuple(sorted(((layer, n * wait) for layer, wait in replay.layer_wait.items()),
                          key=lambda item: (item[0] is None, item[0] or 0)))
     return Prediction(replay.peak, n * replay.now + step.other_seconds, n * replay.moved, n * replay.wait,
-                      n * replay.late, prompt, n * replay.copies, waits)
+                      n * replay.late, prompt, n * replay.copies, waits, use.pool_bytes, use.refused_bytes)

@@ -241,7 +241,10 @@ class StagePlanner(Planner):
         super().__init__(trace, links, scopes, min_offload_bytes)
         self.schedule = schedule
 
-    def _simulate(self, step: FlatStep, swap_k: Callable[[int | None, str | None], int | None]) -> Prediction:
+    def _simulate(self, step: FlatStep, swap_k: Callable[[int | None, str | None], int | None],
+                  swap_scope: Callable[[int, str | None], str | None]) -> Prediction:
+        """The stage's schedule replayed; its host pool is not modelled (``swapkit.plan.hostpool``
+        Note [The host pool in the replay])."""
         return simulate_stage(step, swap_k, self.links, self.schedule, self.min_bytes)
 
 

@@ -163,7 +163,11 @@ def budget_check(plan: BudgetPlan, summary: Mapping[str, Any]) -> dict[str, Any]
 def budget_rows(document: Mapping[str, Any], summary: Mapping[str, Any]) -> list[dict[str, Any]]:
     """Per stage (``stage`` None without a pipeline): budget, predicted and measured peak, over or not."""
     if "stages" not in document:
-        return [_row(None, document["budget_bytes"], document["predicted"], summary["peak_device_bytes"])]
+        row = _row(None, document["budget_bytes"], document["predicted"], summary["peak_device_bytes"])
+        if "host_pool_bytes" in document["predicted"] and "host_pool_bytes" in summary:  # the stage replay has none
+            row.update(predicted_host_pool_bytes=document["predicted"]["host_pool_bytes"],
+                       measured_host_pool_bytes=summary["host_pool_bytes"])
+        return [row]
     measured = {stage["stage"]: stage["peak_device_bytes"] for stage in summary.get("stages", ())}
     return [_row(stage["stage"], stage["budget_bytes"], stage["predicted"], measured[stage["stage"]])
             for stage in document["stages"] if stage["stage"] in measured]

@@ -3,9 +3,10 @@
 Note [Warnings about the measurement runs]
 The planner measures configs it writes itself (``swapkit.planner.measure.mode_config``: every layer
 kept, recomputed, select-recomputed, or swapped with distance 1), each under a real session that
-warns as it would for a user's config: the swap probe runs under the user's ``runtime`` settings, so
-with a ``runtime.min_offload_bytes`` above every saved tensor (or a ``runtime.max_host_bytes`` below
-them) its session said "swap moved nothing off the device in step 1", a step and a swap the user
+warns as it would for a user's config: the swap probe runs under the user's ``runtime`` settings
+(but for ``runtime.max_host_bytes``, which the replay models instead:
+``swapkit.planner.measure.mode_config``), so with a ``runtime.min_offload_bytes`` above every saved
+tensor its session said "swap moved nothing off the device in step 1", a step and a swap the user
 never configured. While the runs are measured, WARNING records of the loggers that speak for a
 session or a plan (:data:`RUN_LOGGERS`) are therefore held back (a filter on each logger: a filter
 on a parent logger does not see its children's records). Afterwards the planner says, about the
@@ -66,7 +67,8 @@ def held_warnings(logger: logging.Logger) -> Iterator[HeldWarnings]:
 def setting_warnings(runtime: RuntimeConfig, sizes: list[int], what: str = "this model") -> list[str]:
     """What the user's swap settings leave the planner, given every saved storage's size: nothing to
     swap when ``runtime.min_offload_bytes`` is above all of them or ``runtime.max_host_bytes`` below
-    every one it could swap. ``what`` names whose storages they are."""
+    every one it could swap (a cap that holds some of them is planned with: ``swapkit.plan.hostpool``
+    Note [The host pool in the replay]). ``what`` names whose storages they are."""
     if not sizes:
         return []
     largest, floor = max(sizes), runtime.min_offload_bytes
@@ -78,9 +80,9 @@ def setting_warnings(runtime: RuntimeConfig, sizes: list[int], what: str = "this
     cap = runtime.max_host_bytes
     if cap is not None and cap < min(swappable):
         return [f"runtime.max_host_bytes: {cap} is smaller than every saved tensor the planner could swap in {what} "
-                f"(the smallest is {min(swappable)} bytes): a swap in the plan would move nothing under it, and the "
-                f"planner could not measure how late copies finish; raise it to at least {max(swappable)} or "
-                "remove it"]
+                f"(the smallest is {min(swappable)} bytes): the host pool can hold none of them, so the planner "
+                f"found nothing to swap (it plans keep and recompute only); raise it to at least {max(swappable)} "
+                "or remove it to let it swap"]
     return []
 
 

@@ -6,6 +6,7 @@ This is the torch side of ``swapkit plan CONFIG --budget SIZE``; the choice itse
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,9 +16,11 @@ import torch
 
 from swapkit.api import as_config
 from swapkit.config.errors import ConfigError, Problem
-from swapkit.config.types import Config
+from swapkit.config.types import Config, RuntimeConfig
 from swapkit.engine import make_engine
+from swapkit.engine.slabs import SlabLedger
 from swapkit.plan.plan import build_plan
+from swapkit.plan.hostpool import HostModel
 from swapkit.plan.planner import Planned, Planner, plan_budget, select_candidates, useful_scopes
 from swapkit.plan.simulate import Links, simulate
 from swapkit.plan.trace import KEEP, RECOMPUTE, SELECT, Trace, compose
@@ -52,12 +55,21 @@ SELECT_RUNS = 2
 
 @dataclass(frozen=True)
 class Measured:
-    """What the planner measured: the step in both modes, the link, the candidate scopes."""
+    """What the planner measured: the step in both modes, the link, the candidate scopes, and the
+    engine's host granule (its pool's slab sizes are multiples of it)."""
 
     trace: Trace
     links: Links
     scopes: list[list[str]]
     device: str
+    host_granule: int = 1
+
+    def host(self, runtime: RuntimeConfig) -> HostModel:
+        """The session's host pool under ``runtime`` as the replay follows it: ``max_host_bytes``,
+        ``offload_batch_bytes`` and the pool's own placement (``swapkit.plan.hostpool`` Note [The host
+        pool in the replay])."""
+        return HostModel(runtime.max_host_bytes, runtime.offload_batch_bytes,
+                         functools.partial(SlabLedger, granule=self.host_granule), runtime.skip_tail_offload)
 
 
 def measure(config: Config | Mapping[str, Any] | str | Path, device: str | None = None, steps: int = 3,
@@ -109,14 +121,14 @@ def measure(config: Config | Mapping[str, Any] | str | Path, device: str | None 
     runs = {mode: result[0] for mode, result in results.items() if mode != PROBE}
     _, scope_seconds, scopes, _, keep_step = results[KEEP]
     trace = build_trace(config.model.num_layers, runs, scope_seconds, config.train.gradient_accumulation_steps)
-    links = _measure_links(config, where, trace, results[PROBE][3])
+    links, granule = _measure_links(config, where, trace, results[PROBE][3])
     links = dataclasses.replace(links, copy_overhead_s=copy_overhead(trace, links, keep_step, results[PROBE][4],
                                                                      config.runtime.min_offload_bytes))
     if config_notes:
         for message in setting_warnings(config.runtime, storage_sizes(trace)):
             logger.warning(message)
     useful = [useful_scopes(trace, i, scopes[i], config.runtime.min_offload_bytes) for i in range(len(scopes))]
-    return Measured(trace, links, useful, str(where))
+    return Measured(trace, links, useful, str(where), granule)
 
 
 def _check_arguments(device: str | None, steps: int, warmup: int) -> None:
@@ -152,15 +164,17 @@ def _check_memory(config: Config, where: torch.device, model: ModelSource | None
         model.check_memory(where, copies)
 
 
-def _measure_links(config: Config, where: torch.device, trace: Trace, copies: list) -> Links:
-    """The engine's links, and the release lag the probe run saw (Note [Release lag])."""
+def _measure_links(config: Config, where: torch.device, trace: Trace, copies: list) -> tuple[Links, int]:
+    """The engine's links, the release lag the probe run saw (Note [Release lag]), and the engine's
+    host granule."""
     engine = make_engine(config.runtime, where)
     try:
         links = measure_link(engine, _largest_storage(trace))
+        granule = engine.host_granule
     finally:
         engine.close()
     lag = max(release_lag(c, links) for c, _ in copies)
-    return dataclasses.replace(links, release_lag_s=LAG_SAFETY * lag)
+    return dataclasses.replace(links, release_lag_s=LAG_SAFETY * lag), granule
 
 
 def copy_overhead(trace: Trace, links: Links, keep_step: float, probe_step: float, min_offload_bytes: int) -> float:
@@ -183,7 +197,8 @@ def plan_for_budget(config: Config, budget: int, measured: Measured | None = Non
         BudgetError: the budget is below the smallest reachable peak.
     """
     measured = measured or measure(config, device, model=model)
-    planner = Planner(measured.trace, measured.links, measured.scopes, config.runtime.min_offload_bytes)
+    planner = Planner(measured.trace, measured.links, measured.scopes, config.runtime.min_offload_bytes,
+                      host=measured.host(config.runtime))
     return plan_budget(planner, budget)
 
 

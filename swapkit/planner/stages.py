@@ -33,6 +33,10 @@ from swapkit.train.loop import resolve_device
 from swapkit.train.model import lm_loss
 
 logger = logging.getLogger(__name__)
+HOST_CAP_NOT_MODELLED = (
+    "runtime.max_host_bytes: %d is not modelled for pipeline stages (their micro-steps share one host pool): a "
+    "stage's plan assumes every swap it chooses fits the pool; where one does not, it stays on the device and that "
+    "stage's measured peak can land over its budget (swapkit train --budget reports it); remove the cap, or raise it")
 
 
 @dataclass(frozen=True)
@@ -91,6 +95,8 @@ def plan_stages(config: Config, budget_text: str, device: str | None = None,
     schedule = schedule_of(config)
     budgets = stage_budgets(budget_text, config.parallel.pipeline_stage)
     measured = measured or measure_stages(config, device)
+    if config.runtime.max_host_bytes is not None:  # swapkit.plan.hostpool Note [The host pool in the replay]
+        logger.warning(HOST_CAP_NOT_MODELLED, config.runtime.max_host_bytes)
     found = []
     for stage, (budget, one) in enumerate(zip(budgets, measured)):
         planner = StagePlanner(one.trace, one.links, one.scopes, config.runtime.min_offload_bytes,

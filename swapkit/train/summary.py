@@ -117,19 +117,25 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         rows.append((f"stage {stage['stage']}: peak / swapped per step / late",
                      f"{human_bytes(stage['peak_device_bytes'])} / {human_bytes(stage['offloaded_bytes_per_step'])} / "
                      f"{stage['late_fetches']} ({stage['micro_steps']} micro-steps per step)"))
-    rows += [_budget_row(row) for row in summary.get("budget_check", ())]
+    rows += [line for row in summary.get("budget_check", ()) for line in _budget_rows(row)]
     width = max(len(name) for name, _ in rows)
     return "\n".join(["swapkit train summary"] + [f"  {name.ljust(width)}  {value}" for name, value in rows])
 
 
-def _budget_row(row: Mapping[str, Any]) -> tuple[str, str]:
+def _budget_rows(row: Mapping[str, Any]) -> list[tuple[str, str]]:
     """``swapkit train --budget``: a stage's measured peak against its budget
-    (``swapkit.planner.command`` Note [Measured peak over budget])."""
+    (``swapkit.planner.command`` Note [Measured peak over budget]), and where the plan predicted it,
+    the host pool's bytes measured against the prediction."""
     where = "" if row["stage"] is None else f" stage {row['stage']}"
     verdict = "OVER BUDGET (see the WARNING)" if row["over_budget"] else "within budget"
-    return (f"--budget{where}: measured peak / budget / predicted",
-            f"{human_bytes(row['measured_peak_bytes'])} / {human_bytes(row['budget_bytes'])} / "
-            f"{human_bytes(row['predicted_peak_bytes'])}: {verdict}")
+    rows = [(f"--budget{where}: measured peak / budget / predicted",
+             f"{human_bytes(row['measured_peak_bytes'])} / {human_bytes(row['budget_bytes'])} / "
+             f"{human_bytes(row['predicted_peak_bytes'])}: {verdict}")]
+    if "predicted_host_pool_bytes" in row:
+        rows.append((f"--budget{where}: host pool bytes measured / predicted",
+                     f"{human_bytes(row['measured_host_pool_bytes'])} / "
+                     f"{human_bytes(row['predicted_host_pool_bytes'])}"))
+    return rows
 
 
 def human_bytes(nbytes: float) -> str:

@@ -1,0 +1,219 @@
+"""The session's host pool in the budget planner's replay: batches, the pool's bytes, ``max_host_bytes``.
+
+Pure Python (no torch). :func:`host_use` walks a composed step's forward as the session batches it
+and asks a ledger of the host pool for each batch's region; :mod:`swapkit.plan.simulate` then keeps
+on the device the storages of every batch the pool refused.
+
+Note [The host pool in the replay]
+At run time a swapped storage joins the open batch of its scope (``swapkit.runtime.batch`` Note
+[Coalesced copies]); when the batch is flushed the pool is asked for one region of the batch's size
+(each slot rounded up to 16 bytes), and where it refuses (``runtime.max_host_bytes``) the whole batch
+stays on the device (``skipped["host_cap"]``). The replay does the same:
+- a batch is the run of new swapped storages saved in one frame (the swapped scope of a layer that
+  holds the save; the layer itself for a layer swap), closed where the runtime flushes it: a save in
+  another frame (any save, a kept or uncounted one too), a storage that would take it past
+  ``runtime.offload_batch_bytes`` (``0``: one storage per batch), or a member coming due
+  (``tick >= horizon``; a later save of a member moves its horizon out). Storages too small or (in a
+  steady step) in the forward's tail are not swapped and join no batch (``swapkit.plan.simulate``
+  Note [Cost model]).
+- Regions are asked for in that order and none comes back during forward: a swapped record lives
+  until backward (the step's queues hold it), and its region goes back when backward prefetches the
+  batch or drops it from the tail (``swapkit.engine.pool`` Note [Host buffer reuse is ordered by the
+  copy queue]). So the host bytes in use peak at the end of forward, and every region is back (its
+  fence passed, or the next forward's request waits for it) before the next step asks again.
+- The ledger is the pool's own placement on offsets (``swapkit.engine.slabs.SlabLedger``, which
+  the planner gives the replay with the engine's page granule): slab sizes, the shared and exact
+  kinds, same-size reuse, the cap. The replay runs two steps on it and reports the second (the
+  steady one the planner predicts): ``host_pool_bytes`` is what the slabs hold, as the session's
+  stats say, and the refused batches are the second step's. The first step also offloads the saves
+  of the forward's tail (the session learns the forward's length only then: ``swapkit.runtime.step``
+  Note [The last k ticks stay on the device]), so its slabs may be larger than the steady step needs,
+  and the pool keeps them.
+Where it is approximate:
+- Without a ledger from the engine (a pure caller), :class:`PackedLedger` packs regions end to end:
+  no slab rounding, so ``host_pool_bytes`` is the data's (aligned), and the cap refuses a batch only
+  where the data would cross it.
+- The pool waits for a parked range's fence and places a request of a new size by best fit: where
+  ranges were parked (a fence not yet passed) rather than kept when the next step asks, the real
+  layout can differ from the ledger's, and so can a refusal near the cap.
+- Frames are told apart by layer and swapped scope, as the plan names them; a module shared by
+  several layer positions saves in its last position's frame (``swapkit.runtime.scope`` Note [A
+  shared module's swap scope]), which the replay does not follow. On CUDA the producer stream also
+  splits batches (``swapkit.runtime.batch`` Note [A batch has one producer]); the replay assumes one
+  stream.
+- Copy timing is still per storage (each swapped storage's copy issued at its save,
+  ``swapkit.plan.simulate`` Note [Cost model]); only the pool's decisions are per batch.
+- Pipeline stages (:mod:`swapkit.plan.stages`) share one pool between micro-steps and are not
+  modelled: the stage planner ignores ``max_host_bytes`` and ``swapkit plan --budget`` says so.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+from swapkit.plan.trace import FlatSave, FlatStep
+
+#: A slot's alignment inside a batch's region (``swapkit.runtime.batch.ALIGN``).
+SLOT_ALIGN = 16
+#: The pool's range alignment (``swapkit.engine.slabs.ALIGNMENT``).
+RANGE_ALIGN = 512
+
+
+class Ledger(Protocol):
+    """What the replay asks of the host pool (``swapkit.engine.slabs.SlabLedger`` is the pool's own)."""
+
+    @property
+    def held_bytes(self) -> int: ...
+
+    def acquire(self, nbytes: int) -> Any | None: ...
+
+    def release(self, handle: Any) -> None: ...
+
+
+class PackedLedger:
+    """Regions packed end to end (each rounded to the pool's alignment), at most ``max_bytes`` in use
+    (Note [The host pool in the replay]: the model without the engine's slabs)."""
+
+    def __init__(self, max_bytes: int | None = None) -> None:
+        self.max_bytes = max_bytes
+        self.live = self.held_bytes = 0
+
+    def acquire(self, nbytes: int) -> int | None:
+        span = -(-nbytes // RANGE_ALIGN) * RANGE_ALIGN
+        if self.max_bytes is not None and self.live + span > self.max_bytes:
+            return None
+        self.live += span
+        self.held_bytes = max(self.held_bytes, self.live)
+        return span
+
+    def release(self, span: int) -> None:
+        self.live -= span
+
+
+@dataclass(frozen=True)
+class HostModel:
+    """The session's host pool settings the replay follows.
+
+    Args:
+        max_bytes: ``runtime.max_host_bytes`` (``None``: unbounded).
+        batch_bytes: ``runtime.offload_batch_bytes``.
+        ledger: makes a fresh ledger for a cap (the planner passes the engine's ``SlabLedger``).
+        skip_tail: ``runtime.skip_tail_offload`` (steady steps do not offload the forward's tail).
+    """
+
+    max_bytes: int | None = None
+    batch_bytes: int = 16 << 20
+    ledger: Callable[[int | None], Ledger] = field(default=PackedLedger, compare=False)
+    skip_tail: bool = True
+
+
+@dataclass(frozen=True)
+class HostUse:
+    """What the pool does in a steady step: the storages it keeps on the device, their bytes, and the
+    bytes its slabs hold (``SwapStats.host_pool_bytes``)."""
+
+    refused: frozenset = frozenset()
+    refused_bytes: int = 0
+    pool_bytes: int = 0
+
+
+def swap_distance(save: FlatSave, tick: int, last: int, swap_k: Callable[[int | None, str | None], int | None],
+                  min_offload_bytes: int, skip_tail: bool = True) -> int | None:
+    """The distance of a new storage first saved at ``tick``, or ``None`` where it is kept: not in a
+    swapped scope, smaller than ``min_offload_bytes``, or (``skip_tail``: a steady step) due only
+    after the forward's last tick."""
+    k = swap_k(save.layer, save.scope)
+    if k is None or save.nbytes < min_offload_bytes or (skip_tail and tick + k >= last + 1):
+        return None
+    return k
+
+
+class _Batch:
+    __slots__ = ("frame", "members", "nbytes", "data_bytes")
+
+    def __init__(self, frame: tuple) -> None:
+        self.frame, self.members, self.nbytes, self.data_bytes = frame, [], 0, 0
+
+
+class _Batcher:
+    """One forward of the step, batched as the session batches it (Note [The host pool in the replay])."""
+
+    def __init__(self, step: FlatStep, swap_k, swap_scope, min_offload_bytes: int, host: HostModel,
+                 ledger: Ledger, skip_tail: bool) -> None:
+        self.step, self.swap_k, self.swap_scope, self.min_bytes = step, swap_k, swap_scope, min_offload_bytes
+        self.skip_tail = skip_tail
+        self.limit, self.ledger = host.batch_bytes, ledger
+        self.open: _Batch | None = None
+        self.horizon: dict[tuple, int] = {}  # swapped storage -> its horizon
+        self.k: dict[tuple, int] = {}
+        self.seen: set[tuple] = set()
+        self.regions: list[Any] = []
+        self.refused: set[tuple] = set()
+        self.refused_bytes = 0
+
+    def run(self) -> None:
+        last = len(self.step.forward) - 1
+        for tick, save in enumerate(self.step.forward):
+            batch = self.open
+            if batch is not None and (min(self.horizon[s] for s in batch.members) <= tick
+                                      or self._frame(save) != batch.frame):
+                self._flush()  # a member came due, or the scope changed
+            if save.storage is None:
+                continue
+            if save.storage in self.seen:
+                if save.storage in self.k:  # a later save moves the horizon out (swapkit.runtime.schedule)
+                    self.horizon[save.storage] = max(self.horizon[save.storage], tick + self.k[save.storage])
+                continue
+            self.seen.add(save.storage)
+            k = swap_distance(save, tick, last, self.swap_k, self.min_bytes, self.skip_tail)
+            if k is not None:
+                self._join(save, tick, k)
+        self.open = None  # still open when backward begins: discarded, its storages stay (tail)
+
+    def _frame(self, save: FlatSave) -> tuple | None:
+        if save.layer is None:
+            return None
+        return save.layer, self.swap_scope(save.layer, save.scope)
+
+    def _join(self, save: FlatSave, tick: int, k: int) -> None:
+        self.k[save.storage], self.horizon[save.storage] = k, tick + k
+        batch = self.open
+        if batch is None or (batch.nbytes and batch.nbytes + save.nbytes > self.limit):
+            self._flush()
+            batch = self.open = _Batch(self._frame(save))
+        batch.members.append(save.storage)
+        batch.nbytes += -(-save.nbytes // SLOT_ALIGN) * SLOT_ALIGN
+        batch.data_bytes += save.nbytes
+        if not self.limit:
+            self._flush()
+
+    def _flush(self) -> None:
+        batch, self.open = self.open, None
+        if batch is None:
+            return
+        region = self.ledger.acquire(batch.nbytes)
+        if region is None:  # the pool refused: the batch stays on the device
+            self.refused.update(batch.members)
+            self.refused_bytes += batch.data_bytes
+        else:
+            self.regions.append(region)
+
+
+def host_use(step: FlatStep, swap_k: Callable[[int | None, str | None], int | None],
+             swap_scope: Callable[[int, str | None], Any] | None, min_offload_bytes: int,
+             host: HostModel) -> HostUse:
+    """The pool's decisions in the second of two steps of ``step`` (Note [The host pool in the replay]).
+
+    Args:
+        swap_scope: the swapped scope that holds a save in a layer (its frame); ``None`` to tell
+            frames apart by their distance only.
+    """
+    scope_of = swap_scope or (lambda layer, scope: swap_k(layer, scope))
+    ledger = host.ledger(host.max_bytes)
+    batcher = None
+    for steady in (False, True):  # the first step offloads its tail too (nothing learnt yet)
+        batcher = _Batcher(step, swap_k, scope_of, min_offload_bytes, host, ledger, steady and host.skip_tail)
+        batcher.run()
+        for region in batcher.regions:  # every region is back before the next step asks
+            ledger.release(region)
+    return HostUse(frozenset(batcher.refused), batcher.refused_bytes, ledger.held_bytes)
