@@ -434,3 +434,52 @@ def test_a_storage_changed_on_the_copy_thread_names_its_scope():
     with pytest.raises(StorageChangedError, match="saved in layer 3: mlp"):
         engine.wait(copy)
     engine.close()
+
+
+class ReadyWithoutWait(ThreadCopyEngine):
+    """``ready`` blocks until the copy is done (deterministic), through ``wait_done``, not ``wait``."""
+
+    def ready(self, copy) -> bool:
+        self.wait_done(copy)
+        return super().ready(copy)
+
+
+class WaitsCounted(ReadyWithoutWait):
+    """Replaces ``wait``: the engine no longer says a ready copy is usable without it."""
+
+    def wait(self, copy, timed=False):
+        return super().wait(copy, timed)
+
+
+@pytest.mark.parametrize("engine_type", [ReadyWithoutWait, WaitsCounted])
+def test_a_restore_skips_the_wait_on_a_prefetch_seen_finished_only_where_the_engine_allows(monkeypatch, engine_type):
+    """CopyEngine.usable_when_ready: the thread engine's wait on a finished copy does nothing, so a restore whose
+    batch was seen arrived skips it; an engine that replaces wait (CUDA joins streams there; tests gate and
+    count) gets every restore's wait."""
+    prefetched, waits = set(), []
+    original_prefetch, original_wait = ThreadCopyEngine.prefetch, ThreadCopyEngine.wait
+
+    def prefetch(self, src):
+        buffer, copy = original_prefetch(self, src)
+        prefetched.add(id(copy))
+        return buffer, copy
+
+    def wait(self, copy, timed=False):
+        waits.append(id(copy) in prefetched)
+        return original_wait(self, copy, timed)
+
+    monkeypatch.setattr(ThreadCopyEngine, "prefetch", prefetch)
+    monkeypatch.setattr(ThreadCopyEngine, "wait", wait)
+    reference = MixedNet(layers=4)
+    expected = run(reference)
+    model = copy.deepcopy(reference)
+    model.zero_grad(set_to_none=True)
+    engine = engine_type("cpu")
+    session = swapped(model, engine, k=2)
+    assert_grads_equal(run(model, session), expected)
+    stats = session.stats
+    assert stats.late_fetches == 0 and stats.prefetched_tensors > 0
+    if engine_type is ReadyWithoutWait:
+        assert engine.usable_when_ready and sum(waits) == 0
+    else:
+        assert not engine.usable_when_ready and sum(waits) >= stats.prefetched_tensors

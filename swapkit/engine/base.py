@@ -104,6 +104,9 @@ class CopyEngine(Protocol):
     #: allocator orders the memory's reuse after the copy (``swapkit.runtime.step`` Note [Stream-ordered
     #: release]); False: only once the copy has finished (``ready``)
     stream_ordered_release: bool
+    #: a copy ``ready`` reported finished is usable as it is: ``wait`` on it would do nothing (thread engine);
+    #: False where a reader must still join it (CUDA: the reading stream waits on the copy's event)
+    usable_when_ready: bool
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         """Allocate a flat ``uint8`` host slab of ``nbytes`` for the pool (pinned on CUDA)."""

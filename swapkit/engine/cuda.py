@@ -311,6 +311,7 @@ class CudaCopyEngine:
     name = "cuda"
     host_granule = PAGE
     stream_ordered_release = True  # Note [Copy sources are released in stream order]
+    usable_when_ready = False  # the reading stream still waits on the copy's event (and records the buffer)
 
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)

@@ -194,6 +194,12 @@ class ThreadCopyEngine:
         last = self._last
         return None if last is None or last.done else ThreadFence(self, last)
 
+    @property
+    def usable_when_ready(self) -> bool:
+        """A finished copy's bytes are in place: ``wait`` would return at once, unless it was replaced (a
+        subclass or an instance attribute: tests count and gate waits)."""
+        return type(self).wait is ThreadCopyEngine.wait and "wait" not in self.__dict__
+
     def ready(self, copy: ThreadCopy) -> bool:
         """Finished? A failed copy raises here: its bytes must never be trusted (or released)."""
         if copy.done and copy.error is not None:

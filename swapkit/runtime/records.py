@@ -104,6 +104,7 @@ class StepState(Protocol):
     verify: bool
     empties: dict[torch.dtype, torch.Tensor]  # empty tensors on the device, one per dtype (records.view_on)
     engine: CopyEngine
+    usable_when_ready: bool  # the engine's (swapkit.engine.base.CopyEngine)
     pool: HostPool
     lock: threading.RLock
     stats: SwapStats  # changed under ``lock`` (Note [Unpacks from several threads])
@@ -212,6 +213,7 @@ class SwapRecord:
         self.keeper, self.more = None, ()
         self.released = True
         self.resident = False
+        self.step.stats.released_bytes += self.nbytes
         self.step.bytes_changed(-self.nbytes)
 
     def fetch(self, tick: int) -> None:
@@ -247,7 +249,8 @@ class SwapRecord:
                 self.waited = True
                 if not late and lead > 0:  # its copy finished without error (ready said so): the wait cannot fail
                     step.stats.prefetch_lead_ticks += lead
-        timing = step.engine.wait(copy, timed=late and first)
+        timing = step.engine.wait(copy, timed=late and first) if late or not (
+            batch.arrived and step.usable_when_ready) else None  # seen finished: nothing to wait for
         if first:
             if late:  # counted once the copy arrived: a failed one counts nowhere
                 step.late_fetch(lead, timing)

@@ -72,6 +72,10 @@ attribute read there. What keeps them lean, each giving the same guarantee as th
   (``swapkit.runtime.schedule`` Note [In-order pushes]); the records waiting for their copy are a
   deque in copy order, and the engine is asked whether a copy finished once per batch, in forward
   (Note [Releases never stall compute]) and in backward (``SwapRecord.restore``);
+- a release is the record's own (it counts ``released_bytes``) and its push on the prefetch queue, with
+  no step method between; a restore whose batch was seen arrived skips ``engine.wait`` where the
+  engine says a finished copy needs none (``usable_when_ready``: the thread engine, not CUDA, whose
+  reading stream must still join the copy);
 - a device-byte change is one append to the step's ledger, a C call with no lock (records die on any
   thread): the total and its peak are replayed in order when read (``swapkit.runtime.ledger`` Note
   [The device-bytes ledger]);
@@ -159,6 +163,7 @@ class Step:
         self._batch: Batch | None = None  # the open batch (swapkit.runtime.batch Note [Coalesced copies])
         self._producer = engine.producer  # swapkit.runtime.batch Note [A batch has one producer]
         self._release_queued = engine.stream_ordered_release  # Note [Stream-ordered release]
+        self.usable_when_ready = getattr(engine, "usable_when_ready", False)  # SwapRecord.restore skips its wait
         self._batches = 0  # batches flushed: their copy order
         self._scheduled = False  # a swap record was queued this step (Note [The cost of a save])
         self._last_frame: Frame | None = None  # the frame of the previous save: _seen has it
@@ -356,23 +361,21 @@ class Step:
             if record.batch.kept:  # never copied: its storages stay on the device
                 continue
             if self._release_queued:
-                self._released(record)
+                record.release()
+                self._prefetch.push(record)
             elif not pending or _copy_order(pending[-1]) < _copy_order(record):
                 pending.append(record)
             else:
                 bisect.insort(pending, record, key=_copy_order)
         while pending and (pending[0].batch.copied or self._copy_finished(pending[0].batch)):
-            self._released(pending.popleft())  # Note [Releases never stall compute]
+            record = pending.popleft()  # Note [Releases never stall compute]
+            record.release()
+            self._prefetch.push(record)  # its bytes come back in backward
 
     def _copy_finished(self, batch: Batch) -> bool:
         """Has ``batch``'s copy to host finished? Remembered once it has (Note [Releases never stall compute])."""
         batch.copied = self.engine.ready(batch.d2h)
         return batch.copied
-
-    def _released(self, record: SwapRecord) -> None:
-        record.release()
-        self.stats.released_bytes += record.nbytes
-        self._prefetch.push(record)
 
     def _flush_batch_of(self, record: SwapRecord) -> None:
         if record.batch is self._batch:  # due before its batch filled (Note [Coalesced copies])
