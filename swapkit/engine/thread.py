@@ -165,7 +165,8 @@ class ThreadCopyEngine:
     def _copy_region(self, region: torch.Tensor, sources: list[Source], where: str = "") -> None:
         pairs = region_pairs(region, sources, self.device)
         check_storages(sources, where)  # swapkit.runtime.records Note [Storages another component may resize]
-        self._link_delay(sum(nbytes for _, _, nbytes, _ in sources))
+        if self.emulates_link:  # the sum is a Python loop on the worker, which holds the GIL meanwhile
+            self._link_delay(sum(nbytes for _, _, nbytes, _ in sources))
         torch._foreach_copy_([dst for _, dst in pairs], [src for src, _ in pairs])
         check_storages(sources, where)
 
@@ -181,7 +182,8 @@ class ThreadCopyEngine:
         ``_foreach_copy_`` (one release of the GIL for the batch, not one per storage)."""
         for src, (nbytes, data_ptr) in zip(sources, queued):  # swapkit.runtime.records Note [Storages another ...]
             check_source(src, nbytes, data_ptr)
-        self._link_delay(sum(src.numel() for src in sources))
+        if self.emulates_link:
+            self._link_delay(sum(src.numel() for src in sources))
         torch._foreach_copy_(targets, sources)
         for src, (nbytes, data_ptr) in zip(sources, queued):
             check_source(src, nbytes, data_ptr)
@@ -260,6 +262,11 @@ class ThreadCopyEngine:
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         self._link_delay(src.numel())
         dst.copy_(src)
+
+    @property
+    def emulates_link(self) -> bool:
+        """Copies sleep as the emulated link would take (:meth:`_link_delay`)."""
+        return bool(self.latency_s or self.bandwidth_gbps)
 
     def _link_delay(self, nbytes: int) -> None:
         """Sleep as long as the emulated link takes for ``nbytes`` (its latency once per job); a close
