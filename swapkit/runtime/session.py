@@ -224,10 +224,14 @@ class SwapSession:
     def record_recipe(self, function: Any, args: tuple, kwargs: dict, state: tuple, out: Any,
                       label: str = "a selected scope") -> None:
         """After a selected scope ran: remember how to rebuild its outputs for their consumers."""
+        packed: dict[int, PackedInput] = {}  # one handle per tensor object (recipes Note [One object per input])
+
         def pack(value: Any) -> Any:
             if not isinstance(value, torch.Tensor):
                 return value
-            return PackedInput(self._pack(value), value.requires_grad)
+            if id(value) not in packed:
+                packed[id(value)] = PackedInput(self._pack(value), value.requires_grad)
+            return packed[id(value)]
 
         inputs = {id(v.untyped_storage()) for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)
                   and is_plain(v)}
