@@ -147,7 +147,9 @@ class SwapSession:
             if other is not None:
                 raise RuntimeError(f"another swapkit session (on {type(other.model).__name__}) is already active "
                                    "on this thread and would be silently replaced; leave its `with` block before "
-                                   "entering this one")
+                                   "entering this one. To swap several models in one step, apply swapkit once to a "
+                                   "module holding them all, with layers=[...] naming each model's layer container "
+                                   "(one global layer numbering, in the order given)")
             self._owner = threading.get_ident()
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
