@@ -1,5 +1,5 @@
 """A tensor passed to a recomputed region more than once stays one object in every re-run
-(swapkit.runtime.recompute Note [A tensor passed to a region more than once], recipes Note [One object
+(swapkit.runtime.region_inputs Note [A tensor passed to a region more than once], recipes Note [One object
 per input]): ``nn.MultiheadAttention(x, x, x)`` under select recompute failed inside a session."""
 from __future__ import annotations
 

@@ -34,8 +34,8 @@ Note [One object per input]
 A tensor given to a scope more than once (``attn(x, x, x)``) is one object in forward, and modules
 branch on it (``nn.MultiheadAttention`` takes its packed input projection when ``query is key``).
 The session packs it once per recipe and the replay unpacks it once, so the replay passes one
-object in each of its positions and takes the path forward took (recompute Note [A tensor passed
-to a region more than once] does the same for the checkpoint region).
+object in each of its positions and takes the path forward took (region_inputs Note [A tensor
+passed to a region more than once] does the same for the checkpoint region).
 
 Recipes exist only while a session is active; outside ``with session:`` a selected scope is a
 plain checkpoint region. The Megatron dialect keeps Megatron's semantics (checkpoint regions

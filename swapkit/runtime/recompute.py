@@ -88,18 +88,6 @@ compares its tensor inputs' version counters before and after the region's forwa
 once, naming the region and the fix. Reading a counter costs nothing next to a checkpoint call.
 A region that writes its input in place and saves nothing for backward would have worked; it
 is refused too (checkpointing it frees nothing).
-
-Note [A tensor passed to a region more than once]
-Checkpointing saves a region's tensor inputs for backward and hands the saved ones to the
-recomputation. Under a swap session each save goes through the saved-tensor hooks and comes back
-as a tensor object of its own, so a tensor given twice (``nn.MultiheadAttention`` called as
-``attn(x, x, x)``, as ``nn.TransformerEncoderLayer`` does) reached the re-run as three distinct
-objects. Modules that branch on identity (``query is key``: one packed input projection, else
-three) then recomputed along another path and ``torch.utils.checkpoint`` failed with "Recomputed
-values ... have different metadata". So each distinct tensor object is handed to ``checkpoint``
-once, with the positions it fills (and the keywords that name it as well), and the region is
-called with one object in each of them, as in forward. Reentrant checkpointing, which detaches each
-input on its own even without a session, keeps the identity the same way.
 """
 from __future__ import annotations
 
@@ -116,6 +104,7 @@ from swapkit.runtime.binding import Binding, BoundLayer
 from swapkit.runtime.detach import AttachedForward
 from swapkit.runtime.kv_cache import CacheArguments, cache_warning
 from swapkit.runtime.recipes import capture_state
+from swapkit.runtime.region_inputs import call_region, distinct_inputs
 from swapkit.runtime.scope import eager
 
 logger = logging.getLogger(__name__)
@@ -261,12 +250,13 @@ class Recompute:
     def _checkpoint(self, function: Callable[..., Any], args: tuple, kwargs: dict, label: str,
                     module: nn.Module) -> Any:
         versions = [(t, t._version) for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
-        inputs, layout, aliases = distinct_inputs(args, kwargs)  # Note [A tensor passed to a region more than once]
+        inputs, layout, aliases = distinct_inputs(args, kwargs)  # region_inputs Note [A tensor passed ...]
         if self.use_reentrant:
             _check_reentrant(args, kwargs, label)
-            out = checkpoint(_call, function, {}, layout, {}, *inputs, use_reentrant=True, preserve_rng_state=True)
+            out = checkpoint(call_region, function, {}, layout, {}, *inputs, use_reentrant=True,
+                             preserve_rng_state=True)
         else:  # see Note [Keyword arguments of checkpointed modules]
-            out = checkpoint(_call, function, kwargs, layout, aliases, *inputs, use_reentrant=False,
+            out = checkpoint(call_region, function, kwargs, layout, aliases, *inputs, use_reentrant=False,
                              preserve_rng_state=True)
         for tensor, version in versions:  # Note [Regions that write their inputs]
             if tensor._version != version:
@@ -300,42 +290,6 @@ def replay_safe(function: Callable[..., Any], modules: list[nn.Module]) -> Calla
                 buffer.data.copy_(value)  # fail the version check of the tensors the re-run saved
 
     return run
-
-
-def distinct_inputs(args: tuple, kwargs: dict) -> tuple[tuple, tuple[int, ...], dict[str, int]]:
-    """Each tensor object of ``args`` once (Note [A tensor passed to a region more than once]).
-
-    Args:
-        args: the region's positional arguments.
-        kwargs: its keyword arguments (they travel by reference; only those that are one of ``args``
-            are looked up).
-
-    Returns:
-        ``inputs`` (the positional arguments, a repeated tensor only at its first position), ``layout``
-        (for each position of ``args`` its index in ``inputs``) and ``aliases`` (keyword -> index in
-        ``inputs`` for keyword tensors that are also positional).
-    """
-    inputs: list[Any] = []
-    first: dict[int, int] = {}  # id(tensor) -> index in inputs
-    layout = []
-    for value in args:
-        if isinstance(value, torch.Tensor) and id(value) in first:
-            layout.append(first[id(value)])
-            continue
-        if isinstance(value, torch.Tensor):
-            first[id(value)] = len(inputs)
-        layout.append(len(inputs))
-        inputs.append(value)
-    aliases = {k: first[id(v)] for k, v in kwargs.items() if isinstance(v, torch.Tensor) and id(v) in first}
-    return tuple(inputs), tuple(layout), aliases
-
-
-def _call(function: Callable[..., Any], kwargs: dict, layout: tuple[int, ...], aliases: dict[str, int],
-          *inputs: Any) -> Any:
-    """The region's call, each repeated tensor one object again (Note [A tensor passed to a region ...])."""
-    if aliases:
-        kwargs = {**kwargs, **{name: inputs[index] for name, index in aliases.items()}}
-    return function(*(inputs[index] for index in layout), **kwargs)
 
 
 def _pass_through(state: dict[str, Any], original: Callable[..., Any], index: int, label: str,
