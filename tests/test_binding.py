@@ -386,3 +386,33 @@ def test_a_model_that_is_no_module_is_a_clear_bind_error(model, config, shown):
 def test_chunk_modules_without_a_stage_still_name_stage():
     with pytest.raises(BindError, match="got list of chunk modules without stage="):
         swapkit.apply([ToyNet(layers=3)], toy_config(3))
+
+
+class CausalLM(nn.Module):
+    """A Hugging Face causal LM's shape: the layers sit at ``model.layers``, not ``layers``."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = nn.Module()
+        self.model.layers = nn.ModuleList(Block(8) for _ in range(2))
+        self.lm_head = nn.Linear(8, 8)
+
+
+@pytest.mark.parametrize("path, start", [
+    ("layers", "layers path 'layers': CausalLM has no child 'layers'; children: model, lm_head"),
+    ("model", "layers path 'model' is a Module; expected an nn.ModuleList"),
+    ("model.layers.0", "layers path 'model.layers.0' is a Block; expected an nn.ModuleList"),
+    ("lm_head", "layers path 'lm_head' is a Linear; expected an nn.ModuleList"),
+])
+def test_a_wrong_layers_path_names_the_containers_the_model_has(path, start):
+    """A new user wrote layers='layers' for a Hugging Face model; the error listed only the root's children."""
+    with pytest.raises(BindError) as info:
+        swapkit.apply(CausalLM(), toy_config(2), layers=path)
+    assert str(info.value).startswith(start)
+    assert str(info.value).endswith("; did you mean 'model.layers' (the model's list of repeated blocks)?")
+
+
+def test_a_wrong_layers_path_beside_the_container_names_no_container_twice():
+    with pytest.raises(BindError) as info:
+        swapkit.apply(CausalLM(), toy_config(2), layers="model.layer")
+    assert str(info.value) == "layers path 'model.layer': model has no child 'layer'; children: layers"

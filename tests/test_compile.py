@@ -238,3 +238,29 @@ def test_fullgraph_names_swapkit_and_the_fix(variant):
     message = str(info.value)
     assert "swapkit's hooks run eagerly by design" in message
     assert "compile without fullgraph=True" in message
+
+
+def test_compiled_transformer_encoder_never_compiles_swapkits_hook_objects(monkeypatch):
+    """An op swap on nn.MultiheadAttention in a compiled nn.TransformerEncoder: Dynamo broke the graph at the
+    scope hook and then compiled ``AttachedHook.__call__`` as a frame of its own, once per hook signature, until
+    it hit ``recompile_limit`` with a warning (Note [Saved-tensor hooks stay out of Dynamo])."""
+    from torch._dynamo.convert_frame import input_codes
+
+    from swapkit.runtime.detach import AttachedHook
+
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+    model = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    session = swapkit.apply(model, {"swap_config": {"swap": True, "op_swap": {
+        "op_name": "self_attn", "backward_prefetch": 1, "layers": True}}, "runtime": {"min_offload_bytes": 0}})
+    compiled_model = torch.compile(model, backend="eager")
+    x = torch.randn(2, 8, 32, requires_grad=True)  # every layer's input requires grad: one graph per frame
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    for _ in range(2):
+        with session:
+            compiled_model(x).square().mean().backward()
+    assert AttachedHook.__call__.__code__ not in [code() for code in input_codes.seen]
+    stats = session.stats
+    assert stats.prefetched_bytes == stats.offloaded_bytes > 0 and stats.unused_swaps == []
+    assert set(stats.offloaded_by_scope) == {"layer 0: self_attn", "layer 1: self_attn"}
+    session.remove()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -543,3 +544,16 @@ def test_unknown_top_level_key_lists_swapkits_sections_not_the_trainer_keys():
     assert message == "optimzer: unknown key; did you mean 'optimizer'?"  # still suggested
     (message,) = problems_of(with_sections(context={"zzz": 1}))
     assert message.startswith("context.zzz: unknown key; known keys: affinity_cpu_list, ascend_config, ")
+
+
+def test_a_missing_file_names_the_folder_it_was_looked_for_in_and_close_names(tmp_path, monkeypatch):
+    """A new user ran a command from another folder, or wrote .yml for .yaml: the error said only 'not found'."""
+    (tmp_path / "tiny.yaml").write_text("model: {model_config: {num_layers: 2}}\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as info:
+        load_config("tiny.yml")
+    assert str(info.value.problems[0]) == (f"config file not found: tiny.yml (relative to the current directory, "
+                                           f"{os.getcwd()}); did you mean tiny.yaml?")
+    with pytest.raises(ConfigError) as info:
+        load_config(tmp_path / "configs" / "tiny.yaml")  # an absolute path in a missing folder: nothing to add
+    assert str(info.value.problems[0]) == f"config file not found: {tmp_path / 'configs' / 'tiny.yaml'}"

@@ -142,3 +142,31 @@ def test_an_op_name_in_a_list_is_blamed_at_its_position():
     assert bind_error(config) == [
         "swap_config.op_swap[1].op_name[1]: op_swap pattern 'atn' matches no sub-module in any layer of "
         "TinyGPT.blocks; did you mean 'attn'? Replace 'atn' with 'attn'"]
+
+
+def test_two_models_in_one_step_take_one_session_over_both_containers():
+    """A second session cannot be entered inside the first (its hooks would replace the first's); the error
+    now says how to swap both models: one session over a module holding them, layers naming each container."""
+    torch.manual_seed(0)
+    first, second = TinyGPT(), TinyGPT()
+    plain = [copy.deepcopy(first), copy.deepcopy(second)]
+    config = {"runtime": {"min_offload_bytes": 0}, "swap_config": {"swap": True, "op_swap": [
+        {"op_name": "mlp", "backward_prefetch": 1, "layers": True}]}}
+    one, two = swapkit.apply(first, config), swapkit.apply(second, config)
+    with pytest.raises(RuntimeError, match=r"To swap several models in one step, apply swapkit once to a module "
+                                           r"holding them all, with layers=\[\.\.\.\]"):
+        with one, two:
+            pass
+    one.remove()
+    two.remove()
+    both = torch.nn.ModuleDict({"first": first, "second": second})
+    session = swapkit.apply(both, config, layers=["first.blocks", "second.blocks"])
+    tokens = torch.randint(0, 64, (2, 8))
+    with session:
+        (first(tokens).square().mean() + second(tokens).square().mean()).backward()
+    (plain[0](tokens).square().mean() + plain[1](tokens).square().mean()).backward()
+    for model, reference in zip((first, second), plain):
+        for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+            assert torch.equal(p.grad, q.grad), name
+    assert set(session.stats.offloaded_by_scope) == {f"layer {i}: mlp" for i in range(6)}
+    session.remove()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 import swapkit
 from swapkit.runtime.stats import SwapStats
@@ -54,3 +55,30 @@ def test_session_repr_says_what_it_is():
         assert repr(session).endswith("engine=ThreadCopyEngine, steps=1, active)")
     session.remove()
     assert repr(session).endswith("removed)")
+
+
+class Mlp(nn.Module):
+    """The README's MLP: select-recomputing the GELU (``mlp\\.1``) drops its output, the widest activation."""
+
+    def __init__(self, dim: int = 32) -> None:
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x):
+        return x + self.mlp(x)
+
+
+def test_a_peak_above_the_saved_bytes_says_it_holds_outputs_recomputed_in_backward():
+    torch.manual_seed(0)
+    model = nn.Sequential(*(Mlp() for _ in range(3)))
+    session = swapkit.apply(model, {"recompute_config": {"select_recompute": [r"mlp\.1"]}})
+    with session:
+        model(torch.randn(16, 32, requires_grad=True)).square().mean().backward()
+    stats = session.stats
+    # the GELU outputs rebuilt in backward are resident at the peak, never counted as saved in forward
+    assert stats.saved_bytes < stats.peak_device_bytes <= stats.saved_bytes + stats.recomputed_output_bytes
+    assert stats.memory_saved_bytes == 0
+    row = str(stats).splitlines()[1]
+    assert row == (f"  saved (device-resident, peak)  {stats.peak_device_bytes / 2**20:.2f} MiB: "
+                   f"{stats.saved_bytes / 2**20:.2f} MiB saved in forward plus outputs recomputed in backward")
+    session.remove()

@@ -5,6 +5,8 @@ says what is wrong and how to fix it; nothing else escapes (Note [Hostile YAML])
 """
 from __future__ import annotations
 
+import difflib
+import itertools
 import os
 import re
 import stat
@@ -72,7 +74,7 @@ def _read_text(path: Path) -> str:
     try:
         info = os.stat(path)
     except FileNotFoundError:
-        raise ConfigError([Problem("", f"config file not found: {shown}")]) from None
+        raise ConfigError([Problem("", f"config file not found: {shown}{_missing_hint(path)}")]) from None
     except (OSError, ValueError) as err:  # ENAMETOOLONG, ELOOP, EACCES, an embedded NUL byte
         raise ConfigError([Problem("", f"cannot read {shown}: {_reason(err)}")]) from None
     _check_file_kind(info, shown)
@@ -87,6 +89,18 @@ def _read_text(path: Path) -> str:
     except UnicodeDecodeError as err:
         raise ConfigError([Problem("", f"cannot read {shown}: not UTF-8 text ({err.reason} at byte "
                                        f"{err.start}); save it as UTF-8")]) from None
+
+
+def _missing_hint(path: Path) -> str:
+    """Where a relative path was looked for, and the YAML files beside it with a close name (``tiny.yml``
+    for ``tiny.yaml``); empty when there is nothing to add."""
+    hint = "" if path.is_absolute() else f" (relative to the current directory, {clip(os.getcwd(), 120)})"
+    try:
+        siblings = [p.name for p in itertools.islice(path.parent.iterdir(), 10_000) if p.suffix in (".yaml", ".yml")]
+    except OSError:  # the folder is missing or unreadable too
+        return hint
+    close = difflib.get_close_matches(path.name, sorted(siblings), n=3, cutoff=0.7)
+    return hint + (f"; did you mean {', '.join(close)}?" if close else "")
 
 
 def _check_file_kind(info: os.stat_result, shown: str) -> None:

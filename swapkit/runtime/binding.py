@@ -274,15 +274,33 @@ def _walk(model: nn.Module, path: str) -> nn.Module:
     for depth, part in enumerate(path.split(".") if path else ()):
         children = dict(node.named_children())
         if part not in children:
-            where = ".".join(path.split(".")[:depth]) or type(model).__name__
-            raise BindError(f"layers path {path!r}: {where} has no child {part!r}; children: "
-                            f"{', '.join(children) or 'none'}")
+            prefix = ".".join(path.split(".")[:depth])
+            shown = [f"{prefix}.{name}" if prefix else name for name in children]
+            raise BindError(f"layers path {path!r}: {prefix or type(model).__name__} has no child {part!r}; "
+                            f"children: {', '.join(children) or 'none'}{_containers_hint(model, shown)}")
         node = children[part]
     if not isinstance(node, CONTAINERS):
-        what = f"layers path {path!r}" if path else "layers path '' (the model itself)"
-        raise BindError(f"{what} is a {type(node).__name__}; expected an nn.ModuleList, nn.Sequential or "
-                        "nn.ModuleDict of layers; pass the dotted path of the layer container, or None to auto-detect")
+        raise _not_a_container(model, path, node)
     return as_list(node)
+
+
+def _not_a_container(model: nn.Module, path: str, node: nn.Module) -> BindError:
+    what = f"layers path {path!r}" if path else "layers path '' (the model itself)"
+    kind = type(node).__name__
+    return BindError(f"{what} is {'an' if kind[0] in 'AEIOU' else 'a'} {kind}; expected an nn.ModuleList, "
+                     "nn.Sequential or nn.ModuleDict of layers; pass the dotted path of the layer container, or None "
+                     f"to auto-detect{_containers_hint(model, [])}")
+
+
+def _containers_hint(model: nn.Module, shown: list[str]) -> str:
+    """The model's lists of repeated blocks, the paths a wrong ``layers`` most likely meant (a Hugging Face
+    causal LM's are ``model.layers``, not ``layers``); empty when there is none or the error lists them."""
+    found = [name for name, _ in _outermost([(n, m) for n, m in model.named_modules() if _is_block_list(m)])]
+    if not found or set(found) <= set(shown):
+        return ""
+    names = " or ".join(repr(name) if name else "'' (the model itself)" for name in found[:4])
+    kind = "list" if len(found) == 1 else "lists"
+    return f"; did you mean {names} (the model's {kind} of repeated blocks)?"
 
 
 def as_list(container: nn.Module) -> nn.Module:

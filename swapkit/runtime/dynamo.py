@@ -13,6 +13,13 @@ every frame they call (a code execution strategy of ``SKIP`` for the frame and r
   wherever the last reference dies, in a compiled step's backward say, so they are marked the same
   way (Dynamo was handed them before, and let them run only because their frames held no tensor;
   ``Batch._return_host``, which a dying ``SwapRecord`` calls, holds one).
+- The module hooks swapkit registers are ``AttachedHook`` objects around functions that Dynamo
+  must not trace (``eager``). Where Dynamo traces a module call and breaks the graph at such a hook
+  (an op swap on ``nn.MultiheadAttention`` inside a compiled ``nn.TransformerEncoder``), it then
+  compiled ``AttachedHook.__call__`` as a frame of its own, once per hook signature and object, and
+  hit ``recompile_limit`` (8) with a warning after a few layers: frames with nothing to compile. Its
+  code is marked too, so it always runs eagerly; where Dynamo inlines it, the graph break at the
+  hook's ``eager`` function is as before.
 - A mark does not stop Dynamo from inlining the function into a frame it traces (swapkit never calls
   these from user code), and a function that was itself ``torch.compile``d still compiles when a
   hook calls it (its wrapper installs its own frame callback): a recipe re-runs the region's eager
@@ -31,6 +38,7 @@ from typing import Any
 
 from swapkit.engine.pinned import PinnedMapping
 from swapkit.runtime.recipes import Recipe, RecomputableOutputs
+from swapkit.runtime.detach import AttachedHook
 from swapkit.runtime.records import KeptRecord, SwapRecord
 from swapkit.runtime.scope import eager
 
@@ -50,7 +58,7 @@ def out_of_dynamo(pack: Any, unpack: Any) -> tuple[Any, Any]:
     garbage collector or autograd drops the last reference, not inside a hook.
     """
     if _SKIP_ALL is not None:
-        for finalizer in _finalizers():
+        for finalizer in (*_finalizers(), AttachedHook.__call__):
             _set_code_exec_strategy(finalizer.__code__, _SKIP_ALL)
     return _out_of_dynamo(pack), _out_of_dynamo(unpack)
 

@@ -30,6 +30,13 @@ the outputs: kernel choice may depend on it (on CUDA, ``scaled_dot_product_atten
 backend partly by ``requires_grad``, and a different backend would draw a different dropout
 mask). The small graph the replay builds dies with the detached outputs' producers.
 
+Note [One object per input]
+A tensor given to a scope more than once (``attn(x, x, x)``) is one object in forward, and modules
+branch on it (``nn.MultiheadAttention`` takes its packed input projection when ``query is key``).
+The session packs it once per recipe and the replay unpacks it once, so the replay passes one
+object in each of its positions and takes the path forward took (region_inputs Note [A tensor
+passed to a region more than once] does the same for the checkpoint region).
+
 Recipes exist only while a session is active; outside ``with session:`` a selected scope is a
 plain checkpoint region. The Megatron dialect keeps Megatron's semantics (checkpoint regions
 only). The cost is one extra forward of the scope in backward, on top of the checkpoint region's
@@ -70,8 +77,9 @@ class Recipe:
 
     def _replay(self) -> None:
         """Note [Replay as in forward]"""
-        args = [self._input(a) for a in self.args]
-        kwargs = {k: self._input(v) for k, v in self.kwargs.items()}
+        unpacked: dict[int, Any] = {}  # Note [One object per input]
+        args = [self._input(a, unpacked) for a in self.args]
+        kwargs = {k: self._input(v, unpacked) for k, v in self.kwargs.items()}
         cpu_state, devices, states = self.rng
         device_type, dtype, enabled = self.autocast
         with torch.random.fork_rng(devices=devices), torch.enable_grad():
@@ -86,13 +94,16 @@ class Recipe:
         """Every tensor input still holds the values the scope ran on (Note [Inputs changed in place ...])."""
         return all(_unchanged(v) for v in (*self.args, *self.kwargs.values()) if isinstance(v, PackedInput))
 
-    def _input(self, value: Any) -> Any:
+    def _input(self, value: Any, unpacked: dict[int, Any]) -> Any:
+        """``value`` as the replay passes it; ``unpacked``: the inputs of this replay so far, by handle."""
         if not isinstance(value, PackedInput):
             return value
-        if not _unchanged(value):
-            raise _input_changed_error(self.label, value.saved)
-        tensor = self.unpack(value.saved).detach()
-        return tensor.requires_grad_() if value.requires_grad else tensor
+        if id(value) not in unpacked:
+            if not _unchanged(value):
+                raise _input_changed_error(self.label, value.saved)
+            tensor = self.unpack(value.saved).detach()
+            unpacked[id(value)] = tensor.requires_grad_() if value.requires_grad else tensor
+        return unpacked[id(value)]
 
     def __del__(self) -> None:
         if self.nbytes:

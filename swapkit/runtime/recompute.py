@@ -104,6 +104,7 @@ from swapkit.runtime.binding import Binding, BoundLayer
 from swapkit.runtime.detach import AttachedForward
 from swapkit.runtime.kv_cache import CacheArguments, cache_warning
 from swapkit.runtime.recipes import capture_state
+from swapkit.runtime.region_inputs import call_region, distinct_inputs
 from swapkit.runtime.scope import eager
 
 logger = logging.getLogger(__name__)
@@ -249,11 +250,14 @@ class Recompute:
     def _checkpoint(self, function: Callable[..., Any], args: tuple, kwargs: dict, label: str,
                     module: nn.Module) -> Any:
         versions = [(t, t._version) for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+        inputs, layout, aliases = distinct_inputs(args, kwargs)  # region_inputs Note [A tensor passed ...]
         if self.use_reentrant:
             _check_reentrant(args, kwargs, label)
-            out = checkpoint(function, *args, use_reentrant=True, preserve_rng_state=True)
+            out = checkpoint(call_region, function, {}, layout, {}, *inputs, use_reentrant=True,
+                             preserve_rng_state=True)
         else:  # see Note [Keyword arguments of checkpointed modules]
-            out = checkpoint(_call, function, kwargs, *args, use_reentrant=False, preserve_rng_state=True)
+            out = checkpoint(call_region, function, kwargs, layout, aliases, *inputs, use_reentrant=False,
+                             preserve_rng_state=True)
         for tensor, version in versions:  # Note [Regions that write their inputs]
             if tensor._version != version:
                 raise _written_input_error(label, module, version, tensor._version)
@@ -286,10 +290,6 @@ def replay_safe(function: Callable[..., Any], modules: list[nn.Module]) -> Calla
                 buffer.data.copy_(value)  # fail the version check of the tensors the re-run saved
 
     return run
-
-
-def _call(function: Callable[..., Any], kwargs: dict, *args: Any) -> Any:
-    return function(*args, **kwargs)
 
 
 def _pass_through(state: dict[str, Any], original: Callable[..., Any], index: int, label: str,

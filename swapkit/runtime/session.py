@@ -147,7 +147,9 @@ class SwapSession:
             if other is not None:
                 raise RuntimeError(f"another swapkit session (on {type(other.model).__name__}) is already active "
                                    "on this thread and would be silently replaced; leave its `with` block before "
-                                   "entering this one")
+                                   "entering this one. To swap several models in one step, apply swapkit once to a "
+                                   "module holding them all, with layers=[...] naming each model's layer container "
+                                   "(one global layer numbering, in the order given)")
             self._owner = threading.get_ident()
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -224,10 +226,14 @@ class SwapSession:
     def record_recipe(self, function: Any, args: tuple, kwargs: dict, state: tuple, out: Any,
                       label: str = "a selected scope") -> None:
         """After a selected scope ran: remember how to rebuild its outputs for their consumers."""
+        packed: dict[int, PackedInput] = {}  # one handle per tensor object (recipes Note [One object per input])
+
         def pack(value: Any) -> Any:
             if not isinstance(value, torch.Tensor):
                 return value
-            return PackedInput(self._pack(value), value.requires_grad)
+            if id(value) not in packed:
+                packed[id(value)] = PackedInput(self._pack(value), value.requires_grad)
+            return packed[id(value)]
 
         inputs = {id(v.untyped_storage()) for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)
                   and is_plain(v)}

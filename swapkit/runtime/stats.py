@@ -67,7 +67,7 @@ MIB = float(1 << 20)
 def format_stats(stats: SwapStats) -> str:
     """``SwapStats`` as aligned ``name  value`` rows, bytes in MiB."""
     rows = [
-        ("saved (device-resident, peak)", f"{_mib(stats.peak_device_bytes)} of {_mib(stats.saved_bytes)} saved"),
+        ("saved (device-resident, peak)", _peak(stats)),
         ("offloaded", f"{_mib(stats.offloaded_bytes)} in {stats.offloaded_tensors} tensors"),
         ("released after copy", _mib(stats.released_bytes)),
         ("prefetched", f"{_mib(stats.prefetched_bytes)} in {stats.prefetched_tensors} tensors"),
@@ -105,6 +105,16 @@ def _optional_rows(stats: SwapStats) -> list[tuple[str, str]]:
     if stats.micro_steps > 1:
         rows.append(("micro-steps", str(stats.micro_steps)))
     return rows
+
+
+def _peak(stats: SwapStats) -> str:
+    """The peak beside what forward saved. Outputs that select-recompute recipes rebuild in backward are
+    resident at the peak but were never held in forward (``saved_bytes`` leaves them out), so the peak
+    can exceed the saved bytes; the row says why instead of reading "2.77 MiB of 2.58 MiB"."""
+    peak, saved = _mib(stats.peak_device_bytes), _mib(stats.saved_bytes)
+    if stats.peak_device_bytes <= stats.saved_bytes:
+        return f"{peak} of {saved} saved"
+    return f"{peak}: {saved} saved in forward plus outputs recomputed in backward"
 
 
 def _mib(size: int) -> str:

@@ -1,0 +1,109 @@
+"""A tensor passed to a recomputed region more than once stays one object in every re-run
+(swapkit.runtime.region_inputs Note [A tensor passed to a region more than once], recipes Note [One object
+per input]): ``nn.MultiheadAttention(x, x, x)`` under select recompute failed inside a session."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import swapkit
+from tests.toys import assert_grads_equal, grads
+
+MEGATRON_CORE_ATTN = {"recompute_granularity": "selective", "module_scopes": {"core_attn": "self_attn"}}
+
+
+def encoder() -> nn.TransformerEncoder:
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+    return nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+
+@pytest.mark.parametrize("recompute", [{"select_recompute": ["self_attn"]}, MEGATRON_CORE_ATTN],
+                         ids=["mindformers", "megatron"])
+def test_select_recompute_of_multihead_attention_inside_a_session(recompute):
+    model, plain = encoder(), encoder()
+    x = torch.randn(2, 8, 32)
+    session = swapkit.apply(model, {"recompute_config": recompute})
+    with session:  # raised CheckpointError: the re-run saw query, key, value as three objects
+        model(x).square().mean().backward()
+    plain(x).square().mean().backward()
+    assert_grads_equal(grads(model), grads(plain))
+    assert session.stats.recomputed_by_scope == {"layer 0: self_attn": 1, "layer 1: self_attn": 1}
+    session.remove()
+
+
+class Probe(nn.Module):
+    """Records, on every call, whether its inputs are one object (as ``query is key`` in attention)."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+        self.same: list[bool] = []
+
+    def forward(self, q, k=None, v=None):
+        k = q if k is None else k
+        self.same.append(q is k and (v is None or v is q))
+        return self.lin(q).sigmoid() * k  # the mul saves both: the region is re-run in backward
+
+
+class Block(nn.Module):
+    def __init__(self, keywords: bool) -> None:
+        super().__init__()
+        self.probe, self.out, self.keywords = Probe(), nn.Linear(16, 16), keywords
+
+    def forward(self, x):
+        y = self.probe(x, k=x, v=x) if self.keywords else self.probe(x, x)
+        return x + self.out(y)  # the linear saves y: MindFormers' recipe rebuilds it in backward
+
+
+class Net(nn.Module):
+    def __init__(self, keywords: bool) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Block(keywords) for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("keywords, recompute, calls", [
+    (False, {"select_recompute": ["probe"]}, 3),  # forward, checkpoint re-run, output recipe
+    (True, {"select_recompute": ["probe"]}, 3),
+    (True, {"recompute_granularity": "selective", "module_scopes": {"core_attn": "probe"}}, 2),
+    (False, {"recompute": True}, 2),  # the whole layer: its input x reaches the probe twice
+])
+def test_every_rerun_of_a_region_gets_one_object_where_forward_did(keywords, recompute, calls):
+    torch.manual_seed(0)
+    model = Net(keywords)
+    plain = copy.deepcopy(model)
+    x = torch.randn(4, 16, requires_grad=True)
+    session = swapkit.apply(model, {"recompute_config": recompute})
+    with session:
+        model(x).square().mean().backward()
+    plain(x.detach().requires_grad_()).square().mean().backward()
+    assert [layer.probe.same for layer in model.layers] == [[True] * calls] * 2
+    assert_grads_equal(grads(model), grads(plain))
+    session.remove()
+
+
+def test_reentrant_recompute_passes_a_repeated_tensor_once():
+    """Reentrant checkpointing detaches each input on its own (with or without a session); its gradients
+    are summed in another order than plain autograd's, so they are compared with ``assert_close``."""
+    torch.manual_seed(0)
+    model = Net(keywords=False)
+    plain = copy.deepcopy(model)
+    x = torch.randn(4, 16, requires_grad=True)
+    session = swapkit.apply(model, {"recompute_config": {"select_recompute": ["probe"], "use_reentrant": True}})
+    with session:
+        model(x).square().mean().backward()
+    plain(x.detach().requires_grad_()).square().mean().backward()
+    assert [layer.probe.same for layer in model.layers] == [[True] * 3] * 2
+    ours, theirs = grads(model), grads(plain)
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        torch.testing.assert_close(ours[name], theirs[name], rtol=1e-5, atol=1e-7)
+    session.remove()
