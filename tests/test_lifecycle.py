@@ -158,6 +158,21 @@ def test_remove_while_a_graph_is_pending_leaks_no_thread_and_backward_still_work
     assert copy_threads() == before
 
 
+def test_stats_after_remove_are_the_last_steps_pool_included():
+    """remove() empties the host pool; the stats of the last step still report the bytes it held."""
+    model = ToyNet(layers=3)
+    session = swapkit.apply(model, toy_config(3, **layer_swap(1)), layers="layers")
+    x = torch.randn(8, 16)
+    for _ in range(2):
+        with session:
+            model(x).sum().backward()
+    before = session.stats
+    assert before.host_pool_bytes > 0 and before.offloaded_bytes > 0
+    session.remove()
+    assert session.pool.total_bytes == 0  # the pool is gone ...
+    assert session.stats == before  # ... the last step's numbers are not
+
+
 def test_a_backward_after_remove_is_not_blamed_on_a_next_with_block(caplog):
     """remove() closes the pending step, and its backward still works; the warning about a backward that
     began after the next `with` block (session Note [A backward after the next forward]) is not given:

@@ -170,6 +170,9 @@ def test_a_later_forward_leaves_earlier_micro_steps_alone():
     assert per[0].stats.prefetched_bytes == per[0].stats.offloaded_bytes  # its tail was released, then fetched
     assert stats.late_fetches == 0 and stats.resident_bytes == 0
     assert stats.peak_device_bytes < per[0].stats.saved_bytes
+    assert stats.host_pool_bytes > 0
+    session.remove()  # empties the host pool; the last optimizer step's numbers stay as they were
+    assert session.stats == stats and session.micro_step_stats == per
 
 
 def test_a_stage_whose_swap_moves_nothing_warns_once(caplog):

@@ -94,6 +94,7 @@ class SwapSession:
         self._hooks: Any = None
         self._hook_pair: tuple[Any, Any] | None = None  # swapkit.runtime.dynamo Note [Saved-tensor hooks ...]
         self._removed = False
+        self._final_stats: SwapStats | None = None  # what stats said when remove() ran
         self._entry_lock = threading.Lock()
         self._owner: int | None = None  # the thread inside the `with` block
         self._reported: set[tuple[int, str]] = set()  # unused swaps already warned about
@@ -337,7 +338,11 @@ class SwapSession:
 
     @property
     def stats(self) -> SwapStats:
-        """Counters of the last step whose backward ran (or that failed); zeros before any."""
+        """Counters of the last step whose backward ran (or that failed); zeros before any. After
+        :meth:`remove`, those the last step had when it was removed (its pool's bytes included)."""
+        return self._final_stats if self._final_stats is not None else self._live_stats()
+
+    def _live_stats(self) -> SwapStats:
         step = self._last or self._step
         return step.snapshot() if step is not None else SwapStats()
 
@@ -356,6 +361,7 @@ class SwapSession:
             raise RuntimeError("cannot remove a SwapSession inside its `with` block")
         if self._removed:
             return
+        self._final_stats = self._live_stats()  # before the pool is emptied: its bytes belong to the last step
         self.tracker.remove()
         self.recompute.remove()
         self.recompute.output_sink = None

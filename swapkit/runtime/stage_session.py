@@ -69,6 +69,7 @@ class StageSession(SwapSession):
         self.chunks, self.stage = chunks, stage
         self.micro_batch_num, self._micro_batches_reported = micro_batch_num, False
         self._group: MicroSteps | None = None
+        self._final_micro: list[MicroStepStats] | None = None  # micro_step_stats when remove() ran
         self._groups = 0
         self._running: int | None = None  # chunk whose forward is running (Note [Opening a micro-step lazily])
         self._current: MicroStep | None = None
@@ -198,19 +199,22 @@ class StageSession(SwapSession):
                 f"{preset}, swap on {swapped}, recompute on {recomputed}, engine={engine}, steps={self._groups}, "
                 f"micro-steps={self._steps}, {state})")
 
-    @property
-    def stats(self) -> SwapStats:
+    def _live_stats(self) -> SwapStats:
         """The last optimizer step's micro-steps added up (``micro_steps``, bytes summed, peak of the sum)."""
         return self._group.snapshot(self.pool.allocations) if self._group is not None else SwapStats()
 
     @property
     def micro_step_stats(self) -> list[MicroStepStats]:
-        """Per micro-step counters of the last optimizer step, in the order their forwards opened."""
+        """Per micro-step counters of the last optimizer step, in the order their forwards opened (after
+        :meth:`remove`, as they were when it ran)."""
+        if self._final_micro is not None:
+            return self._final_micro
         return self._group.per_micro_step() if self._group is not None else []
 
     def remove(self) -> None:
         """Undo everything ``swapkit.apply`` did to the stage's chunks."""
         if self._hooks is None and not self._removed:
+            self._final_micro = self.micro_step_stats  # before the pool is emptied (as SwapSession.stats)
             for handle in self._chunk_hooks:
                 handle.remove()
             self._chunk_hooks.clear()
