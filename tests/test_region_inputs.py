@@ -107,3 +107,63 @@ def test_reentrant_recompute_passes_a_repeated_tensor_once():
     for name in ours:
         torch.testing.assert_close(ours[name], theirs[name], rtol=1e-5, atol=1e-7)
     session.remove()
+
+
+class Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, a: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        return self.lin(a * scale).sigmoid()
+
+
+class WritesItsKeywordAfter(nn.Module):
+    """Calls ``probe(x, scale=scale)``, then writes ``scale`` in place before backward."""
+
+    def __init__(self, write: bool) -> None:
+        super().__init__()
+        self.probe, self.out, self.write = Scaled(), nn.Linear(16, 16), write
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = torch.full_like(x, 2.0)
+        y = self.probe(x, scale=scale)
+        if self.write:
+            scale.add_(1.0)
+        return x + self.out(y)
+
+
+class Layers(nn.Module):
+    def __init__(self, write: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(WritesItsKeywordAfter(write) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("recompute", [{"select_recompute": ["probe"]},
+                                       {"recompute_granularity": "selective", "module_scopes": {"core_attn": "probe"}}],
+                         ids=["mindformers", "megatron"])
+def test_a_keyword_tensor_written_after_its_region_ran_fails_backward_instead_of_changing_gradients(recompute):
+    """Note [Keyword tensors written after the region]: the keyword tensor travels by reference, so the re-run
+    would read the new values; it raises, naming the keyword and the region (the plain model's autograd raises
+    too). Without the write the gradients are the plain model's."""
+    x = torch.randn(4, 16, requires_grad=True)
+    model = Layers(write=True)
+    session = swapkit.apply(model, {"recompute_config": recompute})
+    with pytest.raises(RuntimeError, match=r"keyword argument 'scale' of the recomputed region layer \d: probe was "
+                                           r"modified by an in-place operation after the region ran"):
+        with session:
+            model(x).square().mean().backward()
+    session.remove()
+    model, plain = Layers(write=False), Layers(write=False)
+    session = swapkit.apply(model, {"recompute_config": recompute})
+    with session:
+        model(x).square().mean().backward()
+    plain(x).square().mean().backward()
+    assert_grads_equal(grads(model), grads(plain))
+    session.remove()

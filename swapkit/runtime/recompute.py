@@ -56,7 +56,8 @@ Note [Keyword arguments of checkpointed modules]
 ``context_fn``, ``determinism_check``, ...). A module keyword with one of those names would be
 swallowed by ``checkpoint`` and never reach the module, so the keywords travel to the region as
 one positional dict. They are not saved as region inputs either way (non-reentrant checkpointing
-keeps its keyword tensors by reference); reentrant checkpointing refuses them.
+keeps its keyword tensors by reference; a write to one before the re-run raises, region_inputs Note
+[Keyword tensors written after the region]); reentrant checkpointing refuses them.
 
 Note [Norm statistics in recomputation]
 A batch norm in training mode updates its running statistics (``running_mean``, ``running_var``,
@@ -104,7 +105,7 @@ from swapkit.runtime.binding import Binding, BoundLayer
 from swapkit.runtime.detach import AttachedForward
 from swapkit.runtime.kv_cache import CacheArguments, cache_warning
 from swapkit.runtime.recipes import capture_state
-from swapkit.runtime.region_inputs import call_region, distinct_inputs
+from swapkit.runtime.region_inputs import call_region, distinct_inputs, unsaved_keywords
 from swapkit.runtime.scope import eager
 
 logger = logging.getLogger(__name__)
@@ -253,11 +254,12 @@ class Recompute:
         inputs, layout, aliases = distinct_inputs(args, kwargs)  # region_inputs Note [A tensor passed ...]
         if self.use_reentrant:
             _check_reentrant(args, kwargs, label)
-            out = checkpoint(call_region, function, {}, layout, {}, *inputs, use_reentrant=True,
+            out = checkpoint(call_region, function, {}, layout, {}, (), label, *inputs, use_reentrant=True,
                              preserve_rng_state=True)
         else:  # see Note [Keyword arguments of checkpointed modules]
-            out = checkpoint(call_region, function, kwargs, layout, aliases, *inputs, use_reentrant=False,
-                             preserve_rng_state=True)
+            unsaved = unsaved_keywords(kwargs, aliases)  # region_inputs Note [Keyword tensors written after ...]
+            out = checkpoint(call_region, function, kwargs, layout, aliases, unsaved, label, *inputs,
+                             use_reentrant=False, preserve_rng_state=True)
         for tensor, version in versions:  # Note [Regions that write their inputs]
             if tensor._version != version:
                 raise _written_input_error(label, module, version, tensor._version)

@@ -11,6 +11,16 @@ values ... have different metadata". So each distinct tensor object is handed to
 once, with the positions it fills (and the keywords that name it as well), and the region is
 called with one object in each of them, as in forward. Reentrant checkpointing, which detaches each
 input on its own even without a session, keeps the identity the same way.
+
+Note [Keyword tensors written after the region]
+Keyword tensors that are not also positional reach the region by reference (recompute Note [Keyword
+arguments of checkpointed modules]): they are not saved, so no saved-tensor hook sees them and no
+version keeper guards them. A caller that writes one in place after the region ran
+(``y = probe(x, scale=scale); scale.add_(1)``) would have the recomputation use the new values:
+wrong gradients, silently, where the plain model's autograd raises. So each such tensor's version is
+taken when the region is called, and the re-run checks it before calling the region again: a write
+in between raises, naming the region and the keyword. (A write *by* the region itself raises at once,
+recompute Note [Regions that write their inputs].)
 """
 from __future__ import annotations
 
@@ -47,13 +57,33 @@ def distinct_inputs(args: tuple, kwargs: dict) -> tuple[tuple, tuple[int, ...], 
     return tuple(inputs), tuple(layout), aliases
 
 
+def unsaved_keywords(kwargs: dict, aliases: dict[str, int]) -> tuple[tuple[str, torch.Tensor, int], ...]:
+    """``(name, tensor, version)`` of each keyword tensor held by reference (Note [Keyword tensors written
+    after the region])."""
+    return tuple((name, value, value._version) for name, value in kwargs.items()
+                 if isinstance(value, torch.Tensor) and name not in aliases)
+
+
 def call_region(function: Callable[..., Any], kwargs: dict, layout: tuple[int, ...], aliases: dict[str, int],
-                *inputs: Any) -> Any:
+                unsaved: tuple[tuple[str, torch.Tensor, int], ...], label: str, *inputs: Any) -> Any:
     """The region's call as :func:`distinct_inputs` took it apart, each repeated tensor one object again.
 
     ``kwargs`` travel to the region as one positional dict (recompute Note [Keyword arguments of
-    checkpointed modules]).
+    checkpointed modules]); ``unsaved`` (:func:`unsaved_keywords`) must still have their versions
+    (Note [Keyword tensors written after the region]).
     """
+    for name, tensor, version in unsaved:
+        if tensor._version != version:
+            raise _keyword_written_error(label, name, version, tensor._version)
     if aliases:
         kwargs = {**kwargs, **{name: inputs[index] for name, index in aliases.items()}}
     return function(*(inputs[index] for index in layout), **kwargs)
+
+
+def _keyword_written_error(label: str, name: str, before: int, after: int) -> RuntimeError:
+    """Note [Keyword tensors written after the region]"""
+    return RuntimeError(
+        f"swapkit: the keyword argument {name!r} of the recomputed region {label} was modified by an in-place "
+        f"operation after the region ran (version {before} -> {after}); recompute re-runs the region in backward "
+        "with it and would get other values (wrong gradients; without recompute autograd would fail here too). "
+        "Make that operation out-of-place, or clone the tensor before passing it")
