@@ -21,11 +21,16 @@ stays on the device (``skipped["host_cap"]``). The replay does the same:
   batch or drops it from the tail (``swapkit.engine.pool`` Note [Host buffer reuse is ordered by the
   copy queue]). So the host bytes in use peak at the end of forward, and every region is back (its
   fence passed, or the next forward's request waits for it) before the next step asks again.
+- They go back in backward's order, which decides which block the pool hands out next (it reuses
+  the block of a size freed last) and so, near the cap, which batches it refuses: first the batches
+  whose every member is in the tail (let go when backward begins), then the others as backward
+  prefetches them, the one with the latest horizon first.
 - The ledger is the pool's own placement on offsets (``swapkit.engine.slabs.SlabLedger``, which
   the planner gives the replay with the engine's page granule): slab sizes, the shared and exact
-  kinds, same-size reuse, the cap. The replay runs two steps on it and reports the second (the
-  steady one the planner predicts): ``host_pool_bytes`` is what the slabs hold, as the session's
-  stats say, and the refused batches are the second step's. The first step also offloads the saves
+  kinds, same-size reuse, the cap. The replay runs steps on it until the refused batches repeat (at
+  most :data:`MAX_STEPS`) and reports the last (the steady one the planner predicts):
+  ``host_pool_bytes`` is what the slabs hold, as the session's stats say, and the refused batches
+  are that step's. The first step also offloads the saves
   of the forward's tail (the session learns the forward's length only then: ``swapkit.runtime.step``
   Note [The last k ticks stay on the device]), so its slabs may be larger than the steady step needs,
   and the pool keeps them.
@@ -57,6 +62,8 @@ from swapkit.plan.trace import FlatSave, FlatStep
 SLOT_ALIGN = 16
 #: The pool's range alignment (``swapkit.engine.slabs.ALIGNMENT``).
 RANGE_ALIGN = 512
+#: Steps the replay runs at most while the pool's refusals still change from one step to the next.
+MAX_STEPS = 8
 
 
 class Ledger(Protocol):
@@ -147,7 +154,7 @@ class _Batcher:
         self.horizon: dict[tuple, int] = {}  # swapped storage -> its horizon
         self.k: dict[tuple, int] = {}
         self.seen: set[tuple] = set()
-        self.regions: list[Any] = []
+        self.regions: list[tuple[Any, list]] = []  # (region, the batch's members), in forward order
         self.refused: set[tuple] = set()
         self.refused_bytes = 0
 
@@ -196,7 +203,17 @@ class _Batcher:
             self.refused.update(batch.members)
             self.refused_bytes += batch.data_bytes
         else:
-            self.regions.append(region)
+            self.regions.append((region, batch.members))
+
+    def backward_order(self) -> list[Any]:
+        """The regions in the order backward gives them back (Note [The host pool in the replay])."""
+        last = len(self.step.forward) - 1
+
+        def order(entry: tuple[Any, list]) -> tuple[bool, int]:
+            horizons = [self.horizon[s] for s in entry[1]]
+            return min(horizons) <= last, -max(horizons)  # all in the tail first, then the latest horizon first
+
+        return [region for region, _ in sorted(self.regions, key=order)]
 
 
 def host_use(step: FlatStep, swap_k: Callable[[int | None, str | None], int | None],
@@ -210,10 +227,13 @@ def host_use(step: FlatStep, swap_k: Callable[[int | None, str | None], int | No
     """
     scope_of = swap_scope or (lambda layer, scope: swap_k(layer, scope))
     ledger = host.ledger(host.max_bytes)
-    batcher = None
-    for steady in (False, True):  # the first step offloads its tail too (nothing learnt yet)
-        batcher = _Batcher(step, swap_k, scope_of, min_offload_bytes, host, ledger, steady and host.skip_tail)
+    refused: frozenset | None = None
+    for number in range(MAX_STEPS):  # the first step offloads its tail too (nothing learnt yet)
+        batcher = _Batcher(step, swap_k, scope_of, min_offload_bytes, host, ledger, number > 0 and host.skip_tail)
         batcher.run()
-        for region in batcher.regions:  # every region is back before the next step asks
+        for region in batcher.backward_order():  # every region is back before the next step asks
             ledger.release(region)
+        if number > 0 and frozenset(batcher.refused) == refused:
+            break  # steady
+        refused = frozenset(batcher.refused)
     return HostUse(frozenset(batcher.refused), batcher.refused_bytes, ledger.held_bytes)
