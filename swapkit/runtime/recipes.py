@@ -35,7 +35,9 @@ A tensor given to a scope more than once (``attn(x, x, x)``) is one object in fo
 branch on it (``nn.MultiheadAttention`` takes its packed input projection when ``query is key``).
 The session packs it once per recipe and the replay unpacks it once, so the replay passes one
 object in each of its positions and takes the path forward took (region_inputs Note [A tensor
-passed to a region more than once] does the same for the checkpoint region).
+passed to a region more than once] does the same for the checkpoint region). A list, tuple or dict
+argument holding such a tensor (``f(x, [x])``) gets the same handle in its place, one level deep,
+and the replay passes a copy of it with the unpacked object.
 
 Recipes exist only while a session is active; outside ``with session:`` a selected scope is a
 plain checkpoint region. The Megatron dialect keeps Megatron's semantics (checkpoint regions
@@ -52,6 +54,7 @@ import torch
 from torch.utils.checkpoint import get_device_states, set_device_states
 
 from swapkit.runtime.records import StepState, is_plain, rebuild
+from swapkit.runtime.region_inputs import CONTAINERS, substituted
 
 
 class Recipe:
@@ -95,7 +98,13 @@ class Recipe:
         return all(_unchanged(v) for v in (*self.args, *self.kwargs.values()) if isinstance(v, PackedInput))
 
     def _input(self, value: Any, unpacked: dict[int, Any]) -> Any:
-        """``value`` as the replay passes it; ``unpacked``: the inputs of this replay so far, by handle."""
+        """``value`` as the replay passes it; ``unpacked``: the inputs of this replay so far, by handle. A
+        container holding handles (elements that were also top-level inputs) is copied with them unpacked."""
+        if type(value) in CONTAINERS and not isinstance(value, PackedInput):
+            handles = {key: item for key, item in (value.items() if type(value) is dict else enumerate(value))
+                       if isinstance(item, PackedInput)}
+            return substituted(value, {key: self._input(h, unpacked) for key, h in handles.items()}) \
+                if handles else value
         if not isinstance(value, PackedInput):
             return value
         if id(value) not in unpacked:

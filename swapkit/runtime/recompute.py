@@ -251,14 +251,14 @@ class Recompute:
     def _checkpoint(self, function: Callable[..., Any], args: tuple, kwargs: dict, label: str,
                     module: nn.Module) -> Any:
         versions = [(t, t._version) for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
-        inputs, layout, aliases = distinct_inputs(args, kwargs)  # region_inputs Note [A tensor passed ...]
+        inputs, shape = distinct_inputs(args, kwargs)  # region_inputs Note [A tensor passed ...]
         if self.use_reentrant:
             _check_reentrant(args, kwargs, label)
-            out = checkpoint(call_region, function, {}, layout, {}, (), label, *inputs, use_reentrant=True,
+            out = checkpoint(call_region, function, {}, shape, (), label, *inputs, use_reentrant=True,
                              preserve_rng_state=True)
         else:  # see Note [Keyword arguments of checkpointed modules]
-            unsaved = unsaved_keywords(kwargs, aliases)  # region_inputs Note [Keyword tensors written after ...]
-            out = checkpoint(call_region, function, kwargs, layout, aliases, unsaved, label, *inputs,
+            unsaved = unsaved_keywords(kwargs, shape.aliases)  # region_inputs Note [Keyword tensors written ...]
+            out = checkpoint(call_region, function, kwargs, shape, unsaved, label, *inputs,
                              use_reentrant=False, preserve_rng_state=True)
         for tensor, version in versions:  # Note [Regions that write their inputs]
             if tensor._version != version:

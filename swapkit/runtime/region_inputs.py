@@ -10,7 +10,10 @@ three) then recomputed along another path and ``torch.utils.checkpoint`` failed 
 values ... have different metadata". So each distinct tensor object is handed to ``checkpoint``
 once, with the positions it fills (and the keywords that name it as well), and the region is
 called with one object in each of them, as in forward. Reentrant checkpointing, which detaches each
-input on its own even without a session, keeps the identity the same way.
+input on its own even without a session, keeps the identity the same way. A list, tuple or dict
+argument travels by reference (checkpointing saves only top-level tensors): where one of its elements
+is a tensor also passed at the top level (``f(x, [x])``), the re-run gets a copy of the container
+with that element replaced by the top-level re-run object, one level deep (:func:`substituted`).
 
 Note [Keyword tensors written after the region]
 Keyword tensors that are not also positional reach the region by reference (recompute Note [Keyword
@@ -24,23 +27,54 @@ recompute Note [Regions that write their inputs].)
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
 
-def distinct_inputs(args: tuple, kwargs: dict) -> tuple[tuple, tuple[int, ...], dict[str, int]]:
+#: Containers whose elements may alias a region's top-level tensors (one level deep; their exact types only)
+CONTAINERS = (list, tuple, dict)
+
+
+class RegionLayout(NamedTuple):
+    """How :func:`call_region` puts a region's call back together from its distinct inputs."""
+
+    layout: tuple[int, ...]  # for each position of the call, its index in the inputs
+    aliases: dict[str, int]  # keyword tensors that are also positional -> their index
+    nested: tuple[tuple[int, dict[Any, int]], ...]  # (position, {element key: index}) of containers
+    nested_keywords: dict[str, dict[Any, int]]  # keyword containers -> {element key: index}
+
+
+def aliased_elements(value: Any, index_of: Callable[[Any], int | None]) -> dict[Any, int]:
+    """``{key: index}`` of the elements of a list, tuple or dict ``value`` that are tensors ``index_of`` knows."""
+    if type(value) not in CONTAINERS:
+        return {}
+    items = value.items() if type(value) is dict else enumerate(value)
+    found = {key: index_of(item) for key, item in items if isinstance(item, torch.Tensor)}
+    return {key: index for key, index in found.items() if index is not None}
+
+
+def substituted(value: Any, elements: dict[Any, Any]) -> Any:
+    """A copy of the container ``value`` with ``elements`` (key -> new element) put in."""
+    if type(value) is dict:
+        return {**value, **elements}
+    copy = list(value)
+    for key, element in elements.items():
+        copy[key] = element
+    return copy if type(value) is list else tuple(copy)
+
+
+def distinct_inputs(args: tuple, kwargs: dict) -> tuple[tuple, RegionLayout]:
     """Each tensor object of ``args`` once (Note [A tensor passed to a region more than once]).
 
     Args:
         args: the region's positional arguments.
         kwargs: its keyword arguments (they travel by reference; only those that are one of ``args``
-            are looked up).
+            are looked up, also as elements of a keyword container).
 
     Returns:
-        ``inputs`` (the positional arguments, a repeated tensor only at its first position), ``layout``
-        (for each position of ``args`` its index in ``inputs``) and ``aliases`` (keyword -> index in
-        ``inputs`` for keyword tensors that are also positional).
+        ``inputs`` (the positional arguments, a repeated tensor only at its first position) and the
+        :class:`RegionLayout` that rebuilds the call from them.
     """
     inputs: list[Any] = []
     first: dict[int, int] = {}  # id(tensor) -> index in inputs
@@ -54,7 +88,11 @@ def distinct_inputs(args: tuple, kwargs: dict) -> tuple[tuple, tuple[int, ...], 
         layout.append(len(inputs))
         inputs.append(value)
     aliases = {k: first[id(v)] for k, v in kwargs.items() if isinstance(v, torch.Tensor) and id(v) in first}
-    return tuple(inputs), tuple(layout), aliases
+    index_of = lambda tensor: first.get(id(tensor))  # noqa: E731
+    nested = tuple((position, found) for position, value in enumerate(args)
+                   if (found := aliased_elements(value, index_of)))
+    nested_keywords = {name: found for name, value in kwargs.items() if (found := aliased_elements(value, index_of))}
+    return tuple(inputs), RegionLayout(tuple(layout), aliases, nested, nested_keywords)
 
 
 def unsaved_keywords(kwargs: dict, aliases: dict[str, int]) -> tuple[tuple[str, torch.Tensor, int], ...]:
@@ -64,7 +102,7 @@ def unsaved_keywords(kwargs: dict, aliases: dict[str, int]) -> tuple[tuple[str, 
                  if isinstance(value, torch.Tensor) and name not in aliases)
 
 
-def call_region(function: Callable[..., Any], kwargs: dict, layout: tuple[int, ...], aliases: dict[str, int],
+def call_region(function: Callable[..., Any], kwargs: dict, shape: RegionLayout,
                 unsaved: tuple[tuple[str, torch.Tensor, int], ...], label: str, *inputs: Any) -> Any:
     """The region's call as :func:`distinct_inputs` took it apart, each repeated tensor one object again.
 
@@ -75,9 +113,14 @@ def call_region(function: Callable[..., Any], kwargs: dict, layout: tuple[int, .
     for name, tensor, version in unsaved:
         if tensor._version != version:
             raise _keyword_written_error(label, name, version, tensor._version)
-    if aliases:
-        kwargs = {**kwargs, **{name: inputs[index] for name, index in aliases.items()}}
-    return function(*(inputs[index] for index in layout), **kwargs)
+    if shape.aliases or shape.nested_keywords:
+        kwargs = {**kwargs, **{name: inputs[index] for name, index in shape.aliases.items()},
+                  **{name: substituted(kwargs[name], {key: inputs[i] for key, i in found.items()})
+                     for name, found in shape.nested_keywords.items()}}
+    args = [inputs[index] for index in shape.layout]
+    for position, found in shape.nested:
+        args[position] = substituted(args[position], {key: inputs[i] for key, i in found.items()})
+    return function(*args, **kwargs)
 
 
 def _keyword_written_error(label: str, name: str, before: int, after: int) -> RuntimeError:

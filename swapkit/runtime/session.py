@@ -62,6 +62,7 @@ from swapkit.runtime.overrides import FROZEN, distance_key, entry_cause, idle_me
 from swapkit.runtime.recipes import PackedInput, Recipe, tensor_leaves
 from swapkit.runtime.recompute import Recompute
 from swapkit.runtime.records import Saved, SwapRecord, is_plain, make_saved
+from swapkit.runtime.region_inputs import aliased_elements, substituted
 from swapkit.runtime.scope import Frame, ScopeTracker
 from swapkit.runtime.stats import SwapStats
 from swapkit.runtime.step import Step
@@ -236,9 +237,15 @@ class SwapSession:
                 packed[id(value)] = PackedInput(self._pack(value), value.requires_grad)
             return packed[id(value)]
 
+        def pack_aliases(value: Any) -> Any:  # region_inputs Note [A tensor passed to a region more than once]
+            found = aliased_elements(value, lambda tensor: id(tensor) if id(tensor) in packed else None)
+            return substituted(value, {key: packed[i] for key, i in found.items()}) if found else value
+
         inputs = {id(v.untyped_storage()) for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)
                   and is_plain(v)}
         packed_args, packed_kwargs = tuple(pack(a) for a in args), {k: pack(v) for k, v in kwargs.items()}
+        packed_args = tuple(pack_aliases(a) for a in packed_args)  # after every top-level tensor was packed
+        packed_kwargs = {k: pack_aliases(v) for k, v in packed_kwargs.items()}
         step = self._step  # _pack above opened a new step if this is the next micro-batch
         recipe = Recipe(step, function, packed_args, packed_kwargs, self._unpack, *state, label=label)
         step.register_outputs(recipe, tensor_leaves(out), inputs)
