@@ -239,3 +239,49 @@ def test_a_top_level_tensor_repeated_inside_a_container_argument_is_one_object_i
     else:
         assert_grads_equal(ours, theirs)
     session.remove()
+
+
+class FillsItsList(nn.Module):
+    """Appends its output to the list it is given (a caller collecting hidden states)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, q, states):
+        out = self.lin(states[0]).sigmoid() * q
+        states.append(out)
+        return out
+
+
+class CollectingNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.ModuleDict({"probe": FillsItsList()}) for _ in range(2))
+
+    def forward(self, x):
+        collected = []
+        for layer in self.layers:
+            states = [x]
+            layer["probe"](x, states)
+            collected.append(states[-1])  # the caller reads what the module put in its list
+            x = x + states[-1]
+        return x + sum(collected)
+
+
+@pytest.mark.parametrize("recompute", [{"select_recompute": ["probe"]},
+                                       {"recompute_granularity": "selective", "module_scopes": {"core_attn": "probe"}}],
+                         ids=["mindformers", "megatron"])
+def test_the_forward_call_gets_the_callers_own_container(recompute):
+    """A repeated tensor inside a container (region_inputs Note [A tensor passed to a region more than once]):
+    the forward call must get the caller's list, not a copy, or what the module appends to it is lost (and
+    with it the gradients of the module's weights; review of the container change)."""
+    model, plain = CollectingNet(), CollectingNet()
+    x = torch.randn(4, 16, requires_grad=True)
+    session = swapkit.apply(model, {"recompute_config": recompute})
+    with session:
+        model(x).square().mean().backward()
+    plain(x.detach().requires_grad_()).square().mean().backward()
+    assert_grads_equal(grads(model), grads(plain))
+    session.remove()

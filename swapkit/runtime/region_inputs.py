@@ -13,7 +13,8 @@ called with one object in each of them, as in forward. Reentrant checkpointing, 
 input on its own even without a session, keeps the identity the same way. A list, tuple or dict
 argument travels by reference (checkpointing saves only top-level tensors): where one of its elements
 is a tensor also passed at the top level (``f(x, [x])``), the re-run gets a copy of the container
-with that element replaced by the top-level re-run object, one level deep (:func:`substituted`).
+with that element replaced by the top-level re-run object, one level deep (:func:`substituted`). The
+forward call gets the caller's own container: a module may append to it or fill it in.
 
 Note [Keyword tensors written after the region]
 Keyword tensors that are not also positional reach the region by reference (recompute Note [Keyword
@@ -55,7 +56,10 @@ def aliased_elements(value: Any, index_of: Callable[[Any], int | None]) -> dict[
 
 
 def substituted(value: Any, elements: dict[Any, Any]) -> Any:
-    """A copy of the container ``value`` with ``elements`` (key -> new element) put in."""
+    """A copy of the container ``value`` with ``elements`` (key -> new element) put in; ``value`` itself
+    where they are its elements already (the forward call: a module may fill the caller's list or dict)."""
+    if all(value[key] is element for key, element in elements.items()):
+        return value
     if type(value) is dict:
         return {**value, **elements}
     copy = list(value)
