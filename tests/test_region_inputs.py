@@ -213,18 +213,23 @@ class NestedNet(nn.Module):
         return x
 
 
-@pytest.mark.parametrize("how", ["list", "tuple", "dict keyword"])
-@pytest.mark.parametrize("recompute, calls", [
-    ({"select_recompute": ["probe"]}, 3),  # forward, checkpoint re-run, output recipe
-    ({"recompute_granularity": "selective", "module_scopes": {"core_attn": "probe"}}, 2),
-    ({"select_recompute": ["probe"], "use_reentrant": True}, 3),
-], ids=["mindformers", "megatron", "reentrant"])
-def test_a_top_level_tensor_repeated_inside_a_container_argument_is_one_object_in_every_rerun(how, recompute, calls):
+NESTED_RECOMPUTE = {
+    "mindformers": ({"select_recompute": ["probe"]}, 3),  # forward, checkpoint re-run, output recipe
+    "megatron": ({"recompute_granularity": "selective", "module_scopes": {"core_attn": "probe"}}, 2),
+    "reentrant": ({"select_recompute": ["probe"], "use_reentrant": True}, 3),
+}
+
+
+NESTED_CASES = [(how, kind) for how in ("list", "tuple", "dict keyword") for kind in NESTED_RECOMPUTE
+                if not (kind == "reentrant" and how == "dict keyword")]  # reentrant recompute takes no keywords
+
+
+@pytest.mark.parametrize("how, kind", NESTED_CASES)
+def test_a_top_level_tensor_repeated_inside_a_container_argument_is_one_object_in_every_rerun(how, kind):
     """region_inputs Note [A tensor passed to a region more than once]: the checkpoint re-run and the output
     recipe put the top-level re-run object into the container; each failed before (torch's CheckpointError),
     and with only the checkpoint fixed the recipe took the other branch: silently other gradients."""
-    if recompute.get("use_reentrant") and how == "dict keyword":
-        pytest.skip("reentrant checkpointing takes no keyword arguments (swapkit refuses them)")
+    recompute, calls = NESTED_RECOMPUTE[kind]
     model, plain = NestedNet(how), NestedNet(how)
     x = torch.randn(4, 16, requires_grad=True)
     session = swapkit.apply(model, {"recompute_config": recompute})
