@@ -4,6 +4,7 @@ per input]): ``nn.MultiheadAttention(x, x, x)`` under select recompute failed in
 from __future__ import annotations
 
 import copy
+from typing import Callable
 
 import pytest
 import torch
@@ -13,6 +14,19 @@ import swapkit
 from tests.toys import assert_grads_equal, grads
 
 MEGATRON_CORE_ATTN = {"recompute_granularity": "selective", "module_scopes": {"core_attn": "self_attn"}}
+SELECT = {"mindformers": {"select_recompute": ["probe"]},
+          "megatron": {"recompute_granularity": "selective", "module_scopes": {"core_attn": "probe"}}}
+
+
+def backward_both(model: nn.Module, plain: nn.Module, recompute: dict) -> tuple[dict, dict]:
+    """One step of ``model`` under swapkit's ``recompute`` and of ``plain`` without it: their gradients."""
+    x = torch.randn(4, 16, requires_grad=True)
+    session = swapkit.apply(model, {"recompute_config": recompute})
+    with session:
+        model(x).square().mean().backward()
+    session.remove()
+    plain(x.detach().requires_grad_()).square().mean().backward()
+    return grads(model), grads(plain)
 
 
 def encoder() -> nn.TransformerEncoder:
@@ -133,11 +147,13 @@ class WritesItsKeywordAfter(nn.Module):
         return x + self.out(y)
 
 
-class Layers(nn.Module):
-    def __init__(self, write: bool) -> None:
+class Stack(nn.Module):
+    """Two blocks in a row under ``layers``, seeded: two of them start with the same weights."""
+
+    def __init__(self, block: Callable[[], nn.Module]) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.layers = nn.ModuleList(WritesItsKeywordAfter(write) for _ in range(2))
+        self.layers = nn.ModuleList(block() for _ in range(2))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
@@ -145,28 +161,21 @@ class Layers(nn.Module):
         return x
 
 
-@pytest.mark.parametrize("recompute", [{"select_recompute": ["probe"]},
-                                       {"recompute_granularity": "selective", "module_scopes": {"core_attn": "probe"}}],
-                         ids=["mindformers", "megatron"])
+@pytest.mark.parametrize("recompute", SELECT.values(), ids=SELECT.keys())
 def test_a_keyword_tensor_written_after_its_region_ran_fails_backward_instead_of_changing_gradients(recompute):
     """Note [Keyword tensors written after the region]: the keyword tensor travels by reference, so the re-run
     would read the new values; it raises, naming the keyword and the region (the plain model's autograd raises
     too). Without the write the gradients are the plain model's."""
     x = torch.randn(4, 16, requires_grad=True)
-    model = Layers(write=True)
+    model = Stack(lambda: WritesItsKeywordAfter(write=True))
     session = swapkit.apply(model, {"recompute_config": recompute})
     with pytest.raises(RuntimeError, match=r"keyword argument 'scale' of the recomputed region layer \d: probe was "
                                            r"modified by an in-place operation after the region ran"):
         with session:
             model(x).square().mean().backward()
     session.remove()
-    model, plain = Layers(write=False), Layers(write=False)
-    session = swapkit.apply(model, {"recompute_config": recompute})
-    with session:
-        model(x).square().mean().backward()
-    plain(x).square().mean().backward()
-    assert_grads_equal(grads(model), grads(plain))
-    session.remove()
+    assert_grads_equal(*backward_both(*(Stack(lambda: WritesItsKeywordAfter(write=False)) for _ in range(2)),
+                                      recompute))
 
 
 class NestedProbe(nn.Module):
@@ -201,22 +210,10 @@ class NestedBlock(nn.Module):
         return x + self.out(y)
 
 
-class NestedNet(nn.Module):
-    def __init__(self, how: str) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.layers = nn.ModuleList(NestedBlock(how) for _ in range(2))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
-
 NESTED_RECOMPUTE = {
-    "mindformers": ({"select_recompute": ["probe"]}, 3),  # forward, checkpoint re-run, output recipe
-    "megatron": ({"recompute_granularity": "selective", "module_scopes": {"core_attn": "probe"}}, 2),
-    "reentrant": ({"select_recompute": ["probe"], "use_reentrant": True}, 3),
+    "mindformers": (SELECT["mindformers"], 3),  # forward, checkpoint re-run, output recipe
+    "megatron": (SELECT["megatron"], 2),
+    "reentrant": ({**SELECT["mindformers"], "use_reentrant": True}, 3),
 }
 
 
@@ -230,20 +227,14 @@ def test_a_top_level_tensor_repeated_inside_a_container_argument_is_one_object_i
     recipe put the top-level re-run object into the container; each failed before (torch's CheckpointError),
     and with only the checkpoint fixed the recipe took the other branch: silently other gradients."""
     recompute, calls = NESTED_RECOMPUTE[kind]
-    model, plain = NestedNet(how), NestedNet(how)
-    x = torch.randn(4, 16, requires_grad=True)
-    session = swapkit.apply(model, {"recompute_config": recompute})
-    with session:
-        model(x).square().mean().backward()
-    plain(x.detach().requires_grad_()).square().mean().backward()
+    model, plain = (Stack(lambda: NestedBlock(how)) for _ in range(2))
+    ours, theirs = backward_both(model, plain, recompute)
     assert [layer.probe.same for layer in model.layers] == [[True] * calls] * 2
-    ours, theirs = grads(model), grads(plain)
     if recompute.get("use_reentrant"):  # gradients summed in another order (see the reentrant test above)
         for name in ours:
             torch.testing.assert_close(ours[name], theirs[name], rtol=1e-5, atol=1e-7)
     else:
         assert_grads_equal(ours, theirs)
-    session.remove()
 
 
 class FillsItsList(nn.Module):
@@ -275,18 +266,9 @@ class CollectingNet(nn.Module):
         return x + sum(collected)
 
 
-@pytest.mark.parametrize("recompute", [{"select_recompute": ["probe"]},
-                                       {"recompute_granularity": "selective", "module_scopes": {"core_attn": "probe"}}],
-                         ids=["mindformers", "megatron"])
+@pytest.mark.parametrize("recompute", SELECT.values(), ids=SELECT.keys())
 def test_the_forward_call_gets_the_callers_own_container(recompute):
     """A repeated tensor inside a container (region_inputs Note [A tensor passed to a region more than once]):
     the forward call must get the caller's list, not a copy, or what the module appends to it is lost (and
     with it the gradients of the module's weights; review of the container change)."""
-    model, plain = CollectingNet(), CollectingNet()
-    x = torch.randn(4, 16, requires_grad=True)
-    session = swapkit.apply(model, {"recompute_config": recompute})
-    with session:
-        model(x).square().mean().backward()
-    plain(x.detach().requires_grad_()).square().mean().backward()
-    assert_grads_equal(grads(model), grads(plain))
-    session.remove()
+    assert_grads_equal(*backward_both(CollectingNet(), CollectingNet(), recompute))
