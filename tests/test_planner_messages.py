@@ -11,13 +11,10 @@ from swapkit.cli import main
 from swapkit.config.types import EngineOptions, RuntimeConfig
 from swapkit.planner.progress import Progress, emulated_latency
 from swapkit.planner.quiet import held_warnings, setting_warnings, stage_setting_warnings
+from tests.test_planner import CONFIG as PLANNER_CONFIG
 
-CONFIG = {
-    "model": {"model_config": {"num_layers": 2, "hidden_size": 32, "num_heads": 2, "intermediate_size": 88,
-                               "vocab_size": 64, "seq_length": 32}},
-    "runtime": {"engine": "thread", "min_offload_bytes": 1024},
-    "train": {"steps": 3, "batch_size": 2, "lr": 1e-3},
-}
+#: test_planner's config with two layers (these tests need fewer)
+CONFIG = {**PLANNER_CONFIG, "model": {"model_config": {**PLANNER_CONFIG["model"]["model_config"], "num_layers": 2}}}
 
 
 pytestmark = pytest.mark.usefixtures("cli_loggers_restored")  # conftest
