@@ -125,6 +125,30 @@ def test_forwards_whose_graphs_are_dropped_inside_one_block_keep_the_backlog_bou
     session.remove()
 
 
+def test_kept_records_that_die_in_a_garbage_cycle_after_their_step_closed_still_leave_its_ledger():
+    """A record's death takes its bytes off the ledger wherever it dies (swapkit.runtime.records Note [Record
+    lifetime]), the cyclic collector included, after its step closed: handles sit in Python containers that way
+    when a recipe holds its packed inputs (swapkit.runtime.recipes). A weak-reference callback the index dropped
+    at close would never run there (the collector skips callbacks of refs inside the garbage)."""
+    model = _Chain()
+    session = swapkit.apply(model, {"model": {"model_config": {"num_layers": 1}}}, layers="layers")
+    gc.disable()  # the cycle must die in the collect below, not in one the saves trigger
+    try:
+        with session:
+            holder: list = [session._pack(torch.randn(8)) for _ in range(3)]
+        first = session._step
+        holder.append(holder)  # the handles, and only they, hold the records: now in a reference cycle
+        with session:  # the next step: the first one closes (superseded) while its records live on
+            pass
+        assert first.closed and first.device_bytes == 3 * 8 * 4
+        del holder
+        gc.collect()
+    finally:
+        gc.enable()
+    assert first.device_bytes == 0  # every kept record died inside the cycle and left the ledger
+    session.remove()
+
+
 def test_a_pipeline_stage_settles_its_micro_steps_and_their_optimizer_step_as_forwards_go_on():
     """Each forward of a stage is a micro-step with its own ledger, all feeding the optimizer step's: a forward
     settles them when it ends and when the next one opens, so dropped graphs leave no backlog behind."""
