@@ -75,6 +75,7 @@ import torch.multiprocessing as mp
 
 from swapkit.config.errors import ConfigError, Problem
 from swapkit.config.types import Config
+from swapkit.distributed.agree import check_ranks_agree
 from swapkit.distributed.pipeline import micro_batches
 from swapkit.plan.plan import build_plan
 from swapkit.distributed.signals import (
@@ -294,6 +295,7 @@ def _run(config: Config, device: torch.device, rank: int, world: int, options: d
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     try:
+        check_ranks_agree(config, options["steps"], device)  # agree.py Note [Every rank trains the same run]
         return train_rank(config, device, rank, world, **options)
     finally:
         dist.destroy_process_group()
