@@ -130,7 +130,7 @@ def ignore_stop_signals() -> None:
 
 
 def stop_when_parent_dies(parent: int) -> None:
-    """A spawned rank: SIGTERM to itself once ``parent`` is no longer its parent (Note [No rank outlives its parent])."""
+    """A spawned rank: SIGTERM to itself once ``parent`` is not its parent (Note [No rank outlives its parent])."""
     threading.Thread(target=_watch_parent, args=(parent,), name="swapkit-parent-watch", daemon=True).start()
 
 
