@@ -101,7 +101,7 @@ def micro_batches(config: Config) -> int:
 
 
 def schedule_name(config: Config) -> str:
-    """``parallel_config.pipeline_schedule``; by default ``1f1b``, ``interleaved_1f1b`` when ``pp_interleave_num > 1``."""
+    """``parallel_config.pipeline_schedule``; by default ``1f1b`` (``interleaved_1f1b`` with several chunks)."""
     default = "interleaved_1f1b" if config.model.pp_interleave_num > 1 else "1f1b"
     return config.parallel.pipeline_schedule or default
 
