@@ -77,4 +77,5 @@ def _rank_main(rank: int, world_size: int, root: str, fn: Callable[..., Any], ar
         Path(root, f"error{rank}.txt").write_text(f"rank {rank}:\n{traceback.format_exc()}")
         raise
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():  # fn may have ended the group itself (swapkit.distributed.launch._run does)
+            dist.destroy_process_group()

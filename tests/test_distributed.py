@@ -275,6 +275,44 @@ def test_ddp_no_sync_micro_batches_bit_identical():
                     assert torch.equal(grad, got[param]), f"{name}, step {step}: grad of {param}"
 
 
+def fsdp_accumulation_cases(rank: int, world_size: int) -> dict:
+    """FSDP2 with 2 micro-batches per step, the first with ``set_requires_gradient_sync(False)`` (torchtitan's
+    gradient accumulation): swapped vs plain, ``reshard_after_forward`` True and False."""
+    results = {}
+    for reshard in (True, False):
+        for name, config in CONFIGS.items():
+            runs = []
+            for use_swap in (False, True):
+                model = build()
+                session = swapkit.apply(model, toy_config(4, **config), layers="layers") if use_swap else None
+                runs.append(fsdp_accumulation_steps(shard(model, reshard), rank, session))
+            results[(reshard, name)] = runs
+    return results
+
+
+def fsdp_accumulation_steps(model: torch.nn.Module, rank: int, session) -> list:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        for micro in range(2):
+            model.set_requires_gradient_sync(micro == 1)
+            with session if session is not None else contextlib.nullcontext():
+                llama_step(model, llama_batch(seed=100 * step + 10 * micro + rank, cfg=TINY))
+        out.append((local_grads(model), session.stats.offloaded_bytes if session is not None else 0))
+        opt.step()
+    return out
+
+
+def test_fsdp2_gradient_accumulation_without_sync_bit_identical():
+    for rank_results in run_ranks(fsdp_accumulation_cases, 2):
+        for (reshard, name), (plain, swapped) in rank_results.items():
+            for step, ((ref, _), (got, offloaded)) in enumerate(zip(plain, swapped)):
+                assert offloaded > 0, (reshard, name, step)
+                for param, grad in ref.items():
+                    assert torch.equal(grad, got[param]), f"{name}, reshard {reshard}, step {step}: grad of {param}"
+
+
 UNIFORM = {"recompute_config": {"recompute_granularity": "full", "recompute_method": "uniform",
                                 "recompute_num_layers": 2}}
 

@@ -297,3 +297,40 @@ def test_more_spawned_ranks_than_this_machine_can_hold_fail_before_any_starts(ca
     assert "parallel_config: asks for 131,072 rank processes on this machine (pipeline_stage 2 x data_parallel " \
            "65536); each loads torch" in err
     assert "Traceback" not in err
+
+
+def _rank_with_its_own_config(rank: int, world: int, sets: list[dict]) -> str:
+    """One torchrun rank as swapkit train runs it (launch._run), with its own config file's values."""
+    from swapkit.load import load_config
+    from tests.test_pipeline_train import CONFIGS
+
+    raw = load_config(CONFIGS / "pp2.yaml")
+    config = load_config({**_as_dict(CONFIGS / "pp2.yaml"), **sets[rank]})
+    assert config.model == raw.model  # the layout is the same: apply's layout check would not catch it
+    try:
+        launch._run(config, torch.device("cpu"), rank, world, {"steps": 2 + rank, "progress": False})
+    except ConfigError as err:
+        return str(err)
+    return "trained"
+
+
+def _as_dict(path) -> dict:
+    import yaml
+
+    return yaml.safe_load(path.read_text())
+
+
+def test_ranks_started_with_different_run_settings_all_fail_at_once_naming_each_key():
+    """Under torchrun each rank reads its own copy of the config: rank 1's micro_batch_num 2 where rank 0's
+    is 4 (and one more --steps) used to leave both waiting for pipeline messages until the collective
+    timeout (300 s). Every rank now raises the same error before the first step; rank 1's other swap
+    settings are allowed and not named."""
+    swap = {"swap": True, "layer_swap": [{"backward_prefetch": 1, "layers": True}]}
+    sets = [{}, {"parallel_config": {"pipeline_stage": 2, "micro_batch_num": 2}, "swap_config": swap}]
+    from tests.dist_utils import run_ranks
+
+    messages = run_ranks(_rank_with_its_own_config, 2, sets, timeout_s=90)
+    assert messages[0] == messages[1]
+    assert "parallel_config.micro_batch_num: rank 0 has 4 but rank 1 has 2" in messages[0]
+    assert "steps (train.steps or --steps): rank 0 has 2 but rank 1 has 3" in messages[0]
+    assert messages[0].count("\n  - ") == 2  # rank 1's own swap_config is no problem

@@ -6,6 +6,7 @@ references run in this process.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import torch
 from swapkit.cli import main
 from swapkit.load import load_config
 from swapkit.train import train
+from swapkit.train.summary import format_summary
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -114,6 +116,10 @@ def test_pp2_dp2_fsdp2_losses_match_single_process(tmp_path):
     assert code == 0
     assert metrics["env"]["world_size"] == 4 and metrics["env"]["data_parallel"] == 2
     assert all(row["offloaded_bytes"] > 0 for step in metrics["steps"] for row in step["stages"])
+    # the figures are one replica's, and the summary says so (they read as the whole run's)
+    assert metrics["summary"]["data_parallel"] == 2
+    assert re.search(r"\n  data-parallel replicas +2; the bytes, peaks and late fetches above are replica 0's",
+                     format_summary(metrics["summary"]))
     torch.testing.assert_close(losses(metrics), single_process_losses("pp2_dp2.yaml", 2), rtol=1e-5, atol=0)
 
 

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -32,11 +33,11 @@ def start_train():
     ignored); whatever a test leaves running is killed with its whole group."""
     children: list[subprocess.Popen] = []
 
-    def child_setup() -> None:
-        os.setsid()
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
+    def start(*args: str, launcher: tuple[str, ...] = (), sigint: Any = signal.SIG_DFL) -> subprocess.Popen:
+        def child_setup() -> None:
+            os.setsid()
+            signal.signal(signal.SIGINT, sigint)
 
-    def start(*args: str, launcher: tuple[str, ...] = ()) -> subprocess.Popen:
         command = [sys.executable, "-m", *launcher, "swapkit.cli", "train", *args, "--no-progress"]
         children.append(subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                          text=True, preexec_fn=child_setup))
@@ -115,6 +116,27 @@ def test_under_torchrun_each_rank_stops_with_one_line(start_train):
     output = "".join(seen) + err
     assert output.count("swapkit: interrupted by SIGTERM\n") == 2, output[-3000:]
     assert "swapkit: failed" not in output and "Exception ignored" not in output, output[-3000:]
+    assert_all_gone(processes)
+
+
+def test_ranks_stop_when_swapkit_train_itself_is_killed(start_train):
+    """kill -9 (or the out-of-memory killer) on the parent forwards nothing. torch.multiprocessing asks Linux
+    for SIGINT to a rank whose parent dies, but a run started as a background job of a script (`swapkit train
+    ... &`) inherits SIGINT ignored, and its ranks went on training to the last step as orphans, writing
+    checkpoints a resumed run would race. Each rank now notices its parent is gone and stops
+    (Note [No rank outlives its parent])."""
+    child = start_train(str(ROOT / "configs" / "pp2.yaml"), "--steps", "100000", sigint=signal.SIG_IGN)
+    seen = wait_for_step(child)
+    processes = psutil.Process(child.pid).children(recursive=True)
+    assert len([p for p in processes if "spawn_main" in " ".join(p.cmdline())]) == 2
+    os.kill(child.pid, signal.SIGKILL)
+    _, err = child.communicate(timeout=BOUND_S)  # EOF only once every rank closed the pipe: none left running
+    output = "".join(seen) + err
+    assert child.returncode == -signal.SIGKILL
+    # the first rank to notice says so; its peer may end first on the connection that rank closed
+    assert re.search(rf"\[rank [01]\] WARNING - swapkit: the swapkit train process \(pid {child.pid}\) that started "
+                     "this rank is gone; stopping", output), output[-3000:]
+    assert "step 100000/" not in output
     assert_all_gone(processes)
 
 

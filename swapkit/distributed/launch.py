@@ -75,10 +75,12 @@ import torch.multiprocessing as mp
 
 from swapkit.config.errors import ConfigError, Problem
 from swapkit.config.types import Config
+from swapkit.distributed.agree import check_ranks_agree
 from swapkit.distributed.pipeline import micro_batches
 from swapkit.plan.plan import build_plan
 from swapkit.distributed.signals import (
-    POLL_S, ForwardSignals, StopOnSignal, ignore_stop_signals, stop_signals_blocked, stopped_ranks, unblock_stop_signals,
+    POLL_S, ForwardSignals, StopOnSignal, ignore_stop_signals, stop_signals_blocked, stop_when_parent_dies,
+    stopped_ranks, unblock_stop_signals,
 )
 from swapkit.train.errors import RunFailed
 from swapkit.train.loop import preflight
@@ -165,7 +167,8 @@ def launch(config: Config, device: torch.device, **options: Any) -> TrainResult 
     with tempfile.TemporaryDirectory(prefix="swapkit-ranks-") as folder, ForwardSignals() as signals:
         with stop_signals_blocked():  # the ranks start with them blocked (Note [Ranks start deaf])
             context = mp.start_processes(_spawned_rank, args=(world, config, device.type, folder, logger_level(),
-                                                              options), nprocs=world, join=False, start_method="spawn")
+                                                              options, os.getpid()),
+                                         nprocs=world, join=False, start_method="spawn")
         try:
             _join(context, Path(folder), signals)
         finally:
@@ -254,8 +257,9 @@ def _torchrun_rank(config: Config, device: torch.device, world: int, options: di
 
 
 def _spawned_rank(rank: int, world: int, config: Config, device_type: str, folder: str, level: int,
-                  options: dict) -> None:
+                  options: dict, parent: int) -> None:
     StopOnSignal().install()  # Note [Interrupts and finalizers]; torch.multiprocessing exits quietly on Interrupted
+    stop_when_parent_dies(parent)  # Note [No rank outlives its parent]
     try:
         unblock_stop_signals()  # a stop that came while this rank started is raised here (Note [Ranks start deaf])
         _rank_main(rank, world, config, device_type, folder, level, options)
@@ -294,6 +298,7 @@ def _run(config: Config, device: torch.device, rank: int, world: int, options: d
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     try:
+        check_ranks_agree(config, options["steps"], device)  # agree.py Note [Every rank trains the same run]
         return train_rank(config, device, rank, world, **options)
     finally:
         dist.destroy_process_group()

@@ -100,6 +100,12 @@ def micro_batches(config: Config) -> int:
     return config.parallel.micro_batch_num or config.parallel.pipeline_stage
 
 
+def schedule_name(config: Config) -> str:
+    """``parallel_config.pipeline_schedule``; by default ``1f1b`` (``interleaved_1f1b`` with several chunks)."""
+    default = "interleaved_1f1b" if config.model.pp_interleave_num > 1 else "1f1b"
+    return config.parallel.pipeline_schedule or default
+
+
 def pipeline_stages(chunks: list[nn.Module], stage: int, pipeline_stage: int, device: torch.device,
                     group: torch.distributed.ProcessGroup | None = None) -> list[PipelineStage]:
     """One ``PipelineStage`` per chunk; chunk ``v`` of stage ``s`` is torch stage ``v * P + s``."""

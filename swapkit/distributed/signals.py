@@ -44,6 +44,19 @@ start unblocks both signals in the parent), and each rank unblocks them once its
 are installed: a stop that arrived meanwhile was held pending and is raised there, as one
 :class:`Interrupted`. The parent's own pending signal reaches :class:`ForwardSignals` when its mask
 is restored, right after the start.
+
+Note [No rank outlives its parent]
+SIGKILL cannot be caught: a parent killed that way (``kill -9``, the out-of-memory killer, a
+scheduler's hard stop) forwards nothing. ``torch.multiprocessing`` asks Linux to send a rank SIGINT
+when its parent dies (``PR_SET_PDEATHSIG``), but a parent started with SIGINT ignored, as a
+background job of a script is (``swapkit train ... &``), passes the ignore on to its ranks, which
+keep it (Note [Stopping the ranks]): its ranks, re-parented to init, went on training to the last
+step, holding memory and writing checkpoints into ``train.save_dir``, where a resumed run then raced
+them. So each spawned rank also watches its parent: a daemon thread compares ``os.getppid()`` with
+the parent's pid (passed by the parent, so a parent gone before the rank started is noticed too)
+every ``POLL_S``, and when they differ logs it and sends the rank SIGTERM, which stops it as a
+forwarded stop does (a peer may end first, on the connection that rank closed). Once the rank's
+work has ended it ignores the signal (:func:`ignore_stop_signals`).
 """
 from __future__ import annotations
 
@@ -114,6 +127,18 @@ def ignore_stop_signals() -> None:
     """A spawned rank whose work has ended: stop signals no longer interrupt it (Note [Interrupts and finalizers])."""
     for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
+
+
+def stop_when_parent_dies(parent: int) -> None:
+    """A spawned rank: SIGTERM to itself once ``parent`` is not its parent (Note [No rank outlives its parent])."""
+    threading.Thread(target=_watch_parent, args=(parent,), name="swapkit-parent-watch", daemon=True).start()
+
+
+def _watch_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(POLL_S)
+    logger.warning("swapkit: the swapkit train process (pid %d) that started this rank is gone; stopping", parent)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _in_finalizer(frame: FrameType | None) -> bool:

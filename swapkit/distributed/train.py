@@ -54,7 +54,9 @@ from tqdm import tqdm
 import swapkit
 from swapkit.config.errors import Problem
 from swapkit.config.types import Config
-from swapkit.distributed.pipeline import build_stage_chunks, make_schedule, micro_batches, pipeline_stages
+from swapkit.distributed.pipeline import (
+    build_stage_chunks, make_schedule, micro_batches, pipeline_stages, schedule_name,
+)
 from swapkit.distributed.resume import resume_every_rank
 from swapkit.plan.plan import Plan
 from swapkit.train.checkpoint import save_checkpoint
@@ -135,7 +137,7 @@ def _start(config: Config, device: torch.device, topo: Topology, steps: int, met
         resume_every_rank(run, cfg.save_dir)  # Note [One resume step for every rank]
     run.session = swapkit.apply(chunks, config, layers="layers", stage=topo.pp_rank)
     stages = pipeline_stages(chunks, topo.pp_rank, topo.pp, device, group=topo.mesh.get_group("pp"))
-    schedule = make_schedule(_schedule_name(config), stages, micro_batches(config), lm_loss)
+    schedule = make_schedule(schedule_name(config), stages, micro_batches(config), lm_loss)
     last_rank = (plan.layout.pipeline_stage * plan.layout.pp_interleave_num - 1) % topo.pp
     return RankRun(run, topo, chunks, schedule, first=topo.pp_rank == 0, last=topo.pp_rank == last_rank)
 
@@ -157,11 +159,6 @@ def _shard_groups(layers: nn.ModuleList, layer_ids: list[int], plan: Plan) -> li
     return list(groups.values())
 
 
-def _schedule_name(config: Config) -> str:
-    default = "interleaved_1f1b" if config.model.pp_interleave_num > 1 else "1f1b"
-    return config.parallel.pipeline_schedule or default
-
-
 def _rank_dir(save_dir: str | None, rank: int) -> str | None:
     """Checkpoints per rank: each holds only its stage's (and shard's) state."""
     return str(Path(save_dir) / f"rank{rank:03d}") if save_dir else None
@@ -170,7 +167,7 @@ def _rank_dir(save_dir: str | None, rank: int) -> str | None:
 def _environment(config: Config, device: torch.device, topo: Topology) -> dict[str, Any]:
     env = environment(config, device)
     env.update(world_size=topo.pp * topo.dp, pipeline_stage=topo.pp, data_parallel=topo.dp,
-               micro_batch_num=micro_batches(config), pipeline_schedule=_schedule_name(config),
+               micro_batch_num=micro_batches(config), pipeline_schedule=schedule_name(config),
                backend=dist.get_backend())
     return env
 

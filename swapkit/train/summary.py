@@ -72,6 +72,8 @@ def summarize(run: RunState) -> dict[str, Any]:
     summary["process_rss_bytes"] = psutil.Process().memory_info().rss  # the whole process, for scale
     if "stages" in run.records[0]:
         summary["stages"] = _stage_summary([r["stages"] for r in run.records])
+    if run.env.get("data_parallel", 1) > 1:  # the figures are replica 0's (swapkit.distributed.train._gather_record)
+        summary["data_parallel"] = run.env["data_parallel"]
     if run.device.type == "cuda":  # Note [Memory figures]
         summary["cuda_max_memory_allocated"] = torch.cuda.max_memory_allocated(run.device)
         summary["cuda_max_memory_reserved"] = torch.cuda.max_memory_reserved(run.device)
@@ -117,6 +119,9 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         rows.append((f"stage {stage['stage']}: peak / swapped per step / late",
                      f"{human_bytes(stage['peak_device_bytes'])} / {human_bytes(stage['offloaded_bytes_per_step'])} / "
                      f"{stage['late_fetches']} ({stage['micro_steps']} micro-steps per step)"))
+    if "data_parallel" in summary:
+        rows.append(("data-parallel replicas", f"{summary['data_parallel']}; the bytes, peaks and late fetches above "
+                                               "are replica 0's (every replica runs the same shapes)"))
     rows += [line for row in summary.get("budget_check", ()) for line in _budget_rows(row)]
     width = max(len(name) for name, _ in rows)
     return "\n".join(["swapkit train summary"] + [f"  {name.ljust(width)}  {value}" for name, value in rows])
