@@ -105,7 +105,7 @@ from swapkit.runtime.binding import Binding, BoundLayer
 from swapkit.runtime.detach import AttachedForward
 from swapkit.runtime.kv_cache import CacheArguments, cache_warning
 from swapkit.runtime.recipes import capture_state
-from swapkit.runtime.region_inputs import call_region, distinct_inputs, unsaved_keywords
+from swapkit.runtime.region_inputs import call_region, distinct_inputs, nothing_to_differentiate, unsaved_keywords
 from swapkit.runtime.scope import eager
 
 logger = logging.getLogger(__name__)
@@ -216,7 +216,8 @@ class Recompute:
                 return originals[0](h, *args, **kwargs)
             _check_unit_sharding(layers, label)  # Note [Uniform units under FSDP2]
             clean_args, clean_kwargs = self._no_cache(cache, (h, *args), kwargs, label)
-            output = self._checkpoint(replayable, clean_args, clean_kwargs, label, head)
+            output = self._checkpoint(replayable, clean_args, clean_kwargs, label, head,
+                                      [layer.module for layer in layers])
             state["output"], state["inputs"] = output, (args, kwargs)  # as the pass-throughs receive them
             return output
 
@@ -249,7 +250,9 @@ class Recompute:
         return args, kwargs
 
     def _checkpoint(self, function: Callable[..., Any], args: tuple, kwargs: dict, label: str,
-                    module: nn.Module) -> Any:
+                    module: nn.Module, members: list[nn.Module] | None = None) -> Any:
+        if nothing_to_differentiate(args, kwargs, members or [module]):  # region_inputs Note [Regions with ...]
+            return function(*args, **kwargs)
         versions = [(t, t._version) for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
         inputs, shape = distinct_inputs(args, kwargs)  # region_inputs Note [A tensor passed ...]
         if self.use_reentrant:
