@@ -557,3 +557,12 @@ def test_a_missing_file_names_the_folder_it_was_looked_for_in_and_close_names(tm
     with pytest.raises(ConfigError) as info:
         load_config(tmp_path / "configs" / "tiny.yaml")  # an absolute path in a missing folder: nothing to add
     assert str(info.value.problems[0]) == f"config file not found: {tmp_path / 'configs' / 'tiny.yaml'}"
+
+
+def test_the_planners_json_report_is_named_as_such_not_a_list_of_unknown_keys(tmp_path):
+    """loader Note [The planner's JSON report is not a config]: the report's keys, as emit writes them."""
+    report = {"budget_bytes": 1024, "plan": {"recompute_config": {}, "swap_config": {}},
+              "layers": [], "predicted": {}, "baseline": {}}
+    (problem,) = problems_of(report)
+    assert "got the JSON report of `swapkit plan --budget --json`" in problem
+    assert "swapkit plan CONFIG --budget SIZE --out planned.yaml" in problem

@@ -151,9 +151,22 @@ def _set_path(raw: dict, parts: list[str], value: Any, problems: Problems, item:
     return raw
 
 
+# Note [The planner's JSON report is not a config]
+# ``swapkit plan --budget --json`` prints a report (``plan``, ``layers``, ``predicted``, ``baseline``),
+# and a user feeds it to ``swapkit train`` as the planned config. Read as a config, each of its keys
+# was an unknown key (``layers: ... did you mean 'layer_scale'?``), which says nothing about the
+# mistake. The report is recognised by its keys and answered with where the planned config is.
+_PLANNER_REPORT = ("got the JSON report of `swapkit plan --budget --json` (keys plan, predicted, baseline), not a "
+                   "config; write the planned config with `swapkit plan CONFIG --budget SIZE --out planned.yaml`, "
+                   "or copy the report's plan sections (recompute_config, swap_config) into your config")
+
+
 def _read_config(raw: Any, problems: Problems, name: str | None) -> Config:
     if raw is None:
         problems.add("", "the config is empty; expected a mapping with at least model.model_config.num_layers")
+        return None  # type: ignore[return-value]
+    if isinstance(raw, dict) and {"plan", "predicted", "baseline"} <= raw.keys():
+        problems.add("", _PLANNER_REPORT)  # Note [The planner's JSON report is not a config]
         return None  # type: ignore[return-value]
     notices: list[str] = []
     top = _read_section(raw, "", schema.TOP_KEYS, problems, schema.TOP_NO_EFFECT, notices)
