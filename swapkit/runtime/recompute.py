@@ -170,6 +170,8 @@ class Recompute:
             if not (module.training and torch.is_grad_enabled()):
                 self._check_eval(label)
                 return original(*args, **kwargs)
+            if nothing_to_differentiate(args, kwargs, [module]):  # region_inputs Note [Regions with nothing ...]
+                return original(*args, **kwargs)
             args, kwargs = self._no_cache(cache, args, kwargs, label)
             state = capture(args, kwargs) if outputs else None
             out = self._checkpoint(replayable, args, kwargs, label, module)
@@ -214,10 +216,11 @@ class Recompute:
             if not (head.training and torch.is_grad_enabled()):
                 self._check_eval(label)
                 return originals[0](h, *args, **kwargs)
+            if nothing_to_differentiate((h, *args), kwargs, [layer.module for layer in layers]):  # as in _wrap
+                return originals[0](h, *args, **kwargs)
             _check_unit_sharding(layers, label)  # Note [Uniform units under FSDP2]
             clean_args, clean_kwargs = self._no_cache(cache, (h, *args), kwargs, label)
-            output = self._checkpoint(replayable, clean_args, clean_kwargs, label, head,
-                                      [layer.module for layer in layers])
+            output = self._checkpoint(replayable, clean_args, clean_kwargs, label, head)
             state["output"], state["inputs"] = output, (args, kwargs)  # as the pass-throughs receive them
             return output
 
@@ -250,9 +253,7 @@ class Recompute:
         return args, kwargs
 
     def _checkpoint(self, function: Callable[..., Any], args: tuple, kwargs: dict, label: str,
-                    module: nn.Module, members: list[nn.Module] | None = None) -> Any:
-        if nothing_to_differentiate(args, kwargs, members or [module]):  # region_inputs Note [Regions with ...]
-            return function(*args, **kwargs)
+                    module: nn.Module) -> Any:
         versions = [(t, t._version) for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
         inputs, shape = distinct_inputs(args, kwargs)  # region_inputs Note [A tensor passed ...]
         if self.use_reentrant:

@@ -32,8 +32,10 @@ A region whose tensor inputs (nested ones included) and parameters all have ``re
 nothing to recompute. Reentrant checkpointing refused such a region (swapkit's error asked for an
 input that requires grad "otherwise the region's parameters get no gradient", although the
 parameters were frozen), and non-reentrant checkpointing ran it for nothing and counted it in
-``SwapStats.recomputed_by_scope`` although backward never re-runs it. Such a region runs plainly
-and is not counted. A frozen region that reads a trainable tensor through neither its inputs nor
+``SwapStats.recomputed_by_scope`` although backward never re-runs it; a MindFormers op scope also
+recorded an output recipe, whose inputs the session then kept (and swapped) for a backward that
+never comes. Such a region runs plainly, as without swapkit (a key/value cache left as it is), and
+is not counted. A frozen region that reads a trainable tensor through neither its inputs nor
 its parameters (a closure) still gets its gradient: a plain run is autograd's own.
 """
 from __future__ import annotations
