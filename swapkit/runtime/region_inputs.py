@@ -153,6 +153,8 @@ def _keyword_written_error(label: str, name: str, before: int, after: int) -> Ru
 def nothing_to_differentiate(args: tuple, kwargs: dict, modules: list[nn.Module]) -> bool:
     """Whether no tensor input and no parameter of ``modules`` requires grad (Note [Regions with nothing
     to differentiate])."""
+    if any(isinstance(a, torch.Tensor) and a.requires_grad for a in (*args, *kwargs.values())):
+        return False  # the usual case, without flattening the arguments
     inputs = (leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor))
     if any(tensor.requires_grad for tensor in inputs):
         return False
