@@ -16,8 +16,8 @@ from swapkit.engine.base import StorageChangedError
 from swapkit.runtime.records import KeptRecord, Saved, SwapRecord
 from swapkit.train.model import lm_loss
 from tests.toys import (
-    GatedEngine, ToyNet, assert_grads_equal, bench_module, grads, install_engine, layer_swap, llama, llama_batch, llama_step,
-    toy_config,
+    GatedEngine, ReadyWhenDone, ToyNet, assert_grads_equal, bench_module, grads, install_engine, layer_swap, llama,
+    llama_batch, llama_step, toy_config,
 )
 
 
@@ -66,6 +66,7 @@ def test_a_graph_dropped_before_another_graphs_backward_is_not_fetched_back():
     until the other graph's backward, which copied them back to the device and counted them prefetched."""
     model = llama()
     session = swapkit.apply(model, toy_config(4, **layer_swap(2)), layers="layers")
+    install_engine(session, ReadyWhenDone())  # no record waits for a slow copy while we count them
     tokens, targets = llama_batch()
     with session:
         lm_loss(model(tokens), targets).backward()
