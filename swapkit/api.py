@@ -14,7 +14,8 @@ from swapkit.load import load_config
 from swapkit.plan.plan import Plan, build_plan
 from swapkit.runtime.recompute import Recompute
 from swapkit.plan.report import layer_lines, unmatched, unmatched_errors
-from swapkit.runtime.resolve import resolve_plan
+from swapkit.plan.presets import preset_for_model_type
+from swapkit.runtime.resolve import model_type, resolve_plan
 from swapkit.runtime.scope import ScopeTracker
 from swapkit.runtime.detach import applied, carries_swapkit, mark, shallow_copy_message
 from swapkit.runtime.session import SwapSession
@@ -77,7 +78,7 @@ def apply(model: nn.Module | Sequence[nn.Module], config: Config | Plan | Mappin
     _refuse_shared_layers(binding, type(chunks[0]).__name__)
     if stage is not None:
         check_layout_across_ranks(plan.layout, stage)  # Note [Stage layouts agree across ranks]
-    _log(plan, binding, type(chunks[0]).__name__)
+    _log(plan, binding, type(chunks[0]).__name__, _unused_preset(chunks[0], plan) if loaded is None else None)
     recompute = Recompute(binding, plan.use_reentrant, recompute_outputs=plan.dialect == "mindformers")
     recompute.apply()
     tracker = ScopeTracker()
@@ -118,16 +119,18 @@ def as_config(config: Config | Mapping[str, Any] | str | Path) -> Config:
     return config if isinstance(config, Config) else load_config(config)
 
 
-def _log(plan: Plan, binding: Any, owner: str) -> None:
+def _log(plan: Plan, binding: Any, owner: str, hint: str | None = None) -> None:
     """Log the plan as MindFormers does; a pattern that binds nowhere is an error, not a log line.
 
-    ``owner`` names the class holding the layer container: the model's, or a pipeline stage's chunk's.
+    ``owner`` names the class holding the layer container: the model's, or a pipeline stage's chunk's;
+    ``hint`` ends that error (Note [A Plan is applied as built]).
     """
     bound = replace(plan, layers=tuple(layer.plan for layer in binding.layers))  # a stage binds some layers
     trees = [module_tree(layer.module) for layer in binding.layers]
     errors = unmatched_errors(bound, trees, container_label(owner, binding.layers_path))
     if errors:
-        raise BindError("the config names op scopes this model does not have:\n  - " + "\n  - ".join(errors))
+        raise BindError("the config names op scopes this model does not have:\n  - " + "\n  - ".join(errors)
+                        + (f"\n{hint}" if hint else ""))
     for line in plan.log_lines() + list(plan.notes):
         logger.info(line)
     for message in plan.warnings:
@@ -137,3 +140,20 @@ def _log(plan: Plan, binding: Any, owner: str) -> None:
             logger.log(logging.getLevelName(level), message)
     for message in unmatched(bound, trees):
         logger.warning(message)
+
+
+# Note [A Plan is applied as built]
+# ``swapkit.apply(model, config)`` detects a transformers model's preset and builds the plan with it, so
+# MindFormers names (``attention``, the default ``.*\.flash_attention``) bind to the family's modules. A
+# ``Plan`` is already built: ``build_plan`` knows no model, so unless ``model_config.preset`` named one its
+# patterns are the config's names, and the same config that applies as a dict failed as a Plan with a
+# bare "matches no sub-module". The error then says why and what to pass instead.
+def _unused_preset(model: nn.Module, plan: Plan) -> str | None:
+    kind = model_type(model)
+    preset = preset_for_model_type(kind) if kind and plan.preset is None else None
+    if preset is None:
+        return None
+    return (f"This Plan was built without a model preset, so its MindFormers / Megatron names were not translated "
+            f"to {type(model).__name__}'s modules: pass the Config (or its dict or YAML path) to swapkit.apply, "
+            f"which detects the {preset.name} preset from config.model_type, or set model.model_config.preset: "
+            f"{preset.name} before build_plan")

@@ -516,6 +516,18 @@ def test_bad_overrides(override, expected):
     assert len(problems) == 1 and problems[0].startswith(expected), problems
 
 
+def test_an_override_of_one_list_item_is_refused_naming_the_list():
+    """loader Note [A list item on the command line]: it wrote a key named 'layer_swap[0]' and blamed the file."""
+    raw = with_sections(swap_config={"swap": True, "layer_swap": [{"backward_prefetch": 2, "layers": [0]}]})
+    (problem,) = problems_of(raw, overrides=["swap_config.layer_swap[0].backward_prefetch=3"])
+    assert problem == ("--set: got 'swap_config.layer_swap[0].backward_prefetch=3'; expected mapping keys only; "
+                       "swap_config.layer_swap is a list, and --set cannot set one of its items. Set the whole list: "
+                       "--set 'swap_config.layer_swap=[...]' (it is now [{'backward_prefetch': 2, 'layers': [0]}])")
+    # a pattern key with brackets under a mapping is an ordinary key
+    config = load_config(with_sections(swap_config={"swap": True}), overrides=["recompute_config.select_recompute.w[13]=[0]"])
+    assert config.recompute.select_recompute == {"w[13]": [0]}
+
+
 def test_bad_overrides_are_collected_with_other_problems():
     problems = problems_of(with_sections(train={"lr": -1}), overrides=["nonsense", "train.steps=x"])
     assert problems[0].startswith("--set: got 'nonsense'")
@@ -557,3 +569,12 @@ def test_a_missing_file_names_the_folder_it_was_looked_for_in_and_close_names(tm
     with pytest.raises(ConfigError) as info:
         load_config(tmp_path / "configs" / "tiny.yaml")  # an absolute path in a missing folder: nothing to add
     assert str(info.value.problems[0]) == f"config file not found: {tmp_path / 'configs' / 'tiny.yaml'}"
+
+
+def test_the_planners_json_report_is_named_as_such_not_a_list_of_unknown_keys(tmp_path):
+    """loader Note [The planner's JSON report is not a config]: the report's keys, as emit writes them."""
+    report = {"budget_bytes": 1024, "plan": {"recompute_config": {}, "swap_config": {}},
+              "layers": [], "predicted": {}, "baseline": {}}
+    (problem,) = problems_of(report)
+    assert "got the JSON report of `swapkit plan --budget --json`" in problem
+    assert "swapkit plan CONFIG --budget SIZE --out planned.yaml" in problem

@@ -112,7 +112,11 @@ def test_concurrent_unpacks_from_two_autograd_threads():
     for name, grad in grads(ref).items():
         torch.testing.assert_close(grads(model)[name], grad)  # summation order of two threads may differ
     stats = session.stats
-    assert stats.prefetched_tensors == stats.released_bytes // (16 * 32 * 4)  # each record fetched once
+    # each record fetched once; the last layer's sigmoid output is saved by a branch the forward drops
+    # (TwoLosses returns a and b, not x): its record dies with that branch and is not fetched back
+    # (swapkit.runtime.schedule Note [The prefetch queue holds its records weakly])
+    assert stats.prefetched_tensors == stats.released_bytes // (16 * 32 * 4) - 1
+    assert stats.prefetched_bytes == stats.released_bytes - 16 * 32 * 4
     del a, b
     gc.collect()
     # no host buffer went back to the pool twice: a second release raises (in a record's __del__ an

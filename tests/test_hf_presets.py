@@ -147,3 +147,15 @@ def test_swap_layers_are_checked_against_the_counted_layers():
         swapkit.apply(tiny_model("gpt2"), config)
     assert "swap_config.layer_swap[0].layers: got [0, 5]; expected layer indices >= 0 < num_layers (2)" \
         in str(info.value)
+
+
+def test_a_plan_built_without_the_model_preset_says_to_pass_the_config():
+    """api Note [A Plan is applied as built]: the dict binds, the Plan of the same config cannot, and says why."""
+    config = swapkit.load_config({"model": {"model_config": {"num_layers": 2}}, **MINDFORMERS})
+    swapkit.apply(tiny_model("llama"), config).remove()
+    with pytest.raises(swapkit.BindError) as info:
+        swapkit.apply(tiny_model("llama"), swapkit.build_plan(config))
+    assert ("This Plan was built without a model preset, so its MindFormers / Megatron names were not translated to "
+            "LlamaModel's modules: pass the Config (or its dict or YAML path) to swapkit.apply, which detects "
+            "the llama preset from config.model_type, or set model.model_config.preset: llama before build_plan"
+            ) in str(info.value)

@@ -6,6 +6,7 @@ import logging
 
 import pytest
 import torch
+from torch import nn
 
 import swapkit
 from tests.user_models import TinyGPT
@@ -19,6 +20,27 @@ def test_default_swap_on_a_model_without_flash_attention_names_its_attention_sco
     assert "attention-like scopes found: attn" in message
     assert "Set model.model_config.preset to the model family, or write swap_config.op_swap: [{op_name: attn, " \
            "backward_prefetch: 1, layers: true}]" in message
+
+
+class _NormNamedAfterAttention(nn.Module):
+    """A Llama-style layer without a preset: its norm's name contains 'attention' (as HF Gemma's, OLMo2's)."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.post_attention_layernorm = nn.LayerNorm(dim)
+        self.self_attn = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.post_attention_layernorm(x + self.self_attn(x))
+
+
+def test_the_default_swap_error_does_not_offer_a_norm_named_after_attention_as_the_attention_scope():
+    model = nn.Sequential(nn.ModuleList(_NormNamedAfterAttention() for _ in range(2)))
+    with pytest.raises(swapkit.BindError) as info:
+        swapkit.apply(model, {"swap_config": {"swap": True}})
+    message = str(info.value)
+    assert "attention-like scopes found: self_attn." in message
+    assert "write swap_config.op_swap: [{op_name: self_attn, backward_prefetch: 1, layers: true}]" in message
 
 
 def test_a_preset_by_name_makes_the_defaults_and_mindformers_names_work(caplog):

@@ -588,6 +588,31 @@ def test_reentrant_checks_only_apply_when_recomputing():
     model(torch.randn(4, 8))
 
 
+def frozen_bottom(model: nn.Module) -> nn.Module:
+    """A fine-tune's frozen embedding and first two layers: they have nothing to differentiate."""
+    for p in [*model.tok_embeddings.parameters(), *model.layers[:2].parameters()]:
+        p.requires_grad_(False)
+    return model
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_a_frozen_layer_is_not_recomputed_and_trainable_ones_are(use_reentrant):
+    """region_inputs Note [Regions with nothing to differentiate]: reentrant checkpointing refused the
+    frozen layer, non-reentrant counted it as recomputed although backward never re-runs it."""
+    tokens = torch.randint(0, CFG.vocab_size, (BATCH, CFG.seq_length + 1), generator=torch.Generator().manual_seed(0))
+    plain, model = frozen_bottom(build_model(CFG, seed=0)), frozen_bottom(build_model(CFG, seed=0))
+    session = swapkit.apply(model, {"model": {"model_config": {"num_layers": 4}}, "swap_config": {
+        "swap": True, "layer_swap": [{"backward_prefetch": 1, "layers": [1]}]}, "recompute_config": {
+        "recompute": [0, 3], "select_recompute": {"attention": [1, 2]}, "use_reentrant": use_reentrant}})
+    lm_loss(plain(tokens[:, :-1]), tokens[:, 1:]).backward()
+    with session:
+        lm_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+    assert session.stats.recomputed_by_scope == {"layer 2: attention": 1, "layer 3": 1}
+    assert session.stats.unused_swaps == ["layer 1"]  # no output recipe kept layer 1's attention input
+    for (name, p), q in zip(plain.named_parameters(), model.parameters()):
+        assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad), name
+
+
 class InplaceActLayer(nn.Module):
     """``act`` is ``ReLU(inplace=True)`` (torchvision's blocks): it overwrites its input, ``lin``'s output."""
 

@@ -16,7 +16,7 @@ from typing import Any, Mapping, Sequence
 
 from swapkit.config import fields as F
 from swapkit.config import schema
-from swapkit.config.errors import ConfigError, Problem, Problems, clip, join
+from swapkit.config.errors import ConfigError, Problem, Problems, clip, join, show
 from swapkit.config.megatron import megatron_warnings, read_megatron
 from swapkit.config.swap_entries import read_swap_entries, swap_warnings
 from swapkit.config.yaml_reader import MAX_DEPTH, parse_yaml, read_yaml_file
@@ -137,9 +137,30 @@ def _blamed(problem: Problem, written: list[tuple[str, str]]) -> Problem:
     return replace(problem, origin=f"--set {clip(items[-1], 120)}") if items else problem
 
 
+# Note [A list item on the command line]
+# `--set swap_config.layer_swap[0].backward_prefetch=3` reads like a path into a list, but a key part is
+# a mapping key, so it wrote a new key named ``layer_swap[0]`` and the error blamed the file: "invalid
+# swapkit config in tiny.yaml: swap_config.layer_swap[0]: unknown key; did you mean 'layer_swap'?",
+# which reads as if ``layer_swap`` were missing. A part ``name[i]`` whose ``name`` holds a list is refused
+# naming the command line and how to set the whole list. Only then: a pattern key such as ``w[13]`` under
+# ``select_recompute`` (a mapping) is an ordinary key.
+def _list_item_problem(node: dict, parts: list[str], depth: int, item: str, problems: Problems) -> bool:
+    name, bracket, _ = parts[depth].partition("[")
+    if not bracket or parts[depth] in node or not isinstance(node.get(name), list):
+        return False
+    dotted = ".".join(parts[:depth] + [name])
+    problems.bad("--set", item, f"mapping keys only; {dotted} is a list, and --set cannot set one of its items",
+                 f"set the whole list: --set '{dotted}=[...]' (it is now {show(node[name])})")
+    return True
+
+
 def _set_path(raw: dict, parts: list[str], value: Any, problems: Problems, item: str) -> dict:
     node = raw
-    for depth, part in enumerate(parts[:-1]):
+    for depth, part in enumerate(parts):  # Note [A list item on the command line]
+        if _list_item_problem(node, parts, depth, item, problems):
+            return raw
+        if depth == len(parts) - 1:
+            break
         child = node.setdefault(part, {})
         if child is None:
             child = node[part] = {}
@@ -151,9 +172,22 @@ def _set_path(raw: dict, parts: list[str], value: Any, problems: Problems, item:
     return raw
 
 
+# Note [The planner's JSON report is not a config]
+# ``swapkit plan --budget --json`` prints a report (``plan``, ``layers``, ``predicted``, ``baseline``),
+# and a user feeds it to ``swapkit train`` as the planned config. Read as a config, each of its keys
+# was an unknown key (``layers: ... did you mean 'layer_scale'?``), which says nothing about the
+# mistake. The report is recognised by its keys and answered with where the planned config is.
+_PLANNER_REPORT = ("got the JSON report of `swapkit plan --budget --json` (keys plan, predicted, baseline), not a "
+                   "config; write the planned config with `swapkit plan CONFIG --budget SIZE --out planned.yaml`, "
+                   "or copy the report's plan sections (recompute_config, swap_config) into your config")
+
+
 def _read_config(raw: Any, problems: Problems, name: str | None) -> Config:
     if raw is None:
         problems.add("", "the config is empty; expected a mapping with at least model.model_config.num_layers")
+        return None  # type: ignore[return-value]
+    if isinstance(raw, dict) and {"plan", "predicted", "baseline"} <= raw.keys():
+        problems.add("", _PLANNER_REPORT)  # Note [The planner's JSON report is not a config]
         return None  # type: ignore[return-value]
     notices: list[str] = []
     top = _read_section(raw, "", schema.TOP_KEYS, problems, schema.TOP_NO_EFFECT, notices)

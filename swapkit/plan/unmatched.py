@@ -149,12 +149,18 @@ def _example(role: str | None, children: list[str]) -> str:
 
 
 def _default_op_hint(paths: list[str]) -> str:
-    attention = [p for p in paths if re.search(r"attn|attention", p.split(".")[-1], re.IGNORECASE)]
+    attention = [p for p in paths if _attention_like(p.split(".")[-1])]
     found = ", ".join(attention[:6]) or "none"
     return (f"It is swapkit's default swap op (swap_config.swap: true without layer_swap/op_swap) and this model "
             f"has no flash_attention scope; attention-like scopes found: {found}. Set model.model_config.preset "
             "to the model family, or write swap_config.op_swap: [{op_name: "
             f"{_as_pattern(attention[0]) if attention else '<scope>'}, backward_prefetch: 1, layers: true}}]")
+
+
+def _attention_like(name: str) -> bool:
+    """An attention scope's name; norms named after attention (``post_attention_layernorm``,
+    ``attention_norm``) are norms, and swapping one would not swap the attention."""
+    return bool(re.search(r"attn|attention", name, re.IGNORECASE)) and "norm" not in name.lower()
 
 
 def _written_for(pattern: str, preset: Preset | None, plan: Plan) -> list[str]:

@@ -105,7 +105,7 @@ from swapkit.runtime.binding import Binding, BoundLayer
 from swapkit.runtime.detach import AttachedForward
 from swapkit.runtime.kv_cache import CacheArguments, cache_warning
 from swapkit.runtime.recipes import capture_state
-from swapkit.runtime.region_inputs import call_region, distinct_inputs, unsaved_keywords
+from swapkit.runtime.region_inputs import call_region, distinct_inputs, nothing_to_differentiate, unsaved_keywords
 from swapkit.runtime.scope import eager
 
 logger = logging.getLogger(__name__)
@@ -170,6 +170,8 @@ class Recompute:
             if not (module.training and torch.is_grad_enabled()):
                 self._check_eval(label)
                 return original(*args, **kwargs)
+            if nothing_to_differentiate(args, kwargs, [module]):  # region_inputs Note [Regions with nothing ...]
+                return original(*args, **kwargs)
             args, kwargs = self._no_cache(cache, args, kwargs, label)
             state = capture(args, kwargs) if outputs else None
             out = self._checkpoint(replayable, args, kwargs, label, module)
@@ -213,6 +215,8 @@ class Recompute:
             state["output"] = state["inputs"] = None
             if not (head.training and torch.is_grad_enabled()):
                 self._check_eval(label)
+                return originals[0](h, *args, **kwargs)
+            if nothing_to_differentiate((h, *args), kwargs, [layer.module for layer in layers]):  # as in _wrap
                 return originals[0](h, *args, **kwargs)
             _check_unit_sharding(layers, label)  # Note [Uniform units under FSDP2]
             clean_args, clean_kwargs = self._no_cache(cache, (h, *args), kwargs, label)

@@ -64,7 +64,8 @@ catches overwritten, stale or zeroed buffers; it cannot see two words trading pl
 
 Note [Record lifetime]
 Records live exactly as long as the autograd graph holds their handles (plus, briefly, the
-schedule queues). When the last handle dies the record's ``__del__`` returns its host buffer to
+release queue; the prefetch queue holds them weakly: ``swapkit.runtime.schedule`` Note [The prefetch
+queue holds its records weakly]). When the last handle dies the record's ``__del__`` returns its host buffer to
 the pool and takes its bytes off the device accounting: nothing is stashed across steps.
 The cyclic collector may run that finalizer on any thread, at any allocation, so it waits only for
 the step's re-entrant lock, whose holders never wait for a lock a finalizer could hold: the pool's

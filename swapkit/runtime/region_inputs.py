@@ -25,12 +25,26 @@ wrong gradients, silently, where the plain model's autograd raises. So each such
 taken when the region is called, and the re-run checks it before calling the region again: a write
 in between raises, naming the region and the keyword. (A write *by* the region itself raises at once,
 recompute Note [Regions that write their inputs].)
+
+Note [Regions with nothing to differentiate]
+A region whose tensor inputs (nested ones included) and parameters all have ``requires_grad=False``
+(the frozen lower layers of a fine-tune) gets no gradient and autograd saves nothing in it: there is
+nothing to recompute. Reentrant checkpointing refused such a region (swapkit's error asked for an
+input that requires grad "otherwise the region's parameters get no gradient", although the
+parameters were frozen), and non-reentrant checkpointing ran it for nothing and counted it in
+``SwapStats.recomputed_by_scope`` although backward never re-runs it; a MindFormers op scope also
+recorded an output recipe, whose inputs the session then kept (and swapped) for a backward that
+never comes. Such a region runs plainly, as without swapkit (a key/value cache left as it is), and
+is not counted. A frozen region that reads a trainable tensor through neither its inputs nor
+its parameters (a closure) still gets its gradient: a plain run is autograd's own.
 """
 from __future__ import annotations
 
 from typing import Any, Callable, NamedTuple
 
 import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
 
 
 #: Containers whose elements may alias a region's top-level tensors (one level deep; their exact types only)
@@ -134,3 +148,14 @@ def _keyword_written_error(label: str, name: str, before: int, after: int) -> Ru
         f"operation after the region ran (version {before} -> {after}); recompute re-runs the region in backward "
         "with it and would get other values (wrong gradients; without recompute autograd would fail here too). "
         "Make that operation out-of-place, or clone the tensor before passing it")
+
+
+def nothing_to_differentiate(args: tuple, kwargs: dict, modules: list[nn.Module]) -> bool:
+    """Whether no tensor input and no parameter of ``modules`` requires grad (Note [Regions with nothing
+    to differentiate])."""
+    if any(isinstance(a, torch.Tensor) and a.requires_grad for a in (*args, *kwargs.values())):
+        return False  # the usual case, without flattening the arguments
+    inputs = (leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor))
+    if any(tensor.requires_grad for tensor in inputs):
+        return False
+    return not any(p.requires_grad for module in modules for p in module.parameters())

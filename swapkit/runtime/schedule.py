@@ -27,10 +27,23 @@ push joins when it pops before every entry there (a strictly higher key: a later
 Only the other pushes (several distances, re-keyed items, a later save of a released storage) go on
 a heap. ``pop_due`` takes the smaller of the two fronts each time, comparing whole ``(key, seq)``
 entries, so items pop exactly in key, then push order, wherever each entry was kept.
+
+Note [The prefetch queue holds its records weakly]
+A record enters the prefetch queue at its release and leaves it when backward comes due for it. Held
+there strongly, a record outlived its graph: in a ``with session:`` block where one forward's graph is
+dropped (a loss computed and discarded, an evaluation forward with grad enabled) and another's backward
+runs, the dropped graph's records kept their host buffers until that backward, which then copied them
+back to the device for nobody and counted them in ``prefetched_bytes``. The prefetch queue (``weak=True``)
+therefore keeps weak references: a record lives exactly as long as its graph's handles
+(``swapkit.runtime.records`` Note [Record lifetime]), and ``pop_due`` passes over the dead ones. The
+weak reference is the one the step's storage index already holds (CPython hands out one plain weak
+reference per object), so a release allocates nothing more; ``len`` still counts the dead entries until
+they come due, as the strong queue counted their records.
 """
 from __future__ import annotations
 
 import heapq
+import weakref
 from collections import deque
 from typing import Callable, Generic, TypeVar
 
@@ -44,10 +57,13 @@ class TickQueue(Generic[T]):
     Args:
         key: reads an item's current tick.
         descending: due means ``key >= bound`` (backward walks ticks downwards) instead of ``<=``.
+        weak: hold the items by weak reference; one that died is never returned (Note [The prefetch
+            queue holds its records weakly]).
     """
 
-    def __init__(self, key: Callable[[T], int], descending: bool = False) -> None:
+    def __init__(self, key: Callable[[T], int], descending: bool = False, weak: bool = False) -> None:
         self._key = key
+        self._weak = weak
         self._sign = -1 if descending else 1
         self._descending = descending
         self._run: deque[tuple[int, int]] = deque()  # (signed key when pushed, seq): Note [In-order pushes]
@@ -63,7 +79,7 @@ class TickQueue(Generic[T]):
     def push(self, item: T) -> None:
         seq = self._pushes
         self._pushes = seq + 1
-        self._items[seq] = item
+        self._items[seq] = weakref.ref(item) if self._weak else item
         entry, run = (self._sign * self._key(item), seq), self._run
         if not run or (entry < run[-1] if self._descending else entry > run[-1]):  # Note [In-order pushes]
             run.append(entry)
@@ -86,6 +102,8 @@ class TickQueue(Generic[T]):
                 return due
             item = items[seq]
             del items[seq]
+            if self._weak and (item := item()) is None:
+                continue  # its graph was dropped (Note [The prefetch queue holds its records weakly])
             if sign * key(item) != pushed:  # Note [Lazy re-keying]
                 self.push(item)
             else:
@@ -97,4 +115,4 @@ class TickQueue(Generic[T]):
         self._run.clear()
         self._heap.clear()
         self._items.clear()
-        return items
+        return [item for item in (ref() for ref in items) if item is not None] if self._weak else items

@@ -171,7 +171,8 @@ class Step:
         self._skipped_storages: set[int] = set()
         self._release: TickQueue[SwapRecord] = TickQueue(_horizon)
         self._pending: deque[SwapRecord] = deque()  # due, copy unfinished, in copy order (Note [Releases ...])
-        self._prefetch: TickQueue[SwapRecord] = TickQueue(_horizon, descending=True)
+        self._prefetch: TickQueue[SwapRecord] = TickQueue(_horizon, descending=True, weak=True)  # Note [The
+        # prefetch queue holds its records weakly] in swapkit.runtime.schedule
         self._timings: list[Any] = []
         self.empties: dict[torch.dtype, torch.Tensor] = {}  # swapkit.runtime.records.view_on
         self._allocations_at_start = pool.allocations
