@@ -16,7 +16,7 @@ from swapkit.cli import main
 from swapkit.plan.simulate import Link, Links, simulate
 from swapkit.plan.emit import planned_config
 from swapkit.plan.hostpool import HostModel, stage_host_use
-from swapkit.plan.planner import Choice
+from swapkit.plan.planner import Choice, reachable_peak
 from swapkit.plan.stages import (
     StageBudgetError, StagePlanner, StageSchedule, direct_micro_batches, schedule_actions, simulate_stage,
 )
@@ -193,6 +193,20 @@ def test_a_host_cap_on_a_pipeline_is_planned_for(measured):
         predicted = one.planned.predicted
         assert predicted.host_pool_bytes <= cap and predicted.peak_device_bytes <= budget, (one.stage, predicted)
         assert predicted.to_json()["host_cap_bytes"] == predicted.host_cap_bytes
+
+
+def test_a_stage_budget_only_swaps_reach_names_the_cap(measured):
+    """Under a cap that holds no batch, a stage's budget between its lowest peak with swaps and without
+    them is refused with the cap as the cause (BudgetError's host-cap message, for that stage)."""
+    _, config, found = measured
+    free = reachable_peak(stage_planner(config, found[1], 1))
+    held = reachable_peak(stage_planner(capped(config, 4096), found[1], 1))
+    assert free < held
+    with pytest.raises(StageBudgetError) as error:
+        plan_stages(capped(config, 4096), f"1TiB,{(free + held) // 2}B", measured=found)
+    assert error.value.stage == 1 and error.value.host_cap == 4096, str(error.value)
+    assert str(error.value).startswith("pipeline stage 1: ") and "raise runtime.max_host_bytes (4096 bytes)" in str(
+        error.value)
 
 
 def test_below_a_stage_minimum_the_error_names_the_stage_and_its_minimum(measured):
