@@ -48,8 +48,26 @@ Where it is approximate:
   stream.
 - Copy timing is still per storage (each swapped storage's copy issued at its save,
   ``swapkit.plan.simulate`` Note [Cost model]); only the pool's decisions are per batch.
-- Pipeline stages (:mod:`swapkit.plan.stages`) share one pool between micro-steps and are not
-  modelled: the stage planner ignores ``max_host_bytes`` and ``swapkit plan --budget`` says so.
+
+Note [The host pool in a pipeline stage]
+A pipeline stage's micro-steps (``swapkit.runtime.microsteps``) share the stage session's one pool,
+so a stage's regions are asked for and given back in the order its schedule runs forwards and
+backwards (:func:`stage_host_use`, with the actions ``swapkit.plan.stages.schedule_actions`` lists),
+and a cap refuses the batches of whichever micro-batch asks when the pool is full: under GPipe the
+later forwards'. The replay follows the runtime's micro-step rules:
+- a forward's batches ask for regions as a single step's do, and the batch still open when the
+  forward ends is flushed, not discarded (``MicroSteps.forward_ended``): it asks too;
+- a backward gives back its own micro-step's regions in backward's order; before them, if the
+  micro-step expected next (the oldest waiting) had its tail released when a later forward opened
+  (``swapkit.runtime.microsteps`` Note [Micro-step tails]), the regions of its batches that hold a
+  save of the tail: this backward prefetches those ahead (Note [Looking ahead into the next
+  micro-step]), and a batch's region goes back at its prefetch;
+- from the second optimizer step on, the micro-steps whose backward directly followed their forward
+  do not offload their tail (``runtime.skip_tail_offload``), the others still do.
+Each micro-batch gets its own refused storages (the same trace replayed, different decisions), and
+the stage's ``host_cap_bytes`` is their sum. Where it is approximate, beyond the single step's
+points: within one backward the look-ahead's regions come back interleaved with the backward's own,
+not all before them, which can change which block the pool hands out next.
 """
 from __future__ import annotations
 
@@ -146,9 +164,10 @@ class _Batcher:
     """One forward of the step, batched as the session batches it (Note [The host pool in the replay])."""
 
     def __init__(self, step: FlatStep, swap_k, swap_scope, min_offload_bytes: int, host: HostModel,
-                 ledger: Ledger, skip_tail: bool) -> None:
+                 ledger: Ledger, skip_tail: bool, flush_at_end: bool = False) -> None:
         self.step, self.swap_k, self.swap_scope, self.min_bytes = step, swap_k, swap_scope, min_offload_bytes
-        self.skip_tail = skip_tail
+        self.skip_tail, self.flush_at_end = skip_tail, flush_at_end
+        self.tail_released = False  # a micro-step's: its tail left the device before its backward
         self.limit, self.ledger = host.batch_bytes, ledger
         self.open: _Batch | None = None
         self.horizon: dict[tuple, int] = {}  # swapped storage -> its horizon
@@ -175,7 +194,9 @@ class _Batcher:
             k = swap_distance(save, tick, last, self.swap_k, self.min_bytes, self.skip_tail)
             if k is not None:
                 self._join(save, tick, k)
-        self.open = None  # still open when backward begins: discarded, its storages stay (tail)
+        if self.flush_at_end:
+            self._flush()  # a micro-step's forward end queues its open batch (MicroSteps.forward_ended)
+        self.open = None  # a step's still open when backward begins: discarded, its storages stay (tail)
 
     def _frame(self, save: FlatSave) -> tuple | None:
         if save.layer is None:
@@ -205,15 +226,28 @@ class _Batcher:
         else:
             self.regions.append((region, batch.members))
 
-    def backward_order(self) -> list[Any]:
-        """The regions in the order backward gives them back (Note [The host pool in the replay])."""
+    def _in_backward_order(self, regions: list[tuple[Any, list]]) -> list[tuple[Any, list]]:
+        """``regions`` in the order backward gives them back (Note [The host pool in the replay])."""
         last = len(self.step.forward) - 1
 
         def order(entry: tuple[Any, list]) -> tuple[bool, int]:
             horizons = [self.horizon[s] for s in entry[1]]
             return min(horizons) <= last, -max(horizons)  # all in the tail first, then the latest horizon first
 
-        return [region for region, _ in sorted(self.regions, key=order)]
+        return sorted(regions, key=order)
+
+    def give_back(self, ledger: Ledger, ahead_only: bool = False) -> None:
+        """Return this forward's regions to ``ledger`` in backward's order. With ``ahead_only``, only
+        the regions of batches holding a save of the tail: what the backward of the micro-step before
+        prefetches ahead once this one's tail was released (Note [The host pool in a pipeline stage])."""
+        last = len(self.step.forward) - 1
+        going, staying = [], []
+        for entry in self.regions:
+            ahead = max(self.horizon[s] for s in entry[1]) > last
+            (going if ahead or not ahead_only else staying).append(entry)
+        for region, _ in self._in_backward_order(going):
+            ledger.release(region)
+        self.regions = staying
 
 
 def host_use(step: FlatStep, swap_k: Callable[[int | None, str | None], int | None],
@@ -231,9 +265,59 @@ def host_use(step: FlatStep, swap_k: Callable[[int | None, str | None], int | No
     for number in range(MAX_STEPS):  # the first step offloads its tail too (nothing learnt yet)
         batcher = _Batcher(step, swap_k, scope_of, min_offload_bytes, host, ledger, number > 0 and host.skip_tail)
         batcher.run()
-        for region in batcher.backward_order():  # every region is back before the next step asks
-            ledger.release(region)
+        batcher.give_back(ledger)  # every region is back before the next step asks
         if number > 0 and frozenset(batcher.refused) == refused:
             break  # steady
         refused = frozenset(batcher.refused)
     return HostUse(frozenset(batcher.refused), batcher.refused_bytes, ledger.held_bytes)
+
+
+@dataclass(frozen=True)
+class StageHostUse:
+    """What one pipeline stage's pool does in a steady optimizer step: per micro-batch, the storages
+    it keeps on the device; their bytes summed over micro-batches; the bytes its slabs hold."""
+
+    refused: dict[int, frozenset]
+    refused_bytes: int = 0
+    pool_bytes: int = 0
+
+
+def stage_host_use(step: FlatStep, swap_k: Callable[[int | None, str | None], int | None],
+                   swap_scope: Callable[[int, str | None], Any] | None, min_offload_bytes: int, host: HostModel,
+                   actions: tuple[tuple[str, int], ...], direct: frozenset[int]) -> StageHostUse:
+    """The pool's decisions in a steady optimizer step of a pipeline stage whose micro-batch is ``step``
+    and which runs ``actions`` (``("F", m)``, ``("B", m)``); ``direct``: the micro-batches that skip
+    offloading their tail from the second step on (Note [The host pool in a pipeline stage])."""
+    scope_of = swap_scope or (lambda layer, scope: swap_k(layer, scope))
+    ledger = host.ledger(host.max_bytes)
+    refused: dict[int, frozenset] | None = None
+    for number in range(MAX_STEPS):  # the first step offloads every tail (nothing learnt yet)
+        skipping = direct if number > 0 and host.skip_tail else frozenset()
+        batchers = _stage_step(step, swap_k, scope_of, min_offload_bytes, host, ledger, actions, skipping)
+        found = {m: frozenset(batcher.refused) for m, batcher in batchers.items()}
+        if number > 0 and found == refused:
+            break  # steady
+        refused = found
+    return StageHostUse(found, sum(b.refused_bytes for b in batchers.values()), ledger.held_bytes)
+
+
+def _stage_step(step: FlatStep, swap_k, scope_of, min_offload_bytes: int, host: HostModel, ledger: Ledger,
+                actions: tuple[tuple[str, int], ...], skipping: frozenset[int]) -> dict[int, _Batcher]:
+    """One optimizer step of the stage on the shared ``ledger``; every region is back at its end."""
+    batchers: dict[int, _Batcher] = {}
+    waiting: list[_Batcher] = []  # forward done, backward not begun, oldest first
+    for kind, m in actions:
+        if kind == "F":
+            for other in waiting[1:]:  # all but the oldest, which runs backward next
+                other.tail_released = True
+            batcher = batchers[m] = _Batcher(step, swap_k, scope_of, min_offload_bytes, host, ledger,
+                                             m in skipping, flush_at_end=True)
+            batcher.run()
+            waiting.append(batcher)
+        else:
+            batcher = batchers[m]
+            waiting.remove(batcher)
+            if waiting and waiting[0].tail_released:
+                waiting[0].give_back(ledger, ahead_only=True)  # prefetched ahead by this backward
+            batcher.give_back(ledger)
+    return batchers

@@ -93,7 +93,8 @@ class Prediction:
     copies: int = 0  # copies per step, both directions
     layer_wait: tuple[tuple[int | None, float], ...] = ()  # exposed wait by layer (None: outside layers)
     # the host pool's bytes (SwapStats.host_pool_bytes) and the swapped bytes runtime.max_host_bytes keeps on
-    # the device (skipped["host_cap"]): swapkit.plan.hostpool; None where not modelled (a pipeline stage)
+    # the device (skipped["host_cap"], a pipeline stage's summed over its micro-batches): swapkit.plan.hostpool;
+    # None where not modelled (a Prediction built by hand)
     host_pool_bytes: int | None = None
     host_cap_bytes: int = 0
 

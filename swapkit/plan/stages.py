@@ -24,6 +24,8 @@ single-step replay's rules (``swapkit.plan.simulate`` Note [Cost model]) and the
   into the next micro-step]).
 - Copies of every micro-step share one queue and one compute timeline: the stage's actions one
   after another.
+- Micro-steps share one host pool too: under ``runtime.max_host_bytes`` each micro-batch's refused
+  batches stay on its device (``swapkit.plan.hostpool`` Note [The host pool in a pipeline stage]).
 Where it is wrong:
 - The time a stage waits for its neighbours (the pipeline bubble, sends and receives) is not on the
   timeline, so copies finish later in the replay than in the run: a release the replay calls late
@@ -45,6 +47,7 @@ import heapq
 from dataclasses import dataclass
 from typing import Callable
 
+from swapkit.plan.hostpool import HostModel, stage_host_use
 from swapkit.plan.planner import BudgetError, Choice, Planner
 from swapkit.plan.simulate import Links, Prediction, _Record, _Replay
 from swapkit.plan.trace import FlatStep, Trace
@@ -98,10 +101,11 @@ class _Group:
 class _MicroReplay(_Replay):
     """One micro-batch's replay on its stage's shared clock, queue and byte counter."""
 
-    def __init__(self, group: _Group, step: FlatStep, swap_k, links: Links, min_bytes: int, skip_tail: bool) -> None:
+    def __init__(self, group: _Group, step: FlatStep, swap_k, links: Links, min_bytes: int, skip_tail: bool,
+                 refused: frozenset = frozenset()) -> None:
         self.group = group
         shared = group.now, group.queue_free, group.bytes
-        super().__init__(step, swap_k, links, min_bytes)  # it zeroes the shared counters: put them back
+        super().__init__(step, swap_k, links, min_bytes, refused)  # it zeroes the shared counters: put them back
         group.now, group.queue_free, group.bytes = shared
         self.skip_tail = skip_tail
         self.fetchable: list[tuple[int, int, _Record]] = []  # (-horizon when pushed, issue order, record)
@@ -183,14 +187,25 @@ class StageSchedule:
 
 
 def simulate_stage(step: FlatStep, swap_k, links: Links, schedule: StageSchedule,
-                   min_offload_bytes: int = 1024) -> Prediction:
+                   min_offload_bytes: int = 1024, host: HostModel | None = None,
+                   swap_scope: Callable[[int, str | None], str | None] | None = None) -> Prediction:
     """Predict one steady optimizer step of a pipeline stage whose micro-batch is ``step``
-    (Note [Stage peak model]); ``step_seconds`` is the stage's busy time, bubbles excluded."""
-    replay = _stage_replay(step, swap_k, links, schedule, min_offload_bytes)
+    (Note [Stage peak model]); ``step_seconds`` is the stage's busy time, bubbles excluded.
+
+    Args:
+        host: the stage session's host pool; a batch it refuses stays on the device
+            (``swapkit.plan.hostpool`` Note [The host pool in a pipeline stage]). ``None``: an
+            unbounded pool of packed regions.
+        swap_scope: the swapped scope holding a save of a layer (its batch's frame).
+    """
+    actions = schedule.actions()
+    direct = direct_micro_batches(actions) if schedule.skip_tail_offload else frozenset()
+    use = stage_host_use(step, swap_k, swap_scope, min_offload_bytes, host or HostModel(), actions, direct)
+    replay = _stage_replay(step, swap_k, links, actions, direct, min_offload_bytes, use.refused)
     prompt = replay
     if links.release_lag_s:
-        prompt = _stage_replay(step, swap_k, Links(links.d2h, links.h2d, 0.0, links.copy_overhead_s), schedule,
-                               min_offload_bytes)
+        prompt = _stage_replay(step, swap_k, Links(links.d2h, links.h2d, 0.0, links.copy_overhead_s), actions,
+                               direct, min_offload_bytes, use.refused)
     group, micro = replay
     waits: dict = {}
     for one in micro.values():
@@ -199,17 +214,16 @@ def simulate_stage(step: FlatStep, swap_k, links: Links, schedule: StageSchedule
     return Prediction(group.peak, group.now + step.other_seconds * schedule.micro_batches,
                       sum(m.moved for m in micro.values()), sum(m.wait for m in micro.values()),
                       sum(m.late for m in micro.values()), prompt[0].peak, sum(m.copies for m in micro.values()),
-                      tuple(sorted(waits.items(), key=lambda item: (item[0] is None, item[0] or 0))))
+                      tuple(sorted(waits.items(), key=lambda item: (item[0] is None, item[0] or 0))),
+                      use.pool_bytes, use.refused_bytes)
 
 
-def _stage_replay(step: FlatStep, swap_k, links: Links, schedule: StageSchedule,
-                  min_offload_bytes: int) -> tuple[_Group, dict[int, _MicroReplay]]:
-    actions = schedule.actions()
-    direct = direct_micro_batches(actions) if schedule.skip_tail_offload else frozenset()
+def _stage_replay(step: FlatStep, swap_k, links: Links, actions: tuple[tuple[str, int], ...], direct: frozenset[int],
+                  min_offload_bytes: int, refused: dict[int, frozenset]) -> tuple[_Group, dict[int, _MicroReplay]]:
     group, micro, waiting = _Group(), {}, []
     for kind, m in actions:
         if kind == "F":
-            micro[m] = _MicroReplay(group, step, swap_k, links, min_offload_bytes, m in direct)
+            micro[m] = _MicroReplay(group, step, swap_k, links, min_offload_bytes, m in direct, refused[m])
             _forward(micro[m], waiting)
             waiting.append(micro[m])
         else:
@@ -237,22 +251,23 @@ class StagePlanner(Planner):
     (:func:`simulate_stage`); the trace is one micro-batch of the stage's layers."""
 
     def __init__(self, trace: Trace, links: Links, scopes: list[list[str]], min_offload_bytes: int,
-                 schedule: StageSchedule) -> None:
-        super().__init__(trace, links, scopes, min_offload_bytes)
+                 schedule: StageSchedule, host: HostModel | None = None) -> None:
+        super().__init__(trace, links, scopes, min_offload_bytes, host=host)
         self.schedule = schedule
 
     def _simulate(self, step: FlatStep, swap_k: Callable[[int | None, str | None], int | None],
                   swap_scope: Callable[[int, str | None], str | None]) -> Prediction:
-        """The stage's schedule replayed; its host pool is not modelled (``swapkit.plan.hostpool``
-        Note [The host pool in the replay])."""
-        return simulate_stage(step, swap_k, self.links, self.schedule, self.min_bytes)
+        """The stage's schedule replayed on its host pool (``swapkit.plan.hostpool`` Note [The host
+        pool in a pipeline stage])."""
+        return simulate_stage(step, swap_k, self.links, self.schedule, self.min_bytes, self.host, swap_scope)
 
 
 class StageBudgetError(BudgetError):
     """A pipeline stage's budget is below the lowest peak the planner reaches on that stage."""
 
-    def __init__(self, stage: int, budget: int, reachable: int, baseline: int) -> None:
-        super().__init__(budget, reachable, baseline)
+    def __init__(self, stage: int, budget: int, reachable: int, baseline: int, host_cap: int | None = None,
+                 uncapped: Prediction | None = None) -> None:
+        super().__init__(budget, reachable, baseline, host_cap, uncapped)
         self.stage = stage
         self.args = (f"pipeline stage {stage}: {self.args[0]}",)
 

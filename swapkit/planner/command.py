@@ -163,19 +163,21 @@ def budget_check(plan: BudgetPlan, summary: Mapping[str, Any]) -> dict[str, Any]
 def budget_rows(document: Mapping[str, Any], summary: Mapping[str, Any]) -> list[dict[str, Any]]:
     """Per stage (``stage`` None without a pipeline): budget, predicted and measured peak, over or not."""
     if "stages" not in document:
-        row = _row(None, document["budget_bytes"], document["predicted"], summary["peak_device_bytes"])
-        if "host_pool_bytes" in document["predicted"] and "host_pool_bytes" in summary:  # the stage replay has none
-            row.update(predicted_host_pool_bytes=document["predicted"]["host_pool_bytes"],
-                       measured_host_pool_bytes=summary["host_pool_bytes"])
-        return [row]
-    measured = {stage["stage"]: stage["peak_device_bytes"] for stage in summary.get("stages", ())}
+        return [_row(None, document["budget_bytes"], document["predicted"], summary)]
+    measured = {stage["stage"]: stage for stage in summary.get("stages", ())}
     return [_row(stage["stage"], stage["budget_bytes"], stage["predicted"], measured[stage["stage"]])
             for stage in document["stages"] if stage["stage"] in measured]
 
 
-def _row(stage: int | None, budget: int, predicted: Mapping[str, Any], measured: int) -> dict[str, Any]:
-    return {"stage": stage, "budget_bytes": budget, "predicted_peak_bytes": predicted["peak_device_bytes"],
-            "measured_peak_bytes": measured, "over_budget": measured > budget}
+def _row(stage: int | None, budget: int, predicted: Mapping[str, Any], measured: Mapping[str, Any]) -> dict[str, Any]:
+    """``measured``: the run's summary, or its row of the stage."""
+    peak = measured["peak_device_bytes"]
+    row = {"stage": stage, "budget_bytes": budget, "predicted_peak_bytes": predicted["peak_device_bytes"],
+           "measured_peak_bytes": peak, "over_budget": peak > budget}
+    if "host_pool_bytes" in predicted and "host_pool_bytes" in measured:
+        row.update(predicted_host_pool_bytes=predicted["host_pool_bytes"],
+                   measured_host_pool_bytes=measured["host_pool_bytes"])
+    return row
 
 
 def overrun_message(row: Mapping[str, Any], rows: list[Mapping[str, Any]]) -> str:

@@ -33,12 +33,6 @@ from swapkit.train.loop import resolve_device
 from swapkit.train.model import lm_loss
 
 logger = logging.getLogger(__name__)
-HOST_CAP_NOT_MODELLED = (
-    "runtime.max_host_bytes: %d is not modelled for pipeline stages (their micro-steps share one host pool): a "
-    "stage's plan assumes every swap it chooses fits the pool; where one does not, it stays on the device and that "
-    "stage's measured peak can land over its budget (swapkit train --budget reports it); remove the cap, or raise it")
-
-
 @dataclass(frozen=True)
 class StagePlanned:
     """One stage's plan: its global layer ids, measurement, budget and choice."""
@@ -95,16 +89,14 @@ def plan_stages(config: Config, budget_text: str, device: str | None = None,
     schedule = schedule_of(config)
     budgets = stage_budgets(budget_text, config.parallel.pipeline_stage)
     measured = measured or measure_stages(config, device)
-    if config.runtime.max_host_bytes is not None:  # swapkit.plan.hostpool Note [The host pool in the replay]
-        logger.warning(HOST_CAP_NOT_MODELLED, config.runtime.max_host_bytes)
     found = []
     for stage, (budget, one) in enumerate(zip(budgets, measured)):
         planner = StagePlanner(one.trace, one.links, one.scopes, config.runtime.min_offload_bytes,
-                               dataclasses.replace(schedule, stage=stage))
+                               dataclasses.replace(schedule, stage=stage), one.host(config.runtime))
         try:
             planned = plan_budget(planner, budget)
         except BudgetError as err:
-            raise StageBudgetError(stage, budget, err.reachable, err.baseline) from None
+            raise StageBudgetError(stage, budget, err.reachable, err.baseline, err.host_cap, err.uncapped) from None
         found.append(StagePlanned(stage, tuple(build_plan(config).stage_layers(stage)[0]), one, budget, planned))
     return found
 
@@ -216,7 +208,9 @@ def stage_table(rows: list[dict[str, Any]], stages: list[StagePlanned]) -> str:
         lines.append(f"stage {one.stage} predicted: peak_device_bytes {p.peak_device_bytes} (budget {one.budget}, "
                      f"keep all: {b.peak_device_bytes}), busy {p.step_seconds * 1e3:.1f} ms per step (keep all: "
                      f"{b.step_seconds * 1e3:.1f} ms; pipeline bubbles not included), moved "
-                     f"{p.moved_bytes_per_step} bytes/step")
+                     f"{p.moved_bytes_per_step} bytes/step, host pool {p.host_pool_bytes} bytes"
+                     + (f" ({p.host_cap_bytes} swapped bytes kept on the device by runtime.max_host_bytes)"
+                        if p.host_cap_bytes else ""))
     return "\n".join(lines)
 
 

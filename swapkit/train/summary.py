@@ -37,7 +37,7 @@ def step_record(step: int, loss: float, seconds: float, stats: list[SwapStats]) 
 
 
 STAGE_STATS = ("peak_device_bytes", "saved_bytes", "offloaded_bytes", "prefetched_bytes", "late_fetches",
-               "wait_seconds", "micro_steps")
+               "wait_seconds", "micro_steps", "host_pool_bytes")
 
 
 def stage_rows(per_stage: list[tuple[int, SwapStats]]) -> list[dict[str, Any]]:
@@ -82,13 +82,15 @@ def summarize(run: RunState) -> dict[str, Any]:
 
 
 def _stage_summary(steps: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """Per pipeline stage over the steps: peak of peaks, median bytes, total late fetches."""
+    """Per pipeline stage over the steps: peak of peaks, median bytes, total late fetches, the host pool's
+    largest size (a record written before stages reported their pool has none: 0)."""
     rows = []
     for stage_steps in zip(*steps):
         rows.append({"stage": stage_steps[0]["stage"], "micro_steps": stage_steps[-1]["micro_steps"],
                      "peak_device_bytes": max(s["peak_device_bytes"] for s in stage_steps),
                      "offloaded_bytes_per_step": statistics.median(s["offloaded_bytes"] for s in stage_steps),
-                     "late_fetches": sum(s["late_fetches"] for s in stage_steps)})
+                     "late_fetches": sum(s["late_fetches"] for s in stage_steps),
+                     "host_pool_bytes": max(s.get("host_pool_bytes", 0) for s in stage_steps)})
     return rows
 
 
