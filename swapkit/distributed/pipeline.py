@@ -16,9 +16,10 @@ check in their constructors (torch 2.13, ``torch/distributed/pipelining/schedule
 - ``ScheduleInterleaved1F1B``: it runs ``rounds = max(1, n // P)`` rounds of ``n // rounds``
   micro-batches and refuses an ``n`` that is not a multiple of ``rounds``: every ``n`` below ``2P``,
   then even ones up to ``3P``, multiples of 3 up to ``4P``, ... (``P = 2``: 1, 2, 3 and every even count).
-The steps then run every count their constructor takes (tests/test_pipeline_micro_batches.py
-compares this rule with torch's constructors and trains the counts that are not multiples of ``P``
-on 2 gloo ranks). swapkit itself needs nothing more: a step's batch is ``n`` micro-batches of
+The steps then run the counts their constructor takes (tests/test_pipeline_micro_batches.py
+compares this rule with torch's constructors and trains counts that are not multiples of ``P`` on
+2 gloo ranks; by hand, gradients bit-identical to the pipeline without swapkit, 1F1B with 4 and
+GPipe with 2 on 3 stages, Interleaved1F1B with 4 and 8 on 3 stages and 2, 5 and 10 on 4). swapkit itself needs nothing more: a step's batch is ``n`` micro-batches of
 ``train.batch_size`` rows, which torch's ``tensor_split`` gives back exactly for any ``n``
 (swapkit.distributed.train Note [Same micro-batches as gradient accumulation]); a stage session
 opens one micro-step per chunk forward, keyed by chunk and ordinal, however many run
