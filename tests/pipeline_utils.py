@@ -51,20 +51,26 @@ def pipeline_config(schedule: str, pp: int = 2, sizes: dict | None = None, **sec
             "parallel_config": {"pipeline_stage": pp}, **sections}
 
 
-def batch(step: int, sizes: dict) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(step: int, sizes: dict, micro_batches: int = MICRO_BATCHES) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(100 + step)
-    tokens = torch.randint(sizes["vocab_size"], (MICRO_BATCHES * MICRO_BATCH_SIZE, sizes["seq_length"] + 1),
+    tokens = torch.randint(sizes["vocab_size"], (micro_batches * MICRO_BATCH_SIZE, sizes["seq_length"] + 1),
                            generator=gen)
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()  # torch 2.11's stages check strides
 
 
 class StageRun:
-    """One rank's chunks of the tiny model, its torch schedule and (optionally) a swapkit session."""
+    """One rank's chunks of the tiny model, its torch schedule and (optionally) a swapkit session.
 
-    def __init__(self, rank: int, world: int, schedule: str, config: dict | None, engine=None) -> None:
-        model = swapkit.load_config(config or pipeline_config(schedule)).model
-        plan = swapkit.build_plan(swapkit.load_config(config or pipeline_config(schedule)))
+    ``config`` ``None`` is the same pipeline without swapkit, laid out by ``pipeline_config(schedule,
+    world, sizes)``; ``micro_batches`` is the schedule's ``n_microbatches``.
+    """
+
+    def __init__(self, rank: int, world: int, schedule: str, config: dict | None, engine=None,
+                 micro_batches: int = MICRO_BATCHES, sizes: dict | None = None) -> None:
+        layout = swapkit.load_config(config or pipeline_config(schedule, world, sizes))
+        model, plan = layout.model, swapkit.build_plan(layout)
         self.rank, self.world, self.plan, self.sizes = rank, world, plan, vars(model)
+        self.micro_batches = micro_batches
         self.chunks = build_stage_chunks(model, plan, rank, seed=1)
         self.session = None
         if config is not None:
@@ -73,12 +79,12 @@ class StageRun:
                 from toys import install_engine
                 install_engine(self.session, engine)
         stages = pipeline_stages(self.chunks, rank, world, torch.device("cpu"))
-        self.schedule = make_schedule(schedule, stages, MICRO_BATCHES, lm_loss)
+        self.schedule = make_schedule(schedule, stages, micro_batches, lm_loss)
 
     def step(self, number: int) -> list[torch.Tensor]:
         for chunk in self.chunks:
             chunk.zero_grad(set_to_none=True)
-        x, y = batch(number, self.sizes)
+        x, y = batch(number, self.sizes, self.micro_batches)
         losses: list[torch.Tensor] = []
         if self.session is None:
             self._run(x, y, losses)

@@ -128,14 +128,34 @@ def test_pp2_dp2_fsdp2_losses_match_single_process(tmp_path):
      "train.gradient_accumulation_steps (from --set train.gradient_accumulation_steps=2): got 2"),
     (["parallel_config.pipeline_schedule=gpipe", "model.model_config.pp_interleave_num=2",
       "model.model_config.offset=0", "model.model_config.num_layers=8"], "use interleaved_1f1b"),
-    (["parallel_config.micro_batch_num=3"], "parallel_config.micro_batch_num (from --set parallel_config."
-                                            "micro_batch_num=3): got 3; expected a multiple of pipeline_stage (2); "
-                                            "set it to 2 or 4"),
     (["parallel_config.micro_batch_num=1"], "parallel_config.micro_batch_num (from --set parallel_config."
-                                            "micro_batch_num=1): got 1; expected a multiple of pipeline_stage (2); "
-                                            "set it to 2"),
+                                            "micro_batch_num=1): got 1; pipeline_schedule 1f1b needs at least "
+                                            "pipeline_stage (2) micro-batches (torch's Schedule1F1B refuses fewer); "
+                                            "set it to 2, or use pipeline_schedule gpipe"),
+    (["parallel_config.micro_batch_num=5", "parallel_config.pipeline_schedule=interleaved_1f1b",
+      "model.model_config.pp_interleave_num=2", "model.model_config.offset=0", "model.model_config.num_layers=8"],
+     "parallel_config.micro_batch_num (from --set parallel_config.micro_batch_num=5): got 5; pipeline_schedule "
+     "interleaved_1f1b runs max(1, 5 // pipeline_stage 2) = 2 rounds and needs a multiple of them (torch's "
+     "ScheduleInterleaved1F1B); set it to 4 or 6"),
 ])
 def test_bad_parallel_settings_fail_before_any_rank_starts(overrides, message, capsys):
     sets = [arg for value in overrides for arg in ("--set", value)]
     assert main(["train", str(CONFIGS / "pp2.yaml"), "--no-progress", *sets]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_micro_batches_not_a_multiple_of_the_stages_train_as_torch_allows(tmp_path):
+    """3 micro-batches on 2 stages with 1F1B (torch takes any count >= the stages; swapkit train used to
+    ask for a multiple of pipeline_stage): every stage runs 3 micro-steps and brings back what it swapped,
+    and the losses are one process accumulating the same 3 micro-batches."""
+    code, metrics = run_cli("pp2.yaml", tmp_path, "m3", "--steps", "2", "--set", "parallel_config.micro_batch_num=3")
+    assert code == 0
+    assert metrics["env"]["micro_batch_num"] == 3 and metrics["env"]["pipeline_schedule"] == "1f1b"
+    for step in metrics["steps"]:
+        assert [row["micro_steps"] for row in step["stages"]] == [3, 3]
+        # the rest of what a stage swapped was still on the device when its backward began (used in place)
+        assert all(row["offloaded_bytes"] >= row["prefetched_bytes"] > 0 for row in step["stages"])
+    single = load_config(CONFIGS / "pp2.yaml", [
+        "parallel_config.pipeline_stage=1", "parallel_config.micro_batch_num=null", "parallel_config.pipeline_schedule=null",
+        "model.model_config.offset=0", "train.gradient_accumulation_steps=3"])
+    torch.testing.assert_close(losses(metrics), train(single, steps=2, progress=False).losses, rtol=1e-5, atol=0)

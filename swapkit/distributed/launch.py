@@ -76,7 +76,7 @@ import torch.multiprocessing as mp
 from swapkit.config.errors import ConfigError, Problem
 from swapkit.config.types import Config
 from swapkit.distributed.agree import check_ranks_agree
-from swapkit.distributed.pipeline import micro_batches
+from swapkit.distributed.pipeline import micro_batch_problems
 from swapkit.plan.plan import build_plan
 from swapkit.distributed.signals import (
     POLL_S, ForwardSignals, StopOnSignal, ignore_stop_signals, stop_signals_blocked, stop_when_parent_dies,
@@ -118,13 +118,7 @@ def check(config: Config, device: torch.device) -> None:
     if parallel.pipeline_schedule in ("gpipe", "1f1b") and chunks > 1:
         problems.append(Problem("parallel_config.pipeline_schedule", f"got {parallel.pipeline_schedule!r} but "
                                 f"model.model_config.pp_interleave_num is {chunks}; use interleaved_1f1b"))
-    micro = micro_batches(config)
-    if micro % parallel.pipeline_stage:
-        stages = parallel.pipeline_stage
-        below, above = micro - micro % stages, micro - micro % stages + stages
-        fix = f"{below} or {above}" if below else f"{above}"
-        problems.append(Problem("parallel_config.micro_batch_num", f"got {micro}; expected a multiple of "
-                                f"pipeline_stage ({stages}); set it to {fix}"))
+    problems += micro_batch_problems(config)  # pipeline.py Note [Micro-batch counts per schedule]
     if device.type == "cuda" and "RANK" not in os.environ and torch.cuda.device_count() < world_size(config):
         problems.append(Problem("parallel_config", f"asks for {world_size(config)} ranks but only "
                                 f"{torch.cuda.device_count()} GPU(s) are visible; one rank per GPU"))

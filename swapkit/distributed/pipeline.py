@@ -5,6 +5,27 @@ stage's chunks take their modules from it and are then allocated on the real dev
 weights are drawn from the same seeded stream as :meth:`LlamaModel.reset_parameters` (the other
 stages' draws are generated and dropped), so a pipeline starts from exactly the weights of the
 single-process model.
+
+Note [Micro-batch counts per schedule]
+``parallel_config.micro_batch_num`` is the schedule's ``n_microbatches``, which torch's schedules
+check in their constructors (torch 2.13, ``torch/distributed/pipelining/schedules.py``; ``P`` is
+``pipeline_stage``, the ranks of the pipeline group, and ``n`` the count):
+- ``ScheduleGPipe``: any ``n >= 1`` (every forward, then every backward).
+- ``Schedule1F1B``: ``n >= P`` ("Number of microbatches (1) must be greater than or equal to the
+  number of stages (2)"): its first stage runs ``P`` forwards before its first backward.
+- ``ScheduleInterleaved1F1B``: it runs ``rounds = max(1, n // P)`` rounds of ``n // rounds``
+  micro-batches and refuses an ``n`` that is not a multiple of ``rounds``: every ``n`` below ``2P``,
+  then even ones up to ``3P``, multiples of 3 up to ``4P``, ... (``P = 2``: 1, 2, 3 and every even count).
+The steps then run the counts their constructor takes (tests/test_pipeline_micro_batches.py
+compares this rule with torch's constructors and trains counts that are not multiples of ``P`` on
+2 gloo ranks; by hand, gradients bit-identical to the pipeline without swapkit, 1F1B with 4 and
+GPipe with 2 on 3 stages, Interleaved1F1B with 4 and 8 on 3 stages and 2, 5 and 10 on 4). swapkit itself needs nothing more: a step's batch is ``n`` micro-batches of
+``train.batch_size`` rows, which torch's ``tensor_split`` gives back exactly for any ``n``
+(swapkit.distributed.train Note [Same micro-batches as gradient accumulation]); a stage session
+opens one micro-step per chunk forward, keyed by chunk and ordinal, however many run
+(swapkit.runtime.microsteps); the budget planner replays torch's GPipe and 1F1B order for any count
+(swapkit.plan.stages.schedule_actions). ``swapkit train`` used to ask for a multiple of ``P`` on
+every schedule: stricter than torch, it refused 3 micro-batches on 2 stages, and GPipe's 1.
 """
 from __future__ import annotations
 
@@ -15,6 +36,8 @@ import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
+from swapkit.config.errors import Problem
+from swapkit.config.schema import LIMITS
 from swapkit.config.types import Config, ModelConfig
 from swapkit.plan.plan import Plan
 from swapkit.train.model import LlamaModel, build_model, rotary_tables
@@ -98,6 +121,52 @@ def _init_like_single_process(meta: LlamaModel, chunks: list[PipelineChunk], see
 def micro_batches(config: Config) -> int:
     """``parallel_config.micro_batch_num``, by default one per pipeline stage."""
     return config.parallel.micro_batch_num or config.parallel.pipeline_stage
+
+
+def takes_micro_batches(schedule: str, stages: int, count: int) -> bool:
+    """Does torch's ``schedule`` on ``stages`` pipeline ranks run ``count`` micro-batches
+    (Note [Micro-batch counts per schedule])?
+
+    Example:
+        >>> [n for n in range(1, 9) if takes_micro_batches("interleaved_1f1b", 2, n)]
+        [1, 2, 3, 4, 6, 8]
+
+    Raises:
+        ValueError: an unknown schedule name.
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule {schedule!r} is not one of {sorted(SCHEDULES)}")
+    if schedule == "1f1b":
+        return count >= stages
+    if schedule == "interleaved_1f1b":
+        return count % max(1, count // stages) == 0
+    return count >= 1
+
+
+def nearest_micro_batches(schedule: str, stages: int, count: int) -> list[int]:
+    """The counts ``schedule`` takes closest to ``count``: the one below it (if any) and the one above."""
+    below = next((n for n in range(count - 1, 0, -1) if takes_micro_batches(schedule, stages, n)), None)
+    above = next((n for n in range(count + 1, LIMITS["micro_batch_num"] + 1)
+                  if takes_micro_batches(schedule, stages, n)), None)
+    return [n for n in (below, above) if n is not None]
+
+
+def micro_batch_problems(config: Config) -> list[Problem]:
+    """``parallel_config.micro_batch_num`` against the schedule's rule (Note [Micro-batch counts per schedule])."""
+    name, stages, count = schedule_name(config), config.parallel.pipeline_stage, micro_batches(config)
+    if takes_micro_batches(name, stages, count):
+        return []
+    default = "" if config.parallel.pipeline_schedule else " (the default)"
+    if name == "1f1b":
+        rule = f"needs at least pipeline_stage ({stages}) micro-batches (torch's Schedule1F1B refuses fewer)"
+    else:
+        rounds = max(1, count // stages)
+        rule = (f"runs max(1, {count} // pipeline_stage {stages}) = {rounds} rounds and needs a multiple of them "
+                "(torch's ScheduleInterleaved1F1B)")
+    fix = " or ".join(map(str, nearest_micro_batches(name, stages, count)))
+    other = ", or use pipeline_schedule gpipe" if name == "1f1b" else ""
+    return [Problem("parallel_config.micro_batch_num", f"got {count}; pipeline_schedule {name}{default} {rule}; "
+                                                       f"set it to {fix}{other}")]
 
 
 def schedule_name(config: Config) -> str:

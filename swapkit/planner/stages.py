@@ -18,7 +18,7 @@ from torch import nn
 
 from swapkit.config.errors import ConfigError, Problem
 from swapkit.config.types import Config, MindFormersRecompute, ParallelConfig, SwapConfig
-from swapkit.distributed.pipeline import build_stage_chunks, micro_batches
+from swapkit.distributed.pipeline import build_stage_chunks, micro_batch_problems, micro_batches, schedule_name
 from swapkit.plan.emit import decision_width, layer_rows, planned_config, planned_sections, row_cells, table_head
 from swapkit.plan.plan import build_plan
 from swapkit.plan.planner import BudgetError, Choice, Planned, plan_budget
@@ -65,15 +65,19 @@ def schedule_of(config: Config) -> StageSchedule:
     """The config's schedule as the replay needs it (stage filled in per stage).
 
     Raises:
-        ConfigError: an interleaved layout or schedule (not replayed per stage).
+        ConfigError: an interleaved layout or schedule (not replayed per stage), or a ``micro_batch_num``
+            the schedule refuses (swapkit.distributed.pipeline Note [Micro-batch counts per schedule]).
     """
-    name = config.parallel.pipeline_schedule or ("interleaved_1f1b" if config.model.pp_interleave_num > 1 else "1f1b")
+    name = schedule_name(config)
     if name not in SCHEDULES or config.model.pp_interleave_num != 1:
         raise ConfigError([Problem("parallel_config.pipeline_schedule",
                                    f"got {name!r} (pp_interleave_num {config.model.pp_interleave_num}); the budget "
                                    f"planner replays {' and '.join(SCHEDULES)} with one chunk per stage: set "
                                    "pipeline_schedule to 1f1b and pp_interleave_num to 1, or plan without --budget")],
                           config.source)
+    problems = micro_batch_problems(config)  # a replay of a schedule torch would not run
+    if problems:
+        raise ConfigError(problems, config.source)
     return StageSchedule(name, config.parallel.pipeline_stage, 0, micro_batches(config),
                          config.runtime.skip_tail_offload)
 

@@ -172,5 +172,5 @@ def restore(run: RunState, path: Path, state: dict[str, Any]) -> None:
     if "cuda" in state["rng"] and run.device.type == "cuda":
         torch.cuda.set_rng_state(state["rng"]["cuda"].cpu(), run.device)
     run.step, run.records = state["step"], list(state["records"])
-    run.resumed_from = str(path)
+    run.resumed_from, run.resumed_step = str(path), state["step"]
     logger.info("resumed from %s at step %d", path, run.step)

@@ -39,4 +39,5 @@ class RunState:
     metrics_out: Path | None = None
     status: str = "running"
     resumed_from: str | None = None  # the checkpoint this run continued from
+    resumed_step: int = 0  # its step: records up to it ran before the resume (summary Note [Figures after a resume])
     resume_notes: list[str] = field(default_factory=list)  # what changed since it (Note [Resume differences])

@@ -10,6 +10,16 @@ freed while its copy to host is queued is no longer allocated, but its block sta
 the side stream ran the copy (``swapkit.engine.cuda`` Note [Copy sources are released in stream
 order]); on an H100 under a cap the layer swap's reserved bytes ran about 560 MiB above its
 allocated bytes, with about one retry per step (benchmarks/results/cuda/memory_cap).
+
+Note [Figures after a resume]
+A resumed run continues the checkpoint's records: ``run.records`` holds every step since step 1,
+and the metrics file keeps them all. The steps up to the checkpoint ran in another process, maybe
+with another swap, recompute or runtime config (``resume_changes``) and on another machine's load,
+so medians over all records would mix two runs. The step time, bytes, peaks and late fetches of the
+summary (and its per-stage rows) are over the steps run since the resume, and ``figures_steps``
+says which (``first``, ``last``, ``count``, ``since_resume``); the loss row still spans the whole
+run, whose math a resume does not change. When no step ran since the resume, the figures are the
+checkpoint's steps', and ``since_resume`` is false.
 """
 from __future__ import annotations
 
@@ -62,16 +72,20 @@ def summarize(run: RunState) -> dict[str, Any]:
         summary["resumed_from"], summary["resume_changes"] = run.resumed_from, list(run.resume_notes)
     if not run.records:
         return summary
-    column = {key: [r[key] for r in run.records] for key in run.records[0]}
-    summary.update(first_loss=column["loss"][0], final_loss=column["loss"][-1],
+    covered = _figure_records(run)
+    column = {key: [r[key] for r in covered] for key in covered[0]}
+    summary.update(first_loss=run.records[0]["loss"], final_loss=run.records[-1]["loss"],
                    median_step_time_s=statistics.median(column["step_time_s"]),
                    late_fetches=sum(column["late_fetches"]), wait_seconds=sum(column["wait_seconds"]))
     summary.update({key: max(column[key]) for key in PEAK_STATS})
     summary.update({f"{key}_per_step": statistics.median(column[key])
                     for key in ("saved_bytes", "offloaded_bytes", "prefetched_bytes")})
     summary["process_rss_bytes"] = psutil.Process().memory_info().rss  # the whole process, for scale
-    if "stages" in run.records[0]:
-        summary["stages"] = _stage_summary([r["stages"] for r in run.records])
+    if run.resumed_from:
+        summary["figures_steps"] = {"first": covered[0]["step"], "last": covered[-1]["step"], "count": len(covered),
+                                    "since_resume": covered[0]["step"] > run.resumed_step}
+    if "stages" in covered[0]:
+        summary["stages"] = _stage_summary([r["stages"] for r in covered])
     if run.env.get("data_parallel", 1) > 1:  # the figures are replica 0's (swapkit.distributed.train._gather_record)
         summary["data_parallel"] = run.env["data_parallel"]
     if run.device.type == "cuda":  # Note [Memory figures]
@@ -79,6 +93,12 @@ def summarize(run: RunState) -> dict[str, Any]:
         summary["cuda_max_memory_reserved"] = torch.cuda.max_memory_reserved(run.device)
         summary["cuda_alloc_retries"] = torch.cuda.memory_stats(run.device).get("num_alloc_retries", 0)
     return summary
+
+
+def _figure_records(run: RunState) -> list[dict[str, Any]]:
+    """The records the figures are over: those run since the resume, if any (Note [Figures after a resume])."""
+    since = [r for r in run.records if r["step"] > run.resumed_step]
+    return since or run.records
 
 
 def _stage_summary(steps: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -101,6 +121,7 @@ def format_summary(summary: Mapping[str, Any]) -> str:
     where = "session accounting, not RSS" if summary["device"] == "cpu" else "session accounting"
     rows = [("steps", str(summary["steps"])),
             ("loss (first -> final)", f"{summary['first_loss']:.4f} -> {summary['final_loss']:.4f}"),
+            *_figures_row(summary),
             ("median step time", f"{summary['median_step_time_s'] * 1e3:.1f} ms"),
             (f"peak device-resident saved bytes ({where})", human_bytes(summary["peak_device_bytes"])),
             ("saved activation bytes per step", human_bytes(summary["saved_bytes_per_step"])),
@@ -127,6 +148,20 @@ def format_summary(summary: Mapping[str, Any]) -> str:
     rows += [line for row in summary.get("budget_check", ()) for line in _budget_rows(row)]
     width = max(len(name) for name, _ in rows)
     return "\n".join(["swapkit train summary"] + [f"  {name.ljust(width)}  {value}" for name, value in rows])
+
+
+def _figures_row(summary: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """Which steps the figures below cover after a resume (Note [Figures after a resume])."""
+    cover = summary.get("figures_steps")
+    if cover is None:
+        return []
+    span = f"step {cover['first']}" if cover["count"] == 1 else f"steps {cover['first']}-{cover['last']}"
+    if cover["since_resume"]:
+        what = (f"{span}: the {cover['count']} run since the resume (the earlier ones ran before it, maybe with "
+                "another config; the metrics file keeps every step)")
+    else:
+        what = f"{span}, from the checkpoint: no step ran since the resume"
+    return [("figures below (time, bytes, late fetches) over", what)]
 
 
 def _budget_rows(row: Mapping[str, Any]) -> list[tuple[str, str]]:
