@@ -20,6 +20,17 @@ their version counters set back to what they were (:func:`empty_keepers`, what
 ``torch.autograd._unsafe_preserve_version_counter`` does): they stop holding device memory but keep
 counting in-place writes, so unpack can still raise instead of returning stale data.
 
+Note [Writes to restored tensors]
+Plain autograd's unpack returns the saved tensor itself, so an in-place write to it during backward
+(a custom function reusing its saved input as the gradient buffer) bumps the version counter every
+alias shares, and any later unpack of that storage (another consumer, or a second backward with
+``retain_graph=True``) raises. A restored storage is a fresh tensor on the prefetched buffer with a
+version counter of its own, which no keeper shares: every later unpack would hand on the overwritten
+bytes and gradients would be silently wrong. So a swap record remembers each view it restored with
+the version it had when handed out (``restored``), and a restore first checks that none of them was
+written since; a write raises there, naming the layer/op, where plain autograd raises too. A write
+that no later unpack of the storage sees is legal, as in plain autograd, and goes unnoticed.
+
 Note [Unpacks from several threads]
 Autograd runs nodes of different devices on different threads at once (a CUDA device thread and
 the CPU thread, or one thread per GPU), and unpack hooks run on those threads. Every change of a
@@ -176,7 +187,7 @@ class SwapRecord:
 
     __slots__ = ("step", "nbytes", "version", "frame", "horizon", "keeper", "more", "batch", "offset", "released",
                  "device_buffer", "h2d", "issued_at", "waited", "resident", "storage", "data_ptr", "checksum",
-                 "needs_host", "__weakref__")
+                 "needs_host", "restored", "__weakref__")
     swapped = True
 
     def __init__(self, step: StepState, nbytes: int, version: int, frame: Frame, tick: int, batch: Any,
@@ -195,6 +206,7 @@ class SwapRecord:
         self.h2d: Any = None
         self.issued_at = -1  # the backward tick whose unpack issued the prefetch
         self.waited = False
+        self.restored: tuple[tuple[torch.Tensor, int], ...] = ()  # (view, version) handed out (Note [Writes ...])
 
     def saved_again(self, tick: int) -> None:
         """A later save of this storage keeps it (or brings it back) until ``tick + k``."""
@@ -257,7 +269,12 @@ class SwapRecord:
                 step.late_fetch(lead, timing)
             if self.checksum is not None:
                 self._verify(buffer)
-        return view_on(batch.device_storage, batch.device_at + self.offset, meta, step.empties)
+        return self._handed_out(view_on(batch.device_storage, batch.device_at + self.offset, meta, step.empties))
+
+    def _handed_out(self, view: torch.Tensor) -> torch.Tensor:
+        with self.step.lock:
+            self.restored = handed_out(self.restored, view, self.frame.label, self.step.number)
+        return view
 
     def _verify(self, buffer: torch.Tensor) -> None:
         """Note [Verify mode]"""
@@ -291,6 +308,36 @@ class SwapRecord:
                 self._let_go()
         if resident:
             self.step.bytes_changed(-self.nbytes)
+
+
+def handed_out(restored: tuple[tuple[torch.Tensor, int], ...], view: torch.Tensor, where: str,
+               step: int) -> tuple[tuple[torch.Tensor, int], ...]:
+    """``restored`` with ``view`` and its version added, after checking that no view in it was written in
+    place since it was handed out (Note [Writes to restored tensors]).
+
+    Args:
+        restored: ``(view, version)`` of every view of one storage handed to autograd so far.
+        view: the view about to be handed out.
+        where: the layer/op label the error names.
+        step: the step number the error names.
+
+    Raises:
+        RuntimeError: a view handed out before was modified in place.
+    """
+    for earlier, version in restored:
+        if earlier._version != version:
+            raise restored_modified_error(where, step, version, earlier._version)
+    return (*restored, (view, view._version))
+
+
+def restored_modified_error(where: str, step: int, version: int, now: int) -> RuntimeError:
+    """Note [Writes to restored tensors]"""
+    return RuntimeError(
+        f"swapkit: a tensor saved for backward in {where} was modified by an in-place operation during the "
+        f"backward of step {step}, after it was restored from host memory (version {version} -> {now}); a "
+        "later use needs the original values and autograd would fail here without swapkit too. Make the "
+        "backward that writes it out-of-place (return x * grad instead of x.mul_(grad)), or clone the saved "
+        "tensor before changing it.")
 
 
 def empty_keepers(keepers: tuple[torch.Tensor, ...]) -> None:
