@@ -6,6 +6,8 @@ import pytest
 import torch
 from torch import nn
 
+import swapkit
+
 from tests.toys import ToyNet, layer_swap, synced_session, toy_config
 
 
@@ -81,4 +83,41 @@ def test_a_restored_tensor_written_in_place_during_backward_raises_as_autograd_d
         with session:
             run(model, x)
     assert session.stats.prefetched_bytes > 0  # layer 0's tensors really came back from the host
+    session.remove()
+
+
+class SelectedActWrittenInBackward(nn.Module):
+    """Layer 0 of a select-recompute model: the output of ``act`` (a selected scope, rebuilt in backward for
+    its consumers) is saved by ``a * w`` and by :class:`ScalesSavedInBackward`, whose backward writes it."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+        self.act = nn.SiLU()
+        self.w = nn.Parameter(torch.randn(dim))
+
+    def forward(self, x):
+        a = self.act(self.lin(x))
+        scaled = a * self.w
+        return scaled + ScalesSavedInBackward.apply(a)
+
+
+def test_a_recomputed_output_written_in_place_during_backward_raises_as_autograd_does():
+    """A select-recomputed output rebuilt in backward is handed to each consumer as a fresh view: a write
+    by the first consumer's backward must make the second one raise, not read the overwritten values."""
+    def model():
+        torch.manual_seed(0)
+        net = ToyNet(layers=2, dim=16, block=Sigmoid)
+        net.layers[0] = SelectedActWrittenInBackward(16)
+        return net
+
+    x = torch.randn(64, 16)  # outputs of at least runtime.min_offload_bytes are rebuilt
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        backward_once(model(), x)
+    net = model()
+    session = swapkit.apply(net, toy_config(2, recompute_config={"select_recompute": {"act": [1]}}), layers="layers")
+    with pytest.raises(RuntimeError, match=r"in layer 0: act was modified by an in-place operation"):
+        with session:
+            backward_once(net, x)
+    assert session.stats.output_recomputes == 1  # the output really was rebuilt, not kept
     session.remove()

@@ -29,7 +29,9 @@ version counter of its own, which no keeper shares: every later unpack would han
 bytes and gradients would be silently wrong. So a swap record remembers each view it restored with
 the version it had when handed out (``restored``), and a restore first checks that none of them was
 written since; a write raises there, naming the layer/op, where plain autograd raises too. A write
-that no later unpack of the storage sees is legal, as in plain autograd, and goes unnoticed.
+that no later unpack of the storage sees is legal, as in plain autograd, and goes unnoticed. An
+output a recipe rebuilds in backward (``swapkit.runtime.recipes.RecomputedOutput``) is handed out
+the same way, once per consumer, and checked the same way.
 
 Note [Unpacks from several threads]
 Autograd runs nodes of different devices on different threads at once (a CUDA device thread and
@@ -334,7 +336,7 @@ def restored_modified_error(where: str, step: int, version: int, now: int) -> Ru
     """Note [Writes to restored tensors]"""
     return RuntimeError(
         f"swapkit: a tensor saved for backward in {where} was modified by an in-place operation during the "
-        f"backward of step {step}, after it was restored from host memory (version {version} -> {now}); a "
+        f"backward of step {step}, after swapkit restored it (version {version} -> {now}); a "
         "later use needs the original values and autograd would fail here without swapkit too. Make the "
         "backward that writes it out-of-place (return x * grad instead of x.mul_(grad)), or clone the saved "
         "tensor before changing it.")
