@@ -149,7 +149,7 @@ class RecomputedOutput:
     def __init__(self, recipe: Recipe, index: int, version: int, nbytes: int) -> None:
         self.recipe, self.index, self.version, self.nbytes = recipe, index, version, nbytes
         self.counted = False  # in the step's recomputed_output_bytes
-        self.restored: tuple[tuple[torch.Tensor, int], ...] = ()  # records Note [Writes to restored tensors]
+        self.restored: dict[tuple, tuple[torch.Tensor, int]] = {}  # records Note [Writes to restored tensors]
 
     def restore(self, meta: tuple, tick: int) -> torch.Tensor:
         output = self.recipe.materialize()[self.index]
@@ -158,10 +158,9 @@ class RecomputedOutput:
                                f"{output.untyped_storage().nbytes()} bytes, not {self.nbytes}; the op is not "
                                "deterministic in its layout and cannot be recomputed for its consumers")
         step = self.recipe.step
-        view = rebuild(output, meta, step.empties)
         with step.lock:  # records Note [Writes to restored tensors]
-            self.restored = handed_out(self.restored, view, self.recipe.label, step.number)
-        return view
+            return handed_out(self.restored, meta, self.recipe.label, step.number,
+                              lambda: rebuild(output, meta, step.empties))
 
 
 class RecomputableOutputs:

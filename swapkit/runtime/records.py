@@ -26,12 +26,16 @@ Plain autograd's unpack returns the saved tensor itself, so an in-place write to
 alias shares, and any later unpack of that storage (another consumer, or a second backward with
 ``retain_graph=True``) raises. A restored storage is a fresh tensor on the prefetched buffer with a
 version counter of its own, which no keeper shares: every later unpack would hand on the overwritten
-bytes and gradients would be silently wrong. So a swap record remembers each view it restored with
-the version it had when handed out (``restored``), and a restore first checks that none of them was
-written since; a write raises there, naming the layer/op, where plain autograd raises too. A write
-that no later unpack of the storage sees is legal, as in plain autograd, and goes unnoticed. An
-output a recipe rebuilds in backward (``swapkit.runtime.recipes.RecomputedOutput``) is handed out
-the same way, once per consumer, and checked the same way.
+bytes and gradients would be silently wrong. So a swap record remembers the views it handed out,
+one per saved view (``restored``: meta -> the view and its version then), and hands the same view
+out again for the same meta (autograd wraps what an unpack returns in a tensor of its own sharing
+the view's version counter, so a write through it reaches that counter). A restore first checks
+that none of them was written since; a write raises there, naming the layer/op, where plain
+autograd raises too. A write that no later unpack of the storage sees is legal, as in plain
+autograd, and goes unnoticed. One view per meta keeps the check and the memory bounded however
+many backward passes run over one graph (a Jacobian taken row by row with ``retain_graph=True``).
+An output a recipe rebuilds in backward (``swapkit.runtime.recipes.RecomputedOutput``) is handed
+out the same way.
 
 Note [Unpacks from several threads]
 Autograd runs nodes of different devices on different threads at once (a CUDA device thread and
@@ -208,7 +212,7 @@ class SwapRecord:
         self.h2d: Any = None
         self.issued_at = -1  # the backward tick whose unpack issued the prefetch
         self.waited = False
-        self.restored: tuple[tuple[torch.Tensor, int], ...] = ()  # (view, version) handed out (Note [Writes ...])
+        self.restored: dict[tuple, tuple[torch.Tensor, int]] | None = None  # Note [Writes to restored tensors]
 
     def saved_again(self, tick: int) -> None:
         """A later save of this storage keeps it (or brings it back) until ``tick + k``."""
@@ -271,12 +275,11 @@ class SwapRecord:
                 step.late_fetch(lead, timing)
             if self.checksum is not None:
                 self._verify(buffer)
-        return self._handed_out(view_on(batch.device_storage, batch.device_at + self.offset, meta, step.empties))
-
-    def _handed_out(self, view: torch.Tensor) -> torch.Tensor:
-        with self.step.lock:
-            self.restored = handed_out(self.restored, view, self.frame.label, self.step.number)
-        return view
+        with step.lock:  # Note [Writes to restored tensors]
+            if self.restored is None:
+                self.restored = {}
+            return handed_out(self.restored, meta, self.frame.label, step.number, lambda: view_on(
+                batch.device_storage, batch.device_at + self.offset, meta, step.empties))
 
     def _verify(self, buffer: torch.Tensor) -> None:
         """Note [Verify mode]"""
@@ -312,24 +315,31 @@ class SwapRecord:
             self.step.bytes_changed(-self.nbytes)
 
 
-def handed_out(restored: tuple[tuple[torch.Tensor, int], ...], view: torch.Tensor, where: str,
-               step: int) -> tuple[tuple[torch.Tensor, int], ...]:
-    """``restored`` with ``view`` and its version added, after checking that no view in it was written in
-    place since it was handed out (Note [Writes to restored tensors]).
+def handed_out(restored: dict[tuple, tuple[torch.Tensor, int]], meta: tuple, where: str, step: int,
+               build: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """The view of one restored storage that ``meta`` describes: the one handed out before, or ``build()``
+    remembered in ``restored``, after checking that no view handed out was written in place since
+    (Note [Writes to restored tensors]). Called under the step's lock.
 
     Args:
-        restored: ``(view, version)`` of every view of one storage handed to autograd so far.
-        view: the view about to be handed out.
+        restored: ``meta -> (view, its version when first handed out)`` for one storage.
+        meta: the saved view's :func:`view_meta`.
         where: the layer/op label the error names.
         step: the step number the error names.
+        build: makes the view when none was handed out for ``meta``.
 
     Raises:
         RuntimeError: a view handed out before was modified in place.
     """
-    for earlier, version in restored:
-        if earlier._version != version:
-            raise restored_modified_error(where, step, version, earlier._version)
-    return (*restored, (view, view._version))
+    for view, version in restored.values():
+        if view._version != version:
+            raise restored_modified_error(where, step, version, view._version)
+    found = restored.get(meta)
+    if found is not None:
+        return found[0]
+    view = build()
+    restored[meta] = (view, view._version)
+    return view
 
 
 def restored_modified_error(where: str, step: int, version: int, now: int) -> RuntimeError:
