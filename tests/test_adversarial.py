@@ -125,6 +125,19 @@ def test_a_recomputed_output_written_in_place_during_backward_raises_as_autograd
     session.remove()
 
 
+@pytest.mark.cuda
+def test_a_restored_tensor_written_in_place_during_backward_raises_on_cuda():
+    """The same on the CUDA engine, whose releases come when a copy is queued (stream-ordered)."""
+    x = torch.randn(64, 16, device="cuda")
+    model = net(shared=False).cuda()
+    session = swapkit.apply(model, toy_config(3, **layer_swap(1)), layers="layers")
+    with pytest.raises(RuntimeError, match=r"in layer 0 was modified by an in-place operation"):
+        with session:
+            backward_twice(model, x)
+    assert session.stats.prefetched_bytes > 0
+    session.remove()
+
+
 def live_tensors() -> int:
     gc.collect()
     return sum(type(obj) is torch.Tensor for obj in gc.get_objects())
