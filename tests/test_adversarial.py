@@ -3,6 +3,7 @@ plain autograd allows (or refuses), compared with the unwrapped model."""
 from __future__ import annotations
 
 import gc
+import logging
 
 import pytest
 import torch
@@ -162,4 +163,36 @@ def test_many_backward_passes_over_one_graph_are_exact_and_hold_no_more_tensors(
     for i, row in enumerate(rows):
         assert torch.equal(row, torch.autograd.grad(reference[i].sum(), x, retain_graph=True)[0])
     assert session.stats.prefetched_bytes > 0
+    session.remove()
+
+
+def bypass_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "saw no saved" in r.getMessage()]
+
+
+def test_another_hooks_context_around_the_whole_forward_is_reported(caplog):
+    """``save_on_cpu`` (or ``allow_mutation_on_saved_tensors``, or a user's ``saved_tensors_hooks``) around the
+    whole forward inside ``with session:`` keeps every tensor from swapkit: no save reaches the session and no
+    backward it could see begins. The configured swaps moved nothing, and the stats and the log say so (overrides
+    Note [Swaps nobody reports]); an evaluation under ``no_grad``, which saves nothing either, is not reported."""
+    caplog.set_level(logging.WARNING, logger="swapkit")
+    torch.manual_seed(0)
+    model = ToyNet(layers=2, dim=16, block=Sigmoid)
+    session = synced_session(model, toy_config(2, **layer_swap(1)))
+    x = torch.randn(64, 16, requires_grad=True)
+    with session:
+        model(x).sum().backward()
+    assert session.stats.step == 1 and session.stats.offloaded_bytes > 0
+    with session, torch.no_grad():
+        model(x)
+    assert session.stats.step == 1 and not bypass_warnings(caplog)  # the last training step's stats
+    with session:
+        with torch.autograd.graph.save_on_cpu():
+            model(x).sum().backward()
+    stats = session.stats
+    assert (stats.step, stats.ticks, stats.offloaded_bytes) == (3, 0, 0)
+    assert stats.unused_swaps == ["layer 0", "layer 1"]
+    assert [m.split(":")[1] for m in bypass_warnings(caplog)] == [" layer swap at layer 0 saw no saved tensor in step 3",
+                                                                  " layer swap at layer 1 saw no saved tensor in step 3"]
+    assert all("another saved_tensors_hooks context" in m for m in bypass_warnings(caplog))
     session.remove()
