@@ -53,7 +53,8 @@ from typing import Any, Callable, NamedTuple
 import torch
 from torch.utils.checkpoint import get_device_states, set_device_states
 
-from swapkit.runtime.records import StepState, handed_out, is_plain, rebuild
+from swapkit.runtime.records import StepState, is_plain, rebuild
+from swapkit.runtime.restored import handed_out
 from swapkit.runtime.region_inputs import CONTAINERS, substituted
 
 
@@ -149,7 +150,7 @@ class RecomputedOutput:
     def __init__(self, recipe: Recipe, index: int, version: int, nbytes: int) -> None:
         self.recipe, self.index, self.version, self.nbytes = recipe, index, version, nbytes
         self.counted = False  # in the step's recomputed_output_bytes
-        self.restored: dict[tuple, tuple[torch.Tensor, int]] = {}  # records Note [Writes to restored tensors]
+        self.restored: dict[tuple, tuple[torch.Tensor, int]] = {}  # swapkit.runtime.restored
 
     def restore(self, meta: tuple, tick: int) -> torch.Tensor:
         output = self.recipe.materialize()[self.index]
@@ -158,9 +159,9 @@ class RecomputedOutput:
                                f"{output.untyped_storage().nbytes()} bytes, not {self.nbytes}; the op is not "
                                "deterministic in its layout and cannot be recomputed for its consumers")
         step = self.recipe.step
-        with step.lock:  # records Note [Writes to restored tensors]
-            return handed_out(self.restored, meta, self.recipe.label, step.number,
-                              lambda: rebuild(output, meta, step.empties))
+        with step.lock:  # swapkit.runtime.restored Note [Writes to restored tensors]
+            return handed_out(self.restored, meta, self.recipe.label, step.number, rebuild, output, meta,
+                              step.empties)
 
 
 class RecomputableOutputs:

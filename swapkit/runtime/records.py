@@ -20,23 +20,6 @@ their version counters set back to what they were (:func:`empty_keepers`, what
 ``torch.autograd._unsafe_preserve_version_counter`` does): they stop holding device memory but keep
 counting in-place writes, so unpack can still raise instead of returning stale data.
 
-Note [Writes to restored tensors]
-Plain autograd's unpack returns the saved tensor itself, so an in-place write to it during backward
-(a custom function reusing its saved input as the gradient buffer) bumps the version counter every
-alias shares, and any later unpack of that storage (another consumer, or a second backward with
-``retain_graph=True``) raises. A restored storage is a fresh tensor on the prefetched buffer with a
-version counter of its own, which no keeper shares: every later unpack would hand on the overwritten
-bytes and gradients would be silently wrong. So a swap record remembers the views it handed out,
-one per saved view (``restored``: meta -> the view and its version then), and hands the same view
-out again for the same meta (autograd wraps what an unpack returns in a tensor of its own sharing
-the view's version counter, so a write through it reaches that counter). A restore first checks
-that none of them was written since; a write raises there, naming the layer/op, where plain
-autograd raises too. A write that no later unpack of the storage sees is legal, as in plain
-autograd, and goes unnoticed. One view per meta keeps the check and the memory bounded however
-many backward passes run over one graph (a Jacobian taken row by row with ``retain_graph=True``).
-An output a recipe rebuilds in backward (``swapkit.runtime.recipes.RecomputedOutput``) is handed
-out the same way.
-
 Note [Unpacks from several threads]
 Autograd runs nodes of different devices on different threads at once (a CUDA device thread and
 the CPU thread, or one thread per GPU), and unpack hooks run on those threads. Every change of a
@@ -102,6 +85,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 import torch
 
 from swapkit.engine.base import storage_bytes, storage_changed
+from swapkit.runtime.restored import handed_out
 
 if TYPE_CHECKING:
     import threading
@@ -212,7 +196,7 @@ class SwapRecord:
         self.h2d: Any = None
         self.issued_at = -1  # the backward tick whose unpack issued the prefetch
         self.waited = False
-        self.restored: dict[tuple, tuple[torch.Tensor, int]] | None = None  # Note [Writes to restored tensors]
+        self.restored: dict[tuple, tuple[torch.Tensor, int]] | None = None  # set by fetch: swapkit.runtime.restored
 
     def saved_again(self, tick: int) -> None:
         """A later save of this storage keeps it (or brings it back) until ``tick + k``."""
@@ -247,6 +231,7 @@ class SwapRecord:
             batch.fetch()
             stats.prefetch_copies += 1
         self.device_buffer, self.h2d = batch.device, batch.h2d  # the whole region: restore reads at offset
+        self.restored = {}  # swapkit.runtime.restored Note [Writes to restored tensors]
         self.needs_host = False  # the batch's fetch gave its host region back to the pool: nothing to let go
         stats.prefetched_tensors += 1
         stats.prefetched_bytes += self.nbytes
@@ -268,6 +253,8 @@ class SwapRecord:
                 self.waited = True
                 if not late and lead > 0:  # its copy finished without error (ready said so): the wait cannot fail
                     step.stats.prefetch_lead_ticks += lead
+            view = handed_out(self.restored, meta, self.frame.label, step.number,  # swapkit.runtime.restored
+                              view_on, batch.device_storage, batch.device_at + self.offset, meta, step.empties)
         timing = step.engine.wait(copy, timed=late and first) if late or not (
             batch.arrived and step.usable_when_ready) else None  # seen finished: nothing to wait for
         if first:
@@ -275,11 +262,7 @@ class SwapRecord:
                 step.late_fetch(lead, timing)
             if self.checksum is not None:
                 self._verify(buffer)
-        with step.lock:  # Note [Writes to restored tensors]
-            if self.restored is None:
-                self.restored = {}
-            return handed_out(self.restored, meta, self.frame.label, step.number, lambda: view_on(
-                batch.device_storage, batch.device_at + self.offset, meta, step.empties))
+        return view
 
     def _verify(self, buffer: torch.Tensor) -> None:
         """Note [Verify mode]"""
@@ -313,43 +296,6 @@ class SwapRecord:
                 self._let_go()
         if resident:
             self.step.bytes_changed(-self.nbytes)
-
-
-def handed_out(restored: dict[tuple, tuple[torch.Tensor, int]], meta: tuple, where: str, step: int,
-               build: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """The view of one restored storage that ``meta`` describes: the one handed out before, or ``build()``
-    remembered in ``restored``, after checking that no view handed out was written in place since
-    (Note [Writes to restored tensors]). Called under the step's lock.
-
-    Args:
-        restored: ``meta -> (view, its version when first handed out)`` for one storage.
-        meta: the saved view's :func:`view_meta`.
-        where: the layer/op label the error names.
-        step: the step number the error names.
-        build: makes the view when none was handed out for ``meta``.
-
-    Raises:
-        RuntimeError: a view handed out before was modified in place.
-    """
-    for view, version in restored.values():
-        if view._version != version:
-            raise restored_modified_error(where, step, version, view._version)
-    found = restored.get(meta)
-    if found is not None:
-        return found[0]
-    view = build()
-    restored[meta] = (view, view._version)
-    return view
-
-
-def restored_modified_error(where: str, step: int, version: int, now: int) -> RuntimeError:
-    """Note [Writes to restored tensors]"""
-    return RuntimeError(
-        f"swapkit: a tensor saved for backward in {where} was modified by an in-place operation during the "
-        f"backward of step {step}, after swapkit restored it (version {version} -> {now}); a "
-        "later use needs the original values and autograd would fail here without swapkit too. Make the "
-        "backward that writes it out-of-place (return x * grad instead of x.mul_(grad)), or clone the saved "
-        "tensor before changing it.")
 
 
 def empty_keepers(keepers: tuple[torch.Tensor, ...]) -> None:
