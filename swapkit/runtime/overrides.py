@@ -23,6 +23,11 @@ frozen (fine-tuning that freezes the first layers: with no input requiring grad 
 it is saved for backward); that is looked up when the warning is written, once per scope, not on
 every entry. A layer swap around an HF-checkpointed layer is caught the same way
 (HF checkpoints ``forward``, so the layer's own hooks run outside the region and see nothing).
+Another hooks context around the whole forward (``save_on_cpu``, ``allow_mutation_on_saved_tensors``,
+a user's ``saved_tensors_hooks``) keeps every tensor from the session: no save reaches it and no
+backward it sees begins. So when a ``with`` block ends whose step saved nothing, the swap scopes
+entered under other hooks are reported then, and that step's stats become the session's; a step
+that saved nothing because its forward ran under ``no_grad`` (an evaluation) is not reported.
 """
 from __future__ import annotations
 

@@ -54,6 +54,7 @@ import torch
 from torch.utils.checkpoint import get_device_states, set_device_states
 
 from swapkit.runtime.records import StepState, is_plain, rebuild
+from swapkit.runtime.restored import handed_out
 from swapkit.runtime.region_inputs import CONTAINERS, substituted
 
 
@@ -142,13 +143,14 @@ class PackedInput(NamedTuple):
 class RecomputedOutput:
     """A storage a recipe produced; stands in for it in every save that finds it unchanged."""
 
-    __slots__ = ("recipe", "index", "version", "nbytes", "counted", "__weakref__")
+    __slots__ = ("recipe", "index", "version", "nbytes", "counted", "restored", "__weakref__")
     swapped = True
     released = True  # never held on the device: every unpack goes through restore()
 
     def __init__(self, recipe: Recipe, index: int, version: int, nbytes: int) -> None:
         self.recipe, self.index, self.version, self.nbytes = recipe, index, version, nbytes
         self.counted = False  # in the step's recomputed_output_bytes
+        self.restored: dict[tuple, tuple[torch.Tensor, int]] = {}  # swapkit.runtime.restored
 
     def restore(self, meta: tuple, tick: int) -> torch.Tensor:
         output = self.recipe.materialize()[self.index]
@@ -156,7 +158,10 @@ class RecomputedOutput:
             raise RuntimeError("swapkit: recomputing a selected op gave a storage of "
                                f"{output.untyped_storage().nbytes()} bytes, not {self.nbytes}; the op is not "
                                "deterministic in its layout and cannot be recomputed for its consumers")
-        return rebuild(output, meta, self.recipe.step.empties)
+        step = self.recipe.step
+        with step.lock:  # swapkit.runtime.restored Note [Writes to restored tensors]
+            return handed_out(self.restored, meta, self.recipe.label, step.number, rebuild, output, meta,
+                              step.empties)
 
 
 class RecomputableOutputs:

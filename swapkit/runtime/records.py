@@ -85,6 +85,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 import torch
 
 from swapkit.engine.base import storage_bytes, storage_changed
+from swapkit.runtime.restored import handed_out
 
 if TYPE_CHECKING:
     import threading
@@ -176,7 +177,7 @@ class SwapRecord:
 
     __slots__ = ("step", "nbytes", "version", "frame", "horizon", "keeper", "more", "batch", "offset", "released",
                  "device_buffer", "h2d", "issued_at", "waited", "resident", "storage", "data_ptr", "checksum",
-                 "needs_host", "__weakref__")
+                 "needs_host", "restored", "__weakref__")
     swapped = True
 
     def __init__(self, step: StepState, nbytes: int, version: int, frame: Frame, tick: int, batch: Any,
@@ -195,6 +196,7 @@ class SwapRecord:
         self.h2d: Any = None
         self.issued_at = -1  # the backward tick whose unpack issued the prefetch
         self.waited = False
+        self.restored: dict[tuple, tuple[torch.Tensor, int]] | None = None  # set by fetch: swapkit.runtime.restored
 
     def saved_again(self, tick: int) -> None:
         """A later save of this storage keeps it (or brings it back) until ``tick + k``."""
@@ -229,6 +231,7 @@ class SwapRecord:
             batch.fetch()
             stats.prefetch_copies += 1
         self.device_buffer, self.h2d = batch.device, batch.h2d  # the whole region: restore reads at offset
+        self.restored = {}  # swapkit.runtime.restored Note [Writes to restored tensors]
         self.needs_host = False  # the batch's fetch gave its host region back to the pool: nothing to let go
         stats.prefetched_tensors += 1
         stats.prefetched_bytes += self.nbytes
@@ -250,6 +253,8 @@ class SwapRecord:
                 self.waited = True
                 if not late and lead > 0:  # its copy finished without error (ready said so): the wait cannot fail
                     step.stats.prefetch_lead_ticks += lead
+            view = handed_out(self.restored, meta, self.frame.label, step.number,  # swapkit.runtime.restored
+                              view_on, batch.device_storage, batch.device_at + self.offset, meta, step.empties)
         timing = step.engine.wait(copy, timed=late and first) if late or not (
             batch.arrived and step.usable_when_ready) else None  # seen finished: nothing to wait for
         if first:
@@ -257,7 +262,7 @@ class SwapRecord:
                 step.late_fetch(lead, timing)
             if self.checksum is not None:
                 self._verify(buffer)
-        return view_on(batch.device_storage, batch.device_at + self.offset, meta, step.empties)
+        return view
 
     def _verify(self, buffer: torch.Tensor) -> None:
         """Note [Verify mode]"""

@@ -165,6 +165,8 @@ class SwapSession:
         hooks.__exit__(None, None, None)
         self.tracker.reset()
         step = self._step
+        if exc_type is None and step.clock == 0 and step.unused_swaps():
+            self._bypassed(step)
         try:
             if exc_type is None and not step.backward_started:  # Note [Backward after the with block]
                 step.finish_forward()
@@ -177,6 +179,13 @@ class SwapSession:
             logger.warning("swapkit: a copy also failed while leaving the block after an error", exc_info=True)
         if exc_type is not None:
             self._abort(step)
+
+    def _bypassed(self, step: Step) -> None:
+        """No save reached the session: another hooks context covered every swap scope that ran, and no
+        backward the session sees will begin (overrides Note [Swaps nobody reports]). Its stats are the
+        session's, and its swaps are reported now."""
+        self._last = step
+        self._report_unused(step)
 
     def _abort(self, step: Step) -> None:
         step.close(aborted=True)

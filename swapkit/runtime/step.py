@@ -125,7 +125,7 @@ from swapkit.runtime.records import (
     KeptRecord, Saved, SwapRecord, empty_keepers, is_parameter, make_saved, view_meta,
 )
 from swapkit.runtime.schedule import TickQueue
-from swapkit.runtime.overrides import NOT_ENTERED, scope_label
+from swapkit.runtime.overrides import NOT_ENTERED, OTHER_HOOKS, scope_label
 from swapkit.runtime.scope import Frame
 from swapkit.runtime.stats import SwapStats
 
@@ -393,9 +393,12 @@ class Step:
         """``(layer, op path, cause)`` of each swap scope no forward save reached, among the layers
         that ran in this step (a layer of another pipeline chunk is not reported). A scope whose hooks
         never ran gets the cause :data:`NOT_ENTERED`; when no hook ran at all in a forward that saved
-        tensors, every configured swap is reported that way."""
+        tensors, every configured swap is reported that way. When nothing reached the session, only the
+        scopes entered under another saved-tensor hooks context are reported (a forward under ``no_grad``
+        saves nothing either, and bypasses nothing)."""
         if self.clock == 0:
-            return []
+            return [(layer, path, OTHER_HOOKS) for layer, path in self.swap_scopes
+                    if self._entered.get((layer, path)) == OTHER_HOOKS]
         ran = {layer for layer, _ in self._seen} | {layer for layer, _ in self._entered}
         if not ran and self.layers_ran_before:  # overrides Note [Swaps nobody reports]: the rest of a forward
             return []
