@@ -99,7 +99,9 @@ def attach(trainer: Any, config: Config | Mapping[str, Any] | str | Path,
             ``None`` auto-detects.
 
     Returns:
-        The callback; ``callback.session`` is the :class:`SwapSession` (call ``remove()`` to undo).
+        The callback; ``callback.session`` is the :class:`SwapSession` (call ``remove()`` to undo). With
+        ``Trainer(model_init=...)`` each model the Trainer builds gets a session of its own and
+        ``callback.session`` is the latest one (Note [A Trainer that builds its model]).
 
     Example:
         >>> callback = attach(trainer, {"swap_config": {"swap": True}})  # doctest: +SKIP
@@ -109,6 +111,7 @@ def attach(trainer: Any, config: Config | Mapping[str, Any] | str | Path,
     callback = SwapkitCallback(session)
     trainer.add_callback(callback)
     _run_first(trainer, callback)
+    _follow_model_init(trainer, callback, config, layers)
     train = trainer.train
 
     @functools.wraps(train)
@@ -121,6 +124,22 @@ def attach(trainer: Any, config: Config | Mapping[str, Any] | str | Path,
 
     trainer.train = train_closing_on_error
     return callback
+
+
+def _follow_model_init(trainer: Any, callback: SwapkitCallback, config: Any, layers: Any) -> None:
+    """Apply ``config`` to every model ``trainer.model_init`` builds (Note [A Trainer that builds its model])."""
+    model_init = getattr(trainer, "model_init", None)
+    if model_init is None:
+        return
+
+    @functools.wraps(model_init)  # keeps its signature: the Trainer passes the trial only if it takes one
+    def model_init_with_swapkit(*args: Any) -> Any:
+        model = model_init(*args)
+        callback.session.remove()
+        callback.session = swapkit.apply(model, config, layers=layers)
+        return model
+
+    trainer.model_init = model_init_with_swapkit
 
 
 def _run_first(trainer: Any, callback: SwapkitCallback) -> None:
