@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from transformers import (CONFIG_MAPPING, AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM,
                           TrainerCallback)
-from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
 import swapkit
 from swapkit.config.errors import clip
@@ -199,6 +199,16 @@ def _training_form(model_config: Any) -> nn.Module:
         return AutoModelForCausalLM.from_config(model_config)
     except ValueError:  # a family without a causal-LM head
         return AutoModel.from_config(model_config)
+
+
+def has_lm_loss(model: nn.Module) -> bool:
+    """Whether ``model`` is one of transformers' causal- or masked-LM models, whose ``labels`` give its training
+    loss: ``LlamaForCausalLM``, ``BertForMaskedLM``, and those not named so, ``GPT2LMHeadModel`` among them."""
+    names: set[str] = set()
+    for mapping in (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES):
+        for value in mapping.values():
+            names.update((value,) if isinstance(value, str) else value)
+    return type(model).__name__ in names
 
 
 def is_encoder_only(model_config: Any) -> bool:
