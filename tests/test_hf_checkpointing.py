@@ -15,6 +15,7 @@ from tests.test_hf_models import config, train  # noqa: E402
 from tests.toys import assert_grads_equal, grads  # noqa: E402
 
 TWICE = "is also checkpointed by Hugging Face's gradient checkpointing"
+MEGATRON_UNIFORM = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 2}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -38,8 +39,10 @@ class MatmulCounter(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
-@pytest.mark.parametrize("recompute", [{"recompute": True}, {"select_recompute": ["attention"]}])
-def test_swapkit_recompute_inside_hf_gradient_checkpointing_is_reported(recompute, reentrant, caplog):
+@pytest.mark.parametrize("recompute,region", [({"recompute": True}, "layer {}"),
+                                              ({"select_recompute": ["attention"]}, "layer {}: self_attn"),
+                                              (MEGATRON_UNIFORM, "layers 0-1")], ids=["full", "select", "uniform"])
+def test_swapkit_recompute_inside_hf_gradient_checkpointing_is_reported(recompute, region, reentrant, caplog):
     """Both checkpoint the same layer: gradients stay exact, but swapkit's region frees nothing more and its
     forward may run again in backward (matrix products counted), which nothing said."""
     family = FAMILIES["llama"]
@@ -64,8 +67,7 @@ def test_swapkit_recompute_inside_hf_gradient_checkpointing_is_reported(recomput
     # the first region run with grad enabled: in forward, or (inside a reentrant checkpoint, whose forward runs
     # without grad) in backward, which reaches the last layer first
     layer = 1 if reentrant and "select_recompute" in recompute else 0
-    label = f"layer {layer}" if "recompute" in recompute else f"layer {layer}: self_attn"
     assert reported[0].startswith(f"swapkit: layer {layer} {TWICE}")
-    assert f"swapkit's recompute of {label} " in reported[0] and "gradient_checkpointing_disable()" in reported[0]
+    assert f"swapkit's recompute of {region.format(layer)} " in reported[0] and "gradient_checkpointing_disable()" in reported[0]
     train(model, family, session, steps=1)
     assert len([m for m in caplog.messages if TWICE in m]) == 1

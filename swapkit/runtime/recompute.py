@@ -81,12 +81,13 @@ checkpointing and the recipes alike; the first forward is never inside a backwar
 Note [Two checkpoints of one layer]
 Hugging Face's gradient checkpointing (``model.gradient_checkpointing_enable()``, or
 ``TrainingArguments(gradient_checkpointing=True)``, which enables it inside ``trainer.train()``, after
-``attach``) replaces each decoder layer class's ``forward`` with one that checkpoints the layer and
-sets the layer's ``gradient_checkpointing`` attribute. swapkit's wrappers replace the instance's
+``attach``) sets each decoder layer's ``gradient_checkpointing`` attribute, and the class's ``forward``
+(wrapped by ``GradientCheckpointingLayer``) then checkpoints the layer. swapkit's wrappers replace the instance's
 ``forward`` and call that one, so a region swapkit recomputes in such a layer runs inside HF's
 checkpoint: gradients stay exact (nested checkpoints), but the region frees nothing HF's checkpoint
-has not already freed, and its forward can run once more in backward (a select-recomputed op inside
-a non-reentrant HF checkpoint, any region inside a reentrant one). Nothing said so. The first training
+has not already freed, and its forward can run once more in backward (counted with a matmul counter: a
+select-recomputed op or a Megatron uniform unit inside a non-reentrant HF checkpoint, any region inside a
+reentrant one; a full layer inside a non-reentrant one adds nothing). Nothing said so. The first training
 call of a region whose layer HF checkpoints logs one WARNING per session naming the layer, the region
 and the fix (one of the two mechanisms). swapkit's own stats cannot see HF's recompute; op swaps in
 such layers are reported separately (``swapkit.runtime.overrides`` Note [Swaps nobody reports]).
