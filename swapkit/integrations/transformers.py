@@ -6,10 +6,11 @@ every optimizer step's forwards and backwards and adds swapkit's stats to the Tr
 
 Note [Where the Trainer's step begins and ends]
 ``Trainer`` calls ``on_step_begin`` before the first micro-batch of an optimizer step and
-``on_pre_optimizer_step`` after the last micro-batch's backward, before gradient clipping is
-applied to the optimizer. Between the two run only ``training_step`` calls (forward + backward of
-each micro-batch; each micro-batch is its own swapkit step, DESIGN §8), so the session is active
-exactly around them: evaluation, logging and checkpointing run after ``on_step_end``, outside it.
+``on_pre_optimizer_step`` after the last micro-batch's backward and the gradient clipping, right
+before ``optimizer.step()``. Between the two run the ``training_step`` calls (forward + backward of
+each micro-batch; each micro-batch is its own swapkit step, DESIGN §8) and the clipping, which saves
+nothing for backward, so the session is active around the step's forwards and backwards only:
+evaluation (checked per batch by a test), logging and checkpointing run after ``on_step_end``, outside it.
 If a training step raises, the Trainer calls no further callback: :func:`attach` wraps
 ``trainer.train`` so that the session is closed (its step marked aborted) before the error
 propagates, and saved-tensor hooks never outlive the run.
