@@ -72,3 +72,23 @@ def test_swapkit_recompute_inside_hf_gradient_checkpointing_is_reported(recomput
     assert "gradient_checkpointing_disable()" in reported[0]
     train(model, family, session, steps=1)
     assert len([m for m in caplog.messages if TWICE in m]) == 1
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_op_swaps_inside_hf_gradient_checkpointing_name_it_and_the_fix(reentrant, caplog):
+    """The unused op swaps' warning named a generic cause (another saved_tensors_hooks context, or grad disabled
+    "under torch.no_grad") where the layer's own HF gradient checkpointing was it, and no fix for that."""
+    family = FAMILIES["llama"]
+    model = family.build()
+    enable_hf_checkpointing(model, use_reentrant=reentrant)
+    cfg = config(family, swap_config={"swap": True, "op_swap": [{"op_name": "self_attn", "backward_prefetch": 1,
+                                                                 "layers": True}]})
+    session = swapkit.apply(model, cfg, layers=family.layers)
+    caplog.set_level(logging.WARNING, logger="swapkit")
+    train(model, family, session, steps=1)
+    assert session.stats.unused_swaps == ["layer 0: self_attn", "layer 1: self_attn"]
+    reported = [m for m in caplog.messages if "saw no saved tensor" in m]
+    assert len(reported) == 2
+    for message in reported:
+        assert "its layer is checkpointed by Hugging Face's gradient checkpointing" in message
+        assert "model.gradient_checkpointing_disable()" in message and "recompute_config" in message

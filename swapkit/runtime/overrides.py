@@ -23,6 +23,10 @@ frozen (fine-tuning that freezes the first layers: with no input requiring grad 
 it is saved for backward); that is looked up when the warning is written, once per scope, not on
 every entry. A layer swap around an HF-checkpointed layer is caught the same way
 (HF checkpoints ``forward``, so the layer's own hooks run outside the region and see nothing).
+When the scope's layer has HF's ``gradient_checkpointing`` attribute set (the usual case:
+``TrainingArguments(gradient_checkpointing=True)`` with an op swap), the warning names HF's
+checkpointing as the cause and swapkit's recompute as the fix, instead of the generic "another
+saved_tensors_hooks context" or "grad disabled", which left the user to guess which context.
 """
 from __future__ import annotations
 
@@ -41,6 +45,10 @@ NOT_ENTERED = ("its module hooks never ran although its layer did (the module is
                "or call torch._dynamo.reset() after applying it)")
 NO_GRAD = ("it ran with grad disabled (inside a reentrant checkpoint, which recomputes it in backward, or under "
            "torch.no_grad)")
+HF_CHECKPOINT = ("its layer is checkpointed by Hugging Face's gradient checkpointing "
+                 "(model.gradient_checkpointing_enable() or TrainingArguments(gradient_checkpointing=True)), which "
+                 "runs the layer inside another saved_tensors_hooks context (or, reentrant, with grad disabled) and "
+                 "keeps its tensors from swapkit")
 FROZEN = ("its parameters are frozen (requires_grad=False) and no input of it required grad, so it saved nothing "
           "for backward")
 
@@ -48,6 +56,9 @@ FIXES = {  # the fix each cause calls for (others: the other checkpointing)
     FROZEN: "Leave frozen layers out of swap_config",
     NOT_ENTERED: ("Call torch._dynamo.reset() after swapkit.apply, or drop the swap from swap_config if the module "
                   "is never called"),
+    HF_CHECKPOINT: ("Recompute with swapkit instead: call model.gradient_checkpointing_disable() (or leave "
+                    "gradient_checkpointing off in TrainingArguments) and set recompute_config.recompute: true for "
+                    "the same layers, or drop the op swaps (a layer swap offloads the inputs HF's checkpoint saves)"),
 }
 
 
