@@ -6,10 +6,11 @@ every optimizer step's forwards and backwards and adds swapkit's stats to the Tr
 
 Note [Where the Trainer's step begins and ends]
 ``Trainer`` calls ``on_step_begin`` before the first micro-batch of an optimizer step and
-``on_pre_optimizer_step`` after the last micro-batch's backward, before gradient clipping is
-applied to the optimizer. Between the two run only ``training_step`` calls (forward + backward of
-each micro-batch; each micro-batch is its own swapkit step, DESIGN §8), so the session is active
-exactly around them: evaluation, logging and checkpointing run after ``on_step_end``, outside it.
+``on_pre_optimizer_step`` after the last micro-batch's backward and the gradient clipping, right
+before ``optimizer.step()``. Between the two run the ``training_step`` calls (forward + backward of
+each micro-batch; each micro-batch is its own swapkit step, DESIGN §8) and the clipping, which saves
+nothing for backward, so the session is active around the step's forwards and backwards only:
+evaluation (checked per batch by a test), logging and checkpointing run after ``on_step_end``, outside it.
 If a training step raises, the Trainer calls no further callback: :func:`attach` wraps
 ``trainer.train`` so that the session is closed (its step marked aborted) before the error
 propagates, and saved-tensor hooks never outlive the run.
@@ -27,7 +28,7 @@ import torch
 from torch import nn
 from transformers import (CONFIG_MAPPING, AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM,
                           TrainerCallback)
-from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
 import swapkit
 from swapkit.config.errors import clip
@@ -99,7 +100,9 @@ def attach(trainer: Any, config: Config | Mapping[str, Any] | str | Path,
             ``None`` auto-detects.
 
     Returns:
-        The callback; ``callback.session`` is the :class:`SwapSession` (call ``remove()`` to undo).
+        The callback; ``callback.session`` is the :class:`SwapSession` (call ``remove()`` to undo). With
+        ``Trainer(model_init=...)`` each model the Trainer builds gets a session of its own and
+        ``callback.session`` is the latest one (Note [A Trainer that builds its model]).
 
     Example:
         >>> callback = attach(trainer, {"swap_config": {"swap": True}})  # doctest: +SKIP
@@ -109,6 +112,7 @@ def attach(trainer: Any, config: Config | Mapping[str, Any] | str | Path,
     callback = SwapkitCallback(session)
     trainer.add_callback(callback)
     _run_first(trainer, callback)
+    _follow_model_init(trainer, callback, config, layers)
     train = trainer.train
 
     @functools.wraps(train)
@@ -121,6 +125,22 @@ def attach(trainer: Any, config: Config | Mapping[str, Any] | str | Path,
 
     trainer.train = train_closing_on_error
     return callback
+
+
+def _follow_model_init(trainer: Any, callback: SwapkitCallback, config: Any, layers: Any) -> None:
+    """Apply ``config`` to every model ``trainer.model_init`` builds (Note [A Trainer that builds its model])."""
+    model_init = getattr(trainer, "model_init", None)
+    if model_init is None:
+        return
+
+    @functools.wraps(model_init)  # keeps its signature: the Trainer passes the trial only if it takes one
+    def model_init_with_swapkit(*args: Any) -> Any:
+        model = model_init(*args)
+        callback.session.remove()
+        callback.session = swapkit.apply(model, config, layers=layers)
+        return model
+
+    trainer.model_init = model_init_with_swapkit
 
 
 def _run_first(trainer: Any, callback: SwapkitCallback) -> None:
@@ -180,6 +200,16 @@ def _training_form(model_config: Any) -> nn.Module:
         return AutoModelForCausalLM.from_config(model_config)
     except ValueError:  # a family without a causal-LM head
         return AutoModel.from_config(model_config)
+
+
+def has_lm_loss(model: nn.Module) -> bool:
+    """Whether ``model`` is one of transformers' causal- or masked-LM models, whose ``labels`` give its training
+    loss: ``LlamaForCausalLM``, ``BertForMaskedLM``, and those not named so, ``GPT2LMHeadModel`` among them."""
+    names: set[str] = set()
+    for mapping in (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES):
+        for value in mapping.values():
+            names.update((value,) if isinstance(value, str) else value)
+    return type(model).__name__ in names
 
 
 def is_encoder_only(model_config: Any) -> bool:

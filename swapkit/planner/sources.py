@@ -11,6 +11,7 @@ whose inputs swapkit cannot know: plan those from Python with
 """
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Callable
 
@@ -34,7 +35,7 @@ def source_from_spec(spec: str, config: Config, layers: str | None) -> ModelSour
                                               "hf:<config.json> models itself; for your own factory call "
                                               "swapkit.planner.measure(config, model=ModelSource(...)) from Python")])
     try:
-        from swapkit.integrations.transformers import meta_random_model, random_model
+        from swapkit.integrations.transformers import has_lm_loss, meta_random_model, random_model
 
         meta = meta_random_model(spec[len("hf:"):])
     except (ImportError, ValueError) as err:
@@ -44,7 +45,8 @@ def source_from_spec(spec: str, config: Config, layers: str | None) -> ModelSour
         raise ConfigError([Problem("--model", f"{spec}: the planner feeds random token ids and needs a vocab_size")])
     seed, shape = config.train.seed, (config.train.batch_size, config.model.seq_length)
     return ModelSource(lambda: random_model(spec[len("hf:"):], seed), lambda step: _tokens(vocab, shape, seed + step),
-                       _loss, layers, _memory_check(spec, hf_sizes(meta, config), config.source))
+                       functools.partial(_loss, lm=has_lm_loss(meta)), layers,
+                       _memory_check(spec, hf_sizes(meta, config), config.source))
 
 
 def hf_sizes(meta: nn.Module, config: Config) -> StepSizes:
@@ -74,17 +76,19 @@ def _tokens(vocab: int, shape: tuple[int, int], seed: int) -> dict[str, torch.Te
     return {"input_ids": ids}
 
 
-def _loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def _loss(model: nn.Module, batch: dict[str, torch.Tensor], lm: bool | None = None) -> torch.Tensor:
     """The step's loss, without a key/value cache: training needs none, and a cache in a recomputed
     layer would only bring swapkit's warning (``swapkit.runtime.kv_cache``), which a CLI user could
-    not act on."""
+    not act on. ``lm``: a causal- or masked-LM model (``has_lm_loss``), whose ``labels`` give its loss (a
+    masked LM's logits cover every position whichever tokens are labelled, so labelling all of them
+    measures the memory of masking some; ``None``: looked up); else the mean square of the base model's last
+    hidden state."""
+    if lm is None:
+        from swapkit.integrations.transformers import has_lm_loss
+
+        lm = has_lm_loss(model)
     if "use_cache" in inspect.signature(model.forward).parameters:
         batch = {**batch, "use_cache": False}
-    out = model(**batch, labels=batch["input_ids"]) if _has_lm_head(model) else model(**batch)
-    return out.loss if _has_lm_head(model) else out[0].float().pow(2).mean()
-
-
-def _has_lm_head(model: nn.Module) -> bool:
-    """A causal- or masked-LM model: ``labels`` gives its loss (a masked LM's logits cover every position
-    whichever tokens are labelled, so labelling all of them measures the memory of masking some)."""
-    return type(model).__name__.endswith(("ForCausalLM", "ForMaskedLM"))
+    if lm:
+        return model(**batch, labels=batch["input_ids"]).loss
+    return model(**batch)[0].float().pow(2).mean()

@@ -28,6 +28,10 @@ a user's ``saved_tensors_hooks``) keeps every tensor from the session: no save r
 backward it sees begins. So when a ``with`` block ends whose step saved nothing, the swap scopes
 entered under other hooks are reported then, and that step's stats become the session's; a step
 that saved nothing because its forward ran under ``no_grad`` (an evaluation) is not reported.
+When the scope's layer has HF's ``gradient_checkpointing`` attribute set (the usual case:
+``TrainingArguments(gradient_checkpointing=True)`` with an op swap), the warning names HF's
+checkpointing as the cause and swapkit's recompute as the fix, instead of the generic "another
+saved_tensors_hooks context" or "grad disabled", which left the user to guess which context.
 """
 from __future__ import annotations
 
@@ -46,6 +50,10 @@ NOT_ENTERED = ("its module hooks never ran although its layer did (the module is
                "or call torch._dynamo.reset() after applying it)")
 NO_GRAD = ("it ran with grad disabled (inside a reentrant checkpoint, which recomputes it in backward, or under "
            "torch.no_grad)")
+HF_CHECKPOINT = ("its layer is checkpointed by Hugging Face's gradient checkpointing "
+                 "(model.gradient_checkpointing_enable() or TrainingArguments(gradient_checkpointing=True)), which "
+                 "runs the layer inside another saved_tensors_hooks context (or, reentrant, with grad disabled) and "
+                 "keeps its tensors from swapkit")
 FROZEN = ("its parameters are frozen (requires_grad=False) and no input of it required grad, so it saved nothing "
           "for backward")
 
@@ -53,6 +61,9 @@ FIXES = {  # the fix each cause calls for (others: the other checkpointing)
     FROZEN: "Leave frozen layers out of swap_config",
     NOT_ENTERED: ("Call torch._dynamo.reset() after swapkit.apply, or drop the swap from swap_config if the module "
                   "is never called"),
+    HF_CHECKPOINT: ("Recompute with swapkit instead: call model.gradient_checkpointing_disable() (or leave "
+                    "gradient_checkpointing off in TrainingArguments) and set recompute_config.recompute: true for "
+                    "the same layers, or drop the op swaps (a layer swap offloads the inputs HF's checkpoint saves)"),
 }
 
 

@@ -78,6 +78,20 @@ version check there. A re-run is recognised by running inside autograd's backwar
 (``torch._C._current_graph_task_id() != -1``), which covers reentrant and non-reentrant
 checkpointing and the recipes alike; the first forward is never inside a backward.
 
+Note [Two checkpoints of one layer]
+Hugging Face's gradient checkpointing (``model.gradient_checkpointing_enable()``, or
+``TrainingArguments(gradient_checkpointing=True)``, which enables it inside ``trainer.train()``, after
+``attach``) sets each decoder layer's ``gradient_checkpointing`` attribute, and the class's ``forward``
+(wrapped by ``GradientCheckpointingLayer``) then checkpoints the layer. swapkit's wrappers replace the instance's
+``forward`` and call that one, so a region swapkit recomputes in such a layer runs inside HF's
+checkpoint: gradients stay exact (nested checkpoints), but the region frees nothing HF's checkpoint
+has not already freed, and its forward can run once more in backward (counted with a matmul counter: a
+select-recomputed op or a Megatron uniform unit inside a non-reentrant HF checkpoint, any region inside a
+reentrant one; a full layer inside a non-reentrant one adds nothing). Nothing said so. The first training
+call of a region whose layer HF checkpoints logs one WARNING per session naming the layer, the region
+and the fix (one of the two mechanisms). swapkit's own stats cannot see HF's recompute; op swaps in
+such layers are reported separately (``swapkit.runtime.overrides`` Note [Swaps nobody reports]).
+
 Note [Regions that write their inputs]
 A region re-runs in backward from the inputs it was given, which checkpointing saves (and checks,
 by version counter, when it unpacks them). A region that changes one of its inputs in place - an
@@ -109,6 +123,8 @@ from swapkit.runtime.region_inputs import call_region, distinct_inputs, nothing_
 from swapkit.runtime.scope import eager
 
 logger = logging.getLogger(__name__)
+TWICE = ("is also checkpointed by Hugging Face's gradient checkpointing (model.gradient_checkpointing_enable() or "
+         "TrainingArguments(gradient_checkpointing=True))")
 
 
 class Recompute:
@@ -123,6 +139,7 @@ class Recompute:
         self.wrapped: list[str] = []  # "layer 2: feed_forward", "layers 0-1" ... in apply order
         self._cache_warned = False  # Note [Caches in recomputed regions]: one warning per session
         self._eval_warned = False  # Note [Recompute in eval mode]: one warning per session
+        self._twice_warned = False  # Note [Two checkpoints of one layer]: one warning per session
         # swapkit.runtime.scope Note [Bookkeeping stays out of compiled graphs]
         self._counted = eager(self._count)
 
@@ -132,12 +149,12 @@ class Recompute:
             if plan.full:
                 first, last = plan.unit or (layer.index, layer.index)
                 if first == last:
-                    self._wrap(layer.module, f"layer {layer.index}")
+                    self._wrap(layer.module, f"layer {layer.index}", layer=layer)
                 elif layer.index == first:
                     self._wrap_unit([b for b in self.binding.layers if first <= b.index <= last])  # global ids
                 continue
             for path in outermost(layer.scopes.select + layer.scopes.comm):  # Note [Outermost scope wins]
-                self._wrap(layer.submodule(path), f"layer {layer.index}: {path}", self.recompute_outputs)
+                self._wrap(layer.submodule(path), f"layer {layer.index}: {path}", self.recompute_outputs, layer)
 
     def remove(self) -> None:
         for module, previous in reversed(self._restore):
@@ -158,7 +175,7 @@ class Recompute:
         module.forward = AttachedForward(forward, module, previous)
         self.wrapped.append(label)
 
-    def _wrap(self, module: nn.Module, label: str, outputs: bool = False) -> None:
+    def _wrap(self, module: nn.Module, label: str, outputs: bool = False, layer: BoundLayer | None = None) -> None:
         original = module.forward
         cache = CacheArguments(original)
         # swapkit.runtime.scope Note [Bookkeeping stays out of compiled graphs]
@@ -172,6 +189,8 @@ class Recompute:
                 return original(*args, **kwargs)
             if nothing_to_differentiate(args, kwargs, [module]):  # region_inputs Note [Regions with nothing ...]
                 return original(*args, **kwargs)
+            if layer is not None:
+                self._check_hf_checkpoint(layer, label)
             args, kwargs = self._no_cache(cache, args, kwargs, label)
             state = capture(args, kwargs) if outputs else None
             out = self._checkpoint(replayable, args, kwargs, label, module)
@@ -219,6 +238,8 @@ class Recompute:
             if nothing_to_differentiate((h, *args), kwargs, [layer.module for layer in layers]):  # as in _wrap
                 return originals[0](h, *args, **kwargs)
             _check_unit_sharding(layers, label)  # Note [Uniform units under FSDP2]
+            for layer in layers:
+                self._check_hf_checkpoint(layer, label)
             clean_args, clean_kwargs = self._no_cache(cache, (h, *args), kwargs, label)
             output = self._checkpoint(replayable, clean_args, clean_kwargs, label, head)
             state["output"], state["inputs"] = output, (args, kwargs)  # as the pass-throughs receive them
@@ -243,6 +264,18 @@ class Recompute:
                            "does) and saves everything for backward. Call model.train() before training forwards "
                            "(turn dropout off in the model's config instead of with model.eval()) "
                            "(Note [Recompute in eval mode])")
+
+    def _check_hf_checkpoint(self, layer: BoundLayer, label: str) -> None:
+        """Note [Two checkpoints of one layer]: called on a region's training call."""
+        if self._twice_warned or getattr(layer.module, "gradient_checkpointing", False) is not True:
+            return
+        self._twice_warned = True
+        logger.warning(f"swapkit: layer {layer.index} {TWICE}, which recomputes the whole layer in backward: "
+                       f"swapkit's recompute of {label} inside it frees no more memory and can run its forward once "
+                       "more in backward (gradients stay exact). Use one of the two: call "
+                       "model.gradient_checkpointing_disable() (or leave gradient_checkpointing off in "
+                       "TrainingArguments) and set recompute_config.recompute: true for the same full-layer "
+                       "recompute, or drop recompute_config (Note [Two checkpoints of one layer])")
 
     def _no_cache(self, cache: CacheArguments, args: tuple, kwargs: dict, label: str) -> tuple[tuple, dict]:
         """Note [Caches in recomputed regions]"""

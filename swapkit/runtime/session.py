@@ -58,7 +58,8 @@ from swapkit.plan.plan import Plan
 from swapkit.runtime.detach import unmark
 from swapkit.runtime.dynamo import out_of_dynamo
 from swapkit.runtime.kv_cache import swap_cache_warning
-from swapkit.runtime.overrides import FROZEN, distance_key, entry_cause, idle_message, unused_message
+from swapkit.runtime.overrides import (FROZEN, HF_CHECKPOINT, NO_GRAD, OTHER_HOOKS, distance_key, entry_cause,
+                                       idle_message, unused_message)
 from swapkit.runtime.recipes import PackedInput, Recipe, tensor_leaves
 from swapkit.runtime.recompute import Recompute
 from swapkit.runtime.records import Saved, SwapRecord, is_plain, make_saved
@@ -319,7 +320,14 @@ class SwapSession:
                 self._reported.add((layer, path))
                 if cause is None and self._frozen(layer, path):
                     cause = FROZEN
+                elif cause in (OTHER_HOOKS, NO_GRAD) and self._hf_checkpointed(layer):
+                    cause = HF_CHECKPOINT
                 logger.warning(unused_message(layer, path, cause, step.number))
+
+    def _hf_checkpointed(self, layer: int) -> bool:
+        """The layer's module has HF gradient checkpointing on (overrides Note [Swaps nobody reports])."""
+        bound = next((b for b in self.binding.layers if b.index == layer), None)
+        return bound is not None and getattr(bound.module, "gradient_checkpointing", False) is True
 
     def _frozen(self, layer: int, path: str) -> bool:
         """The scope's module has parameters and none requires grad (overrides Note [Swaps nobody reports])."""
