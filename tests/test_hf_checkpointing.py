@@ -88,7 +88,7 @@ def test_op_swaps_inside_hf_gradient_checkpointing_name_it_and_the_fix(reentrant
     train(model, family, session, steps=1)
     assert session.stats.unused_swaps == ["layer 0: self_attn", "layer 1: self_attn"]
     reported = [m for m in caplog.messages if "saw no saved tensor" in m]
-    assert len(reported) == 2
+    assert len(reported) == 1 and reported[0].startswith("swapkit: op swap at layers 0-1: self_attn saw")  # one for both
     for message in reported:
         assert "its layer is checkpointed by Hugging Face's gradient checkpointing" in message
         assert "model.gradient_checkpointing_disable()" in message and "recompute_config" in message

@@ -114,8 +114,9 @@ def test_a_scope_that_saves_nothing_is_reported_without_a_cause(caplog):
     caplog.set_level(logging.WARNING, logger="swapkit")
     run(model, session)
     assert session.stats.unused_swaps == ["layer 0: shift", "layer 1: shift", "layer 2: shift"]
-    assert len(warnings_of(caplog)) == 3
-    assert "nothing inside it saved a tensor through swapkit" in warnings_of(caplog)[0]
+    (message,) = warnings_of(caplog)  # one for the three layers
+    assert message.startswith("swapkit: op swap at layers 0-2: shift saw no saved tensor in step 1: nothing inside "
+                              "it saved a tensor through swapkit")
 
 
 class SkipsLastLayer(ToyNet):
@@ -235,3 +236,24 @@ def test_a_too_long_default_prefetch_is_named_as_written(caplog):
     assert "saved in the forward's last swap_config.default_prefetch ticks" in message
     assert "swap_config.default_prefetch counts saved tensors, not layers); lower swap_config.default_prefetch " \
            "well below" in message and "backward_prefetch" not in message.replace("default_prefetch", "")
+
+
+def test_a_scope_unused_in_many_layers_is_one_warning_naming_them(caplog):
+    """32 layers' op swaps under another hooks context: one WARNING per scope and cause with the layers
+    as ranges, not one per layer; the stats still list every layer's scope."""
+    from swapkit.runtime.overrides import OTHER_HOOKS, unused_message
+
+    assert unused_message([0, 1, 2, 5], "lin", OTHER_HOOKS, 1).startswith(
+        "swapkit: op swap at layers 0-2, 5: lin saw no saved tensor in step 1: " + OTHER_HOOKS)
+    assert "for these layers" in unused_message([0, 1], "lin", None, 1)
+    assert "for this layer" in unused_message([3], "lin", None, 1)
+    model = ToyNet(layers=32)
+    config = {**op_swap(), "model": {"model_config": {"num_layers": 32}}}
+    session = synced_session(model, config)
+    caplog.set_level(logging.WARNING, logger="swapkit")
+    with session:
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            model(torch.randn(8, 16, requires_grad=True)).sum().backward()
+    assert session.stats.unused_swaps == [f"layer {i}: lin" for i in range(32)]
+    (message,) = [m for m in warnings_of(caplog) if "saw no saved tensor" in m]
+    assert message.startswith("swapkit: op swap at layers 0-31: lin saw no saved tensor in step 1")

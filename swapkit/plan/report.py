@@ -133,17 +133,17 @@ def summary(plan: Plan) -> list[str]:
              f"chunk(s); recompute dialect {plan.dialect}; swap {'on' if plan.swap else 'off'}"
              + (f"; model preset {plan.preset}" if plan.preset else "")]
     full = [layer.layer for layer in plan.layers if layer.full]
-    lines.append(f"full recompute: {_ranges(full)}")
+    lines.append(f"full recompute: {layer_ranges(full)}")
     for title, attr in (("select recompute", "select"), ("comm recompute", "comm")):
-        lines += [f"{title} {p}: {_ranges(layers)}" for p, layers in _by_pattern(plan, attr).items()]
+        lines += [f"{title} {p}: {layer_ranges(layers)}" for p, layers in _by_pattern(plan, attr).items()]
     swapped = [layer.layer for layer in plan.layers if layer.layer_swap is not None]
     if swapped:
-        lines.append(f"layer swap: {_ranges(swapped)}")
+        lines.append(f"layer swap: {layer_ranges(swapped)}")
     ops: dict[str, list[int]] = {}
     for layer in plan.layers:
         for pattern, _ in layer.op_swap:
             ops.setdefault(pattern, []).append(layer.layer)
-    lines += [f"op swap {p}: {_ranges(layers)}" for p, layers in ops.items()]
+    lines += [f"op swap {p}: {layer_ranges(layers)}" for p, layers in ops.items()]
     overridden = sum(bool(layer.overridden) for layer in plan.layers)
     if overridden:
         lines.append(f"swaps overridden by recompute on {overridden} layer(s) (see the overridden column)")
@@ -158,7 +158,7 @@ def _by_pattern(plan: Plan, attr: str) -> dict[str, list[int]]:
     return found
 
 
-def _ranges(layers: list[int]) -> str:
+def layer_ranges(layers: list[int]) -> str:
     """``[0, 1, 2, 5]`` -> ``"layers 0-2, 5"``; ``[]`` -> ``"none"``."""
     if not layers:
         return "none"

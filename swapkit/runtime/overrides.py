@@ -40,6 +40,8 @@ from typing import Any, Callable
 
 import torch
 
+from swapkit.plan.report import layer_ranges
+
 OTHER_HOOKS = ("it ran inside another saved_tensors_hooks context (a non-reentrant checkpoint such as Hugging "
                "Face's gradient_checkpointing_enable() or torch.utils.checkpoint, or another offloading tool), "
                "which keeps its tensors from swapkit")
@@ -82,11 +84,16 @@ def scope_label(layer: int, path: str) -> str:
     return f"layer {layer}: {path}" if path else f"layer {layer}"
 
 
-def unused_message(layer: int, path: str, cause: str | None, step: int) -> str:
-    what = f"op swap at layer {layer}: {path}" if path else f"layer swap at layer {layer}"
+def unused_message(layers: list[int], path: str, cause: str | None, step: int) -> str:
+    """One warning for a swap scope that saw no saved tensor, for every layer (ascending) where it did not
+    for the same cause: a 32-layer model says it once, not 32 times."""
+    where = f"layer {layers[0]}" if len(layers) == 1 else layer_ranges(layers)
+    what = f"op swap at {where}: {path}" if path else f"layer swap at {where}"
     why = cause or ("nothing inside it saved a tensor through swapkit (the tensors are saved elsewhere, or "
                     "something else checkpoints the region)")
     fix = FIXES.get(cause, "Drop the swap from swap_config, or stop the other checkpointing for this layer")
+    if len(layers) > 1:
+        fix = fix.replace("for this layer", "for these layers")
     return (f"swapkit: {what} saw no saved tensor in step {step}: {why}; the swap has no effect. {fix} "
             "(Note [Swaps nobody reports])")
 

@@ -315,6 +315,9 @@ class SwapSession:
             logger.warning(swap_cache_warning(layer, names))
 
     def _report_unused(self, step: Step) -> None:
+        """One WARNING per swap scope and cause, naming every layer where it went unused (a scope is
+        reported once per session)."""
+        layers: dict[tuple[str, str | None], list[int]] = {}
         for layer, path, cause in step.unused_swaps():
             if (layer, path) not in self._reported:
                 self._reported.add((layer, path))
@@ -322,7 +325,9 @@ class SwapSession:
                     cause = FROZEN
                 elif cause in (OTHER_HOOKS, NO_GRAD) and self._hf_checkpointed(layer):
                     cause = HF_CHECKPOINT
-                logger.warning(unused_message(layer, path, cause, step.number))
+                layers.setdefault((path, cause), []).append(layer)
+        for (path, cause), where in layers.items():
+            logger.warning(unused_message(sorted(where), path, cause, step.number))
 
     def _hf_checkpointed(self, layer: int) -> bool:
         """The layer's module has HF gradient checkpointing on (overrides Note [Swaps nobody reports])."""
