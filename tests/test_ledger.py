@@ -81,8 +81,8 @@ def test_an_interrupt_inside_settle_neither_loses_nor_repeats_a_change():
             for _ in range(per_round):
                 ledger.changed(1)
             settled = False
-            signal.setitimer(signal.ITIMER_REAL, takes * (turn + 1) / (rounds + 1))  # somewhere inside it
-            try:
+            try:  # armed inside the try: on a busy machine the alarm can come before settle is even called
+                signal.setitimer(signal.ITIMER_REAL, takes * (turn + 1) / (rounds + 1))  # somewhere inside it
                 ledger.settle()
                 settled = True
                 time.sleep(5)  # the timer ends this if settle finished first
