@@ -179,7 +179,8 @@ def test_a_keyword_tensor_written_after_its_region_ran_fails_backward_instead_of
 
 
 class NestedProbe(nn.Module):
-    """Gets its key inside a container (``f(x, [x])``, ``f(x, (x,))``, ``f(x, extra={"k": x})``) and branches
+    """Gets its key inside a container (``f(x, [x])``, ``f(x, (x,))``, ``f(x, extra={"k": x})``, or deeper:
+    ``f(x, [([x], 1)])``, ``f(x, extra={"k": [{"k": x}]})``) and branches
     on whether it is the query object, as attention branches on ``query is key``."""
 
     def __init__(self) -> None:
@@ -188,7 +189,9 @@ class NestedProbe(nn.Module):
         self.same: list[bool] = []
 
     def forward(self, q, ks=None, extra=None):
-        k = ks[0] if ks is not None else extra["k"]
+        k = ks if ks is not None else extra
+        while not isinstance(k, torch.Tensor):  # down the nesting: the first element or key "k"
+            k = k["k"] if isinstance(k, dict) else k[0]
         self.same.append(q is k)
         if q is k:
             return self.packed(q).sigmoid()[:, :16] * k
@@ -205,6 +208,10 @@ class NestedBlock(nn.Module):
             y = self.probe(x, [x])
         elif self.how == "tuple":
             y = self.probe(x, (x,))
+        elif self.how == "nested list":
+            y = self.probe(x, [([x], 1)])
+        elif self.how == "nested dict keyword":
+            y = self.probe(x, extra={"k": [{"k": x}], "unused": 3})
         else:
             y = self.probe(x, extra={"k": x, "unused": 3})
         return x + self.out(y)
@@ -217,8 +224,9 @@ NESTED_RECOMPUTE = {
 }
 
 
-NESTED_CASES = [(how, kind) for how in ("list", "tuple", "dict keyword") for kind in NESTED_RECOMPUTE
-                if not (kind == "reentrant" and how == "dict keyword")]  # reentrant recompute takes no keywords
+NESTED_CASES = [(how, kind) for how in ("list", "tuple", "dict keyword", "nested list", "nested dict keyword")
+                for kind in NESTED_RECOMPUTE
+                if not (kind == "reentrant" and "keyword" in how)]  # reentrant recompute takes no keywords
 
 
 @pytest.mark.parametrize("how, kind", NESTED_CASES)

@@ -11,10 +11,11 @@ values ... have different metadata". So each distinct tensor object is handed to
 once, with the positions it fills (and the keywords that name it as well), and the region is
 called with one object in each of them, as in forward. Reentrant checkpointing, which detaches each
 input on its own even without a session, keeps the identity the same way. A list, tuple or dict
-argument travels by reference (checkpointing saves only top-level tensors): where one of its elements
-is a tensor also passed at the top level (``f(x, [x])``), the re-run gets a copy of the container
-with that element replaced by the top-level re-run object, one level deep (:func:`substituted`). The
-forward call gets the caller's own container: a module may append to it or fill it in.
+argument travels by reference (checkpointing saves only top-level tensors): where one of its elements,
+at any depth, is a tensor also passed at the top level (``f(x, [x])``, ``f(x, [(x, 1)])``), the re-run
+gets a copy of the container with that element replaced by the top-level re-run object
+(:func:`substituted`: the containers on the way to it are copied, the others shared). The forward
+call gets the caller's own container: a module may append to it or fill it in.
 
 Note [Keyword tensors written after the region]
 Keyword tensors that are not also positional reach the region by reference (recompute Note [Keyword
@@ -47,8 +48,11 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 
-#: Containers whose elements may alias a region's top-level tensors (one level deep; their exact types only)
+#: Containers whose elements may alias a region's top-level tensors (at any depth; their exact types only)
 CONTAINERS = (list, tuple, dict)
+
+#: Where an element sits in nested containers: the key or index at each level, outermost first
+Path = tuple[Any, ...]
 
 
 class RegionLayout(NamedTuple):
@@ -56,29 +60,44 @@ class RegionLayout(NamedTuple):
 
     layout: tuple[int, ...]  # for each position of the call, its index in the inputs
     aliases: dict[str, int]  # keyword tensors that are also positional -> their index
-    nested: tuple[tuple[int, dict[Any, int]], ...]  # (position, {element key: index}) of containers
-    nested_keywords: dict[str, dict[Any, int]]  # keyword containers -> {element key: index}
+    nested: tuple[tuple[int, dict[Path, int]], ...]  # (position, {element path: index}) of containers
+    nested_keywords: dict[str, dict[Path, int]]  # keyword containers -> {element path: index}
 
 
-def aliased_elements(value: Any, index_of: Callable[[Any], int | None]) -> dict[Any, int]:
-    """``{key: index}`` of the elements of a list, tuple or dict ``value`` that are tensors ``index_of`` knows."""
+def nested_elements(value: Any, pick: Callable[[Any], Any]) -> dict[Path, Any]:
+    """``{path: pick(item)}`` of the items inside the (nested) list, tuple or dict ``value`` for which ``pick``
+    gives something other than ``None``; containers are walked, not picked."""
     if type(value) not in CONTAINERS:
         return {}
-    items = value.items() if type(value) is dict else enumerate(value)
-    found = {key: index_of(item) for key, item in items if isinstance(item, torch.Tensor)}
-    return {key: index for key, index in found.items() if index is not None}
+    found: dict[Path, Any] = {}
+    for key, item in (value.items() if type(value) is dict else enumerate(value)):
+        if type(item) in CONTAINERS:
+            found.update({(key, *path): got for path, got in nested_elements(item, pick).items()})
+        elif (got := pick(item)) is not None:
+            found[(key,)] = got
+    return found
 
 
-def substituted(value: Any, elements: dict[Any, Any]) -> Any:
-    """A copy of the container ``value`` with ``elements`` (key -> new element) put in; ``value`` itself
-    where they are its elements already (the forward call: a module may fill the caller's list or dict)."""
-    if all(value[key] is element for key, element in elements.items()):
+def aliased_elements(value: Any, index_of: Callable[[Any], int | None]) -> dict[Path, int]:
+    """``{path: index}`` of the tensors inside a (nested) list, tuple or dict ``value`` that ``index_of`` knows."""
+    return nested_elements(value, lambda item: index_of(item) if isinstance(item, torch.Tensor) else None)
+
+
+def substituted(value: Any, elements: dict[Path, Any]) -> Any:
+    """A copy of the nested containers ``value`` with ``elements`` (path -> new element) put in, copying only
+    the containers on those paths; ``value`` itself where they are its elements already (the forward call: a
+    module may fill the caller's list or dict)."""
+    inner: dict[Any, dict[Path, Any]] = {}
+    for (key, *rest), element in elements.items():
+        inner.setdefault(key, {})[tuple(rest)] = element
+    changed = {key: (paths[()] if () in paths else substituted(value[key], paths)) for key, paths in inner.items()}
+    if all(value[key] is item for key, item in changed.items()):
         return value
     if type(value) is dict:
-        return {**value, **elements}
+        return {**value, **changed}
     copy = list(value)
-    for key, element in elements.items():
-        copy[key] = element
+    for key, item in changed.items():
+        copy[key] = item
     return copy if type(value) is list else tuple(copy)
 
 
