@@ -52,9 +52,10 @@ def test_fifty_dropped_graphs_free_their_records_handles_and_host_buffers():
     # no record waits in the schedule for a backward that cannot come (swapkit.runtime.schedule
     # Note [The prefetch queue holds its records weakly]); the pool keeps its slabs for the next step
     assert live_objects(session) == (0, 0) and pool_bytes > 0
-    for _ in range(50):
+    for i in range(50):
         dropped_graph()
-        assert live_objects(session) == (0, 0)
+        if i in (0, 9, 49):  # a leak adds up; each count walks every object of the process (~1 s in a full run)
+            assert live_objects(session) == (0, 0), f"after {i + 2} graphs"
     assert session.pool.total_bytes == pool_bytes  # no host allocation beyond the first graph's
     assert session.stats.offloaded_bytes > 0
     session.remove()
@@ -358,13 +359,17 @@ class FreedByAnother(nn.Module):
 def test_a_storage_freed_before_its_copy_ran_raises_instead_of_crashing():
     engine = GatedEngine()
     model = ToyNet(layers=1, block=FreedByAnother)
-    session = swapkit.apply(model, toy_config(1, **layer_swap(1)), layers="layers")
+    # offload_batch_bytes 0: each copy is queued when its tensor is saved (a batch still open when the storage
+    # is freed raises at its flush, in forward: test_coalesce); the forward then finishes before any copy ran
+    session = swapkit.apply(model, toy_config(1, **layer_swap(1, offload_batch_bytes=0)), layers="layers")
     install_engine(session, engine)
+    forward_done = False
     with pytest.raises(StorageChangedError, match="resized or freed by another component"):
         with session:
             model(torch.randn(4, 16)).sum()
+            forward_done = True
             engine.gate.set()  # the queued copies run now, after the storage was freed
-    assert session.stats.aborted
+    assert forward_done and session.stats.aborted
 
 
 def test_a_storage_freed_after_its_copy_raises_naming_the_layer_at_release():
