@@ -17,7 +17,7 @@ from swapkit.runtime.records import KeptRecord, Saved, SwapRecord
 from swapkit.train.model import lm_loss
 from tests.toys import (
     GatedEngine, ReadyWhenDone, ToyNet, assert_grads_equal, bench_module, grads, install_engine, layer_swap, llama,
-    llama_batch, llama_step, toy_config,
+    llama_batch, llama_step, open_gate_when_blocked, toy_config,
 )
 
 
@@ -360,7 +360,7 @@ def test_a_storage_freed_before_its_copy_ran_raises_instead_of_crashing():
     engine = GatedEngine()
     model = ToyNet(layers=1, block=FreedByAnother)
     # offload_batch_bytes 0: each copy is queued when its tensor is saved (a batch still open when the storage
-    # is freed raises at its flush, in forward: test_coalesce); the forward then finishes before any copy ran
+    # is freed raises at its flush, in forward: the next test); the forward then finishes before any copy ran
     session = swapkit.apply(model, toy_config(1, **layer_swap(1, offload_batch_bytes=0)), layers="layers")
     install_engine(session, engine)
     forward_done = False
@@ -370,6 +370,21 @@ def test_a_storage_freed_before_its_copy_ran_raises_instead_of_crashing():
             forward_done = True
             engine.gate.set()  # the queued copies run now, after the storage was freed
     assert forward_done and session.stats.aborted
+
+
+def test_a_storage_freed_while_its_batch_is_open_raises_in_forward_before_its_copy_is_queued():
+    """batch Note [Coalesced copies]: the batch is checked when it is flushed, before its one copy is queued."""
+    engine = GatedEngine()
+    model = ToyNet(layers=1, block=FreedByAnother)
+    session = swapkit.apply(model, toy_config(1, **layer_swap(1)), layers="layers")
+    install_engine(session, engine)
+    open_gate_when_blocked(engine, 0)  # the exit waits for the copy of the input's batch, queued before the error
+    with pytest.raises(StorageChangedError, match="saved in layer 0 was resized or freed by another component"):
+        with session:
+            model(torch.randn(4, 16)).sum()
+    stats = session.stats
+    # the input's batch was flushed at the sigmoid's save (its horizon); the freed storage's batch queued nothing
+    assert stats.aborted and stats.offload_copies == 1 and stats.released_bytes == 0
 
 
 def test_a_storage_freed_after_its_copy_raises_naming_the_layer_at_release():
