@@ -4,11 +4,13 @@ per input]): ``nn.MultiheadAttention(x, x, x)`` under select recompute failed in
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Callable
 
 import pytest
 import torch
 from torch import nn
+from torch.utils.checkpoint import CheckpointError
 
 import swapkit
 from tests.toys import assert_grads_equal, grads
@@ -178,6 +180,13 @@ def test_a_keyword_tensor_written_after_its_region_ran_fails_backward_instead_of
                                       recompute))
 
 
+@dataclass
+class Holder:
+    """An object that holds a tensor and is none of the containers swapkit walks (README limitations)."""
+
+    k: torch.Tensor
+
+
 class NestedProbe(nn.Module):
     """Gets its key inside a container (``f(x, [x])``, ``f(x, (x,))``, ``f(x, extra={"k": x})``, or deeper:
     ``f(x, [([x], 1)])``, ``f(x, extra={"k": [{"k": x}]})``) and branches
@@ -190,8 +199,8 @@ class NestedProbe(nn.Module):
 
     def forward(self, q, ks=None, extra=None):
         k = ks if ks is not None else extra
-        while not isinstance(k, torch.Tensor):  # down the nesting: the first element or key "k"
-            k = k["k"] if isinstance(k, dict) else k[0]
+        while not isinstance(k, torch.Tensor):  # down the nesting: the first element, key "k" or field k
+            k = k["k"] if isinstance(k, dict) else k.k if isinstance(k, Holder) else k[0]
         self.same.append(q is k)
         if q is k:
             return self.packed(q).sigmoid()[:, :16] * k
@@ -212,6 +221,8 @@ class NestedBlock(nn.Module):
             y = self.probe(x, [([x], 1)])
         elif self.how == "nested dict keyword":
             y = self.probe(x, extra={"k": [{"k": x}], "unused": 3})
+        elif self.how == "dataclass in a list":
+            y = self.probe(x, [Holder(x)])
         else:
             y = self.probe(x, extra={"k": x, "unused": 3})
         return x + self.out(y)
@@ -243,6 +254,21 @@ def test_a_top_level_tensor_repeated_inside_a_container_argument_is_one_object_i
             torch.testing.assert_close(ours[name], theirs[name], rtol=1e-5, atol=1e-7)
     else:
         assert_grads_equal(ours, theirs)
+
+
+@pytest.mark.parametrize("recompute", SELECT.values(), ids=SELECT.keys())
+def test_a_tensor_repeated_inside_another_object_fails_backward_where_the_branches_save_other_shapes(recompute):
+    """README limitations: the re-run gets the top-level tensor's re-run object and, inside an object swapkit
+    does not walk (a dataclass), the forward's; NestedProbe's branches save tensors of other shapes, so
+    torch's check raises (branches that save the same shapes would give other gradients, silently)."""
+    model = Stack(lambda: NestedBlock("dataclass in a list"))
+    session = swapkit.apply(model, {"recompute_config": recompute})
+    with pytest.raises(CheckpointError, match="different metadata"):
+        with session:
+            model(torch.randn(4, 16, requires_grad=True)).square().mean().backward()
+    session.remove()
+    same = model.layers[1].probe.same  # the last layer's backward raised
+    assert same[0] and not all(same[1:])  # forward took the packed branch, a re-run the other
 
 
 class FillsItsList(nn.Module):
