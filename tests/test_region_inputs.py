@@ -4,8 +4,9 @@ per input]): ``nn.MultiheadAttention(x, x, x)`` under select recompute failed in
 from __future__ import annotations
 
 import copy
+from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointError
 
 import swapkit
+from swapkit.runtime.region_inputs import aliased_elements, substituted
 from tests.toys import assert_grads_equal, grads
 
 MEGATRON_CORE_ATTN = {"recompute_granularity": "selective", "module_scopes": {"core_attn": "self_attn"}}
@@ -180,6 +182,11 @@ def test_a_keyword_tensor_written_after_its_region_ran_fails_backward_instead_of
                                       recompute))
 
 
+class Pair(NamedTuple):
+    k: torch.Tensor
+    n: int
+
+
 @dataclass
 class Holder:
     """An object that holds a tensor and is none of the containers swapkit walks (README limitations)."""
@@ -189,7 +196,7 @@ class Holder:
 
 class NestedProbe(nn.Module):
     """Gets its key inside a container (``f(x, [x])``, ``f(x, (x,))``, ``f(x, extra={"k": x})``, or deeper:
-    ``f(x, [([x], 1)])``, ``f(x, extra={"k": [{"k": x}]})``) and branches
+    ``f(x, [([x], 1)])``, ``f(x, extra={"k": [{"k": x}]})``, ``f(x, [Pair(x, 1)])``) and branches
     on whether it is the query object, as attention branches on ``query is key``."""
 
     def __init__(self) -> None:
@@ -221,6 +228,12 @@ class NestedBlock(nn.Module):
             y = self.probe(x, [([x], 1)])
         elif self.how == "nested dict keyword":
             y = self.probe(x, extra={"k": [{"k": x}], "unused": 3})
+        elif self.how == "named tuple in a list":
+            y = self.probe(x, [Pair(x, 1)])
+        elif self.how == "ordered dict keyword":
+            y = self.probe(x, extra=OrderedDict(k=[x], unused=3))
+        elif self.how == "defaultdict keyword":
+            y = self.probe(x, extra=defaultdict(int, k=(x,)))
         elif self.how == "dataclass in a list":
             y = self.probe(x, [Holder(x)])
         else:
@@ -235,7 +248,8 @@ NESTED_RECOMPUTE = {
 }
 
 
-NESTED_CASES = [(how, kind) for how in ("list", "tuple", "dict keyword", "nested list", "nested dict keyword")
+NESTED_CASES = [(how, kind) for how in ("list", "tuple", "dict keyword", "nested list", "nested dict keyword",
+                                        "named tuple in a list", "ordered dict keyword", "defaultdict keyword")
                 for kind in NESTED_RECOMPUTE
                 if not (kind == "reentrant" and "keyword" in how)]  # reentrant recompute takes no keywords
 
@@ -254,6 +268,21 @@ def test_a_top_level_tensor_repeated_inside_a_container_argument_is_one_object_i
             torch.testing.assert_close(ours[name], theirs[name], rtol=1e-5, atol=1e-7)
     else:
         assert_grads_equal(ours, theirs)
+
+
+def test_a_rerun_gets_copies_of_the_containers_on_the_way_to_a_repeated_tensor_of_their_own_types():
+    """region_inputs Note [A tensor passed to a region more than once]: the forward call (each element its own
+    already) gets the caller's objects; the re-run copies only the containers on the paths, of their types."""
+    x, rerun = torch.ones(1), torch.zeros(1)
+    untouched = [1]
+    value = [OrderedDict(a=Pair(x, 2), b=untouched), defaultdict(list, c=(untouched, {"d": x}))]
+    paths = aliased_elements(value, lambda tensor: 0 if tensor is x else None)
+    assert paths == {(0, "a", 0): 0, (1, "c", 1, "d"): 0}
+    assert substituted(value, {path: x for path in paths}) is value
+    copied = substituted(value, {path: rerun for path in paths})
+    assert copied[0]["a"] == Pair(rerun, 2) and type(copied[0]["a"]) is Pair and type(copied[0]) is OrderedDict
+    assert copied[1]["c"][1]["d"] is rerun and copied[1].default_factory is list and copied[1]["c"][0] is untouched
+    assert copied[0]["b"] is untouched and value[0]["a"].k is x and value[1]["c"][1]["d"] is x
 
 
 @pytest.mark.parametrize("recompute", SELECT.values(), ids=SELECT.keys())
