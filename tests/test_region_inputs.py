@@ -214,14 +214,26 @@ class NestedProbe(nn.Module):
         return self.single(q).sigmoid() * k
 
 
+class TwoPathsProbe(NestedProbe):
+    """Gets one list at two paths (``f(x, states, [states])``) and branches on ``query is key`` only where they
+    are one list, as a module that reads through one path what it put in through the other would."""
+
+    def forward(self, q, states, nested):
+        return super().forward(q, states if nested[0] is states else [q.detach()])
+
+
 class NestedBlock(nn.Module):
     def __init__(self, how: str) -> None:
         super().__init__()
-        self.probe, self.out, self.how = NestedProbe(), nn.Linear(16, 16), how
+        self.probe = TwoPathsProbe() if how == "one list at two paths" else NestedProbe()
+        self.out, self.how = nn.Linear(16, 16), how
 
     def forward(self, x):
         if self.how == "list":
             y = self.probe(x, [x])
+        elif self.how == "one list at two paths":
+            states = [x]
+            y = self.probe(x, states, [states])
         elif self.how == "tuple":
             y = self.probe(x, (x,))
         elif self.how == "nested list":
@@ -249,7 +261,8 @@ NESTED_RECOMPUTE = {
 
 
 NESTED_CASES = [(how, kind) for how in ("list", "tuple", "dict keyword", "nested list", "nested dict keyword",
-                                        "named tuple in a list", "ordered dict keyword", "defaultdict keyword")
+                                        "named tuple in a list", "ordered dict keyword", "defaultdict keyword",
+                                        "one list at two paths")
                 for kind in NESTED_RECOMPUTE
                 if not (kind == "reentrant" and "keyword" in how)]  # reentrant recompute takes no keywords
 

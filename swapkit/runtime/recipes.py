@@ -83,8 +83,9 @@ class Recipe:
     def _replay(self) -> None:
         """Note [Replay as in forward]"""
         unpacked: dict[int, Any] = {}  # Note [One object per input]
-        args = [self._input(a, unpacked) for a in self.args]
-        kwargs = {k: self._input(v, unpacked) for k, v in self.kwargs.items()}
+        copies: dict[int, Any] = {}  # region_inputs.substituted
+        args = [self._input(a, unpacked, copies) for a in self.args]
+        kwargs = {k: self._input(v, unpacked, copies) for k, v in self.kwargs.items()}
         cpu_state, devices, states = self.rng
         device_type, dtype, enabled = self.autocast
         with torch.random.fork_rng(devices=devices), torch.enable_grad():
@@ -99,13 +100,14 @@ class Recipe:
         """Every tensor input still holds the values the scope ran on (Note [Inputs changed in place ...])."""
         return all(_unchanged(v) for v in (*self.args, *self.kwargs.values()) if isinstance(v, PackedInput))
 
-    def _input(self, value: Any, unpacked: dict[int, Any]) -> Any:
+    def _input(self, value: Any, unpacked: dict[int, Any], copies: dict[int, Any]) -> Any:
         """``value`` as the replay passes it; ``unpacked``: the inputs of this replay so far, by handle. A
-        container holding handles (elements that were also top-level inputs) is copied with them unpacked."""
+        container holding handles (elements that were also top-level inputs) is copied with them unpacked
+        (``copies``: those made so far, one for each container)."""
         if walked(value) and not isinstance(value, PackedInput):  # a handle is a named tuple itself
             handles = nested_elements(value, lambda item: item if isinstance(item, PackedInput) else None)
-            return substituted(value, {path: self._input(h, unpacked) for path, h in handles.items()}) \
-                if handles else value
+            return substituted(value, {path: self._input(h, unpacked, copies) for path, h in handles.items()},
+                               copies) if handles else value
         if not isinstance(value, PackedInput):
             return value
         if id(value) not in unpacked:

@@ -15,9 +15,10 @@ argument (a named tuple, an ``OrderedDict`` and a ``defaultdict`` too) travels b
 (checkpointing saves only top-level tensors): where one of its elements, at any depth, is a tensor
 also passed at the top level (``f(x, [x])``, ``f(x, [(x, 1)])``), the re-run gets a copy of the
 container with that element replaced by the top-level re-run object (:func:`substituted`: the
-containers on the way to it are copied, of their own types, the others shared). The forward call
-gets the caller's own container: a module may append to it or fill it in. Other objects (a
-dataclass, a dict subclass) are not looked into: README limitations.
+containers on the way to it are copied, of their own types, once each however many paths reach
+them, the others shared). The forward call gets the caller's own container: a module may append to
+it or fill it in. Other objects (a dataclass, a dict subclass) are not looked into: README
+limitations.
 
 Note [Keyword tensors written after the region]
 Keyword tensors that are not also positional reach the region by reference (recompute Note [Keyword
@@ -95,16 +96,27 @@ def aliased_elements(value: Any, index_of: Callable[[Any], int | None]) -> dict[
     return nested_elements(value, lambda item: index_of(item) if isinstance(item, torch.Tensor) else None)
 
 
-def substituted(value: Any, elements: dict[Path, Any]) -> Any:
+def substituted(value: Any, elements: dict[Path, Any], copies: dict[int, Any] | None = None) -> Any:
     """A copy of the nested containers ``value`` with ``elements`` (path -> new element) put in, copying only
     the containers on those paths; ``value`` itself where they are its elements already (the forward call: a
-    module may fill the caller's list or dict)."""
+    module may fill the caller's list or dict). ``copies``: those made so far for one call, by the original's
+    id, so that a container reached by two paths (``f(x, states, [states])``) is one copy."""
+    copies = {} if copies is None else copies
+    if id(value) in copies:
+        return copies[id(value)]
     inner: dict[Any, dict[Path, Any]] = {}
     for (key, *rest), element in elements.items():
         inner.setdefault(key, {})[tuple(rest)] = element
-    changed = {key: (paths[()] if () in paths else substituted(value[key], paths)) for key, paths in inner.items()}
+    changed = {key: (paths[()] if () in paths else substituted(value[key], paths, copies))
+               for key, paths in inner.items()}
     if all(value[key] is item for key, item in changed.items()):
         return value
+    copies[id(value)] = _rebuilt(value, changed)
+    return copies[id(value)]
+
+
+def _rebuilt(value: Any, changed: dict[Any, Any]) -> Any:
+    """A copy of the container ``value``, of its type, with ``changed`` (key -> new element) put in."""
     if isinstance(value, dict):
         rebuilt = copy(value)  # of its type: an OrderedDict, a defaultdict with its default factory
         rebuilt.update(changed)
@@ -166,13 +178,14 @@ def call_region(function: Callable[..., Any], kwargs: dict, shape: RegionLayout,
     for name, tensor, version in unsaved:
         if tensor._version != version:
             raise _keyword_written_error(label, name, version, tensor._version)
+    copies: dict[int, Any] = {}  # substituted: one copy of a container the call holds twice
     if shape.aliases or shape.nested_keywords:
         kwargs = {**kwargs, **{name: inputs[index] for name, index in shape.aliases.items()},
-                  **{name: substituted(kwargs[name], {key: inputs[i] for key, i in found.items()})
+                  **{name: substituted(kwargs[name], {key: inputs[i] for key, i in found.items()}, copies)
                      for name, found in shape.nested_keywords.items()}}
     args = [inputs[index] for index in shape.layout]
     for position, found in shape.nested:
-        args[position] = substituted(args[position], {key: inputs[i] for key, i in found.items()})
+        args[position] = substituted(args[position], {key: inputs[i] for key, i in found.items()}, copies)
     return function(*args, **kwargs)
 
 
