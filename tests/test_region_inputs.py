@@ -293,9 +293,12 @@ def test_a_rerun_gets_copies_of_the_containers_on_the_way_to_a_repeated_tensor_o
     assert paths == {(0, "a", 0): 0, (1, "c", 1, "d"): 0}
     assert substituted(value, {path: x for path in paths}) is value
     copied = substituted(value, {path: rerun for path in paths})
-    assert copied[0]["a"] == Pair(rerun, 2) and type(copied[0]["a"]) is Pair and type(copied[0]) is OrderedDict
+    assert copied[0]["a"].k is rerun and type(copied[0]["a"]) is Pair and type(copied[0]) is OrderedDict
     assert copied[1]["c"][1]["d"] is rerun and copied[1].default_factory is list and copied[1]["c"][0] is untouched
     assert copied[0]["b"] is untouched and value[0]["a"].k is x and value[1]["c"][1]["d"] is x
+    states = [x]
+    twice = substituted([states, (states,)], {(0, 0): rerun, (1, 0, 0): rerun})
+    assert twice[0] is twice[1][0] and twice[0] == [rerun]  # one container, one copy
 
 
 @pytest.mark.parametrize("recompute", SELECT.values(), ids=SELECT.keys())
