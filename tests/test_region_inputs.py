@@ -4,13 +4,17 @@ per input]): ``nn.MultiheadAttention(x, x, x)`` under select recompute failed in
 from __future__ import annotations
 
 import copy
-from typing import Callable
+from collections import OrderedDict, defaultdict
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
 
 import pytest
 import torch
 from torch import nn
+from torch.utils.checkpoint import CheckpointError
 
 import swapkit
+from swapkit.runtime.region_inputs import aliased_elements, substituted
 from tests.toys import assert_grads_equal, grads
 
 MEGATRON_CORE_ATTN = {"recompute_granularity": "selective", "module_scopes": {"core_attn": "self_attn"}}
@@ -178,9 +182,21 @@ def test_a_keyword_tensor_written_after_its_region_ran_fails_backward_instead_of
                                       recompute))
 
 
+class Pair(NamedTuple):
+    k: torch.Tensor
+    n: int
+
+
+@dataclass
+class Holder:
+    """An object that holds a tensor and is none of the containers swapkit walks (README limitations)."""
+
+    k: torch.Tensor
+
+
 class NestedProbe(nn.Module):
     """Gets its key inside a container (``f(x, [x])``, ``f(x, (x,))``, ``f(x, extra={"k": x})``, or deeper:
-    ``f(x, [([x], 1)])``, ``f(x, extra={"k": [{"k": x}]})``) and branches
+    ``f(x, [([x], 1)])``, ``f(x, extra={"k": [{"k": x}]})``, ``f(x, [Pair(x, 1)])``) and branches
     on whether it is the query object, as attention branches on ``query is key``."""
 
     def __init__(self) -> None:
@@ -190,28 +206,48 @@ class NestedProbe(nn.Module):
 
     def forward(self, q, ks=None, extra=None):
         k = ks if ks is not None else extra
-        while not isinstance(k, torch.Tensor):  # down the nesting: the first element or key "k"
-            k = k["k"] if isinstance(k, dict) else k[0]
+        while not isinstance(k, torch.Tensor):  # down the nesting: the first element, key "k" or field k
+            k = k["k"] if isinstance(k, dict) else k.k if isinstance(k, Holder) else k[0]
         self.same.append(q is k)
         if q is k:
             return self.packed(q).sigmoid()[:, :16] * k
         return self.single(q).sigmoid() * k
 
 
+class TwoPathsProbe(NestedProbe):
+    """Gets one list at two paths (``f(x, states, [states])``) and branches on ``query is key`` only where they
+    are one list, as a module that reads through one path what it put in through the other would."""
+
+    def forward(self, q, states, nested):
+        return super().forward(q, states if nested[0] is states else [q.detach()])
+
+
 class NestedBlock(nn.Module):
     def __init__(self, how: str) -> None:
         super().__init__()
-        self.probe, self.out, self.how = NestedProbe(), nn.Linear(16, 16), how
+        self.probe = TwoPathsProbe() if how == "one list at two paths" else NestedProbe()
+        self.out, self.how = nn.Linear(16, 16), how
 
     def forward(self, x):
         if self.how == "list":
             y = self.probe(x, [x])
+        elif self.how == "one list at two paths":
+            states = [x]
+            y = self.probe(x, states, [states])
         elif self.how == "tuple":
             y = self.probe(x, (x,))
         elif self.how == "nested list":
             y = self.probe(x, [([x], 1)])
         elif self.how == "nested dict keyword":
             y = self.probe(x, extra={"k": [{"k": x}], "unused": 3})
+        elif self.how == "named tuple in a list":
+            y = self.probe(x, [Pair(x, 1)])
+        elif self.how == "ordered dict keyword":
+            y = self.probe(x, extra=OrderedDict(k=[x], unused=3))
+        elif self.how == "defaultdict keyword":
+            y = self.probe(x, extra=defaultdict(int, k=(x,)))
+        elif self.how == "dataclass in a list":
+            y = self.probe(x, [Holder(x)])
         else:
             y = self.probe(x, extra={"k": x, "unused": 3})
         return x + self.out(y)
@@ -224,7 +260,9 @@ NESTED_RECOMPUTE = {
 }
 
 
-NESTED_CASES = [(how, kind) for how in ("list", "tuple", "dict keyword", "nested list", "nested dict keyword")
+NESTED_CASES = [(how, kind) for how in ("list", "tuple", "dict keyword", "nested list", "nested dict keyword",
+                                        "named tuple in a list", "ordered dict keyword", "defaultdict keyword",
+                                        "one list at two paths")
                 for kind in NESTED_RECOMPUTE
                 if not (kind == "reentrant" and "keyword" in how)]  # reentrant recompute takes no keywords
 
@@ -243,6 +281,39 @@ def test_a_top_level_tensor_repeated_inside_a_container_argument_is_one_object_i
             torch.testing.assert_close(ours[name], theirs[name], rtol=1e-5, atol=1e-7)
     else:
         assert_grads_equal(ours, theirs)
+
+
+def test_a_rerun_gets_copies_of_the_containers_on_the_way_to_a_repeated_tensor_of_their_own_types():
+    """region_inputs Note [A tensor passed to a region more than once]: the forward call (each element its own
+    already) gets the caller's objects; the re-run copies only the containers on the paths, of their types."""
+    x, rerun = torch.ones(1), torch.zeros(1)
+    untouched = [1]
+    value = [OrderedDict(a=Pair(x, 2), b=untouched), defaultdict(list, c=(untouched, {"d": x}))]
+    paths = aliased_elements(value, lambda tensor: 0 if tensor is x else None)
+    assert paths == {(0, "a", 0): 0, (1, "c", 1, "d"): 0}
+    assert substituted(value, {path: x for path in paths}) is value
+    copied = substituted(value, {path: rerun for path in paths})
+    assert copied[0]["a"].k is rerun and type(copied[0]["a"]) is Pair and type(copied[0]) is OrderedDict
+    assert copied[1]["c"][1]["d"] is rerun and copied[1].default_factory is list and copied[1]["c"][0] is untouched
+    assert copied[0]["b"] is untouched and value[0]["a"].k is x and value[1]["c"][1]["d"] is x
+    states = [x]
+    twice = substituted([states, (states,)], {(0, 0): rerun, (1, 0, 0): rerun})
+    assert twice[0] is twice[1][0] and twice[0] == [rerun]  # one container, one copy
+
+
+@pytest.mark.parametrize("recompute", SELECT.values(), ids=SELECT.keys())
+def test_a_tensor_repeated_inside_another_object_fails_backward_where_the_branches_save_other_shapes(recompute):
+    """README limitations: the re-run gets the top-level tensor's re-run object and, inside an object swapkit
+    does not walk (a dataclass), the forward's; NestedProbe's branches save tensors of other shapes, so
+    torch's check raises (branches that save the same shapes would give other gradients, silently)."""
+    model = Stack(lambda: NestedBlock("dataclass in a list"))
+    session = swapkit.apply(model, {"recompute_config": recompute})
+    with pytest.raises(CheckpointError, match="different metadata"):
+        with session:
+            model(torch.randn(4, 16, requires_grad=True)).square().mean().backward()
+    session.remove()
+    same = model.layers[1].probe.same  # the last layer's backward raised
+    assert same[0] and not all(same[1:])  # forward took the packed branch, a re-run the other
 
 
 class FillsItsList(nn.Module):

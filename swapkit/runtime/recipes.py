@@ -36,8 +36,9 @@ branch on it (``nn.MultiheadAttention`` takes its packed input projection when `
 The session packs it once per recipe and the replay unpacks it once, so the replay passes one
 object in each of its positions and takes the path forward took (region_inputs Note [A tensor
 passed to a region more than once] does the same for the checkpoint region). A list, tuple or dict
-argument holding such a tensor (``f(x, [x])``, or deeper: ``f(x, [(x, 1)])``) gets the same handle in
-its place, and the replay passes a copy of it with the unpacked object.
+argument (a named tuple, an ``OrderedDict``, a ``defaultdict``) holding such a tensor (``f(x, [x])``,
+or deeper: ``f(x, [(x, 1)])``) gets the same handle in its place, and the replay passes a copy of it
+with the unpacked object.
 
 Recipes exist only while a session is active; outside ``with session:`` a selected scope is a
 plain checkpoint region. The Megatron dialect keeps Megatron's semantics (checkpoint regions
@@ -55,7 +56,7 @@ from torch.utils.checkpoint import get_device_states, set_device_states
 
 from swapkit.runtime.records import StepState, is_plain, rebuild
 from swapkit.runtime.restored import handed_out
-from swapkit.runtime.region_inputs import CONTAINERS, nested_elements, substituted
+from swapkit.runtime.region_inputs import nested_elements, substituted, walked
 
 
 class Recipe:
@@ -82,8 +83,9 @@ class Recipe:
     def _replay(self) -> None:
         """Note [Replay as in forward]"""
         unpacked: dict[int, Any] = {}  # Note [One object per input]
-        args = [self._input(a, unpacked) for a in self.args]
-        kwargs = {k: self._input(v, unpacked) for k, v in self.kwargs.items()}
+        copies: dict[int, Any] = {}  # region_inputs.substituted
+        args = [self._input(a, unpacked, copies) for a in self.args]
+        kwargs = {k: self._input(v, unpacked, copies) for k, v in self.kwargs.items()}
         cpu_state, devices, states = self.rng
         device_type, dtype, enabled = self.autocast
         with torch.random.fork_rng(devices=devices), torch.enable_grad():
@@ -98,13 +100,14 @@ class Recipe:
         """Every tensor input still holds the values the scope ran on (Note [Inputs changed in place ...])."""
         return all(_unchanged(v) for v in (*self.args, *self.kwargs.values()) if isinstance(v, PackedInput))
 
-    def _input(self, value: Any, unpacked: dict[int, Any]) -> Any:
+    def _input(self, value: Any, unpacked: dict[int, Any], copies: dict[int, Any]) -> Any:
         """``value`` as the replay passes it; ``unpacked``: the inputs of this replay so far, by handle. A
-        container holding handles (elements that were also top-level inputs) is copied with them unpacked."""
-        if type(value) in CONTAINERS:
+        container holding handles (elements that were also top-level inputs) is copied with them unpacked
+        (``copies``: those made so far, one for each container)."""
+        if walked(value) and not isinstance(value, PackedInput):  # a handle is a named tuple itself
             handles = nested_elements(value, lambda item: item if isinstance(item, PackedInput) else None)
-            return substituted(value, {path: self._input(h, unpacked) for path, h in handles.items()}) \
-                if handles else value
+            return substituted(value, {path: self._input(h, unpacked, copies) for path, h in handles.items()},
+                               copies) if handles else value
         if not isinstance(value, PackedInput):
             return value
         if id(value) not in unpacked:

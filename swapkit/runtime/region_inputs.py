@@ -11,11 +11,14 @@ values ... have different metadata". So each distinct tensor object is handed to
 once, with the positions it fills (and the keywords that name it as well), and the region is
 called with one object in each of them, as in forward. Reentrant checkpointing, which detaches each
 input on its own even without a session, keeps the identity the same way. A list, tuple or dict
-argument travels by reference (checkpointing saves only top-level tensors): where one of its elements,
-at any depth, is a tensor also passed at the top level (``f(x, [x])``, ``f(x, [(x, 1)])``), the re-run
-gets a copy of the container with that element replaced by the top-level re-run object
-(:func:`substituted`: the containers on the way to it are copied, the others shared). The forward
-call gets the caller's own container: a module may append to it or fill it in.
+argument (a named tuple, an ``OrderedDict`` and a ``defaultdict`` too) travels by reference
+(checkpointing saves only top-level tensors): where one of its elements, at any depth, is a tensor
+also passed at the top level (``f(x, [x])``, ``f(x, [(x, 1)])``), the re-run gets a copy of the
+container with that element replaced by the top-level re-run object (:func:`substituted`: the
+containers on the way to it are copied, of their own types, once each however many paths reach
+them, the others shared). The forward call gets the caller's own container: a module may append to
+it or fill it in. Other objects (a dataclass, a dict subclass) are not looked into: README
+limitations.
 
 Note [Keyword tensors written after the region]
 Keyword tensors that are not also positional reach the region by reference (recompute Note [Keyword
@@ -41,6 +44,8 @@ its parameters (a closure) still gets its gradient: a plain run is autograd's ow
 """
 from __future__ import annotations
 
+from collections import OrderedDict, defaultdict
+from copy import copy
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -48,8 +53,9 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 
-#: Containers whose elements may alias a region's top-level tensors (at any depth; their exact types only)
-CONTAINERS = (list, tuple, dict)
+#: Containers whose elements may alias a region's top-level tensors (at any depth; these exact types, and named
+#: tuples: :func:`walked`)
+CONTAINERS = (list, tuple, dict, OrderedDict, defaultdict)
 
 #: Where an element sits in nested containers: the key or index at each level, outermost first
 Path = tuple[Any, ...]
@@ -64,41 +70,63 @@ class RegionLayout(NamedTuple):
     nested_keywords: dict[str, dict[Path, int]]  # keyword containers -> {element path: index}
 
 
+def walked(value: Any) -> bool:
+    """Whether :func:`nested_elements` looks into ``value``: one of :data:`CONTAINERS` or a named tuple."""
+    kind = type(value)
+    return kind in CONTAINERS or (issubclass(kind, tuple) and isinstance(getattr(kind, "_fields", None), tuple))
+
+
 def nested_elements(value: Any, pick: Callable[[Any], Any]) -> dict[Path, Any]:
-    """``{path: pick(item)}`` of the items inside the (nested) list, tuple or dict ``value`` for which ``pick``
-    gives something other than ``None``; containers are walked, not picked."""
-    if type(value) not in CONTAINERS:
+    """``{path: pick(item)}`` of the items inside the (nested) :func:`walked` containers ``value`` for which
+    ``pick`` gives something other than ``None``; a container is walked where ``pick`` gives ``None`` (a
+    recipe's handles are named tuples)."""
+    if not walked(value):
         return {}
     found: dict[Path, Any] = {}
-    for key, item in (value.items() if type(value) is dict else enumerate(value)):
-        if type(item) in CONTAINERS:
-            found.update({(key, *path): got for path, got in nested_elements(item, pick).items()})
-        elif (got := pick(item)) is not None:
+    for key, item in (value.items() if isinstance(value, dict) else enumerate(value)):
+        if (got := pick(item)) is not None:
             found[(key,)] = got
+        elif walked(item):
+            found.update({(key, *path): got for path, got in nested_elements(item, pick).items()})
     return found
 
 
 def aliased_elements(value: Any, index_of: Callable[[Any], int | None]) -> dict[Path, int]:
-    """``{path: index}`` of the tensors inside a (nested) list, tuple or dict ``value`` that ``index_of`` knows."""
+    """``{path: index}`` of the tensors inside the (nested) containers ``value`` that ``index_of`` knows."""
     return nested_elements(value, lambda item: index_of(item) if isinstance(item, torch.Tensor) else None)
 
 
-def substituted(value: Any, elements: dict[Path, Any]) -> Any:
+def substituted(value: Any, elements: dict[Path, Any], copies: dict[int, Any] | None = None) -> Any:
     """A copy of the nested containers ``value`` with ``elements`` (path -> new element) put in, copying only
     the containers on those paths; ``value`` itself where they are its elements already (the forward call: a
-    module may fill the caller's list or dict)."""
+    module may fill the caller's list or dict). ``copies``: those made so far for one call, by the original's
+    id, so that a container reached by two paths (``f(x, states, [states])``) is one copy."""
+    copies = {} if copies is None else copies
+    if id(value) in copies:
+        return copies[id(value)]
     inner: dict[Any, dict[Path, Any]] = {}
     for (key, *rest), element in elements.items():
         inner.setdefault(key, {})[tuple(rest)] = element
-    changed = {key: (paths[()] if () in paths else substituted(value[key], paths)) for key, paths in inner.items()}
+    changed = {key: (paths[()] if () in paths else substituted(value[key], paths, copies))
+               for key, paths in inner.items()}
     if all(value[key] is item for key, item in changed.items()):
         return value
-    if type(value) is dict:
-        return {**value, **changed}
-    copy = list(value)
+    copies[id(value)] = _rebuilt(value, changed)
+    return copies[id(value)]
+
+
+def _rebuilt(value: Any, changed: dict[Any, Any]) -> Any:
+    """A copy of the container ``value``, of its type, with ``changed`` (key -> new element) put in."""
+    if isinstance(value, dict):
+        rebuilt = copy(value)  # of its type: an OrderedDict, a defaultdict with its default factory
+        rebuilt.update(changed)
+        return rebuilt
+    items = list(value)
     for key, item in changed.items():
-        copy[key] = item
-    return copy if type(value) is list else tuple(copy)
+        items[key] = item
+    if type(value) is list:
+        return items
+    return tuple(items) if type(value) is tuple else type(value)._make(items)
 
 
 def distinct_inputs(args: tuple, kwargs: dict) -> tuple[tuple, RegionLayout]:
@@ -150,13 +178,14 @@ def call_region(function: Callable[..., Any], kwargs: dict, shape: RegionLayout,
     for name, tensor, version in unsaved:
         if tensor._version != version:
             raise _keyword_written_error(label, name, version, tensor._version)
+    copies: dict[int, Any] = {}  # substituted: one copy of a container the call holds twice
     if shape.aliases or shape.nested_keywords:
         kwargs = {**kwargs, **{name: inputs[index] for name, index in shape.aliases.items()},
-                  **{name: substituted(kwargs[name], {key: inputs[i] for key, i in found.items()})
+                  **{name: substituted(kwargs[name], {key: inputs[i] for key, i in found.items()}, copies)
                      for name, found in shape.nested_keywords.items()}}
     args = [inputs[index] for index in shape.layout]
     for position, found in shape.nested:
-        args[position] = substituted(args[position], {key: inputs[i] for key, i in found.items()})
+        args[position] = substituted(args[position], {key: inputs[i] for key, i in found.items()}, copies)
     return function(*args, **kwargs)
 
 
