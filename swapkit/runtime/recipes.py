@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import weakref
 from functools import partial
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import torch
 from torch.utils.checkpoint import get_device_states, set_device_states
@@ -104,7 +104,7 @@ class Recipe:
         """``value`` as the replay passes it; ``unpacked``: the inputs of this replay so far, by handle. A
         container holding handles (elements that were also top-level inputs) is copied with them unpacked
         (``copies``: those made so far, one for each container)."""
-        if walked(value) and not isinstance(value, PackedInput):  # a handle is a named tuple itself
+        if walked(value):
             handles = nested_elements(value, lambda item: item if isinstance(item, PackedInput) else None)
             return substituted(value, {path: self._input(h, unpacked, copies) for path, h in handles.items()},
                                copies) if handles else value
@@ -135,11 +135,14 @@ def _input_changed_error(label: str, saved: Any) -> RuntimeError:
         "operation out-of-place, do it before the output is used, or remove the scope from select_recompute.")
 
 
-class PackedInput(NamedTuple):
-    """A tensor input of a recipe: its session handle and whether it required grad in forward."""
+class PackedInput:
+    """A tensor input of a recipe: its session handle and whether it required grad in forward. Not a named tuple:
+    region_inputs walks those for repeated tensors, and a handle is a leaf."""
 
-    saved: Any
-    requires_grad: bool
+    __slots__ = ("saved", "requires_grad")
+
+    def __init__(self, saved: Any, requires_grad: bool) -> None:
+        self.saved, self.requires_grad = saved, requires_grad
 
 
 class RecomputedOutput:

@@ -78,8 +78,7 @@ def walked(value: Any) -> bool:
 
 def nested_elements(value: Any, pick: Callable[[Any], Any]) -> dict[Path, Any]:
     """``{path: pick(item)}`` of the items inside the (nested) :func:`walked` containers ``value`` for which
-    ``pick`` gives something other than ``None``; a container is walked where ``pick`` gives ``None`` (a
-    recipe's handles are named tuples)."""
+    ``pick`` gives something other than ``None``; a container is walked where ``pick`` gives ``None``."""
     if not walked(value):
         return {}
     found: dict[Path, Any] = {}

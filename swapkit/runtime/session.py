@@ -250,8 +250,6 @@ class SwapSession:
         copies: dict[int, Any] = {}  # region_inputs.substituted: one copy of a container held twice
 
         def pack_aliases(value: Any) -> Any:  # region_inputs Note [A tensor passed to a region more than once]
-            if isinstance(value, PackedInput):  # a top-level tensor's handle: a named tuple, not the caller's
-                return value
             found = aliased_elements(value, lambda tensor: id(tensor) if id(tensor) in packed else None)
             return substituted(value, {key: packed[i] for key, i in found.items()}, copies) if found else value
 
