@@ -1,7 +1,7 @@
 """Multi-process helpers for the pipeline tests: gloo on 127.0.0.1 through a FileStore in tmp_path.
 
-``spawn(fn, world, tmp_path, *args)`` runs ``fn(rank, world, *args)`` on ``world`` fresh processes
-and returns each rank's return value (saved with ``torch.save``). A failing rank fails the call
+``spawn(fn, world, tmp_path, *args)`` runs ``fn(rank, world, *args)`` on ``world`` processes forked from a
+preloaded server (dist_utils Note [Ranks forked from a preloaded server]) and returns each rank's return value (saved with ``torch.save``). A failing rank fails the call
 with its traceback; the process group times out after 60 s, so nothing hangs.
 """
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import swapkit
+from dist_utils import rank_environment, start_method, take_environment
 from swapkit.engine import ThreadCopyEngine
 from swapkit.distributed.pipeline import build_stage_chunks, make_schedule, pipeline_stages
 from swapkit.train.model import lm_loss
@@ -27,11 +28,13 @@ MICRO_BATCHES, MICRO_BATCH_SIZE = 4, 2
 def spawn(fn, world: int, tmp_path: Path, *args) -> list:
     out = tmp_path / "out"
     out.mkdir(exist_ok=True)
-    mp.spawn(_worker, args=(fn, world, str(tmp_path / "store"), str(out), args), nprocs=world, join=True)
+    mp.start_processes(_worker, args=(fn, world, str(tmp_path / "store"), str(out), args, rank_environment()),
+                       nprocs=world, join=True, start_method=start_method())
     return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(world)]
 
 
-def _worker(rank: int, fn, world: int, store: str, out: str, args: tuple) -> None:
+def _worker(rank: int, fn, world: int, store: str, out: str, args: tuple, environment: dict[str, str]) -> None:
+    take_environment(environment)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
