@@ -111,6 +111,21 @@ def test_config_and_plan_work_without_torch():
     assert result.stdout.strip() == f"ok {len(configs)}"
 
 
+def test_the_process_that_starts_the_ranks_never_loads_pipelining_or_dynamo():
+    """swapkit.distributed.pipeline Note [Pipelining loads where a stage runs]: 2 s of the start of every run."""
+    script = textwrap.dedent(f"""
+        import sys
+        import torch
+        from swapkit.distributed.launch import check
+        from swapkit.load import load_config
+        check(load_config({str(ROOT / "configs" / "pp2.yaml")!r}), torch.device("cpu"))
+        print(sorted(m for m in ("torch.distributed.pipelining", "torch._dynamo") if m in sys.modules))
+    """)
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
 def test_torch_side_names_stay_public():
     import swapkit
 

@@ -26,15 +26,22 @@ opens one micro-step per chunk forward, keyed by chunk and ordinal, however many
 (swapkit.runtime.microsteps); the budget planner replays torch's GPipe and 1F1B order for any count
 (swapkit.plan.stages.schedule_actions). ``swapkit train`` used to ask for a multiple of ``P`` on
 every schedule: stricter than torch, it refused 3 micro-batches on 2 stages, and GPipe's 1.
+
+Note [Pipelining loads where a stage runs]
+``import torch.distributed.pipelining`` loads Dynamo, sympy and DTensor: 2-2.5 s of CPU on a 2-core
+VM, on top of ``import torch``'s 2.5 s. The config checks here (micro-batch counts, schedule names)
+run in the ``swapkit train`` process that starts the ranks, before it spawns them
+(``swapkit.distributed.launch.check``), and that process builds no stage. So this module imports
+pipelining only where a stage or a schedule is built, in a rank: a pipeline run's ranks start about
+2 s sooner (tests/test_package_layout.py checks that the launcher's checks leave it unloaded).
 """
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from swapkit.config.errors import Problem
 from swapkit.config.schema import LIMITS
@@ -42,7 +49,11 @@ from swapkit.config.types import Config, ModelConfig
 from swapkit.plan.plan import Plan
 from swapkit.train.model import LlamaModel, build_model, rotary_tables
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
+if TYPE_CHECKING:
+    from torch.distributed.pipelining import PipelineStage
+
+#: torch's schedule class of each name (Note [Pipelining loads where a stage runs])
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
 
 
 class PipelineChunk(nn.Module):
@@ -176,14 +187,16 @@ def schedule_name(config: Config) -> str:
 
 
 def pipeline_stages(chunks: list[nn.Module], stage: int, pipeline_stage: int, device: torch.device,
-                    group: torch.distributed.ProcessGroup | None = None) -> list[PipelineStage]:
+                    group: torch.distributed.ProcessGroup | None = None) -> list["PipelineStage"]:
     """One ``PipelineStage`` per chunk; chunk ``v`` of stage ``s`` is torch stage ``v * P + s``."""
+    from torch.distributed.pipelining import PipelineStage  # Note [Pipelining loads where a stage runs]
+
     total = pipeline_stage * len(chunks)
     return [PipelineStage(chunk, v * pipeline_stage + stage, total, device, group=group)
             for v, chunk in enumerate(chunks)]
 
 
-def make_schedule(name: str, stages: list[PipelineStage], micro_batches: int,
+def make_schedule(name: str, stages: list["PipelineStage"], micro_batches: int,
                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> object:
     """The torch schedule ``name`` (``gpipe``, ``1f1b``, ``interleaved_1f1b``) over the stage's chunks.
 
@@ -192,9 +205,12 @@ def make_schedule(name: str, stages: list[PipelineStage], micro_batches: int,
     """
     if name not in SCHEDULES:
         raise ValueError(f"schedule {name!r} is not one of {sorted(SCHEDULES)}")
+    from torch.distributed import pipelining  # Note [Pipelining loads where a stage runs]
+
+    schedule = getattr(pipelining, SCHEDULES[name])
     if name != "interleaved_1f1b":
         if len(stages) != 1:
             raise ValueError(f"schedule {name!r} runs one chunk per stage but this stage has {len(stages)} "
                              "(pp_interleave_num > 1); use interleaved_1f1b")
-        return SCHEDULES[name](stages[0], micro_batches, loss_fn=loss_fn)
-    return ScheduleInterleaved1F1B(stages, micro_batches, loss_fn=loss_fn)
+        return schedule(stages[0], micro_batches, loss_fn=loss_fn)
+    return schedule(stages, micro_batches, loss_fn=loss_fn)
