@@ -81,18 +81,39 @@ def test_microbench_takes_the_swap_way_apart_and_leaves_the_collector_on():
 
 def test_microbench_isolated_runs_each_way_in_a_process_of_its_own(tmp_path):
     """--isolated N (Note [Each way alone]): every chosen way runs N times, each time in a new process with
-    only (a) and (b) beside it, and the report puts its ratios next to the paired run's."""
+    only (a) and (b) beside it, and the report puts its ratios next to the paired run's. One way: each
+    process imports torch (3-5 s on a 2-core VM), and the rotation of several is run_isolated's loop."""
     out = tmp_path / "overhead"
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "microbench.py"), "--length", "20", "--reps",
-                             "1", "--ways", "keep,floor", "--isolated", "2", "--out", str(out)],
+                             "1", "--ways", "keep", "--isolated", "2", "--out", str(out)],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     isolated = json.loads((out / "overhead.json").read_text())["isolated"]
-    assert set(isolated) == {"keep", "floor"}  # (a) and (b) run in every process, never alone
+    assert set(isolated) == {"keep"}  # (a) and (b) run in every process, never alone
     for one in isolated.values():
         assert len(one["cpu_over_identity"]) == 2 and one["range"][0] <= one["median"] <= one["range"][1]
     report = (out / "overhead.md").read_text()
     assert "| (c) swapkit session, keep all | " in report.split("Each way alone")[-1]
+
+
+def test_microbench_isolated_rounds_rotate_the_ways_and_keep_each_ways_ratios(tmp_path, monkeypatch):
+    """run_isolated's loop without the processes: each round starts one process per way, the order rotated
+    by one way per round, and each way gets the ratios of its own processes."""
+    microbench = bench_module("microbench")
+    order = []
+
+    def fake_run(command, **kwargs):
+        way, out = command[command.index("--ways") + 1], Path(command[command.index("--out") + 1])
+        order.append(way)
+        out.mkdir(parents=True)
+        ratio = {"keep": 3.0, "floor": 1.25}[way] + len(order) / 100
+        (out / "overhead.json").write_text(json.dumps({"microbench": {"cpu_over_identity": {way: ratio}}}))
+
+    monkeypatch.setattr(microbench.subprocess, "run", fake_run)
+    isolated = microbench.run_isolated("cpu", 20, 1, 3, ("none", "identity", "keep", "floor"), tmp_path)
+    assert order == ["keep", "floor", "floor", "keep", "keep", "floor"]
+    assert isolated["keep"] == {"cpu_over_identity": [3.01, 3.04, 3.05], "median": 3.04, "range": [3.01, 3.05]}
+    assert isolated["floor"]["cpu_over_identity"] == [1.27, 1.28, 1.31]
 
 
 def test_microbench_floor_is_a_safe_keep():
