@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import logging
 
 import pytest
@@ -61,7 +62,10 @@ def run(model, session=None, steps: int = 2, step=llama_step) -> list[torch.Tens
     return losses
 
 
+@functools.lru_cache(maxsize=None)
 def reference_grads(backend: str) -> tuple[list[torch.Tensor], dict]:
+    """The compiled model without swapkit (a seeded model and batch: the same bits whichever test runs it
+    first), computed once per backend; the tests only read it."""
     model = compiled(llama(cfg=CFG), backend)
     losses = run(model)
     torch._dynamo.reset()
@@ -176,11 +180,18 @@ def whole_model_run(variant: str | None, backend: str, step_compiled: bool) -> t
     return run(target, session, step=step), grads(model), session
 
 
+@functools.lru_cache(maxsize=None)
+def whole_model_reference(step_compiled: bool) -> tuple[list, dict]:
+    """``whole_model_run`` without swapkit, computed once (as ``reference_grads``)."""
+    losses, grads_, _ = whole_model_run(None, "aot_eager", step_compiled)
+    return losses, grads_
+
+
 @pytest.mark.parametrize("variant,step_compiled", [(v, False) for v in sorted(VARIANTS)] + [("layer_swap", True)])
 def test_whole_model_compile_runs_the_session_hooks_eagerly(variant, step_compiled):
     """Note [Saved-tensor hooks stay out of Dynamo]: without it Dynamo traced the pack hook that an eager op
     of the compiled frame called, and the step failed with InternalTorchDynamoError (or moved nothing)."""
-    ref_losses, ref_grads, _ = whole_model_run(None, "aot_eager", step_compiled)
+    ref_losses, ref_grads = whole_model_reference(step_compiled)
     losses, got, session = whole_model_run(variant, "aot_eager", step_compiled)
     assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
     if variant == "op_swap":  # the graph break at the swapped scope changes the last bits, as for compiled layers
@@ -199,7 +210,7 @@ def test_whole_model_compile_with_the_disable_wrappers_of_an_older_torch(monkeyp
     """Where torch has no code execution strategies, the hooks are torch.compiler.disable wrappers; a
     session is still found as the active one (Note [Saved-tensor hooks stay out of Dynamo])."""
     monkeypatch.setattr(dynamo_module, "_SKIP_ALL", None)
-    ref_losses, ref_grads, _ = whole_model_run(None, "aot_eager", False)
+    ref_losses, ref_grads = whole_model_reference(False)
     losses, got, session = whole_model_run("layer_swap", "aot_eager", False)
     assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
     assert all(torch.equal(got[name], ref_grads[name]) for name in got), "gradients differ"
