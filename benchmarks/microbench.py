@@ -2,7 +2,7 @@
 
 One "layer" runs a chain of many tiny ops (``sin`` on a few floats), so each step saves thousands
 of tiny tensors and the time per step is dominated by per-tensor overhead, not by math or memcpy.
-Eight ways of running the same step, interleaved:
+Nine ways of running the same step, interleaved:
 
 (a) no hooks; (b) identity ``saved_tensors_hooks(lambda t: t, lambda t: t)``; (c) a swapkit
 session that keeps everything (accounting only); (d) a swapkit session that swaps everything
@@ -13,7 +13,19 @@ keep: hooks that hand autograd a detached keeper with the version it had and che
 unpack (autograd stops checking it once hooks are installed; ``swapkit.runtime.records`` Note [Version
 keepers]), and do nothing else. Two more ways take (d) apart (Note [Taking the swap way apart]): (g) as (d) with Python's
 cyclic garbage collector off during the step, (h) as (d) with every copy run on the thread that queues
-it (CPU only).
+it (CPU only). (i) bounds what a keep could cost without swapkit's Python (Note [What a save path in C
+would still pay]).
+
+Note [What a save path in C would still pay]
+Way (i) is a pair of plain hooks that make the torch calls and the allocations a keep needs and
+nothing else: the plain-tensor tests, the storage (``untyped_storage()``, its ``id`` and ``nbytes``),
+a dict lookup in a storage index, a detached keeper, a record built by one C call and weakly
+referenced from the index, a handle tuple; the parameter and device tests of a new storage; the
+version check at unpack. What (c) adds over (i) is swapkit's own Python: the session's and the
+step's frames, the tick, the scope and frame tests, the byte accounting and the record's
+finalizer. A save path written in C (an extension module, as swapkit does not ship) would remove
+that part and still pay (i)'s torch calls through the same Python objects, so (i) over (b) is the
+least ratio such a path could reach for a keep on this machine.
 
 Note [Taking the swap way apart]
 Two costs of (d) are not the session's bookkeeping, and each has its own way, run in the same
@@ -64,6 +76,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import json
 import os
@@ -73,6 +86,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Callable, ContextManager
 
@@ -136,6 +150,42 @@ def _unpack_floor(handle: tuple[torch.Tensor, int]) -> torch.Tensor:
 
 def _floor_hooks() -> ContextManager:
     return torch.autograd.graph.saved_tensors_hooks(_keep_floor, _unpack_floor)
+
+
+class _CallsRecord(list):
+    """A kept storage's record in way (i): built by one C call, weakly referenced, as ``KeptRecord``."""
+
+    __slots__ = ("__weakref__",)
+
+
+_calls_handle = functools.partial(tuple.__new__, tuple)
+_STRIDED, _TENSOR, _PARAMETER = torch.strided, torch.Tensor, nn.Parameter
+
+
+def _keep_calls_hooks() -> ContextManager:
+    """Way (i) (Note [What a save path in C would still pay])."""
+    index: dict[int, Any] = {}
+    device = torch.device("cpu")
+
+    def pack(tensor: torch.Tensor) -> tuple:
+        kind = type(tensor)
+        if (kind is not _TENSOR and kind is not _PARAMETER) or tensor.layout is not _STRIDED or tensor.is_nested \
+                or tensor.is_quantized:
+            return _calls_handle((tensor.detach(), tensor._version, None))
+        storage = tensor.untyped_storage()
+        key, version = id(storage), tensor._version
+        found = index.get(key)
+        record = found() if found is not None else None
+        if record is not None and record[1] is storage:
+            return _calls_handle((tensor.detach(), version, record))
+        nbytes = storage.nbytes()
+        if tensor._base is not None or tensor.__dict__ or tensor.device != device:
+            pass  # the parameter and device tests a new storage needs; their answers do not matter here
+        record = _CallsRecord((nbytes, storage))
+        index[key] = weakref.ref(record)
+        return _calls_handle((tensor.detach(), version, record))
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, _unpack_floor)
 
 
 @contextlib.contextmanager
@@ -202,7 +252,7 @@ class CollectorClock:
         gc.callbacks.remove(self._tick)
 
 
-WAYS = ("none", "identity", "keep", "swap", "swap_per_tensor", "floor", "swap_no_gc", "swap_inline")
+WAYS = ("none", "identity", "keep", "swap", "swap_per_tensor", "floor", "swap_no_gc", "swap_inline", "keep_calls")
 
 
 def run(device: torch.device, length: int, reps: int, width: int = 16, ways: tuple[str, ...] = WAYS) -> dict[str, Any]:
@@ -217,6 +267,7 @@ def run(device: torch.device, length: int, reps: int, width: int = 16, ways: tup
               "swap_no_gc": lambda m: _session(m, True), "swap_inline": lambda m: _session(m, True)}
     sessions = {name: make(models[name]) for name, make in makers.items() if name in models}
     contexts = {"none": contextlib.nullcontext, "identity": _identity_hooks, "floor": _floor_hooks,
+                "keep_calls": _keep_calls_hooks,
                 **{name: (lambda s=session: s) for name, session in sessions.items()}}
     if "swap_no_gc" in sessions:
         contexts["swap_no_gc"] = lambda s=sessions["swap_no_gc"]: _without_collector(s)
@@ -425,7 +476,8 @@ LABELS = {"none": "(a) no hooks", "identity": "(b) identity saved_tensors_hooks"
           "swap_per_tensor": "(e) as (d), offload_batch_bytes 0 (one copy job per storage)",
           "floor": "(f) floor: detached keeper + version check, no bookkeeping",
           "swap_no_gc": "(g) as (d), cyclic GC off during the step",
-          "swap_inline": "(h) as (d), copies inline on the queueing thread (no copy thread)"}
+          "swap_inline": "(h) as (d), copies inline on the queueing thread (no copy thread)",
+          "keep_calls": "(i) a keep's torch calls and allocations alone, no swapkit frames"}
 
 
 if __name__ == "__main__":

@@ -133,6 +133,29 @@ def test_microbench_floor_is_a_safe_keep():
         y.sum().backward()
 
 
+def test_microbench_keep_calls_is_a_safe_keep_with_one_record_per_storage():
+    """Way (i) stands for what a keep must do (Note [What a save path in C would still pay]): it catches an
+    in-place write, and the saves of one storage (x and its view) share one record, as a session's do."""
+    microbench = bench_module("microbench")
+    x = torch.randn(8, requires_grad=True)
+    packed = []
+    with microbench._keep_calls_hooks():
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        h = x * 2
+        packed = [hooks[0](h), hooks[0](h[2:]), hooks[0](torch.ones(3))]
+        y = h.exp()
+    assert packed[0][2] is packed[1][2] and packed[0][2] is not packed[2][2]
+    assert packed[0][2][0] == 32 and packed[2][2][0] == 12  # the storage's bytes
+    y.sum().backward()
+    assert torch.equal(x.grad, 2 * (2 * x.detach()).exp())
+    with microbench._keep_calls_hooks():
+        y = x.exp()
+    with torch.no_grad():
+        y.add_(1)
+    with pytest.raises(RuntimeError, match="modified in place"):
+        y.sum().backward()
+
+
 def test_default_output_is_not_the_committed_results():
     args = bench_module("swap_vs_recompute").parse_args([])
     assert args.out == Path("bench-out")  # git-ignored; benchmarks/results/ only with an explicit --out
