@@ -18,8 +18,9 @@ its copy threads' locks and its OpenMP pool. What a fork server changes, and how
 ``spawn`` had it:
 - a rank's environment is the server's, from when it started: :func:`rank_environment` hands each
   rank the parent's ``os.environ`` as it is at the call, and the rank takes it before anything else;
-- its standard streams are the server's (the capture of the test that started it); results and
-  errors come back through files, never through output;
+- its standard streams are the server's (the capture of the test that started it); results come
+  back through files and errors through files or torch.multiprocessing's error queue, never
+  through output;
 - the nccl ranks are still spawned: CUDA is not initialised in the server, but a CUDA test is worth
   a fresh process.
 ``swapkit train``'s own launcher keeps ``spawn`` (swapkit.distributed.launch): its ranks watch their

@@ -1,8 +1,9 @@
 """Multi-process helpers for the pipeline tests: gloo on 127.0.0.1 through a FileStore in tmp_path.
 
-``spawn(fn, world, tmp_path, *args)`` runs ``fn(rank, world, *args)`` on ``world`` processes forked from a
-preloaded server (dist_utils Note [Ranks forked from a preloaded server]) and returns each rank's return value (saved with ``torch.save``). A failing rank fails the call
-with its traceback; the process group times out after 60 s, so nothing hangs.
+``spawn(fn, world, tmp_path, *args)`` runs ``fn(rank, world, *args)`` on ``world`` processes forked
+from a preloaded server (dist_utils Note [Ranks forked from a preloaded server]) and returns each
+rank's return value (saved with ``torch.save``). A failing rank fails the call with its traceback;
+the process group times out after 60 s, so nothing hangs.
 """
 from __future__ import annotations
 
