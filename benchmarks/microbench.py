@@ -76,7 +76,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import gc
 import json
 import os
@@ -158,7 +157,6 @@ class _CallsRecord(list):
     __slots__ = ("__weakref__",)
 
 
-_calls_handle = functools.partial(tuple.__new__, tuple)
 _STRIDED, _TENSOR, _PARAMETER = torch.strided, torch.Tensor, nn.Parameter
 
 
@@ -171,19 +169,19 @@ def _keep_calls_hooks() -> ContextManager:
         kind = type(tensor)
         if (kind is not _TENSOR and kind is not _PARAMETER) or tensor.layout is not _STRIDED or tensor.is_nested \
                 or tensor.is_quantized:
-            return _calls_handle((tensor.detach(), tensor._version, None))
+            return tensor.detach(), tensor._version, None
         storage = tensor.untyped_storage()
         key, version = id(storage), tensor._version
         found = index.get(key)
         record = found() if found is not None else None
         if record is not None and record[1] is storage:
-            return _calls_handle((tensor.detach(), version, record))
+            return tensor.detach(), version, record
         nbytes = storage.nbytes()
         if tensor._base is not None or tensor.__dict__ or tensor.device != device:
             pass  # the parameter and device tests a new storage needs; their answers do not matter here
         record = _CallsRecord((nbytes, storage))
         index[key] = weakref.ref(record)
-        return _calls_handle((tensor.detach(), version, record))
+        return tensor.detach(), version, record
 
     return torch.autograd.graph.saved_tensors_hooks(pack, _unpack_floor)
 
