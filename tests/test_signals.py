@@ -347,3 +347,25 @@ def test_a_rank_sees_its_parent_end_when_it_is_a_zombie_is_reaped_or_its_pid_nam
     ended.wait()
     assert _returns_within(5, _wait_for_end, ended.pid, time.time())  # reaped: no such process
     assert _returns_within(5, _wait_for_end, os.getpid(), 0.0)  # a process started after the rank did
+
+
+def test_the_fork_server_holds_sigint_only_so_what_else_forks_from_it_still_stops_on_sigterm(tmp_path):
+    """swapkit.distributed.rank_start Note [Ranks forked from a preloaded server]: the server is process-wide
+    and outlives the launch; a pool forked from it later stops its workers with SIGTERM. In a process of its
+    own, so that this test starts the server (nothing preloaded: it starts in milliseconds)."""
+    script = tmp_path / "pool_after_ranks.py"  # a file: the pool's workers import its functions by name
+    script.write_text("import multiprocessing, signal\n"
+                      "from swapkit.distributed.rank_start import start_method\n"
+                      "def blocked(_):\n"
+                      "    return sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, ()))\n"
+                      "if __name__ == '__main__':\n"
+                      "    before = signal.pthread_sigmask(signal.SIG_BLOCK, ())\n"
+                      "    assert start_method('cpu', preload=()) == 'forkserver'\n"
+                      "    assert signal.pthread_sigmask(signal.SIG_BLOCK, ()) == before  # the parent's mask is back\n"
+                      "    with multiprocessing.get_context('forkserver').Pool(1) as pool:\n"
+                      "        print(pool.map(blocked, [0]))\n")
+    done = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr
+    (worker_mask,) = json.loads(done.stdout)
+    assert signal.SIGINT in worker_mask and signal.SIGTERM not in worker_mask, worker_mask

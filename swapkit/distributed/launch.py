@@ -200,8 +200,10 @@ def _join(context: Any, folder: Path, signals: ForwardSignals) -> None:
 def exit_message(err: mp.ProcessExitedException) -> str:
     """A rank that ended without a Python error: killed by a signal (most often the out-of-memory killer)."""
     if err.signal_name is None:
-        return f"rank {err.error_index} exited with code {err.exit_code} without a Python error; the other ranks " \
-               "were stopped"
+        server = ", or the fork server it was forked from died (every rank it forked then reads as 255)" \
+            if err.exit_code == 255 else ""
+        return f"rank {err.error_index} exited with code {err.exit_code} without a Python error{server}; the other " \
+               "ranks were stopped"
     oom = " (the kernel's out-of-memory killer, or kill -9: check dmesg; lower train.batch_size or the " \
           "model sizes if memory ran out)" if err.signal_name == "SIGKILL" else ""
     return f"rank {err.error_index} was killed by {err.signal_name}{oom}; the other ranks were stopped"

@@ -20,23 +20,38 @@ process, not only the first (the server outlives a launch: Python API users may 
 - standard output and error: the parent's descriptors 1 and 2 at the launch are passed with the
   process (``multiprocessing.reduction.DupFd``) and become the rank's, so its log lines go where the
   parent's go now (a terminal, a pipe, a file, a test's capture);
-- the signal mask: the server is started inside :func:`~swapkit.distributed.signals.stop_signals_blocked`,
-  so the ranks it forks start deaf as spawned ones do (swapkit.distributed.signals Note [Ranks start
-  deaf]); a Ctrl-C while it imports is held pending there and discarded when it ignores SIGINT (as
-  ``multiprocessing``'s server does), and the parent forwards its own copy once the ranks run. A
-  server something else started first (another library's fork server) keeps its own mask; its
-  ranks are forked with their modules loaded, so they install their handlers within milliseconds;
+- the signal mask: the parent starts the server with SIGINT blocked (only SIGINT: see below), so a
+  Ctrl-C while it imports is held pending there and discarded when it ignores SIGINT (as
+  ``multiprocessing``'s server does), and the ranks it forks start with SIGINT blocked, as spawned
+  ones start with both stop signals blocked (swapkit.distributed.signals Note [Ranks start deaf]). A
+  SIGTERM before a forked rank installed its handlers ends it quietly, as it ends a spawned rank
+  still importing (Note [Stopping the ranks]). SIGTERM stays deliverable because the server is
+  process-wide and outlives the launch: whatever else this process later forks from it (a
+  ``multiprocessing`` pool under Python 3.14's default start method, a DataLoader's workers) starts
+  with the server's mask, and a pool stops its workers with SIGTERM. Those start with SIGINT blocked,
+  which ``multiprocessing``'s own server ignores anyway. A server something else started first keeps
+  its own mask; ranks forked from it install their handlers after they unpickle their work, tens of
+  milliseconds in which a Ctrl-C reaches them as a ``KeyboardInterrupt``;
 - the parent: a forked rank's parent process is the server, so it watches the ``swapkit train``
   process itself (swapkit.distributed.signals Note [No rank outlives its parent]).
-The server ends once the parent and every rank it forked have ended (each holds its pipe open).
+The server ends once the parent and every process it forked have ended (each holds its pipe open).
+If it dies first (killed), ``multiprocessing`` reads every rank it forked as ended with code 255,
+and torch's ``PR_SET_PDEATHSIG`` sends each of them SIGINT, which stops them. The server, not the
+parent, reaps a rank, so a rank's pid is free as soon as it ended; the parent signals only ranks it
+has not seen end, and a pid reused within that moment would take a whole cycle of the pid space. A module of
+:data:`RANK_PRELOAD` that fails to import in the server is skipped by ``multiprocessing`` without a
+word: the ranks then import it themselves, as spawned ones do.
 """
 from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import sys
 from multiprocessing import forkserver, reduction
 from typing import Any, Sequence
+
+from swapkit.distributed.signals import stop_signals_blocked
 
 #: what the fork server imports once, before it forks any rank: all a rank of swapkit train needs
 RANK_PRELOAD = ("torch", "torch._dynamo", "torch.distributed.fsdp", "torch.distributed.pipelining",
@@ -44,8 +59,8 @@ RANK_PRELOAD = ("torch", "torch._dynamo", "torch.distributed.fsdp", "torch.distr
 
 
 def start_method(device_type: str, preload: Sequence[str] = RANK_PRELOAD) -> str:
-    """``forkserver`` for CPU ranks, with the server started now if it is not running; ``spawn`` for CUDA
-    ranks (Note [Ranks forked from a preloaded server]). Call with the stop signals blocked.
+    """``forkserver`` for CPU ranks, with the server started now (SIGINT blocked) if it is not running;
+    ``spawn`` for CUDA ranks (Note [Ranks forked from a preloaded server]).
 
     Args:
         device_type: the ranks' device type.
@@ -54,7 +69,8 @@ def start_method(device_type: str, preload: Sequence[str] = RANK_PRELOAD) -> str
     if device_type == "cuda":
         return "spawn"
     multiprocessing.get_context("forkserver").set_forkserver_preload(list(preload))
-    forkserver.ensure_running()  # no-op once running: the preload and the mask are its first start's
+    with stop_signals_blocked((signal.SIGINT,)):  # no-op once running: the preload and the mask are its first start's
+        forkserver.ensure_running()
     return "forkserver"
 
 

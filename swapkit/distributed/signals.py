@@ -50,7 +50,8 @@ swapkit.distributed.rank_start Note [Ranks forked from a preloaded server].
 Note [No rank outlives its parent]
 SIGKILL cannot be caught: a parent killed that way (``kill -9``, the out-of-memory killer, a
 scheduler's hard stop) forwards nothing. ``torch.multiprocessing`` asks Linux to send a rank SIGINT
-when its parent process dies (``PR_SET_PDEATHSIG``), but a parent started with SIGINT ignored, as a
+when its parent process dies (``PR_SET_PDEATHSIG``; for a forked CPU rank that is the fork server,
+which lives on while its ranks do), but a parent started with SIGINT ignored, as a
 background job of a script is (``swapkit train ... &``), passes the ignore on to its ranks, which
 keep it (Note [Stopping the ranks]): its ranks, re-parented to init, went on training to the last
 step, holding memory and writing checkpoints into ``train.save_dir``, where a resumed run then raced
@@ -114,11 +115,13 @@ def _installable(signums: Sequence[int]) -> list[int]:
 
 
 @contextlib.contextmanager
-def stop_signals_blocked():
-    """SIGINT and SIGTERM held pending on this thread (and in processes it starts) for the block
-    (Note [Ranks start deaf]); the previous mask comes back on exit, delivering what is pending."""
+def stop_signals_blocked(signums: Sequence[int] = STOP_SIGNALS):
+    """``signums`` of the stop signals held pending on this thread (and in processes it starts) for the
+    block, the others not (Note [Ranks start deaf]); the previous mask comes back on exit, delivering
+    what is pending."""
     resource_tracker.ensure_running()  # its first start unblocks both signals (CPython's own mask trick)
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, ())
+    signal.pthread_sigmask(signal.SIG_SETMASK, (previous - set(STOP_SIGNALS)) | set(signums))
     try:
         yield
     finally:
@@ -156,8 +159,11 @@ def _wait_for_end(pid: int, born_before: float) -> None:
             return
         while process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
             time.sleep(POLL_S)
-    except psutil.NoSuchProcess:
+    except psutil.NoSuchProcess:  # a zombie's details, too
         pass
+    except psutil.AccessDenied:  # /proc hides it (hidepid): its pid is all there is to watch
+        while psutil.pid_exists(pid):
+            time.sleep(POLL_S)
 
 
 def _in_finalizer(frame: FrameType | None) -> bool:
