@@ -299,8 +299,8 @@ def test_more_started_ranks_than_this_machine_can_hold_fail_before_any_starts(ca
     err = capsys.readouterr().err
     assert code == 2, err
     assert "parallel_config: asks for 131,072 rank processes on this machine (pipeline_stage 2 x data_parallel " \
-           "65536); each holds at least 16.0 MiB of its own before it builds anything, beside the 256.0 MiB of the process " \
-           "with torch loaded that they are forked from" in err
+           "65536); each holds at least 16.0 MiB of its own before it builds anything, beside the 256.0 MiB of " \
+           "the process with torch loaded that they are forked from" in err
     assert "Traceback" not in err
 
 

@@ -2,14 +2,15 @@
 
 Note [Ranks forked from a preloaded server]
 A rank started with ``spawn`` is a new interpreter that imports torch, Dynamo, FSDP and the
-pipelining package before its first collective: 5-6 s of CPU on a 2-core VM, paid by every rank,
-so 4 CPU ranks on 2 cores waited twice that. CPU ranks are therefore forked from
+pipelining package before its first collective: seconds of CPU on a 2-core VM, paid by every rank,
+so 4 CPU ranks on 2 cores waited twice that (``swapkit train configs/pp2_dp2.yaml --steps 2`` took
+16.0-17.5 s with spawned ranks, 9.0-9.8 s with forked ones). CPU ranks are therefore forked from
 ``multiprocessing``'s fork server (``start_method="forkserver"``), which imports
 :data:`RANK_PRELOAD` once per process that starts ranks; each rank is then a ``fork`` of it. Forking
 that server is safe where forking the parent is not: it is a fresh interpreter with one thread that
-has imported modules and run nothing (no OpenMP pool, no CUDA context, no process group, none of
-the parent's copy threads and their locks). CUDA ranks are still spawned: one GPU per rank pays its
-own CUDA start anyway, and nothing here is worth a CUDA process that shares a parent's pages.
+has imported modules and run nothing (no OpenMP pool, no CUDA context, no process group, none of the
+parent's copy threads and their locks). CUDA ranks are still spawned: one GPU per rank pays its own
+CUDA start anyway, and nothing here is worth a CUDA process that shares a parent's pages.
 
 A forked rank would take from the server what a spawned one takes from the parent at its start, so
 the parent hands those over explicitly (:class:`RankStart`), and they hold for every launch from one
@@ -24,23 +25,25 @@ process, not only the first (the server outlives a launch: Python API users may 
   Ctrl-C while it imports is held pending there and discarded when it ignores SIGINT (as
   ``multiprocessing``'s server does), and the ranks it forks start with SIGINT blocked, as spawned
   ones start with both stop signals blocked (swapkit.distributed.signals Note [Ranks start deaf]). A
-  SIGTERM before a forked rank installed its handlers ends it quietly, as it ends a spawned rank
-  still importing (Note [Stopping the ranks]). SIGTERM stays deliverable because the server is
-  process-wide and outlives the launch: whatever else this process later forks from it (a
-  ``multiprocessing`` pool under Python 3.14's default start method, a DataLoader's workers) starts
-  with the server's mask, and a pool stops its workers with SIGTERM. Those start with SIGINT blocked,
-  which ``multiprocessing``'s own server ignores anyway. A server something else started first keeps
-  its own mask; ranks forked from it install their handlers after they unpickle their work, tens of
-  milliseconds in which a Ctrl-C reaches them as a ``KeyboardInterrupt``;
+  SIGTERM before a forked rank installed its handlers ends it at once and quietly (its default
+  action; the parent counts it as stopped, Note [Stopping the ranks]). SIGTERM stays deliverable
+  because the server is process-wide and outlives the launch: whatever else this process later forks
+  from it (a ``multiprocessing`` pool under Python 3.14's default start method, a DataLoader's
+  workers) starts with the server's mask, and a pool stops its workers with SIGTERM. Those start
+  with SIGINT blocked: a Ctrl-C raises ``KeyboardInterrupt`` in the process that started them, not
+  in them, and that process stops them. A server something
+  else started first keeps its own mask; ranks forked from it install their handlers after they
+  unpickle their work, tens of milliseconds in which a Ctrl-C reaches them as a
+  ``KeyboardInterrupt``;
 - the parent: a forked rank's parent process is the server, so it watches the ``swapkit train``
   process itself (swapkit.distributed.signals Note [No rank outlives its parent]).
 The server ends once the parent and every process it forked have ended (each holds its pipe open).
 If it dies first (killed), ``multiprocessing`` reads every rank it forked as ended with code 255,
 and torch's ``PR_SET_PDEATHSIG`` sends each of them SIGINT, which stops them. The server, not the
 parent, reaps a rank, so a rank's pid is free as soon as it ended; the parent signals only ranks it
-has not seen end, and a pid reused within that moment would take a whole cycle of the pid space. A module of
-:data:`RANK_PRELOAD` that fails to import in the server is skipped by ``multiprocessing`` without a
-word: the ranks then import it themselves, as spawned ones do.
+has not seen end, and a pid reused within that moment would take a whole cycle of the pid space. A
+module of :data:`RANK_PRELOAD` that fails to import in the server is skipped by ``multiprocessing``
+without a word: the ranks then import it themselves, as spawned ones do.
 """
 from __future__ import annotations
 
@@ -69,8 +72,8 @@ def start_method(device_type: str, preload: Sequence[str] = RANK_PRELOAD) -> str
     if device_type == "cuda":
         return "spawn"
     multiprocessing.get_context("forkserver").set_forkserver_preload(list(preload))
-    with stop_signals_blocked((signal.SIGINT,)):  # no-op once running: the preload and the mask are its first start's
-        forkserver.ensure_running()
+    with stop_signals_blocked((signal.SIGINT,)):
+        forkserver.ensure_running()  # a no-op once it runs: the preload and the mask are its first start's
     return "forkserver"
 
 

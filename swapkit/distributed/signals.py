@@ -38,8 +38,9 @@ A rank starts (a spawned one runs the interpreter's start-up and imports torch; 
 unpickles its work) before :class:`StopOnSignal` is installed; a stop signal then (Ctrl-C in the
 first seconds reaches every process of the terminal's group, or the parent forwards one) would print
 a ``KeyboardInterrupt`` traceback from an import, and torch's own join would then wait 30 s for the
-other ranks. So the parent blocks SIGINT and SIGTERM while it starts the ranks and the fork server
-they are forked from (:func:`stop_signals_blocked`; a signal mask is inherited across fork and exec,
+other ranks. So the parent blocks SIGINT and SIGTERM while it starts the ranks, and SIGINT while it
+starts the fork server that CPU ranks are forked from (:func:`stop_signals_blocked`; a signal mask is
+inherited across fork and exec,
 as ``multiprocessing``'s resource tracker also relies on; the tracker is started first, because its
 start unblocks both signals in the parent), and each rank unblocks them once its handlers are
 installed: a stop that arrived meanwhile was held pending and is raised there, as one
