@@ -6,26 +6,14 @@ back to the parent in rank order; an exception on any rank fails the parent with
 traceback. The function must be importable (a module-level function of a test module or of this
 file): it is pickled by name, as with ``spawn``.
 
-Note [Ranks forked from a preloaded server]
-A rank started with ``spawn`` is a new interpreter that imports torch, Dynamo, DTensor and the
-pipelining package again: 5-6 s of CPU each on a 2-core VM, so a 2-rank test paid 5 s before its first
-collective, and those starts were most of the suite's multi-process time. The gloo ranks here are
-forked instead from multiprocessing's fork server (``start_method="forkserver"``), which imports
-:data:`PRELOAD` once per test session: a 2-rank start then takes 40 ms. Forking that server is
-safe: it is a fresh interpreter with one thread, that has imported modules and run nothing else
-(no OpenMP pool, no CUDA, no process group), whereas forking the pytest process itself would copy
-its copy threads' locks and its OpenMP pool. What a fork server changes, and how it is kept as
-``spawn`` had it:
-- a rank's environment is the server's, from when it started: :func:`rank_environment` hands each
-  rank the parent's ``os.environ`` as it is at the call, and the rank takes it before anything else;
-- its standard streams are the server's (the capture of the test that started it); results come
-  back through files and errors through files or torch.multiprocessing's error queue, never
-  through output;
-- the nccl ranks are still spawned: CUDA is not initialised in the server, but a CUDA test is worth
-  a fresh process.
-``swapkit train``'s own launcher keeps ``spawn`` (swapkit.distributed.launch): its ranks watch their
-parent's pid and start with the parent's signal mask (swapkit.distributed.signals Note [Ranks start
-deaf]), which a fork server would replace with its own; the tests that launch it pay the start.
+The gloo ranks are forked from a fork server, as ``swapkit train``'s CPU ranks are
+(swapkit.distributed.rank_start Note [Ranks forked from a preloaded server]), and take the parent's
+environment and standard streams the same way (:class:`~swapkit.distributed.rank_start.RankStart`).
+The server also imports pytest (:data:`PRELOAD`): whichever starts it first in a test session, the
+launcher or these helpers, its ranks unpickle test functions without importing anything. A spawned
+rank paid 5-6 s of CPU importing torch, Dynamo, FSDP and pipelining on a 2-core VM, most of the
+suite's multi-process time; a forked 2-rank start takes 40 ms. Errors come back through files or
+torch.multiprocessing's error queue, never through output. The nccl ranks are still spawned.
 
 Example:
     >>> def work(rank, world_size, scale):
@@ -48,30 +36,18 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from swapkit.distributed import rank_start
+from swapkit.distributed.rank_start import RANK_PRELOAD, RankStart
+
 DEFAULT_TIMEOUT_S = 120.0
 
-#: imported once by the fork server that starts gloo ranks (Note [Ranks forked from a preloaded server])
-PRELOAD = ["pytest", "torch", "torch._dynamo", "torch.distributed.fsdp", "torch.distributed.pipelining", "swapkit",
-           "swapkit.distributed.train"]
+#: imported once by the fork server, whoever starts it first: the launcher's ranks' modules and pytest
+PRELOAD = (*RANK_PRELOAD, "pytest")
 
 
 def start_method(backend: str = "gloo") -> str:
-    """``forkserver`` preloading :data:`PRELOAD` for gloo ranks, ``spawn`` for nccl ones (Note [Ranks forked
-    from a preloaded server])."""
-    if backend == "nccl":
-        return "spawn"
-    mp.get_context("forkserver").set_forkserver_preload(PRELOAD)  # read when the server starts, once per session
-    return "forkserver"
-
-
-def rank_environment() -> dict[str, str]:
-    """The parent's environment now, for a rank to take first (Note [Ranks forked from a preloaded server])."""
-    return dict(os.environ)
-
-
-def take_environment(environment: dict[str, str]) -> None:
-    os.environ.clear()
-    os.environ.update(environment)
+    """``forkserver`` preloading :data:`PRELOAD` for gloo ranks, ``spawn`` for nccl ones."""
+    return rank_start.start_method("cuda" if backend == "nccl" else "cpu", PRELOAD)
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -86,7 +62,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout_s
     """
     with tempfile.TemporaryDirectory(prefix="swapkit-dist-") as tmp:
         root = Path(tmp)
-        context = mp.start_processes(_rank_main, args=(world_size, str(root), fn, args, backend, rank_environment()),
+        context = mp.start_processes(_rank_main, args=(world_size, str(root), fn, args, backend, RankStart()),
                                      nprocs=world_size, join=False, start_method=start_method(backend))
         _join(context, root, timeout_s)
         return [torch.load(root / f"result{rank}.pt", weights_only=False) for rank in range(world_size)]
@@ -108,8 +84,8 @@ def _join(context: Any, root: Path, timeout_s: float) -> None:
 
 
 def _rank_main(rank: int, world_size: int, root: str, fn: Callable[..., Any], args: tuple, backend: str,
-               environment: dict[str, str]) -> None:
-    take_environment(environment)
+               start: RankStart) -> None:
+    start.take()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     if backend == "nccl":

@@ -16,7 +16,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import swapkit
-from dist_utils import rank_environment, start_method, take_environment
+from dist_utils import start_method
+from swapkit.distributed.rank_start import RankStart
 from swapkit.engine import ThreadCopyEngine
 from swapkit.distributed.pipeline import build_stage_chunks, make_schedule, pipeline_stages
 from swapkit.train.model import lm_loss
@@ -29,13 +30,13 @@ MICRO_BATCHES, MICRO_BATCH_SIZE = 4, 2
 def spawn(fn, world: int, tmp_path: Path, *args) -> list:
     out = tmp_path / "out"
     out.mkdir(exist_ok=True)
-    mp.start_processes(_worker, args=(fn, world, str(tmp_path / "store"), str(out), args, rank_environment()),
+    mp.start_processes(_worker, args=(fn, world, str(tmp_path / "store"), str(out), args, RankStart()),
                        nprocs=world, join=True, start_method=start_method())
     return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(world)]
 
 
-def _worker(rank: int, fn, world: int, store: str, out: str, args: tuple, environment: dict[str, str]) -> None:
-    take_environment(environment)
+def _worker(rank: int, fn, world: int, store: str, out: str, args: tuple, start: RankStart) -> None:
+    start.take()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))

@@ -7,6 +7,7 @@ FSDP2 with ``reshard_after_forward`` True and False, against FSDP2 alone, over 3
 from __future__ import annotations
 
 import contextlib
+import os
 
 import pytest
 import torch
@@ -357,3 +358,26 @@ def fail_on_rank_one(rank: int, world_size: int) -> int:
 def test_run_ranks_reports_the_failing_rank_with_its_traceback():
     with pytest.raises(RuntimeError, match=r"(?s)rank 1:.*ValueError: rank one failed on purpose"):
         run_ranks(fail_on_rank_one, 2, timeout_s=60)
+
+
+def _environment_and_stderr(rank: int, world_size: int, name: str) -> str | None:
+    os.write(2, f"rank {rank} wrote this\n".encode())
+    return os.environ.get(name)
+
+
+def test_ranks_take_the_environment_and_stderr_the_parent_has_at_each_start(tmp_path, monkeypatch):
+    """swapkit.distributed.rank_start Note [Ranks forked from a preloaded server]: the fork server outlives a
+    start, and ranks forked later still see the parent's environment and standard error of that start."""
+    assert run_ranks(_environment_and_stderr, 2, "SWAPKIT_TEST_MARK") == [None, None]  # the server runs now
+    monkeypatch.setenv("SWAPKIT_TEST_MARK", "set after the server started")
+    saved = os.dup(2)
+    with open(tmp_path / "stderr", "wb") as target:
+        os.dup2(target.fileno(), 2)
+        try:
+            marks = run_ranks(_environment_and_stderr, 2, "SWAPKIT_TEST_MARK")
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+    assert marks == ["set after the server started"] * 2
+    lines = (tmp_path / "stderr").read_text().splitlines()
+    assert sorted(line for line in lines if line.startswith("rank ")) == ["rank 0 wrote this", "rank 1 wrote this"]

@@ -225,6 +225,10 @@ def test_a_rank_killed_by_a_signal_is_named_with_the_likely_cause():
         "train.batch_size or the model sizes if memory ran out); the other ranks were stopped")
     exited = mp.ProcessExitedException("process 0 terminated with exit code 3", 0, 123, 3)
     assert launch.exit_message(exited) == "rank 0 exited with code 3 without a Python error; the other ranks were stopped"
+    server_died = mp.ProcessExitedException("process 0 terminated with exit code 255", 0, 123, 255)
+    assert launch.exit_message(server_died) == (
+        "rank 0 exited with code 255 without a Python error, or the fork server it was forked from died (every rank "
+        "it forked then reads as 255); the other ranks were stopped")
 
 
 def test_bf16_autocast_runs_in_the_pipeline_as_in_one_process(tmp_path):
@@ -285,8 +289,8 @@ def test_under_torchrun_only_rank_0_checks_the_metrics_file_it_alone_writes(tmp_
         launch.launch(config, torch.device("cpu"), steps=1, metrics_out=missing)
 
 
-def test_more_spawned_ranks_than_this_machine_can_hold_fail_before_any_starts(capsys, monkeypatch):
-    """data_parallel: 65536 (within the schema's limit) would spawn 131,072 processes, each loading torch."""
+def test_more_started_ranks_than_this_machine_can_hold_fail_before_any_starts(capsys, monkeypatch):
+    """data_parallel: 65536 (within the schema's limit) would start 131,072 processes."""
     from swapkit.cli import main
     from tests.test_pipeline_train import CONFIGS
 
@@ -295,7 +299,8 @@ def test_more_spawned_ranks_than_this_machine_can_hold_fail_before_any_starts(ca
     err = capsys.readouterr().err
     assert code == 2, err
     assert "parallel_config: asks for 131,072 rank processes on this machine (pipeline_stage 2 x data_parallel " \
-           "65536); each loads torch" in err
+           "65536); each holds at least 16.0 MiB of its own before it builds anything, beside the 256.0 MiB of " \
+           "the process with torch loaded that they are forked from" in err
     assert "Traceback" not in err
 
 

@@ -14,6 +14,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from typing import Any
 import psutil
 import pytest
 
-from swapkit.distributed.signals import Interrupted, StopOnSignal
+from swapkit.distributed.signals import Interrupted, StopOnSignal, _wait_for_end
 
 ROOT = Path(__file__).resolve().parents[1]
 BOUND_S = 20  # generous for a loaded 2-core box; stopping takes about 2 s
@@ -93,8 +94,7 @@ def assert_all_gone(processes: list[psutil.Process]) -> None:
 def test_a_pipeline_run_stops_every_rank_on_a_signal(start_train, signum, code, whole_group):
     child = start_train(str(ROOT / "configs" / "pp2.yaml"), "--steps", "100000")
     seen = wait_for_step(child)
-    ranks = [p for p in psutil.Process(child.pid).children() if "spawn_main" in " ".join(p.cmdline())]
-    assert len(ranks) == 2
+    assert len(_ranks_of(child)) == 2
     err, processes = interrupt(child, signum, whole_group)
     output = "".join(seen) + err
     assert child.returncode == code, output[-3000:]
@@ -128,7 +128,7 @@ def test_ranks_stop_when_swapkit_train_itself_is_killed(start_train):
     child = start_train(str(ROOT / "configs" / "pp2.yaml"), "--steps", "100000", sigint=signal.SIG_IGN)
     seen = wait_for_step(child)
     processes = psutil.Process(child.pid).children(recursive=True)
-    assert len([p for p in processes if "spawn_main" in " ".join(p.cmdline())]) == 2
+    assert len(_ranks_of(child)) == 2
     os.kill(child.pid, signal.SIGKILL)
     _, err = child.communicate(timeout=BOUND_S)  # EOF only once every rank closed the pipe: none left running
     output = "".join(seen) + err
@@ -297,26 +297,75 @@ def test_ranks_that_end_within_the_join_that_saw_the_signal_still_report_the_sto
 
 
 def test_ctrl_c_while_the_ranks_start_stops_them_without_tracebacks(start_train):
-    """Note [Ranks start deaf]: a stop in the first moments, while the ranks still import torch, is
-    held until each rank's handlers are installed."""
+    """Note [Ranks start deaf]: a stop in the first seconds, while the fork server that starts the ranks
+    still imports torch (swapkit.distributed.rank_start Note [Ranks forked from a preloaded server]), is
+    held until the parent and each rank have their handlers installed."""
     child = start_train(str(ROOT / "configs" / "pp2.yaml"), "--steps", "100000")
     deadline = time.monotonic() + 60
-    while len(_ranks_of(child)) < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)  # the ranks exist (spawned) but are still starting: importing torch takes seconds
+    while _fork_server(child) is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _fork_server(child) is not None and _ranks_of(child) == []  # importing: the ranks are not forked yet
     err, processes = interrupt(child, signal.SIGINT, whole_group=True)
     assert child.returncode == 130, err[-3000:]
     assert "Traceback" not in err and "Exception ignored" not in err and "Terminating process" not in err, err[-3000:]
-    assert re.search(r"swapkit: interrupted by SIGINT: stopped \d rank process", err), err
+    assert re.search(r"swapkit: interrupted by SIGINT: stopped 2 rank processes", err), err
     assert_all_gone(processes)
 
 
-def _ranks_of(child: subprocess.Popen) -> list[psutil.Process]:
-    """The spawned rank processes (not the resource tracker), as far as they exist yet."""
-    found = []
+def _fork_server(child: subprocess.Popen) -> psutil.Process | None:
+    """The fork server ``swapkit train`` started its ranks from, once it exists."""
     for process in psutil.Process(child.pid).children():
         try:
-            if "spawn_main" in " ".join(process.cmdline()):
-                found.append(process)
+            if "multiprocessing.forkserver" in " ".join(process.cmdline()):
+                return process
         except psutil.Error:  # gone, or not exec'd yet
             pass
-    return found
+    return None
+
+
+def _ranks_of(child: subprocess.Popen) -> list[psutil.Process]:
+    """The rank processes (forked by the fork server), as far as they exist yet."""
+    server = _fork_server(child)
+    return [] if server is None else server.children()
+
+
+def _returns_within(seconds: float, function: Any, *args: Any) -> bool:
+    thread = threading.Thread(target=function, args=args, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return not thread.is_alive()
+
+
+def test_a_rank_sees_its_parent_end_when_it_is_a_zombie_is_reaped_or_its_pid_names_a_later_process():
+    """Note [No rank outlives its parent]: a forked rank's parent process is the fork server, so it watches the
+    swapkit train process by pid. A killed parent is a zombie until its own parent reaps it; a reaped one's pid
+    may name a process started after the rank."""
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    while psutil.Process(ended.pid).status() != psutil.STATUS_ZOMBIE:
+        time.sleep(0.01)
+    assert _returns_within(5, _wait_for_end, ended.pid, time.time())  # a zombie
+    ended.wait()
+    assert _returns_within(5, _wait_for_end, ended.pid, time.time())  # reaped: no such process
+    assert _returns_within(5, _wait_for_end, os.getpid(), 0.0)  # a process started after the rank did
+
+
+def test_the_fork_server_holds_sigint_only_so_what_else_forks_from_it_still_stops_on_sigterm(tmp_path):
+    """swapkit.distributed.rank_start Note [Ranks forked from a preloaded server]: the server is process-wide
+    and outlives the launch; a pool forked from it later stops its workers with SIGTERM. In a process of its
+    own, so that this test starts the server (nothing preloaded: it starts in milliseconds)."""
+    script = tmp_path / "pool_after_ranks.py"  # a file: the pool's workers import its functions by name
+    script.write_text("import multiprocessing, signal\n"
+                      "from swapkit.distributed.rank_start import start_method\n"
+                      "def blocked(_):\n"
+                      "    return sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, ()))\n"
+                      "if __name__ == '__main__':\n"
+                      "    before = signal.pthread_sigmask(signal.SIG_BLOCK, ())\n"
+                      "    assert start_method('cpu', preload=()) == 'forkserver'\n"
+                      "    assert signal.pthread_sigmask(signal.SIG_BLOCK, ()) == before  # the parent's mask is back\n"
+                      "    with multiprocessing.get_context('forkserver').Pool(1) as pool:\n"
+                      "        print(pool.map(blocked, [0]))\n")
+    done = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr
+    (worker_mask,) = json.loads(done.stdout)
+    assert signal.SIGINT in worker_mask and signal.SIGTERM not in worker_mask, worker_mask

@@ -3,8 +3,9 @@
 Note [Who starts the ranks]
 Under ``torchrun`` (``RANK`` and ``WORLD_SIZE`` in the environment) every process is already a rank:
 it joins the process group through ``env://`` and runs its part. Otherwise ``swapkit train``
-spawns ``pipeline_stage x data_parallel`` processes itself (``torch.multiprocessing``, spawn start
-method) that meet at a ``FileStore`` in a temporary folder, so one command trains on one CPU box.
+starts ``pipeline_stage x data_parallel`` processes itself (``torch.multiprocessing``: forked from a
+preloaded server on the CPU, spawned on CUDA, swapkit.distributed.rank_start Note [Ranks forked from
+a preloaded server]) that meet at a ``FileStore`` in a temporary folder, so one command trains on one CPU box.
 Rank 0 hands its :class:`TrainResult` back to the parent through a file. When a rank raises,
 ``torch.multiprocessing`` stops the others and the parent raises :class:`RankFailed` with that
 rank's traceback; a rank stuck in a collective gives up after ``train.collective_timeout_s``.
@@ -12,7 +13,7 @@ Backend: ``gloo`` on CPU, ``nccl`` on CUDA (one GPU per rank).
 
 Note [The first failure is the cause]
 When one rank raises, its peers soon fail too: their collectives see the connection drop. Which
-of those failures ``torch.multiprocessing`` notices first is a race, so each spawned rank writes
+of those failures ``torch.multiprocessing`` notices first is a race, so each started rank writes
 its traceback and the time it failed to the run's folder, and the parent reports the earliest.
 
 Note [Checks before the ranks start]
@@ -21,18 +22,19 @@ device and the memory estimate before its first step (swapkit.train.loop ``prefl
 several ranks does the same before any rank starts, so a typo in a path is exit 2 at once, not a
 traceback after the first step trained. The memory estimate is the whole model's single-process
 step, a lower bound of what all ranks together need: it is checked only where every rank shares
-this machine's memory (ranks spawned on the CPU). With one GPU per rank, or under ``torchrun``
+this machine's memory (CPU ranks started by ``swapkit train``). With one GPU per rank, or under ``torchrun``
 (whose ranks may be on other machines), each rank holds a part and the check is skipped.
 
 Note [Ranks this machine can hold]
-``swapkit train`` spawns ``pipeline_stage x data_parallel`` processes on this machine, and the schema
-allows ``data_parallel`` up to 65,536. Each spawned rank is a Python process that imports torch
-before it builds anything (measured on CPU with torch 2.13: about 300 MiB resident for the CLI with
-torch loaded, 350 MiB for a rank of the tiny pipeline after training), so it holds at least
-``RANK_PROCESS_BYTES`` (256 MiB). When that times the ranks exceeds the memory available, the spawn
-would only end in the kernel's out-of-memory killer (or a machine swapping for minutes): a config
-error, checked before any rank starts. CUDA ranks are bounded by the GPU count instead; ``torchrun``
-started its ranks itself.
+``swapkit train`` starts ``pipeline_stage x data_parallel`` processes on this machine, and the schema
+allows ``data_parallel`` up to 65,536. CPU ranks are forked from a fork server that imported torch
+(swapkit.distributed.rank_start Note [Ranks forked from a preloaded server]): the server holds
+``SERVER_PROCESS_BYTES`` (256 MiB; 298 MiB resident measured with torch 2.13), and each rank shares its
+pages and writes at least ``RANK_PROCESS_BYTES`` (16 MiB) of its own before it builds anything (25-28 MiB
+unique to each rank of the tiny pipeline at its first log line, 50-62 MiB after five steps). When the
+server and the ranks exceed the memory available, the start would only end in the kernel's
+out-of-memory killer (or a machine swapping for minutes): a config error, checked before any rank
+starts. CUDA ranks are bounded by the GPU count instead; ``torchrun`` started its ranks itself.
 
 Note [Errors a rank reports as they are]
 A rank meets some of the user's mistakes only once it runs: resuming a checkpoint whose config
@@ -53,7 +55,7 @@ not the whole-model lines, which rank 0 already printed: they are the plan's own
 before any rank starts. The other data-parallel replicas repeat their stage: WARNING and above only.
 
 SIGINT and SIGTERM: ``swapkit.distributed.signals`` Note [Stopping the ranks] (the parent) and
-Note [Interrupts and finalizers] (each rank, spawned or torchrun's).
+Note [Interrupts and finalizers] (each rank, started by ``swapkit train`` or by torchrun).
 """
 from __future__ import annotations
 
@@ -77,6 +79,7 @@ from swapkit.config.errors import ConfigError, Problem
 from swapkit.config.types import Config
 from swapkit.distributed.agree import check_ranks_agree
 from swapkit.distributed.pipeline import micro_batch_problems
+from swapkit.distributed.rank_start import RankStart, start_method
 from swapkit.plan.plan import build_plan
 from swapkit.distributed.signals import (
     POLL_S, ForwardSignals, StopOnSignal, ignore_stop_signals, stop_signals_blocked, stop_when_parent_dies,
@@ -89,8 +92,9 @@ from swapkit.train.summary import human_bytes
 
 logger = logging.getLogger(__name__)
 
-#: Note [Ranks this machine can hold]: a lower bound of a rank's interpreter with torch imported
-RANK_PROCESS_BYTES = 256 * 2**20
+#: Note [Ranks this machine can hold]: lower bounds of the fork server (torch imported) and of a rank's own pages
+SERVER_PROCESS_BYTES = 256 * 2**20
+RANK_PROCESS_BYTES = 16 * 2**20
 STOP_GRACE_S = 10.0  # Note [Stopping the ranks]: a rank stops within a step; this is for one stuck in native code
 
 
@@ -123,21 +127,23 @@ def check(config: Config, device: torch.device) -> None:
         problems.append(Problem("parallel_config", f"asks for {world_size(config)} ranks but only "
                                 f"{torch.cuda.device_count()} GPU(s) are visible; one rank per GPU"))
     if device.type == "cpu" and "RANK" not in os.environ:
-        problems += _spawn_memory(config)
+        problems += _rank_memory(config)
     if problems:
         raise ConfigError(problems, config.source)
 
 
-def _spawn_memory(config: Config) -> list[Problem]:
+def _rank_memory(config: Config) -> list[Problem]:
     """Note [Ranks this machine can hold]"""
     world, have = world_size(config), psutil.virtual_memory().available
-    if world * RANK_PROCESS_BYTES <= have:
+    need = SERVER_PROCESS_BYTES + world * RANK_PROCESS_BYTES
+    if need <= have:
         return []
     parallel = config.parallel
     return [Problem("parallel_config", f"asks for {world:,} rank processes on this machine (pipeline_stage "
-                    f"{parallel.pipeline_stage} x data_parallel {parallel.data_parallel}); each loads torch (at "
-                    f"least {human_bytes(RANK_PROCESS_BYTES)} before it builds anything): "
-                    f"{human_bytes(world * RANK_PROCESS_BYTES)}, but {human_bytes(have)} is available. Lower "
+                    f"{parallel.pipeline_stage} x data_parallel {parallel.data_parallel}); each holds at least "
+                    f"{human_bytes(RANK_PROCESS_BYTES)} of its own before it builds anything, beside the "
+                    f"{human_bytes(SERVER_PROCESS_BYTES)} of the process with torch loaded that they are forked from: "
+                    f"{human_bytes(need)}, but {human_bytes(have)} is available. Lower "
                     "pipeline_stage x data_parallel, or start the ranks on several machines with torchrun")]
 
 
@@ -159,10 +165,11 @@ def launch(config: Config, device: torch.device, **options: Any) -> TrainResult 
         with StopOnSignal():
             return _torchrun_rank(config, device, world, options)
     with tempfile.TemporaryDirectory(prefix="swapkit-ranks-") as folder, ForwardSignals() as signals:
-        with stop_signals_blocked():  # the ranks start with them blocked (Note [Ranks start deaf])
-            context = mp.start_processes(_spawned_rank, args=(world, config, device.type, folder, logger_level(),
-                                                              options, os.getpid()),
-                                         nprocs=world, join=False, start_method="spawn")
+        with stop_signals_blocked():  # the ranks (and a fork server) start with them blocked (Note [Ranks start deaf])
+            method = start_method(device.type)  # rank_start Note [Ranks forked from a preloaded server]
+            context = mp.start_processes(_started_rank, args=(world, config, device.type, folder, logger_level(),
+                                                              options, RankStart()),
+                                         nprocs=world, join=False, start_method=method)
         try:
             _join(context, Path(folder), signals)
         finally:
@@ -193,8 +200,10 @@ def _join(context: Any, folder: Path, signals: ForwardSignals) -> None:
 def exit_message(err: mp.ProcessExitedException) -> str:
     """A rank that ended without a Python error: killed by a signal (most often the out-of-memory killer)."""
     if err.signal_name is None:
-        return f"rank {err.error_index} exited with code {err.exit_code} without a Python error; the other ranks " \
-               "were stopped"
+        server = ", or the fork server it was forked from died (every rank it forked then reads as 255)" \
+            if err.exit_code == 255 else ""
+        return f"rank {err.error_index} exited with code {err.exit_code} without a Python error{server}; the other " \
+               "ranks were stopped"
     oom = " (the kernel's out-of-memory killer, or kill -9: check dmesg; lower train.batch_size or the " \
           "model sizes if memory ran out)" if err.signal_name == "SIGKILL" else ""
     return f"rank {err.error_index} was killed by {err.signal_name}{oom}; the other ranks were stopped"
@@ -250,10 +259,11 @@ def _torchrun_rank(config: Config, device: torch.device, world: int, options: di
     return _run(config, device, rank, world, options)
 
 
-def _spawned_rank(rank: int, world: int, config: Config, device_type: str, folder: str, level: int,
-                  options: dict, parent: int) -> None:
+def _started_rank(rank: int, world: int, config: Config, device_type: str, folder: str, level: int,
+                  options: dict, start: RankStart) -> None:
     StopOnSignal().install()  # Note [Interrupts and finalizers]; torch.multiprocessing exits quietly on Interrupted
-    stop_when_parent_dies(parent)  # Note [No rank outlives its parent]
+    start.take()  # the parent's environment and streams (rank_start Note [Ranks forked from a preloaded server])
+    stop_when_parent_dies(start.parent)  # Note [No rank outlives its parent]
     try:
         unblock_stop_signals()  # a stop that came while this rank started is raised here (Note [Ranks start deaf])
         _rank_main(rank, world, config, device_type, folder, level, options)

@@ -30,7 +30,7 @@ every schedule: stricter than torch, it refused 3 micro-batches on 2 stages, and
 Note [Pipelining loads where a stage runs]
 ``import torch.distributed.pipelining`` loads Dynamo, sympy and DTensor: 2-2.5 s of CPU on a 2-core
 VM, on top of ``import torch``'s 2.5 s. The config checks here (micro-batch counts, schedule names)
-run in the ``swapkit train`` process that starts the ranks, before it spawns them
+run in the ``swapkit train`` process that starts the ranks, before it starts them
 (``swapkit.distributed.launch.check``), and that process builds no stage. So this module imports
 pipelining only where a stage or a schedule is built, in a rank: a pipeline run's ranks start about
 2 s sooner (tests/test_package_layout.py checks that the launcher's checks leave it unloaded).

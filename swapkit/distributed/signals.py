@@ -1,7 +1,7 @@
 """SIGINT and SIGTERM in the processes ``swapkit train`` owns: one clear stop, no tracebacks, no orphans.
 
 Note [Stopping the ranks]
-A scheduler (or ``kill -INT PID``) signals only the process it started: the parent of the spawned
+A scheduler (or ``kill -INT PID``) signals only the process it started: the parent of the
 ranks. The parent forwards the stop to every rank, waits for them, kills (SIGKILL) any that is still
 alive after ``grace_s`` (one stuck in native code), reaps them all, and only then raises
 :class:`Interrupted`; the CLI prints its one line and exits ``128 + signal``. A second signal to the
@@ -30,33 +30,40 @@ first :class:`Interrupted` propagates (it, or an exception it caused, is being h
 cleanup that the first one started; a signal during any other ``except`` raises, and if something
 caught the first and went on, the next signal raises again. Nothing is swallowed: each
 :class:`Interrupted` propagates like ``KeyboardInterrupt``. A
-spawned rank ignores both signals once its work has ended, so nothing interrupts the interpreter's
+rank ignores both signals once its work has ended, so nothing interrupts the interpreter's
 shutdown (the parent reaps it, or kills it after the grace period).
 
 Note [Ranks start deaf]
-A spawned rank runs the interpreter's start-up and imports torch before :class:`StopOnSignal` is
-installed; a stop signal then (Ctrl-C in the first seconds reaches every rank from the terminal, or
-the parent forwards one) would print a ``KeyboardInterrupt`` traceback from an import, and torch's
-own join would then wait 30 s for the other ranks. So the parent blocks SIGINT and SIGTERM while it
-starts the ranks (:func:`stop_signals_blocked`; a signal mask is inherited across fork and exec, as
-``multiprocessing``'s resource tracker also relies on; the tracker is started first, because its
-start unblocks both signals in the parent), and each rank unblocks them once its handlers
-are installed: a stop that arrived meanwhile was held pending and is raised there, as one
+A rank starts (a spawned one runs the interpreter's start-up and imports torch; a forked one
+unpickles its work) before :class:`StopOnSignal` is installed; a stop signal then (Ctrl-C in the
+first seconds reaches every process of the terminal's group, or the parent forwards one) would print
+a ``KeyboardInterrupt`` traceback from an import, and torch's own join would then wait 30 s for the
+other ranks. So the parent blocks SIGINT and SIGTERM while it starts the ranks, and SIGINT while it
+starts the fork server that CPU ranks are forked from (:func:`stop_signals_blocked`; a signal mask is
+inherited across fork and exec,
+as ``multiprocessing``'s resource tracker also relies on; the tracker is started first, because its
+start unblocks both signals in the parent), and each rank unblocks them once its handlers are
+installed: a stop that arrived meanwhile was held pending and is raised there, as one
 :class:`Interrupted`. The parent's own pending signal reaches :class:`ForwardSignals` when its mask
-is restored, right after the start.
+is restored, right after the start. What the fork server does with a signal it holds:
+swapkit.distributed.rank_start Note [Ranks forked from a preloaded server].
 
 Note [No rank outlives its parent]
 SIGKILL cannot be caught: a parent killed that way (``kill -9``, the out-of-memory killer, a
 scheduler's hard stop) forwards nothing. ``torch.multiprocessing`` asks Linux to send a rank SIGINT
-when its parent dies (``PR_SET_PDEATHSIG``), but a parent started with SIGINT ignored, as a
+when its parent process dies (``PR_SET_PDEATHSIG``; for a forked CPU rank that is the fork server,
+which lives on while its ranks do), but a parent started with SIGINT ignored, as a
 background job of a script is (``swapkit train ... &``), passes the ignore on to its ranks, which
 keep it (Note [Stopping the ranks]): its ranks, re-parented to init, went on training to the last
 step, holding memory and writing checkpoints into ``train.save_dir``, where a resumed run then raced
-them. So each spawned rank also watches its parent: a daemon thread compares ``os.getppid()`` with
-the parent's pid (passed by the parent, so a parent gone before the rank started is noticed too)
-every ``POLL_S``, and when they differ logs it and sends the rank SIGTERM, which stops it as a
-forwarded stop does (a peer may end first, on the connection that rank closed). Once the rank's
-work has ended it ignores the signal (:func:`ignore_stop_signals`).
+them. And a CPU rank's parent process is the fork server, which outlives ``swapkit train`` while
+any rank it forked runs (swapkit.distributed.rank_start Note [Ranks forked from a preloaded server]).
+So each rank started by ``swapkit train`` watches that process itself: a daemon thread looks it up
+by the pid the parent passed (so a parent gone before the rank started is noticed too, and a pid
+that now names a process started after the rank is not taken for it) every ``POLL_S``, and once it
+has ended (a zombie has: its parent has not reaped it yet) logs it and sends the rank SIGTERM, which
+stops it as a forwarded stop does (a peer may end first, on the connection that rank closed). Once
+the rank's work has ended it ignores the signal (:func:`ignore_stop_signals`).
 """
 from __future__ import annotations
 
@@ -72,6 +79,8 @@ import threading
 import time
 from types import FrameType
 from typing import Any, Sequence
+
+import psutil
 
 logger = logging.getLogger(__name__)
 
@@ -107,11 +116,13 @@ def _installable(signums: Sequence[int]) -> list[int]:
 
 
 @contextlib.contextmanager
-def stop_signals_blocked():
-    """SIGINT and SIGTERM held pending on this thread (and in processes it starts) for the block
-    (Note [Ranks start deaf]); the previous mask comes back on exit, delivering what is pending."""
+def stop_signals_blocked(signums: Sequence[int] = STOP_SIGNALS):
+    """``signums`` of the stop signals held pending on this thread (and in processes it starts) for the
+    block, the others not (Note [Ranks start deaf]); the previous mask comes back on exit, delivering
+    what is pending."""
     resource_tracker.ensure_running()  # its first start unblocks both signals (CPython's own mask trick)
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, ())
+    signal.pthread_sigmask(signal.SIG_SETMASK, (previous - set(STOP_SIGNALS)) | set(signums))
     try:
         yield
     finally:
@@ -124,21 +135,36 @@ def unblock_stop_signals() -> None:
 
 
 def ignore_stop_signals() -> None:
-    """A spawned rank whose work has ended: stop signals no longer interrupt it (Note [Interrupts and finalizers])."""
+    """A rank whose work has ended: stop signals no longer interrupt it (Note [Interrupts and finalizers])."""
     for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
 
 
 def stop_when_parent_dies(parent: int) -> None:
-    """A spawned rank: SIGTERM to itself once ``parent`` is not its parent (Note [No rank outlives its parent])."""
+    """A rank: SIGTERM to itself once the process ``parent`` has ended (Note [No rank outlives its parent])."""
     threading.Thread(target=_watch_parent, args=(parent,), name="swapkit-parent-watch", daemon=True).start()
 
 
 def _watch_parent(parent: int) -> None:
-    while os.getppid() == parent:
-        time.sleep(POLL_S)
+    _wait_for_end(parent, psutil.Process().create_time())
     logger.warning("swapkit: the swapkit train process (pid %d) that started this rank is gone; stopping", parent)
     os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _wait_for_end(pid: int, born_before: float) -> None:
+    """Return once the process ``pid``, started before ``born_before``, has ended (Note [No rank outlives its
+    parent])."""
+    try:
+        process = psutil.Process(pid)
+        if process.create_time() > born_before:  # the pid was reused: the process it named has ended
+            return
+        while process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+            time.sleep(POLL_S)
+    except psutil.NoSuchProcess:  # a zombie's details, too
+        pass
+    except psutil.AccessDenied:  # /proc hides it (hidepid): its pid is all there is to watch
+        while psutil.pid_exists(pid):
+            time.sleep(POLL_S)
 
 
 def _in_finalizer(frame: FrameType | None) -> bool:
