@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -381,3 +384,29 @@ def test_ranks_take_the_environment_and_stderr_the_parent_has_at_each_start(tmp_
     assert marks == ["set after the server started"] * 2
     lines = (tmp_path / "stderr").read_text().splitlines()
     assert sorted(line for line in lines if line.startswith("rank ")) == ["rank 0 wrote this", "rank 1 wrote this"]
+
+
+def test_a_stream_closed_when_the_parent_started_is_devnull_in_its_ranks(tmp_path):
+    """swapkit.distributed.rank_start Note [Ranks forked from a preloaded server]: with stderr closed (`2>&-`)
+    descriptor 2 may name any file the parent opened since; the rank gets os.devnull, not that file."""
+    script = tmp_path / "closed_stderr.py"
+    script.write_text("import multiprocessing, os, sys\n"
+                      "from swapkit.distributed.rank_start import RankStart, start_method\n"
+                      "def rank(start, out):\n"
+                      "    start.take()\n"
+                      "    open(out, 'w').write(os.readlink('/proc/self/fd/2') + '\\n' + os.readlink('/proc/self/fd/1'))\n"
+                      "if __name__ == '__main__':\n"
+                      "    assert sys.stderr is None\n"
+                      "    reused = os.open(__file__, os.O_RDONLY)  # takes the free number 2\n"
+                      "    ctx = multiprocessing.get_context(start_method('cpu', preload=()))\n"
+                      "    process = ctx.Process(target=rank, args=(RankStart(), sys.argv[1]))\n"
+                      "    process.start()\n"
+                      "    process.join()\n"
+                      "    sys.exit(process.exitcode)\n")
+    out = tmp_path / "fds.txt"
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(f"{sys.executable} {script} {out} 2>&-", shell=True, cwd=root, stdout=subprocess.PIPE,
+                          text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(root)})
+    assert done.returncode == 0
+    stderr, stdout = out.read_text().splitlines()
+    assert stderr == os.devnull and stdout.startswith("pipe:")

@@ -369,3 +369,22 @@ def test_the_fork_server_holds_sigint_only_so_what_else_forks_from_it_still_stop
     assert done.returncode == 0, done.stderr
     (worker_mask,) = json.loads(done.stdout)
     assert signal.SIGINT in worker_mask and signal.SIGTERM not in worker_mask, worker_mask
+
+
+def test_a_rank_whose_parent_is_gone_and_that_cannot_stop_is_killed_after_the_grace(tmp_path):
+    """Note [No rank outlives its parent]: a rank blocked in native code (a rendezvous with a peer that already
+    stopped) runs no Python handler; with the parent gone, nobody else kills it after the grace."""
+    script = tmp_path / "stuck_rank.py"
+    script.write_text("import signal, subprocess, sys, time\n"
+                      "from swapkit.distributed import signals\n"
+                      "signals.STOP_GRACE_S = 0.5\n"
+                      "signal.signal(signal.SIGTERM, lambda *_: None)  # the stop reaches no Python code\n"
+                      "gone = subprocess.Popen([sys.executable, '-c', 'pass'])\n"
+                      "gone.wait()\n"
+                      "signals.stop_when_parent_dies(gone.pid)\n"
+                      "time.sleep(60)\n")
+    done = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=50,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    assert "that started this rank is gone; stopping" in done.stderr
+    assert "this rank did not stop within 0.5 s (blocked in native code" in done.stderr

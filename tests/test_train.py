@@ -372,3 +372,9 @@ def test_gc_interval_is_validated_with_its_key_path():
     with pytest.raises(ConfigError, match=r"train\.gc_interval"):
         small_config(gc_interval=0)
     assert small_config().train.gc_interval is None  # Python's automatic collector by default
+
+
+def test_a_run_started_with_stderr_closed_trains_without_its_progress_bar(monkeypatch):
+    """``swapkit train ... 2>&-``: Python then has no ``sys.stderr``; asking it ``isatty`` failed the run."""
+    monkeypatch.setattr(sys, "stderr", None)
+    assert len(train(load_config(TINY), steps=1, progress=True).losses) == 1

@@ -82,7 +82,7 @@ from swapkit.distributed.pipeline import micro_batch_problems
 from swapkit.distributed.rank_start import RankStart, start_method
 from swapkit.plan.plan import build_plan
 from swapkit.distributed.signals import (
-    POLL_S, ForwardSignals, StopOnSignal, ignore_stop_signals, stop_signals_blocked, stop_when_parent_dies,
+    POLL_S, STOP_GRACE_S, ForwardSignals, StopOnSignal, ignore_stop_signals, stop_signals_blocked, stop_when_parent_dies,
     stopped_ranks, unblock_stop_signals,
 )
 from swapkit.train.errors import RunFailed
@@ -95,7 +95,6 @@ logger = logging.getLogger(__name__)
 #: Note [Ranks this machine can hold]: lower bounds of the fork server (torch imported) and of a rank's own pages
 SERVER_PROCESS_BYTES = 256 * 2**20
 RANK_PROCESS_BYTES = 16 * 2**20
-STOP_GRACE_S = 10.0  # Note [Stopping the ranks]: a rank stops within a step; this is for one stuck in native code
 
 
 class RankFailed(RuntimeError):

@@ -20,7 +20,8 @@ process, not only the first (the server outlives a launch: Python API users may 
   say) is read once, by the server, from the environment of the first launch;
 - standard output and error: the parent's descriptors 1 and 2 at the launch are passed with the
   process (``multiprocessing.reduction.DupFd``) and become the rank's, so its log lines go where the
-  parent's go now (a terminal, a pipe, a file, a test's capture);
+  parent's go now (a terminal, a pipe, a file, a test's capture); one closed when the parent
+  started becomes ``os.devnull`` in the rank, never the server's (which may be any file by then);
 - the signal mask: the parent starts the server with SIGINT blocked (only SIGINT: see below), so a
   Ctrl-C while it imports is held pending there and discarded when it ignores SIGINT (as
   ``multiprocessing``'s server does), and the ranks it forks start with SIGINT blocked, as spawned
@@ -89,17 +90,22 @@ class RankStart:
         self.streams: tuple[Any, ...] = ()
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        # DupFd must run while the process is being started: it registers the descriptor with that start
-        return _received, (self.parent, self.environment, tuple(reduction.DupFd(fd) for fd in (1, 2)))
+        # DupFd must run while the process is being started: it registers the descriptor with that start.
+        # A stream closed when this interpreter started (``>&-``) is None here, and its number may name
+        # another file by now: the rank gets os.devnull for it instead.
+        streams = tuple(None if stream is None else reduction.DupFd(fd)
+                        for fd, stream in ((1, sys.__stdout__), (2, sys.__stderr__)))
+        return _received, (self.parent, self.environment, streams)
 
     def take(self) -> None:
         """In the rank, first: the parent's environment and standard streams become this process's."""
         os.environ.clear()
         os.environ.update(self.environment)
-        sys.stdout.flush()
-        sys.stderr.flush()
+        for stream in (sys.stdout, sys.stderr):
+            if stream is not None:
+                stream.flush()
         for target, passed in zip((1, 2), self.streams):
-            fd = passed.detach()
+            fd = os.open(os.devnull, os.O_WRONLY) if passed is None else passed.detach()
             if fd != target:  # a spawned rank inherits the parent's descriptors under their own numbers
                 os.dup2(fd, target)
                 os.close(fd)

@@ -63,7 +63,11 @@ by the pid the parent passed (so a parent gone before the rank started is notice
 that now names a process started after the rank is not taken for it) every ``POLL_S``, and once it
 has ended (a zombie has: its parent has not reaped it yet) logs it and sends the rank SIGTERM, which
 stops it as a forwarded stop does (a peer may end first, on the connection that rank closed). Once
-the rank's work has ended it ignores the signal (:func:`ignore_stop_signals`).
+the rank's work has ended it ignores the signal (:func:`ignore_stop_signals`). A rank that is still
+alive ``STOP_GRACE_S`` later is blocked in native code, where no Python handler runs: a parent killed
+while its ranks met left one rank waiting in the rendezvous for a peer that had already stopped,
+until ``train.collective_timeout_s``. The parent would kill such a rank after the same grace (Note
+[Stopping the ranks]); with the parent gone, the watch logs it and sends the rank SIGKILL itself.
 """
 from __future__ import annotations
 
@@ -87,6 +91,7 @@ logger = logging.getLogger(__name__)
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 RETRY_S = 0.005  # Note [Interrupts and finalizers]: a finalizer returns well within this
 POLL_S = 0.1
+STOP_GRACE_S = 10.0  # Note [Stopping the ranks]: a rank stops within a step; this is for one stuck in native code
 
 
 class Interrupted(KeyboardInterrupt):
@@ -149,6 +154,10 @@ def _watch_parent(parent: int) -> None:
     _wait_for_end(parent, psutil.Process().create_time())
     logger.warning("swapkit: the swapkit train process (pid %d) that started this rank is gone; stopping", parent)
     os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(STOP_GRACE_S)  # still running: the parent would kill it now (Note [No rank outlives its parent])
+    logger.warning("swapkit: this rank did not stop within %g s (blocked in native code: a rendezvous or a "
+                   "collective waiting for a rank that is gone); killing it", STOP_GRACE_S)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _wait_for_end(pid: int, born_before: float) -> None:

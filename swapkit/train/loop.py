@@ -220,7 +220,7 @@ def drive(run: RunState, progress: bool, train_step: Callable[[int], dict[str, A
 
     A ``None`` record (a pipeline rank that holds no loss) is not recorded; the step still counts.
     """
-    bar_off = not progress or not sys.stderr.isatty()
+    bar_off = not progress or sys.stderr is None or not sys.stderr.isatty()  # None: started with 2>&-
     with tqdm(total=run.total_steps, initial=run.step, disable=bar_off, unit="step", file=sys.stderr,
               dynamic_ncols=True, desc="swapkit train") as bar, \
             collector_schedule(run.config.train.gc_interval) as after_step:
