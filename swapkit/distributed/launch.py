@@ -82,8 +82,8 @@ from swapkit.distributed.pipeline import micro_batch_problems
 from swapkit.distributed.rank_start import RankStart, start_method
 from swapkit.plan.plan import build_plan
 from swapkit.distributed.signals import (
-    POLL_S, STOP_GRACE_S, ForwardSignals, StopOnSignal, ignore_stop_signals, stop_signals_blocked, stop_when_parent_dies,
-    stopped_ranks, unblock_stop_signals,
+    POLL_S, STOP_GRACE_S, ForwardSignals, StopOnSignal, ignore_stop_signals, stop_signals_blocked,
+    stop_when_parent_dies, stopped_ranks, unblock_stop_signals,
 )
 from swapkit.train.errors import RunFailed
 from swapkit.train.loop import preflight
