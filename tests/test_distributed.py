@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 import swapkit
 from swapkit.config.types import ModelConfig
 from swapkit.engine import ThreadCopyEngine
-from tests.dist_utils import run_ranks
+from tests.dist_utils import run_ranks, run_script
 from tests.toys import install_engine, llama_batch, llama_step, toy_config
 
 TINY = ModelConfig(num_layers=4, hidden_size=32, num_heads=2, intermediate_size=64, vocab_size=64, seq_length=16)
@@ -389,8 +386,9 @@ def test_ranks_take_the_environment_and_stderr_the_parent_has_at_each_start(tmp_
 def test_a_stream_closed_when_the_parent_started_is_devnull_in_its_ranks(tmp_path):
     """swapkit.distributed.rank_start Note [Ranks forked from a preloaded server]: with stderr closed (`2>&-`)
     descriptor 2 may name any file the parent opened since; the rank gets os.devnull, not that file."""
-    script = tmp_path / "closed_stderr.py"
-    script.write_text("import multiprocessing, os, sys\n"
+    out = tmp_path / "fds.txt"
+    done = run_script(tmp_path / "closed_stderr.py",
+                      "import multiprocessing, os, sys\n"
                       "from swapkit.distributed.rank_start import RankStart, start_method\n"
                       "def rank(start, out):\n"
                       "    start.take()\n"
@@ -402,11 +400,7 @@ def test_a_stream_closed_when_the_parent_started_is_devnull_in_its_ranks(tmp_pat
                       "    process = ctx.Process(target=rank, args=(RankStart(), sys.argv[1]))\n"
                       "    process.start()\n"
                       "    process.join()\n"
-                      "    sys.exit(process.exitcode)\n")
-    out = tmp_path / "fds.txt"
-    root = Path(__file__).resolve().parents[1]
-    done = subprocess.run(f"{sys.executable} {script} {out} 2>&-", shell=True, cwd=root, stdout=subprocess.PIPE,
-                          text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(root)})
+                      "    sys.exit(process.exitcode)\n", str(out), close_stderr=True)
     assert done.returncode == 0
     stderr, stdout = out.read_text().splitlines()
     assert stderr == os.devnull and stdout.startswith("pipe:")

@@ -23,6 +23,7 @@ import psutil
 import pytest
 
 from swapkit.distributed.signals import Interrupted, StopOnSignal, _wait_for_end
+from tests.dist_utils import run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 BOUND_S = 20  # generous for a loaded 2-core box; stopping takes about 2 s
@@ -353,8 +354,8 @@ def test_the_fork_server_holds_sigint_only_so_what_else_forks_from_it_still_stop
     """swapkit.distributed.rank_start Note [Ranks forked from a preloaded server]: the server is process-wide
     and outlives the launch; a pool forked from it later stops its workers with SIGTERM. In a process of its
     own, so that this test starts the server (nothing preloaded: it starts in milliseconds)."""
-    script = tmp_path / "pool_after_ranks.py"  # a file: the pool's workers import its functions by name
-    script.write_text("import multiprocessing, signal\n"
+    done = run_script(tmp_path / "pool_after_ranks.py",
+                      "import multiprocessing, signal\n"
                       "from swapkit.distributed.rank_start import start_method\n"
                       "def blocked(_):\n"
                       "    return sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, ()))\n"
@@ -364,8 +365,6 @@ def test_the_fork_server_holds_sigint_only_so_what_else_forks_from_it_still_stop
                       "    assert signal.pthread_sigmask(signal.SIG_BLOCK, ()) == before  # the parent's mask is back\n"
                       "    with multiprocessing.get_context('forkserver').Pool(1) as pool:\n"
                       "        print(pool.map(blocked, [0]))\n")
-    done = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr
     (worker_mask,) = json.loads(done.stdout)
     assert signal.SIGINT in worker_mask and signal.SIGTERM not in worker_mask, worker_mask
@@ -374,17 +373,15 @@ def test_the_fork_server_holds_sigint_only_so_what_else_forks_from_it_still_stop
 def test_a_rank_whose_parent_is_gone_and_that_cannot_stop_is_killed_after_the_grace(tmp_path):
     """Note [No rank outlives its parent]: a rank blocked in native code (a rendezvous with a peer that already
     stopped) runs no Python handler; with the parent gone, nobody else kills it after the grace."""
-    script = tmp_path / "stuck_rank.py"
-    script.write_text("import signal, subprocess, sys, time\n"
+    done = run_script(tmp_path / "stuck_rank.py",
+                      "import signal, subprocess, sys, time\n"
                       "from swapkit.distributed import signals\n"
                       "signals.STOP_GRACE_S = 0.5\n"
                       "signal.signal(signal.SIGTERM, lambda *_: None)  # the stop reaches no Python code\n"
                       "gone = subprocess.Popen([sys.executable, '-c', 'pass'])\n"
                       "gone.wait()\n"
                       "signals.stop_when_parent_dies(gone.pid)\n"
-                      "time.sleep(60)\n")
-    done = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=50,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+                      "time.sleep(60)\n", timeout_s=50)
     assert done.returncode == -signal.SIGKILL, done.stderr
     assert "that started this rank is gone; stopping" in done.stderr
     assert "this rank did not stop within 0.5 s (blocked in native code" in done.stderr
