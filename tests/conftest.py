@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import tempfile
 
 import pytest
 import torch
@@ -14,6 +15,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def temporary_files_stay_in_basetemp(tmp_path_factory):
+    """Every temporary file the suite and the processes it starts make lands in pytest's base folder, which
+    pytest prunes (it keeps the last three runs): a process a test kills with SIGKILL cannot remove its own
+    (``swapkit train``'s rank folder, multiprocessing's ``pymp-*`` folder, torchrun's ``torchelastic_*`` logs),
+    and ``torch.multiprocessing`` leaves a failed rank's ``pytorch-errorfile-*.pickle`` behind."""
+    folder = tmp_path_factory.mktemp("tmpdir")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TMPDIR", str(folder))  # the processes tests start
+        patch.setattr(tempfile, "tempdir", None)  # this process: gettempdir() reads TMPDIR again
+        yield folder
+    tempfile.tempdir = None
 
 
 @pytest.fixture(scope="module")
