@@ -14,7 +14,7 @@ unpack (autograd stops checking it once hooks are installed; ``swapkit.runtime.r
 keepers]), and do nothing else. Two more ways take (d) apart (Note [Taking the swap way apart]): (g) as (d) with Python's
 cyclic garbage collector off during the step, (h) as (d) with every copy run on the thread that queues
 it (CPU only). (i) bounds what a keep could cost without swapkit's Python (Note [What a save path in C
-would still pay]).
+would still pay]), and (j) what a coalesced swap could (Note [What a swap in C would still pay]).
 
 Note [What a save path in C would still pay]
 Way (i) is a pair of plain hooks that make the torch calls and the allocations a keep needs and
@@ -26,6 +26,21 @@ step's frames, the tick, the scope and frame tests, the byte accounting and the 
 finalizer. A save path written in C (an extension module, as swapkit does not ship) would remove
 that part and still pay (i)'s torch calls through the same Python objects, so (i) over (b) is the
 least ratio such a path could reach for a keep on this machine.
+
+Note [What a swap in C would still pay]
+Way (j) is to (d) what (i) is to (c): a pair of plain hooks that make the torch calls and allocations a
+coalesced swap of every saved storage needs, and nothing else. At pack, (i)'s keep calls, plus the storage's
+``data_ptr`` (what the changed-storage checks compare) and the view's ``view_meta``; the storage joins an
+open batch, and every ``SWAP_CALLS_BATCH`` new storages (8, (d)'s ``backward_prefetch``: (d) flushes a batch
+when its first storage is due for release) the batch is copied as (d)'s engine copies it: one host region,
+one flat ``uint8`` view per storage, one ``_foreach_copy_``; then the batch's keepers are emptied
+(``set_()``, version counters put back). At unpack, the version check; the first unpack of a batch copies
+its region back in one copy into a new buffer, and each handle gets its view rebuilt on it. The copies run
+inline (as (h)'s), and the region is a new tensor, not a pooled one. What (d) adds over (j) is swapkit's
+own Python: the session's, step's and records' frames, the release and prefetch queues and their ticks,
+the pool, the copy thread's hand-offs (measured apart by (h)), the lock, the accounting and the
+finalizers. So (j) over (b) is the least ratio a swap path in C over the same Python objects could reach
+on this machine.
 
 Note [Taking the swap way apart]
 Two costs of (d) are not the session's bookkeeping, and each has its own way, run in the same
@@ -186,6 +201,89 @@ def _keep_calls_hooks() -> ContextManager:
     return torch.autograd.graph.saved_tensors_hooks(pack, _unpack_floor)
 
 
+class _SwapCallsRecord(list):
+    """A swapped storage's record in way (j): ``[batch, offset, weakref to the storage]``, weakly referenced
+    from the storage index, as ``SwapRecord``."""
+
+    __slots__ = ("__weakref__",)
+
+
+#: saves per copy in way (j): (d)'s ``backward_prefetch``, which bounds its batches (Note [What a swap in C ...])
+SWAP_CALLS_BATCH = 8
+_set_versions = torch._C._autograd._unsafe_set_version_counter
+
+
+def _swap_calls_hooks() -> ContextManager:
+    """Way (j) (Note [What a swap in C would still pay]). A batch is ``[storages, keepers, bytes, region,
+    restored]``: ``region`` is set when it is copied to host (its storages and keepers let go then), ``restored``
+    at its first unpack."""
+    index: dict[int, Any] = {}
+    device, flat = torch.device("cpu"), torch.empty(0, dtype=torch.uint8)
+    empties: dict[torch.dtype, torch.Tensor] = {}
+    batch: list = [[], [], 0, None, None]
+
+    def flush() -> None:
+        nonlocal batch
+        full, batch = batch, [[], [], 0, None, None]
+        storages, keepers = full[0], full[1]
+        region = torch.empty(full[2], dtype=torch.uint8)
+        torch._foreach_copy_(region.split_with_sizes([storage.nbytes() for storage in storages]),
+                             [flat.new().set_(storage) for storage in storages])
+        versions = tuple(keeper._version for keeper in keepers)
+        for keeper in keepers:
+            keeper.set_()
+        _set_versions(tuple(keepers), versions)
+        full[0], full[1], full[3] = None, None, region
+
+    def pack(tensor: torch.Tensor) -> tuple:
+        kind = type(tensor)
+        if (kind is not _TENSOR and kind is not _PARAMETER) or tensor.layout is not _STRIDED or tensor.is_nested \
+                or tensor.is_quantized:
+            return tensor.detach(), tensor._version, None
+        storage = tensor.untyped_storage()
+        key, version = id(storage), tensor._version
+        found = index.get(key)
+        record = found() if found is not None else None
+        keeper = tensor.detach()
+        if record is None or record[2]() is not storage:
+            nbytes, _ = storage.nbytes(), storage.data_ptr()
+            if tensor._base is not None or tensor.__dict__ or tensor.device != device:
+                pass  # the parameter and device tests a new storage needs, as in way (i)
+            record = _SwapCallsRecord((batch, batch[2], weakref.ref(storage)))
+            index[key] = weakref.ref(record)
+            batch[0].append(storage)
+            batch[2] += nbytes
+        meta = (tensor.dtype, tuple(tensor.size()), tensor.stride(), tensor.storage_offset(), tensor.is_conj(),
+                tensor.is_neg())
+        if record[0][3] is None:  # its batch is still open
+            batch[1].append(keeper)
+            if len(batch[0]) == SWAP_CALLS_BATCH:
+                flush()
+        else:  # saved again after its batch was copied: its bytes are on the host already
+            _set_versions((keeper.set_(),), (version,))
+        return keeper, version, record, meta
+
+    def unpack(handle: tuple) -> torch.Tensor:
+        keeper, version, record = handle[:3]
+        if keeper._version != version:
+            raise RuntimeError("a saved tensor was modified in place")
+        if record is None or record[0][3] is None:  # kept, or its batch was never copied
+            return keeper
+        held = record[0]
+        if held[4] is None:
+            held[4] = held[3].clone()  # one copy back per batch
+        dtype, size, stride, offset, conj, neg = handle[3]
+        template = empties.get(dtype)
+        if template is None:
+            template = empties[dtype] = torch.empty(0, dtype=dtype)
+        out = template.new().set_(held[4].untyped_storage(), offset + record[1] // dtype.itemsize, size, stride)
+        if neg:
+            out = torch._neg_view(out)
+        return out.conj() if conj else out
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
 @contextlib.contextmanager
 def _without_collector(session: swapkit.SwapSession):
     """``session`` with the cyclic garbage collector off until the step ends (way (g))."""
@@ -250,7 +348,8 @@ class CollectorClock:
         gc.callbacks.remove(self._tick)
 
 
-WAYS = ("none", "identity", "keep", "swap", "swap_per_tensor", "floor", "swap_no_gc", "swap_inline", "keep_calls")
+WAYS = ("none", "identity", "keep", "swap", "swap_per_tensor", "floor", "swap_no_gc", "swap_inline", "keep_calls",
+        "swap_calls")
 
 
 def run(device: torch.device, length: int, reps: int, width: int = 16, ways: tuple[str, ...] = WAYS) -> dict[str, Any]:
@@ -265,7 +364,7 @@ def run(device: torch.device, length: int, reps: int, width: int = 16, ways: tup
               "swap_no_gc": lambda m: _session(m, True), "swap_inline": lambda m: _session(m, True)}
     sessions = {name: make(models[name]) for name, make in makers.items() if name in models}
     contexts = {"none": contextlib.nullcontext, "identity": _identity_hooks, "floor": _floor_hooks,
-                "keep_calls": _keep_calls_hooks,
+                "keep_calls": _keep_calls_hooks, "swap_calls": _swap_calls_hooks,
                 **{name: (lambda s=session: s) for name, session in sessions.items()}}
     if "swap_no_gc" in sessions:
         contexts["swap_no_gc"] = lambda s=sessions["swap_no_gc"]: _without_collector(s)
@@ -475,7 +574,8 @@ LABELS = {"none": "(a) no hooks", "identity": "(b) identity saved_tensors_hooks"
           "floor": "(f) floor: detached keeper + version check, no bookkeeping",
           "swap_no_gc": "(g) as (d), cyclic GC off during the step",
           "swap_inline": "(h) as (d), copies inline on the queueing thread (no copy thread)",
-          "keep_calls": "(i) a keep's torch calls and allocations alone, no swapkit frames"}
+          "keep_calls": "(i) a keep's torch calls and allocations alone, no swapkit frames",
+          "swap_calls": "(j) a coalesced swap's torch calls and allocations alone, no swapkit frames"}
 
 
 if __name__ == "__main__":
