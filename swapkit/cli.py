@@ -292,6 +292,8 @@ def _train(config: Config, args: argparse.Namespace, plan: BudgetPlan | None = N
             result = train(config, steps=args.steps, device=args.device, metrics_out=args.metrics_out,
                            progress=not args.no_progress)
     else:  # pipeline and/or data parallel: one process per rank
+        # an op pattern no layer has is exit 2 here, as in one process, not a rank's BindError traceback
+        _matched_trees(args, config, *_plan_model(args, config))  # launch.py Note [Checks before the ranks start]
         try:
             result = launch(config, resolve_device(config, args.device), steps=resolve_steps(config, args.steps),
                             metrics_out=args.metrics_out, progress=not args.no_progress)
