@@ -138,7 +138,8 @@ def test_swap_section_is_validated_when_swap_is_false():
                           "op_swap": [{"op_name": "x(", "backward_prefetch": 3, "layers": True},
                                       {"op_name": "x(", "backward_prefetch": 1, "layers": [0]}]})
     assert "swap_config.layer_swap[0].backward_prefetch: got 0" in message
-    assert "swap_config.layer_swap[0].layers: got [9]; expected layer indices >= 0 < num_layers (4)" in message
+    assert ("swap_config.layer_swap[0].layers: got [9]; expected global layer indices 0 to 3 (num_layers is 4). "
+            "Out of range: [9]; remove them, or list layers below 4") in message
     assert "swap_config.op_swap[0].op_name: got 'x('" in message
     message = error({"swap": False, "op_swap": [{"op_name": "a", "backward_prefetch": 3, "layers": True},
                                                       {"op_name": "a", "backward_prefetch": 1, "layers": [0]}]})
