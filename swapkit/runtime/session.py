@@ -423,10 +423,10 @@ def late_backward_message(step: int) -> str:
 
 
 def _modified_error(saved: Saved) -> RuntimeError:
-    where = saved.frame.label if saved.frame is not None else "outside the bound layers"
+    where = f"in {saved.frame.label}" if saved.frame is not None else "outside the bound layers"
     now = saved.keeper._version
     return RuntimeError(
-        f"swapkit: a tensor saved for backward in {where} was modified by an in-place operation after it "
+        f"swapkit: a tensor saved for backward {where} was modified by an in-place operation after it "
         f"was saved (version {saved.version} -> {now}); backward needs the original values and autograd "
         "would fail here without swapkit too. Make that operation out-of-place (x = x + y instead of "
         "x += y) or clone the tensor before changing it."
