@@ -110,6 +110,7 @@ def _parser() -> argparse.ArgumentParser:
                       "device-resident saved bytes fits SIZE (64MiB, 1.5GiB, bytes)")
     plan.add_argument("--out", metavar="FILE", help="with --budget: write the planned YAML config here")
     plan.add_argument("--device", choices=("cpu", "cuda"), help="with --budget: override train.device")
+    _verbose(plan)
     plan.set_defaults(run=run_plan)
 
     train = sub.add_parser("train", help="train the built-in model as the config says",
@@ -124,8 +125,16 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.add_argument("--budget", metavar="SIZE", help="plan under this memory budget first (as swapkit plan "
                        "--budget) and train with the planned config")
+    _verbose(train)
     train.set_defaults(run=run_train)
     return parser
+
+
+def _verbose(command: argparse.ArgumentParser) -> None:
+    """``-v`` after the command too (``swapkit train CONFIG -v``), as users write it; not given there,
+    the value before the command stands (SUPPRESS leaves it alone)."""
+    command.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                         help="debug logging (same as swapkit -v)")
 
 
 def _configure_logging(verbose: bool) -> None:

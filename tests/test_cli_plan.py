@@ -375,3 +375,14 @@ def test_an_op_swap_typo_names_its_key_value_and_fix(capsys, tmp_path):
     assert err.startswith("swapkit: invalid swapkit command line (1 problem):\n  - swap_config.op_swap[0].op_name "
                           "(from --set swap_config.op_swap=[{op_name: atention, backward_prefetch: 1, layers: [1]}]): "
                           "op_swap pattern 'atention' matches no sub-module")
+
+
+@pytest.mark.parametrize("argv, verbose", [
+    (["-v", "train", "c.yaml"], True), (["train", "c.yaml", "-v"], True), (["plan", "c.yaml", "--verbose"], True),
+    (["train", "c.yaml"], False), (["-v", "plan", "c.yaml", "--json"], True),
+])
+def test_verbose_may_follow_the_command(argv, verbose):
+    """``swapkit train CONFIG -v`` was 'unrecognized arguments: -v'; it now means what ``swapkit -v train`` does."""
+    from swapkit.cli import _parser
+
+    assert _parser().parse_args(argv).verbose is verbose
