@@ -201,11 +201,19 @@ def _check_patterns(args: argparse.Namespace) -> None:
     if getattr(args, "model", None) and not args.model.startswith("hf:"):
         return  # refused by budget_plan, naming --model, before any user code is imported
     config = validated_config(args.config, args.overrides)  # its warnings: when budget_plan loads it
-    if getattr(args, "model", None) is None:  # the built-in model's layer path named first, as budget_plan does
-        from swapkit.train.files import raise_problems
-        from swapkit.train.loop import builtin_layers_problems
+    if getattr(args, "model", None) is None:
+        _check_builtin_patterns(args, config)
+    else:
+        _matched_trees(args, config, *_plan_model(args, config))
 
-        raise_problems(builtin_layers_problems(config, getattr(args, "layers", None)), config.source)
+
+def _check_builtin_patterns(args: argparse.Namespace, config: Config) -> None:
+    """The built-in model's layer path (named first, as budget_plan does), then the config's op
+    patterns against that model on the meta device: a ConfigError (exit 2) for either."""
+    from swapkit.train.files import raise_problems
+    from swapkit.train.loop import builtin_layers_problems
+
+    raise_problems(builtin_layers_problems(config, getattr(args, "layers", None)), config.source)
     _matched_trees(args, config, *_plan_model(args, config))
 
 
@@ -302,7 +310,7 @@ def _train(config: Config, args: argparse.Namespace, plan: BudgetPlan | None = N
                            progress=not args.no_progress)
     else:  # pipeline and/or data parallel: one process per rank
         # an op pattern no layer has is exit 2 here, as in one process, not a rank's BindError traceback
-        _matched_trees(args, config, *_plan_model(args, config))  # launch.py Note [Checks before the ranks start]
+        _check_builtin_patterns(args, config)  # launch.py Note [Checks before the ranks start]
         try:
             result = launch(config, resolve_device(config, args.device), steps=resolve_steps(config, args.steps),
                             metrics_out=args.metrics_out, progress=not args.no_progress)
