@@ -5,6 +5,7 @@ after recording a problem. Checks never raise: the loader collects every problem
 """
 from __future__ import annotations
 
+import difflib
 import math
 import re
 from dataclasses import dataclass
@@ -127,10 +128,18 @@ def choice(*options: str, aliases: Mapping[str, str] | None = None) -> Check:
         if isinstance(value, str) and value in aliases:
             return aliases[value]
         problems.bad(path, value, "one of " + ", ".join(repr(o) for o in options),
-                     BOOLEAN_AS_TEXT if isinstance(value, bool) else None)
+                     BOOLEAN_AS_TEXT if isinstance(value, bool) else _closest_option(value, options))
         return INVALID
 
     return check
+
+
+def _closest_option(value: Any, options: Sequence[str]) -> str | None:
+    """``did you mean 'thread'?`` for ``'threads'``: the option a misspelt text value is closest to."""
+    if not isinstance(value, str):
+        return None
+    close = difflib.get_close_matches(value.lower(), options, n=1, cutoff=0.8)  # not fp16 -> bf16
+    return f"did you mean {close[0]!r}?" if close else None
 
 
 def string(value: Any, path: str, problems: Problems) -> Any:
