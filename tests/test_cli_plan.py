@@ -340,8 +340,8 @@ def test_file_and_set_problems_are_each_blamed_on_their_source(capsys, tmp_path)
     assert status == 2
     assert err == (f"swapkit: invalid swapkit config in {path} (3 problems):\n"
                    "  - swap_config.layer_swap[0].layers (from --set swap_config.layer_swap=[{layers: [9], "
-                   "backward_prefetch: 1}]): got [9]; expected global layer indices 0 to 3 (num_layers is 4). Out of range: "
-                   "[9]; remove them, or list layers below 4\n"
+                   "backward_prefetch: 1}]): got [9]; expected global layer indices 0 to 3 (num_layers is 4). "
+                   "Out of range: [9]; remove them, or list layers below 4\n"
                    "  - train.lr: got -1; expected a number > 0\n"
                    "  - train.steps (from --set train.steps=0): got 0; expected an integer >= 1\n")
 
