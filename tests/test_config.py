@@ -245,6 +245,12 @@ def test_invalid_no_effect_key_is_not_listed():
      "mean '1f1b'?"),
     (with_sections(runtime={"min_offload_bytes": -1}), "runtime.min_offload_bytes: got -1; expected an integer >= 0"),
     (with_sections(runtime={"max_host_bytes": 0}), "runtime.max_host_bytes: got 0; expected an integer >= 1"),
+    (with_sections(runtime={"max_host_bytes": "4GiB"}),  # a size as --budget takes it: the bytes to write
+     "runtime.max_host_bytes: got '4GiB'; expected a whole byte count >= 1. This key takes plain bytes, not a size "
+     "with a unit: write 4294967296"),
+    (with_sections(runtime={"min_offload_bytes": "1.5 kb"}),
+     "runtime.min_offload_bytes: got '1.5 kb'; expected a whole byte count >= 0. This key takes plain bytes, not a "
+     "size with a unit: write 1500"),
     (with_sections(runtime={"engine_options": {"latency_s": -1}}),
      "runtime.engine_options.latency_s: got -1; expected a number >= 0"),
     (with_sections(runtime={"engine_options": {"bandwidth_gbps": float("nan")}}),

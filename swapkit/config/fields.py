@@ -9,6 +9,7 @@ import difflib
 import math
 import re
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any, Callable, Mapping, Sequence
 
 import regex
@@ -50,6 +51,28 @@ def integer(minimum: int | None = None, maximum: int | None = None) -> Check:
             problems.bad(path, value, _int_range(minimum, maximum, above), yaml11_hint(value))
             return INVALID
         return value
+
+    return check
+
+
+#: Units of a memory size as users write them (``64MiB``); ``swapkit.plan.size`` parses ``--budget`` with them.
+SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+              "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE_WITH_UNIT = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([kmgt]i?b)\s*", re.IGNORECASE)
+
+
+def byte_count(minimum: int) -> Check:
+    """A whole number of bytes; ``4GiB`` (a size as ``--budget`` takes it) is refused naming its bytes."""
+    whole = integer(minimum)
+
+    def check(value: Any, path: str, problems: Problems) -> Any:
+        match = _SIZE_WITH_UNIT.fullmatch(value) if isinstance(value, str) else None
+        if match:
+            size = int(Fraction(match.group(1)) * SIZE_UNITS[match.group(2).lower()])
+            problems.bad(path, value, f"a whole byte count >= {minimum}",
+                         f"this key takes plain bytes, not a size with a unit: write {size}")
+            return INVALID
+        return whole(value, path, problems)
 
     return check
 
