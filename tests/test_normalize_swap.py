@@ -159,6 +159,15 @@ def test_bad_layer_swap_entries(entry, fragment):
     assert fragment in error({"swap": True, "layer_swap": [entry]})
 
 
+def test_a_misspelt_required_key_is_one_problem_not_two():
+    """Before: '...backward_prefech: unknown key; did you mean ...' and '...backward_prefetch: is required'."""
+    message = error({"swap": True, "layer_swap": [{"backward_prefech": 1, "layers": [0]}],
+                     "op_swap": [{"op_name": "a", "layers": [0]}]})
+    assert "swap_config.layer_swap[0].backward_prefech: unknown key; did you mean 'backward_prefetch'?" in message
+    assert "swap_config.layer_swap[0].backward_prefetch: is required" not in message
+    assert "swap_config.op_swap[0].backward_prefetch: is required" in message  # missing, not misspelt
+
+
 def test_op_swap_needs_op_name():
     message = error({"swap": True, "op_swap": [{"backward_prefetch": 1, "layers": [0]}]})
     assert "swap_config.op_swap[0].op_name: is required" in message

@@ -6,6 +6,7 @@ after recording a problem. Checks never raise: the loader collects every problem
 from __future__ import annotations
 
 import difflib
+import itertools
 import math
 import re
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import regex
 
-from swapkit.config.errors import Problems, clip, join, show
+from swapkit.config.errors import MAX_LISTED_PROBLEMS, Problems, clip, join, show
 
 INVALID: Any = type("Invalid", (), {"__repr__": lambda self: "INVALID"})()
 Check = Callable[[Any, str, Problems], Any]
@@ -326,11 +327,22 @@ def read_section(
         else:
             elsewhere = [home for home in homes(name) if home != path] if homes is not None else []
             problems.unknown_key(path, name, keys, elsewhere, no_effect)
-    for name, key in keys.items():
-        if key.required and name not in raw:
+    missing = [name for name, key in keys.items() if key.required and name not in raw]
+    misspelt = _suggested(raw, keys, no_effect) if missing else set()
+    for name in missing:
+        if name not in misspelt:  # else the unknown key's "did you mean" already names it
             problems.add(join(path, name), "is required")
-            values[name] = INVALID
+        values[name] = INVALID
     return values
+
+
+def _suggested(raw: Mapping, keys: Mapping[str, Key], no_effect: Mapping[str, Check]) -> set[str]:
+    """The keys that the unknown keys of ``raw`` get a "did you mean" for (as ``Problems.unknown_key``
+    suggests them; only the first few are looked at, as only those are listed)."""
+    unknown = (key for key in raw if isinstance(key, str) and key not in keys and key not in no_effect)
+    suggestable = sorted(keys) + sorted(no_effect)
+    return {close for key in itertools.islice(unknown, MAX_LISTED_PROBLEMS)
+            for close in difflib.get_close_matches(key, suggestable, n=1, cutoff=0.6)}
 
 
 def any_invalid(values: Mapping[str, Any]) -> bool:
