@@ -77,9 +77,28 @@ def _off_core_warning(env: dict[str, Any], rows: list[dict[str, Any]]) -> list[s
             "idle machine"]
 
 
-def hygiene_warnings(env: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
-    """Reasons to distrust this run: a loaded machine, or a variant that adds work measured faster."""
-    warnings = []
+def _link_warning(rows: list[dict[str, Any]], link: dict[str, Any] | None) -> list[str]:
+    """Note [A link calibrated under contention]
+    The sweep's emulated link is sized from the plain model's forward, timed on its own just before the
+    sweep (sweep.py Note [Emulated link]). On the shared 2-core machine, with two torch threads, that
+    forward once measured 57-254 ms in --quick runs whose whole baseline step (forward and backward) took
+    20-23 ms in the same run: another process had taken a core for those moments, the link came out up
+    to 75 times too slow and the sweep's step times 9-11 times the baseline's, with no warning (the load
+    average stayed under the core count). A forward longer than the whole step cannot be the model's, so
+    it marks the sweep as measured under contention."""
+    base = next((r for r in rows if r["name"] == BASELINE), None)
+    forward, step = (link or {}).get("model_forward_s"), (base or {}).get("step_time_median_s")
+    if not forward or not step or forward <= step:
+        return []
+    return [f"the prefetch sweep's link was sized from a forward of {forward * 1e3:.1f} ms, longer than the "
+            f"baseline's whole training step ({step * 1e3:.1f} ms): the machine was contended while it was "
+            "measured, so the sweep's link is too slow and its rows are not comparable; rerun on an idle machine"]
+
+
+def hygiene_warnings(env: dict[str, Any], rows: list[dict[str, Any]], link: dict[str, Any] | None = None) -> list[str]:
+    """Reasons to distrust this run: a loaded machine, a variant that adds work measured faster, or a
+    sweep link sized from a contended forward (Note [A link calibrated under contention])."""
+    warnings = _link_warning(rows, link)
     cores = env["cpu_count"] or 1
     loads = [max(env["load_average_at_start"]), max(env.get("load_average_at_end") or (0,))]
     if max(loads) > cores:

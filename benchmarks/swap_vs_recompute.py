@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     env["wall_seconds"] = round(time.perf_counter() - started, 1)
     results = {"env": env, "run": vars(plan), "variants": rows, "sweep": sweep, "microbench": micro,
                "layer_swap_overhead": layer_swap_overhead(setup, rows, micro)}
-    results["warnings"] = hygiene_warnings(env, rows)
+    results["warnings"] = hygiene_warnings(env, rows, sweep["link"])
     for warning in results["warnings"]:
         print(f"WARNING: {warning}", file=sys.stderr)
     print(write_all(results, args.out))

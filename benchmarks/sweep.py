@@ -47,11 +47,12 @@ def choose_link(baseline: Runner, batch: tuple[torch.Tensor, torch.Tensor], laye
     """
     if baseline.setup.device.type == "cuda":
         return {"runtime": {}, "why": "CUDA engine over this machine's real host link (no emulation)"}
-    layer_forward = forward_seconds(baseline, batch) / baseline.setup.model.num_layers
+    model_forward = forward_seconds(baseline, batch)
+    layer_forward = model_forward / baseline.setup.model.num_layers
     bandwidth = layer_bytes / (fraction * layer_forward) / 1e9
     options = {"latency_s": latency_s, "bandwidth_gbps": round(bandwidth, 3)}
     return {"runtime": {"engine": "thread", "engine_options": options}, **options, "layer_bytes": int(layer_bytes),
-            "layer_forward_s": layer_forward, "copy_over_compute": fraction,
+            "model_forward_s": model_forward, "layer_forward_s": layer_forward, "copy_over_compute": fraction,
             "why": f"one layer's swapped activations ({layer_bytes / 2**20:.1f} MiB) take {fraction:.2f} x that "
                    f"layer's measured forward time ({layer_forward * 1e3:.1f} ms) at {bandwidth:.2f} GB/s, plus "
                    f"{latency_s * 1e6:.0f} us per copy; a whole-layer swap of a large model on a GPU over PCIe "

@@ -9,6 +9,7 @@ from typing import Any, Mapping, Sequence
 from torch import nn
 
 from swapkit.runtime.binding import BindError, bind, container_label, module_tree
+from swapkit.config.errors import ConfigError, Problem
 from swapkit.config.types import Config
 from swapkit.load import load_config
 from swapkit.plan.plan import Plan, build_plan
@@ -67,7 +68,7 @@ def apply(model: nn.Module | Sequence[nn.Module], config: Config | Plan | Mappin
     if loaded is None:
         plan = config
     else:  # a stage holds some of the layers: nothing to count them from
-        plan = resolve_plan(model, loaded, layers) if stage is None else build_plan(loaded)
+        plan = resolve_plan(model, loaded, layers) if stage is None else _stage_plan(loaded)
     chunks = [model] if stage is None else as_chunks(model, plan, stage)
     for chunk in chunks:
         marker = applied(chunk)
@@ -104,6 +105,16 @@ def _refuse_shared_layers(binding: Any, owner: str) -> None:
                             "copied from, or a module that contains it or is part of it) and swapkit is applied to "
                             "that model; call remove() on that model's SwapSession first, or copy models with "
                             "copy.deepcopy")
+
+
+def _stage_plan(config: Config) -> Plan:
+    """The whole model's plan for one stage's chunks, which hold only some layers: nothing to count
+    ``num_layers`` from, so it must be written (the generic message would say to pass the model)."""
+    if config.model.num_layers is None:
+        raise ConfigError([Problem("model.model_config.num_layers", "missing; with stage=, swapkit.apply binds "
+                                   "one pipeline stage's chunks and cannot count the whole model's layers from "
+                                   "them: write the whole model's layer count")], config.source)
+    return build_plan(config)
 
 
 def _not_a_model(model: Any) -> BindError:

@@ -110,6 +110,7 @@ def _parser() -> argparse.ArgumentParser:
                       "device-resident saved bytes fits SIZE (64MiB, 1.5GiB, bytes)")
     plan.add_argument("--out", metavar="FILE", help="with --budget: write the planned YAML config here")
     plan.add_argument("--device", choices=("cpu", "cuda"), help="with --budget: override train.device")
+    _verbose(plan)
     plan.set_defaults(run=run_plan)
 
     train = sub.add_parser("train", help="train the built-in model as the config says",
@@ -124,8 +125,16 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.add_argument("--budget", metavar="SIZE", help="plan under this memory budget first (as swapkit plan "
                        "--budget) and train with the planned config")
+    _verbose(train)
     train.set_defaults(run=run_train)
     return parser
+
+
+def _verbose(command: argparse.ArgumentParser) -> None:
+    """``-v`` after the command too (``swapkit train CONFIG -v``), as users write it; not given there,
+    the value before the command stands (SUPPRESS leaves it alone)."""
+    command.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                         help="debug logging (same as swapkit -v)")
 
 
 def _configure_logging(verbose: bool) -> None:
@@ -192,11 +201,19 @@ def _check_patterns(args: argparse.Namespace) -> None:
     if getattr(args, "model", None) and not args.model.startswith("hf:"):
         return  # refused by budget_plan, naming --model, before any user code is imported
     config = validated_config(args.config, args.overrides)  # its warnings: when budget_plan loads it
-    if getattr(args, "model", None) is None:  # the built-in model's layer path named first, as budget_plan does
-        from swapkit.train.files import raise_problems
-        from swapkit.train.loop import builtin_layers_problems
+    if getattr(args, "model", None) is None:
+        _check_builtin_patterns(args, config)
+    else:
+        _matched_trees(args, config, *_plan_model(args, config))
 
-        raise_problems(builtin_layers_problems(config, getattr(args, "layers", None)), config.source)
+
+def _check_builtin_patterns(args: argparse.Namespace, config: Config) -> None:
+    """The built-in model's layer path (named first, as budget_plan does), then the config's op
+    patterns against that model on the meta device: a ConfigError (exit 2) for either."""
+    from swapkit.train.files import raise_problems
+    from swapkit.train.loop import builtin_layers_problems
+
+    raise_problems(builtin_layers_problems(config, getattr(args, "layers", None)), config.source)
     _matched_trees(args, config, *_plan_model(args, config))
 
 
@@ -292,6 +309,8 @@ def _train(config: Config, args: argparse.Namespace, plan: BudgetPlan | None = N
             result = train(config, steps=args.steps, device=args.device, metrics_out=args.metrics_out,
                            progress=not args.no_progress)
     else:  # pipeline and/or data parallel: one process per rank
+        # an op pattern no layer has is exit 2 here, as in one process, not a rank's BindError traceback
+        _check_builtin_patterns(args, config)  # launch.py Note [Checks before the ranks start]
         try:
             result = launch(config, resolve_device(config, args.device), steps=resolve_steps(config, args.steps),
                             metrics_out=args.metrics_out, progress=not args.no_progress)

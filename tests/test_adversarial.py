@@ -196,3 +196,26 @@ def test_another_hooks_context_around_the_whole_forward_is_reported(caplog):
         " layer swap at layers 0-1 saw no saved tensor in step 3"]  # one warning names both layers
     assert all("another saved_tensors_hooks context" in m for m in bypass_warnings(caplog))
     session.remove()
+
+
+class WritesSavedOutsideLayers(nn.Module):
+    """A sigmoid between the two bound layers, outside both, whose saved output is then doubled in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+
+    def forward(self, x):
+        y = torch.sigmoid(self.layers[0](x))
+        y.mul_(2)
+        return self.layers[1](y)
+
+
+def test_a_tensor_saved_outside_the_layers_and_written_in_place_is_named_as_such():
+    """The error reads 'saved for backward outside the bound layers', not '... in outside the bound layers'."""
+    model = WritesSavedOutsideLayers()
+    session = swapkit.apply(model, toy_config(2, **layer_swap(1)), layers="layers")
+    with pytest.raises(RuntimeError, match=r"saved for backward outside the bound layers was modified by an in-place"):
+        with session:
+            model(torch.randn(4, 16, requires_grad=True)).sum().backward()
+    session.remove()

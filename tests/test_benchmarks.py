@@ -277,6 +277,20 @@ def test_a_one_thread_baseline_kept_off_its_core_marks_the_report_loaded():
     assert report.hygiene_warnings({**env, "torch_threads": 2}, [base]) == []  # its pool threads share the work
 
 
+def test_a_sweep_link_sized_from_a_forward_longer_than_the_step_marks_the_report():
+    """Note [A link calibrated under contention] in benchmarks/report.py"""
+    report = bench_module("report")
+    env = {"cpu_count": 2, "torch_threads": 2, "load_average_at_start": (1.5, 1.0, 1.0),
+           "load_average_at_end": (1.9, 1.0, 1.0)}
+    base = {"name": "baseline (no swapkit)", "time_ratio": 1.0, "step_time_median_s": 0.0196}
+    warnings = report.hygiene_warnings(env, [base], {"model_forward_s": 0.1137, "layer_forward_s": 0.0569})
+    assert warnings == ["the prefetch sweep's link was sized from a forward of 113.7 ms, longer than the baseline's "
+                        "whole training step (19.6 ms): the machine was contended while it was measured, so the "
+                        "sweep's link is too slow and its rows are not comparable; rerun on an idle machine"]
+    assert report.hygiene_warnings(env, [base], {"model_forward_s": 0.0077}) == []
+    assert report.hygiene_warnings(env, [base], {"runtime": {}}) == []  # CUDA: the real link, nothing timed
+
+
 def test_quick_pipeline_benchmark_has_a_row_per_schedule_variant_and_stage(tmp_path):
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "pipeline.py"), "--quick", "--reps", "1",
                              "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)

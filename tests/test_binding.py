@@ -388,6 +388,15 @@ def test_chunk_modules_without_a_stage_still_name_stage():
         swapkit.apply([ToyNet(layers=3)], toy_config(3))
 
 
+def test_a_stage_without_num_layers_says_the_stage_cannot_count_them():
+    """Before: '... or pass the model to swapkit.apply, which counts the layers', to a user who had."""
+    with pytest.raises(swapkit.ConfigError) as info:
+        swapkit.apply(ToyNet(layers=3), {"swap_config": {"swap": True}}, layers="layers", stage=0)
+    assert str(info.value).endswith(
+        "model.model_config.num_layers: missing; with stage=, swapkit.apply binds one pipeline stage's chunks and "
+        "cannot count the whole model's layers from them: write the whole model's layer count")
+
+
 class CausalLM(nn.Module):
     """A Hugging Face causal LM's shape: the layers sit at ``model.layers``, not ``layers``."""
 

@@ -340,7 +340,8 @@ def test_file_and_set_problems_are_each_blamed_on_their_source(capsys, tmp_path)
     assert status == 2
     assert err == (f"swapkit: invalid swapkit config in {path} (3 problems):\n"
                    "  - swap_config.layer_swap[0].layers (from --set swap_config.layer_swap=[{layers: [9], "
-                   "backward_prefetch: 1}]): got [9]; expected layer indices >= 0 < num_layers (4). Out of range: [9]\n"
+                   "backward_prefetch: 1}]): got [9]; expected global layer indices 0 to 3 (num_layers is 4). "
+                   "Out of range: [9]; remove them, or list layers below 4\n"
                    "  - train.lr: got -1; expected a number > 0\n"
                    "  - train.steps (from --set train.steps=0): got 0; expected an integer >= 1\n")
 
@@ -374,3 +375,14 @@ def test_an_op_swap_typo_names_its_key_value_and_fix(capsys, tmp_path):
     assert err.startswith("swapkit: invalid swapkit command line (1 problem):\n  - swap_config.op_swap[0].op_name "
                           "(from --set swap_config.op_swap=[{op_name: atention, backward_prefetch: 1, layers: [1]}]): "
                           "op_swap pattern 'atention' matches no sub-module")
+
+
+@pytest.mark.parametrize("argv, verbose", [
+    (["-v", "train", "c.yaml"], True), (["train", "c.yaml", "-v"], True), (["plan", "c.yaml", "--verbose"], True),
+    (["train", "c.yaml"], False), (["-v", "plan", "c.yaml", "--json"], True),
+])
+def test_verbose_may_follow_the_command(argv, verbose):
+    """``swapkit train CONFIG -v`` was 'unrecognized arguments: -v'; it now means what ``swapkit -v train`` does."""
+    from swapkit.cli import _parser
+
+    assert _parser().parse_args(argv).verbose is verbose

@@ -238,8 +238,19 @@ def test_invalid_no_effect_key_is_not_listed():
     (with_sections(swap_config={"default_prefetch": True}),
      "swap_config.default_prefetch: got true; expected an integer >= 1"),
     (with_sections(runtime={"engine": "gpu"}), "runtime.engine: got 'gpu'; expected one of 'auto', 'cuda', 'thread'"),
+    (with_sections(runtime={"engine": "threads"}),  # a misspelt choice gets a did-you-mean, as a misspelt key does
+     "runtime.engine: got 'threads'; expected one of 'auto', 'cuda', 'thread'. Did you mean 'thread'?"),
+    (with_sections(parallel_config={"pipeline_schedule": "1F1B"}),
+     "parallel_config.pipeline_schedule: got '1F1B'; expected one of 'gpipe', '1f1b', 'interleaved_1f1b'. Did you "
+     "mean '1f1b'?"),
     (with_sections(runtime={"min_offload_bytes": -1}), "runtime.min_offload_bytes: got -1; expected an integer >= 0"),
     (with_sections(runtime={"max_host_bytes": 0}), "runtime.max_host_bytes: got 0; expected an integer >= 1"),
+    (with_sections(runtime={"max_host_bytes": "4GiB"}),  # a size as --budget takes it: the bytes to write
+     "runtime.max_host_bytes: got '4GiB'; expected a whole byte count >= 1. This key takes plain bytes, not a size "
+     "with a unit: write 4294967296"),
+    (with_sections(runtime={"min_offload_bytes": "1.5 kb"}),
+     "runtime.min_offload_bytes: got '1.5 kb'; expected a whole byte count >= 0. This key takes plain bytes, not a "
+     "size with a unit: write 1500"),
     (with_sections(runtime={"engine_options": {"latency_s": -1}}),
      "runtime.engine_options.latency_s: got -1; expected a number >= 0"),
     (with_sections(runtime={"engine_options": {"bandwidth_gbps": float("nan")}}),
@@ -258,6 +269,12 @@ def test_invalid_no_effect_key_is_not_listed():
 def test_wrong_types(raw, expected):
     problems = problems_of(raw)
     assert any(p.startswith(expected) for p in problems), problems
+
+
+def test_a_choice_suggests_only_a_close_option():
+    """fp16 is no misspelling of bf16: no did-you-mean that would change the number format."""
+    problems = problems_of(with_sections(train={"dtype": "fp16"}))
+    assert "train.dtype: got 'fp16'; expected one of 'fp32', 'bf16'" in problems, problems
 
 
 def test_num_layers_is_optional_at_load_and_required_to_plan():

@@ -145,8 +145,8 @@ def test_swap_layers_are_checked_against_the_counted_layers():
     config = {"swap_config": {"swap": True, "layer_swap": [{"backward_prefetch": 1, "layers": [0, 5]}]}}
     with pytest.raises(swapkit.ConfigError) as info:
         swapkit.apply(tiny_model("gpt2"), config)
-    assert "swap_config.layer_swap[0].layers: got [0, 5]; expected layer indices >= 0 < num_layers (2)" \
-        in str(info.value)
+    assert ("swap_config.layer_swap[0].layers: got [0, 5]; expected global layer indices 0 to 1 (num_layers is 2). "
+            "Out of range: [5]; remove them, or list layers below 2") in str(info.value)
 
 
 def test_a_plan_built_without_the_model_preset_says_to_pass_the_config():

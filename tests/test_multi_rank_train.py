@@ -255,6 +255,12 @@ def test_bf16_autocast_runs_in_the_pipeline_as_in_one_process(tmp_path):
                                        "trains on cpu"),
     (["--set", "model.model_config.vocab_size=1048576", "--set", "model.model_config.hidden_size=65536"],
      "needs about 3594.6 GiB; cpu has"),
+    (["--set", "swap_config.op_swap=[{{op_name: attn, backward_prefetch: 1, layers: true}}]"],  # braces: .format
+     "swap_config.op_swap[0].op_name (from --set swap_config.op_swap=[{{op_name: attn, backward_prefetch: 1, "
+     "layers: true}}]): op_swap pattern 'attn' matches no sub-module in any layer of LlamaModel.layers; did you "
+     "mean 'attention'?"),
+    (["--set", "model.model_config.layers_path=model.layers"],  # named before the patterns are bound
+     "got 'model.layers'; the built-in model keeps its layers in 'layers'"),
 ])
 def test_a_multi_rank_run_checks_its_outputs_engine_and_memory_before_any_rank_starts(tmp_path, capsys, monkeypatch,
                                                                                       args, message):

@@ -138,7 +138,8 @@ def test_swap_section_is_validated_when_swap_is_false():
                           "op_swap": [{"op_name": "x(", "backward_prefetch": 3, "layers": True},
                                       {"op_name": "x(", "backward_prefetch": 1, "layers": [0]}]})
     assert "swap_config.layer_swap[0].backward_prefetch: got 0" in message
-    assert "swap_config.layer_swap[0].layers: got [9]; expected layer indices >= 0 < num_layers (4)" in message
+    assert ("swap_config.layer_swap[0].layers: got [9]; expected global layer indices 0 to 3 (num_layers is 4). "
+            "Out of range: [9]; remove them, or list layers below 4") in message
     assert "swap_config.op_swap[0].op_name: got 'x('" in message
     message = error({"swap": False, "op_swap": [{"op_name": "a", "backward_prefetch": 3, "layers": True},
                                                       {"op_name": "a", "backward_prefetch": 1, "layers": [0]}]})
@@ -156,6 +157,15 @@ def test_swap_section_is_validated_when_swap_is_false():
 ])
 def test_bad_layer_swap_entries(entry, fragment):
     assert fragment in error({"swap": True, "layer_swap": [entry]})
+
+
+def test_a_misspelt_required_key_is_one_problem_not_two():
+    """Before: '...backward_prefech: unknown key; did you mean ...' and '...backward_prefetch: is required'."""
+    message = error({"swap": True, "layer_swap": [{"backward_prefech": 1, "layers": [0]}],
+                     "op_swap": [{"op_name": "a", "layers": [0]}]})
+    assert "swap_config.layer_swap[0].backward_prefech: unknown key; did you mean 'backward_prefetch'?" in message
+    assert "swap_config.layer_swap[0].backward_prefetch: is required" not in message
+    assert "swap_config.op_swap[0].backward_prefetch: is required" in message  # missing, not misspelt
 
 
 def test_op_swap_needs_op_name():

@@ -57,6 +57,15 @@ def test_session_repr_says_what_it_is():
     assert repr(session).endswith("removed)")
 
 
+def test_session_repr_does_not_count_swaps_that_recompute_overrides():
+    """Before: 'swap on 3' for 3 layers configured to swap, one of them fully recomputed (its swap moves nothing)."""
+    config = {**CONFIG, "swap_config": {"swap": True, "layer_swap": [{"backward_prefetch": 2, "layers": True}]},
+              "recompute_config": {"recompute": [1]}}
+    session = swapkit.apply(TinyGPT(), config)
+    assert "3 layers, preset=gpt2, swap on 2 (+1 overridden by recompute), recompute on 1," in repr(session)
+    session.remove()
+
+
 class Mlp(nn.Module):
     """The README's MLP: select-recomputing the GELU (``mlp\\.1``) drops its output, the widest activation."""
 

@@ -5,14 +5,17 @@ after recording a problem. Checks never raise: the loader collects every problem
 """
 from __future__ import annotations
 
+import difflib
+import itertools
 import math
 import re
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any, Callable, Mapping, Sequence
 
 import regex
 
-from swapkit.config.errors import Problems, clip, join, show
+from swapkit.config.errors import MAX_LISTED_PROBLEMS, Problems, clip, join, show
 
 INVALID: Any = type("Invalid", (), {"__repr__": lambda self: "INVALID"})()
 Check = Callable[[Any, str, Problems], Any]
@@ -49,6 +52,28 @@ def integer(minimum: int | None = None, maximum: int | None = None) -> Check:
             problems.bad(path, value, _int_range(minimum, maximum, above), yaml11_hint(value))
             return INVALID
         return value
+
+    return check
+
+
+#: Units of a memory size as users write them (``64MiB``); ``swapkit.plan.size`` parses ``--budget`` with them.
+SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+              "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE_WITH_UNIT = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([kmgt]i?b)\s*", re.IGNORECASE)
+
+
+def byte_count(minimum: int) -> Check:
+    """A whole number of bytes; ``4GiB`` (a size as ``--budget`` takes it) is refused naming its bytes."""
+    whole = integer(minimum)
+
+    def check(value: Any, path: str, problems: Problems) -> Any:
+        match = _SIZE_WITH_UNIT.fullmatch(value) if isinstance(value, str) else None
+        if match:
+            size = int(Fraction(match.group(1)) * SIZE_UNITS[match.group(2).lower()])
+            problems.bad(path, value, f"a whole byte count >= {minimum}",
+                         f"this key takes plain bytes, not a size with a unit: write {size}")
+            return INVALID
+        return whole(value, path, problems)
 
     return check
 
@@ -127,10 +152,18 @@ def choice(*options: str, aliases: Mapping[str, str] | None = None) -> Check:
         if isinstance(value, str) and value in aliases:
             return aliases[value]
         problems.bad(path, value, "one of " + ", ".join(repr(o) for o in options),
-                     BOOLEAN_AS_TEXT if isinstance(value, bool) else None)
+                     BOOLEAN_AS_TEXT if isinstance(value, bool) else _closest_option(value, options))
         return INVALID
 
     return check
+
+
+def _closest_option(value: Any, options: Sequence[str]) -> str | None:
+    """``did you mean 'thread'?`` for ``'threads'``: the option a misspelt text value is closest to."""
+    if not isinstance(value, str):
+        return None
+    close = difflib.get_close_matches(value.lower(), options, n=1, cutoff=0.8)  # not fp16 -> bf16
+    return f"did you mean {close[0]!r}?" if close else None
 
 
 def string(value: Any, path: str, problems: Problems) -> Any:
@@ -294,11 +327,22 @@ def read_section(
         else:
             elsewhere = [home for home in homes(name) if home != path] if homes is not None else []
             problems.unknown_key(path, name, keys, elsewhere, no_effect)
-    for name, key in keys.items():
-        if key.required and name not in raw:
+    missing = [name for name, key in keys.items() if key.required and name not in raw]
+    misspelt = _suggested(raw, keys, no_effect) if missing else set()
+    for name in missing:
+        if name not in misspelt:  # else the unknown key's "did you mean" already names it
             problems.add(join(path, name), "is required")
-            values[name] = INVALID
+        values[name] = INVALID
     return values
+
+
+def _suggested(raw: Mapping, keys: Mapping[str, Key], no_effect: Mapping[str, Check]) -> set[str]:
+    """The keys that the unknown keys of ``raw`` get a "did you mean" for (as ``Problems.unknown_key``
+    suggests them; only the first few are looked at, as only those are listed)."""
+    unknown = (key for key in raw if isinstance(key, str) and key not in keys and key not in no_effect)
+    suggestable = sorted(keys) + sorted(no_effect)
+    return {close for key in itertools.islice(unknown, MAX_LISTED_PROBLEMS)
+            for close in difflib.get_close_matches(key, suggestable, n=1, cutoff=0.6)}
 
 
 def any_invalid(values: Mapping[str, Any]) -> bool:

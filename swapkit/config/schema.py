@@ -134,11 +134,11 @@ SWAP_KEYS = {
 RUNTIME_KEYS = {
     "engine": Key(choice("auto", "cuda", "thread"), "auto"),
     "engine_options": Key(optional(mapping), None),
-    "min_offload_bytes": Key(integer(0), 1024),
-    "max_host_bytes": Key(optional(integer(1)), None),
+    "min_offload_bytes": Key(F.byte_count(0), 1024),
+    "max_host_bytes": Key(optional(F.byte_count(1)), None),
     "skip_tail_offload": Key(boolean, True),
     "verify": Key(boolean, False),
-    "offload_batch_bytes": Key(integer(0), 16 << 20),
+    "offload_batch_bytes": Key(F.byte_count(0), 16 << 20),
 }
 ENGINE_OPTION_KEYS = {
     "latency_s": Key(number(0, maximum=LIMITS["latency_s"]), 0.0),

@@ -61,8 +61,7 @@ def layer_indices(value: Any, path: str, problems: Problems, num_layers: int | N
         return F.INVALID
     bad = [v for v in value if v < 0 or (num_layers is not None and v >= num_layers)]
     if bad:
-        upper = f" < num_layers ({num_layers})" if num_layers is not None else ""
-        problems.bad(path, value, f"layer indices >= 0{upper}", f"out of range: {show(bad)}")
+        problems.bad(path, value, *_out_of_range(show(bad), num_layers))
         return F.INVALID
     if num_layers is not None and len(value) > num_layers:  # repeats only; bounds the per-layer lookups
         problems.bad(path, value, f"at most num_layers ({num_layers}) layer indices",
@@ -92,7 +91,15 @@ def check_swap_layers(swap: SwapConfig, num_layers: int, problems: Problems) -> 
             bad = [v for v in entry.layers if v >= num_layers]
             if bad:
                 problems.bad(join(join(join("swap_config", key), index), "layers"), list(entry.layers),
-                             f"layer indices >= 0 < num_layers ({num_layers})", f"out of range: {bad}")
+                             *_out_of_range(show(bad), num_layers))
+
+
+def _out_of_range(bad: str, num_layers: int | None) -> tuple[str, str]:
+    """What a ``layers`` list with indices outside the model expects, and the fix."""
+    if num_layers is None:
+        return "layer indices >= 0", f"out of range: {bad}; remove them"
+    return (f"global layer indices 0 to {num_layers - 1} (num_layers is {num_layers})",
+            f"out of range: {bad}; remove them, or list layers below {num_layers}")
 
 
 # Note [Swap settings that do less than written]

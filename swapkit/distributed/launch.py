@@ -20,10 +20,13 @@ Note [Checks before the ranks start]
 One process checks its outputs (``--metrics-out``, ``train.save_dir``), the engine against the
 device and the memory estimate before its first step (swapkit.train.loop ``preflight``); a run on
 several ranks does the same before any rank starts, so a typo in a path is exit 2 at once, not a
-traceback after the first step trained. The memory estimate is the whole model's single-process
-step, a lower bound of what all ranks together need: it is checked only where every rank shares
-this machine's memory (CPU ranks started by ``swapkit train``). With one GPU per rank, or under ``torchrun``
-(whose ranks may be on other machines), each rank holds a part and the check is skipped.
+traceback after the first step trained. So are the config's op patterns, which one process meets in
+``swapkit.apply``: ``swapkit train`` binds them to the built-in model on the meta device before it
+launches (``swapkit.cli._check_builtin_patterns``), where each rank would raise ``BindError``.
+The memory estimate is the whole model's single-process step, a lower bound of what all ranks
+together need: it is checked only where every rank shares this machine's memory (CPU ranks started
+by ``swapkit train``). With one GPU per rank, or under ``torchrun`` (whose ranks may be on other
+machines), each rank holds a part and the check is skipped.
 
 Note [Ranks this machine can hold]
 ``swapkit train`` starts ``pipeline_stage x data_parallel`` processes on this machine, and the schema

@@ -127,6 +127,13 @@ def attach(trainer: Any, config: Config | Mapping[str, Any] | str | Path,
     return callback
 
 
+# Note [A Trainer that builds its model]
+# `Trainer(model_init=...)` builds a model in `__init__` and builds a new one at every `train()` (and
+# every hyperparameter-search trial), replacing `trainer.model`. Applied once to the first model, swapkit
+# would train the new one with nothing swapped (and its unused-swap warning would guess at a compiled
+# graph). `attach` therefore wraps `model_init`: each model it builds gets its own session with the
+# same config and layers, the previous session is removed first (its model comes back plain), and
+# `callback.session` is the session of the model being trained (tests/test_trainer_hf_user.py).
 def _follow_model_init(trainer: Any, callback: SwapkitCallback, config: Any, layers: Any) -> None:
     """Apply ``config`` to every model ``trainer.model_init`` builds (Note [A Trainer that builds its model])."""
     model_init = getattr(trainer, "model_init", None)

@@ -25,6 +25,14 @@ NUM_LAYERS_FIX = ("missing; give the layer count, or pass the model to swapkit.a
                   "which counts the layers of its layer container")
 
 
+def swap_counts(layers: Any) -> str:
+    """``'4'``, or ``'4 (+2 overridden by recompute)'`` when recompute overrides every swap of some layers:
+    how many layers swap, as a session's ``repr`` says it."""
+    configured = sum(layer.swaps for layer in layers)
+    acting = sum(layer.swaps_in_effect for layer in layers)
+    return f"{acting}" if acting == configured else f"{acting} (+{configured - acting} overridden by recompute)"
+
+
 @dataclass(frozen=True)
 class LayerPlan:
     """Everything the config asks for on one layer."""
@@ -44,6 +52,12 @@ class LayerPlan:
     def swaps(self) -> bool:
         """A layer or op swap is configured here (recompute may still override it: ``overridden``)."""
         return self.layer_swap is not None or bool(self.op_swap)
+
+    @property
+    def swaps_in_effect(self) -> bool:
+        """Some configured swap acts: recompute does not override it (``overridden``)."""
+        return ((self.layer_swap is not None and "layer" not in self.overridden)
+                or any(pattern not in self.overridden for pattern, _ in self.op_swap))
 
     @property
     def recomputes(self) -> bool:

@@ -5,9 +5,9 @@ import re
 from fractions import Fraction
 
 from swapkit.config.errors import ConfigError, Problem
+from swapkit.config.fields import SIZE_UNITS
 
-UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-         "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+UNITS = SIZE_UNITS
 #: 1 EiB: far beyond any device, and small enough for the planner's float arithmetic.
 MAX_SIZE = 2**60
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*")

@@ -54,7 +54,7 @@ from torch import nn
 
 from swapkit.runtime.binding import Binding, container_label
 from swapkit.engine import CopyEngine, HostPool, make_engine, make_pool
-from swapkit.plan.plan import Plan
+from swapkit.plan.plan import Plan, swap_counts
 from swapkit.runtime.detach import unmark
 from swapkit.runtime.dynamo import out_of_dynamo
 from swapkit.runtime.kv_cache import swap_cache_warning
@@ -113,7 +113,7 @@ class SwapSession:
         state = "removed" if self._removed else "active" if self._hooks is not None else "ready"
         engine = type(self.engine).__name__ if self.engine is not None else "not started"
         plan = self.plan
-        swapped = sum(layer.swaps for layer in plan.layers)
+        swapped = swap_counts(plan.layers)
         recomputed = sum(layer.recomputes for layer in plan.layers)
         preset = f", preset={plan.preset}" if plan.preset else ""
         return (f"SwapSession({container_label(type(self.model).__name__, self.binding.layers_path)}: "
@@ -423,10 +423,10 @@ def late_backward_message(step: int) -> str:
 
 
 def _modified_error(saved: Saved) -> RuntimeError:
-    where = saved.frame.label if saved.frame is not None else "outside the bound layers"
+    where = f"in {saved.frame.label}" if saved.frame is not None else "outside the bound layers"
     now = saved.keeper._version
     return RuntimeError(
-        f"swapkit: a tensor saved for backward in {where} was modified by an in-place operation after it "
+        f"swapkit: a tensor saved for backward {where} was modified by an in-place operation after it "
         f"was saved (version {saved.version} -> {now}); backward needs the original values and autograd "
         "would fail here without swapkit too. Make that operation out-of-place (x = x + y instead of "
         "x += y) or clone the tensor before changing it."

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from swapkit.plan.plan import swap_counts
 from swapkit.runtime.binding import container_label
 from swapkit.runtime.detach import AttachedHook, unmark
 from swapkit.runtime.microsteps import Key, MicroStep, MicroSteps, MicroStepStats
@@ -190,7 +191,7 @@ class StageSession(SwapSession):
         state = "removed" if self._removed else "active" if self._hooks is not None else "ready"
         engine = type(self.engine).__name__ if self.engine is not None else "not started"
         plans = [layer.plan for layer in self.binding.layers]
-        swapped = sum(p.swaps for p in plans)
+        swapped = swap_counts(plans)
         recomputed = sum(p.recomputes for p in plans)
         preset = f", preset={self.plan.preset}" if self.plan.preset else ""
         container = container_label(type(self.chunks[0]).__name__, self.binding.layers_path)
