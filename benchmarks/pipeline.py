@@ -8,6 +8,16 @@ schedule, so load drifts hit all of them alike; medians are reported. Gradients 
 compared with ``keep``'s: ``torch.equal`` for swap, ``assert_close`` for recompute. Memory is the
 session's accounting of device-resident saved bytes per stage (on CPU not the RSS).
 
+Note [Benchmark ranks end without finalization]
+The two ranks are forked from a preloaded fork server, as ``swapkit train`` forks its CPU ranks
+(``swapkit.distributed.rank_start``), not spawned. Besides sparing each rank the imports, a forked
+rank ends with ``os._exit`` once its work returned, while a spawned one ends through the
+interpreter's finalization. In one of nine runs of the ``--quick`` smoke test on a loaded machine a
+spawned rank died with ``terminate called without an active exception`` (SIGABRT); its cause was
+not captured, but gloo is known to abort like that during finalization (pytorch/pytorch#179291:
+work objects of gloo's threads that hold tensors, freed while the interpreter is torn down), which
+a forked rank never runs.
+
     python benchmarks/pipeline.py [--quick] [--reps N] [--out benchmarks/results]
 """
 from __future__ import annotations
@@ -28,6 +38,7 @@ import torch.multiprocessing as mp
 
 import swapkit
 from swapkit.distributed.pipeline import build_stage_chunks, make_schedule, pipeline_stages
+from swapkit.distributed.rank_start import RankStart, start_method
 from swapkit.train.model import lm_loss
 
 from common import output_dir, positive_int
@@ -118,7 +129,8 @@ def row(rank: int, schedule: str, variant: Variant, keep: Variant) -> dict:
             "grads_equal": all(torch.equal(a, b) for a, b in pairs), "grads_close": close}
 
 
-def worker(rank: int, store: str, model: dict, reps: int, out: str) -> None:
+def worker(rank: int, store: str, model: dict, reps: int, out: str, start: RankStart) -> None:
+    start.take()  # Note [Benchmark ranks end without finalization]
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=120))
@@ -150,8 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     model, reps = (QUICK_MODEL, args.reps or 2) if args.quick else (MODEL, args.reps or 10)
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "rows.json"
-        mp.start_processes(worker, args=(str(Path(folder) / "store"), model, reps, str(out)), nprocs=2,
-                           join=True, start_method="spawn")
+        mp.start_processes(worker, args=(str(Path(folder) / "store"), model, reps, str(out), RankStart()), nprocs=2,
+                           join=True, start_method=start_method("cpu"))  # Note [Benchmark ranks end without ...]
         rows = json.loads(out.read_text())
     env = {"torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
            "cpu_count": __import__("os").cpu_count(), "world_size": 2, "model_config": model, "reps": reps,
