@@ -2,6 +2,7 @@
 Note [Swaps nobody reports]): a WARNING naming layer and op, and ``SwapStats.unused_swaps``."""
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import pytest
@@ -37,7 +38,7 @@ def op_swap(op: str = "lin", **extra) -> dict:
 def run(model, session, steps: int = 2) -> None:
     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(0), requires_grad=True)
     for _ in range(steps):
-        with session:
+        with session if session is not None else contextlib.nullcontext():
             model(x).sum().backward()
 
 
@@ -208,6 +209,62 @@ def test_a_swap_that_moves_nothing_is_warned_once_with_its_reason(config, first,
     assert message.startswith(f"swapkit: swap moved nothing off the device in step {first}: its swap candidates "
                               "were kept, ")
     assert reason in message
+
+
+class Gate(nn.Module):
+    """A sigmoid of one column: it saves only its 16-byte output."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(h[:, :1])
+
+
+class GatedBlock(nn.Module):
+    """``wide`` saves its 256-byte input; ``gate`` saves 16 bytes."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.wide, self.gate = nn.Linear(dim, dim, bias=False), Gate()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.wide(x)
+        return h * self.gate(h)
+
+
+def gated_swaps(min_offload_bytes: int) -> dict:
+    entries = [{"op_name": op, "backward_prefetch": 1, "layers": True} for op in ("wide", "gate")]
+    return toy_config(3, swap_config={"swap": True, "op_swap": entries},
+                      runtime={"min_offload_bytes": min_offload_bytes, "skip_tail_offload": False})
+
+
+def test_a_swap_whose_tensors_are_all_small_is_warned_while_others_move(caplog):
+    """Note [Swaps whose tensors are all small]: the gate's swap kept every tensor (under min_offload_bytes)
+    while the step offloaded the wide ops' inputs, so the step-wide warning stayed silent; now the gate's swap
+    is named once, for all its layers, with the size to lower the threshold to; gradients are unchanged."""
+    expected = ToyNet(layers=3, block=GatedBlock)
+    model = ToyNet(layers=3, block=GatedBlock)
+    model.load_state_dict(expected.state_dict())
+    run(expected, None, steps=3)  # gradients accumulate over the steps, as in the session's run
+    session = synced_session(model, gated_swaps(100))
+    caplog.set_level(logging.WARNING, logger="swapkit")
+    run(model, session, steps=3)
+    assert session.stats.offloaded_by_scope == {f"layer {i}: wide": 256 for i in range(3)}
+    assert session.stats.skipped["small"] == 3 * 16  # the gates' outputs (the weights: "parameter")
+    messages = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert messages == [
+        "swapkit: op swap at layers 0-2: gate moved nothing in step 1: every tensor saved in it was smaller than "
+        "runtime.min_offload_bytes (100 bytes; the largest was 16), so all stayed on the device and the swap has "
+        "no effect. Lower runtime.min_offload_bytes to 16 or less, or drop the swap from swap_config "
+        "(Note [Swaps whose tensors are all small])"]
+    assert_grads_equal(grads(model), grads(expected))
+
+
+def test_a_swap_with_tensors_above_the_threshold_is_not_called_small(caplog):
+    model = ToyNet(layers=3, block=GatedBlock)
+    session = synced_session(model, gated_swaps(0))
+    caplog.set_level(logging.WARNING, logger="swapkit")
+    run(model, session, steps=2)
+    assert session.stats.offloaded_by_scope["layer 0: gate"] == 16
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == []
 
 
 def test_a_swap_that_frees_memory_is_not_warned(caplog):

@@ -139,6 +139,28 @@ def idle_message(step: int, ticks: int, offloaded: int, skipped: Mapping[str, in
             "(Note [Swaps that move nothing])")
 
 
+# Note [Swaps whose tensors are all small]
+# A swap scope can see tensors and still move nothing while the rest of the step's swaps do: every
+# candidate saved in it is under ``runtime.min_offload_bytes`` (an op swap of a norm, whose output is one
+# hidden vector per token, under a threshold written for attention outputs). The step-wide warning above
+# does not fire, since other scopes offload. So the step records, per swap scope, why it kept each
+# candidate it did not offload (``Step._kept_in``: only on the skip paths, never per offloaded storage),
+# and when backward begins in a step that offloaded something, a scope whose kept candidates were all
+# small and that offloaded nothing gets one WARNING per session, with its layers grouped as unused swaps
+# are, naming the largest such tensor and the threshold to lower. A scope that also kept candidates for
+# another reason (the tail, the host cap) is left to the step-wide warning: lowering the threshold alone
+# would not make it move anything.
+def small_message(layers: list[int], path: str, largest: int, min_offload_bytes: int, step: int) -> str:
+    """The warning for a swap scope whose tensors were all under ``min_offload_bytes`` (Note [Swaps whose
+    tensors are all small])."""
+    where = f"layer {layers[0]}" if len(layers) == 1 else layer_ranges(layers)
+    what = f"op swap at {where}: {path}" if path else f"layer swap at {where}"
+    return (f"swapkit: {what} moved nothing in step {step}: every tensor saved in it was smaller than "
+            f"runtime.min_offload_bytes ({min_offload_bytes:,} bytes; the largest was {largest:,}), so all stayed "
+            f"on the device and the swap has no effect. Lower runtime.min_offload_bytes to {largest} or less, or "
+            "drop the swap from swap_config (Note [Swaps whose tensors are all small])")
+
+
 def distance_key(origins: Iterable[Any]) -> str:
     """``swap_config.default_prefetch`` when the plan's op swap is MindFormers' default strategy (a
     defaulted op_swap origin, ``swapkit.plan.origins``), else ``backward_prefetch``."""

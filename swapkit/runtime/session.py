@@ -59,7 +59,7 @@ from swapkit.runtime.detach import unmark
 from swapkit.runtime.dynamo import out_of_dynamo
 from swapkit.runtime.kv_cache import swap_cache_warning
 from swapkit.runtime.overrides import (FROZEN, HF_CHECKPOINT, NO_GRAD, OTHER_HOOKS, distance_key, entry_cause,
-                                       idle_message, unused_message)
+                                       idle_message, small_message, unused_message)
 from swapkit.runtime.recipes import PackedInput, Recipe, tensor_leaves
 from swapkit.runtime.recompute import Recompute
 from swapkit.runtime.records import Saved, SwapRecord, is_plain, make_saved
@@ -330,6 +330,21 @@ class SwapSession:
                 layers.setdefault((path, cause), []).append(layer)
         for (path, cause), where in layers.items():
             logger.warning(unused_message(sorted(where), path, cause, step.number))
+        if step.stats.offloaded_bytes:  # else the step-wide idle warning names the threshold
+            self._report_small(step)
+
+    def _report_small(self, step: Step) -> None:
+        """One WARNING per op path (or layer swap) whose tensors were all small, naming every layer where they
+        were (overrides Note [Swaps whose tensors are all small]); a scope is reported once per session."""
+        small: dict[str, tuple[list[int], int]] = {}
+        for layer, path, largest in step.small_swaps():
+            if (layer, path) not in self._reported:
+                self._reported.add((layer, path))
+                where, most = small.get(path, ([], 0))
+                small[path] = (where + [layer], max(most, largest))
+        for path, (where, largest) in small.items():
+            logger.warning(small_message(sorted(where), path, largest, self.plan.runtime.min_offload_bytes,
+                                         step.number))
 
     def _hf_checkpointed(self, layer: int) -> bool:
         """The layer's module has HF gradient checkpointing on (overrides Note [Swaps nobody reports])."""

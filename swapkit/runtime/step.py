@@ -183,6 +183,7 @@ class Step:
         self.swap_scopes = swap_scopes  # (layer, op path) of every configured swap scope
         self._entered: dict[tuple[int, str], str | None] = {}  # swap scopes entered in forward -> cause
         self._seen: set[tuple[int, str]] = set()  # scopes a forward save reached
+        self._kept_by_scope: dict[Frame, dict[str, int]] = {}  # swap scope -> reason it kept a candidate -> largest
         self.lock = threading.RLock()  # swapkit.runtime.records Note [Unpacks from several threads]
 
     # ------------------------------------------------------------------ forward
@@ -248,7 +249,7 @@ class Step:
     def _not_candidate(self, parameter: bool, key: int, nbytes: int, frame: Frame | None) -> None:
         reason = "parameter" if parameter else "not_on_device" if nbytes else None
         if frame is not None and frame.prefetch is not None and reason is not None:
-            self._skip(reason, key, nbytes)
+            self._skip(reason, key, nbytes, frame)
 
     def _swapped_handle(self, tensor: torch.Tensor, record: SwapRecord, tick: int, frame: Frame | None,
                         version: int) -> Saved:
@@ -295,9 +296,9 @@ class Step:
                      version: int, keeper: torch.Tensor) -> SwapRecord | None:
         """A swap record for a new storage saved in a swapped scope, or ``None`` (skipped: kept)."""
         if nbytes < self.runtime.min_offload_bytes:
-            return self._skip("small", key, nbytes)
+            return self._skip("small", key, nbytes, frame)
         if self.tail_ticks is not None and tick < self.tail_ticks <= tick + frame.prefetch:
-            return self._skip("tail", key, nbytes)  # Note [The last k ticks stay on the device]
+            return self._skip("tail", key, nbytes, frame)  # Note [The last k ticks stay on the device]
         batch, producer = self._batch, self._producer()  # swapkit.runtime.batch Note [A batch has one producer]
         if batch is None or not batch.fits(frame, nbytes, self.runtime.offload_batch_bytes, producer):
             batch = self._open_batch(frame, producer)
@@ -345,12 +346,28 @@ class Step:
         if not stats.offloaded_by_scope[batch.frame.label]:
             del stats.offloaded_by_scope[batch.frame.label]
         stats.skipped[reason] += batch.data_bytes
+        self._kept_in(batch.frame, reason, 0)
 
-    def _skip(self, reason: str, key: int, nbytes: int) -> None:
+    def _skip(self, reason: str, key: int, nbytes: int, frame: Frame) -> None:
         if key not in self._skipped_storages:
             self._skipped_storages.add(key)
             self.stats.skipped[reason] += nbytes
+            self._kept_in(frame, reason, nbytes)
         return None
+
+    def _kept_in(self, frame: Frame, reason: str, nbytes: int) -> None:
+        """A swap candidate saved in ``frame``'s scope stays on the device for ``reason``: the largest such
+        storage per scope and reason (swapkit.runtime.overrides Note [Swaps whose tensors are all small])."""
+        kept = self._kept_by_scope.setdefault(frame, {})
+        kept[reason] = max(kept.get(reason, 0), nbytes)
+
+    def small_swaps(self) -> list[tuple[int, str, int]]:
+        """``(layer, op path, largest bytes)`` of each swap scope that offloaded nothing because every swap
+        candidate saved in it was under ``runtime.min_offload_bytes`` (Note [Swaps whose tensors are all small]
+        in swapkit.runtime.overrides)."""
+        offloaded = self.stats.offloaded_by_scope
+        return [(frame.layer, frame.path, kept["small"]) for frame, kept in self._kept_by_scope.items()
+                if kept.keys() == {"small"} and not offloaded.get(frame.label)]
 
     def _advance(self, tick: int) -> None:
         """Release the records whose horizon has come and whose copy was queued (Note [Stream-ordered
