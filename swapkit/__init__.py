@@ -12,6 +12,7 @@ so ``import swapkit.config`` works where torch is not installed.
 from __future__ import annotations
 
 import importlib
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from swapkit.config import Config, ConfigError
@@ -39,3 +40,11 @@ def __getattr__(name: str) -> Any:
     value = getattr(importlib.import_module(_TORCH_SIDE[name]), name)
     globals()[name] = value
     return value
+
+
+def __dir__() -> list[str]:
+    """The public names, the lazy ones included, and the subpackages imported so far (tab completion,
+    ``dir(swapkit)``), without the helpers this module imports (``importlib``, ``Any``)."""
+    loaded = (name for name, value in globals().items()
+              if isinstance(value, ModuleType) and value.__name__ == f"{__name__}.{name}")
+    return sorted({*__all__, *loaded, *(name for name in globals() if name.startswith("__"))})

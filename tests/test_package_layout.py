@@ -133,6 +133,19 @@ def test_torch_side_names_stay_public():
         assert getattr(swapkit, name) is not None
 
 
+def test_dir_lists_the_public_names_the_lazy_ones_too_and_no_helpers():
+    """``dir(swapkit)`` (tab completion) listed ``Any``, ``TYPE_CHECKING`` and ``importlib`` but not ``apply``
+    before its first use: the torch-side names are imported lazily (PEP 562)."""
+    script = "import swapkit; print(' '.join(dir(swapkit)))"
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    listed = set(result.stdout.split())
+    import swapkit
+
+    assert set(swapkit.__all__) <= listed and "__version__" in listed and "config" in listed  # apply: not yet imported
+    assert not {"Any", "TYPE_CHECKING", "importlib", "ModuleType"} & listed
+
+
 def test_only_integrations_import_transformers():
     """Integrations live at the edge: the core (presets included) never imports transformers."""
     def imports_transformers(path: Path) -> bool:
