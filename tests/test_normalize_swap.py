@@ -249,7 +249,11 @@ def test_many_overlaps_are_counted_not_listed(caplog):
 ])
 def test_default_prefetch_next_to_swap_lists_is_warned(caplog, lists, given):
     warnings = swap_warnings(caplog, {"swap": True, "default_prefetch": 10, **lists})
-    assert warnings == [
+    empty = [key for key, entries in lists.items() if not entries]  # lists that leave nothing to swap at all
+    nothing = [f"swap_config.swap is true but swap_config.{' and '.join(empty)} {'are' if len(empty) > 1 else 'is'} "
+               "empty and nothing is recomputed: the config changes nothing, every saved tensor stays on the "
+               "device; list the layers or ops to swap (or leave the lists out for MindFormers' default op swap)"]
+    assert warnings == (nothing if len(empty) == len(lists) else []) + [
         "swap_config.default_prefetch (10) is ignored: it applies only to the default swap strategy "
         f"(swap_config.swap: true with neither layer_swap nor op_swap), as in MindFormers, and {given}; set "
         "backward_prefetch in each entry and remove default_prefetch"]

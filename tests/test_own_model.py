@@ -75,6 +75,30 @@ def test_swap_entries_while_swap_is_off_are_warned_at_load(caplog):
         "set swap_config.swap: true to use them"]
 
 
+@pytest.mark.parametrize("swap, recompute, warned", [
+    ({"layer_swap": [], "op_swap": []}, {}, "swap_config.layer_swap and op_swap are empty"),
+    ({"op_swap": []}, {}, "swap_config.op_swap is empty"),
+    ({"layer_swap": [], "op_swap": []}, {"recompute": [0, 1]}, None),  # the planner's recompute-only form
+    ({"layer_swap": []}, {"recompute_granularity": "full", "recompute_method": "uniform",
+                          "recompute_num_layers": 1}, None),
+    ({}, {}, None),  # MindFormers' default op swap
+    ({"layer_swap": [{"backward_prefetch": 1, "layers": True}], "op_swap": []}, {}, None),
+])
+def test_swap_on_with_nothing_to_swap_or_recompute_is_warned_at_load(swap, recompute, warned, caplog):
+    """A config that changes nothing: swap on, every list written empty, no recompute (quality bar: never silence)."""
+    caplog.set_level(logging.WARNING, logger="swapkit")
+    config = swapkit.load_config({"model": {"model_config": {"num_layers": 2}}, "swap_config": {"swap": True, **swap},
+                                  **({"recompute_config": recompute} if recompute else {})})
+    messages = [r.getMessage() for r in caplog.records if "changes nothing" in r.getMessage()]
+    if warned is None:
+        assert messages == []
+        return
+    assert messages == [f"swap_config.swap is true but {warned} and nothing is recomputed: the config changes "
+                        "nothing, every saved tensor stays on the device; list the layers or ops to swap (or leave "
+                        "the lists out for MindFormers' default op swap)"]
+    assert not any(layer.swaps or layer.recomputes for layer in swapkit.build_plan(config).layers)  # it is so
+
+
 def test_flipping_swap_on_the_command_line_shows_both_readings(caplog, tmp_path):
     caplog.set_level(logging.WARNING, logger="swapkit")
     path = tmp_path / "c.yaml"

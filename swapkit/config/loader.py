@@ -23,9 +23,11 @@ from swapkit.config.yaml_reader import MAX_DEPTH, parse_yaml, read_yaml_file
 from swapkit.config.types import (
     Config,
     EngineOptions,
+    MegatronRecompute,
     MindFormersRecompute,
     ModelConfig,
     ParallelConfig,
+    RecomputeConfig,
     RuntimeConfig,
     SwapConfig,
     TrainConfig,
@@ -65,12 +67,29 @@ def warn_written(config: Config) -> None:
 
 
 def warn_inactive_swap(config: Config) -> None:
-    """Swap entries written while ``swap_config.swap`` is false are checked but do nothing: say so."""
+    """Swap entries written while ``swap_config.swap`` is false are checked but do nothing: say so. So does
+    ``swap: true`` whose written lists are all empty, where nothing recomputes either: the config changes
+    nothing (with recompute configured it is the form that reads recompute lists as layer indices, which
+    the budget planner writes)."""
     written = [key for key in ("layer_swap", "op_swap") if getattr(config.swap, key) is not None]
     if written and config.swap.swap is False:
         logger.warning("swap_config.%s %s validated but inactive because swap_config.swap is false; set "
                        "swap_config.swap: true to use %s", " and ".join(written), "are" if len(written) > 1 else "is",
                        "them" if len(written) > 1 else "it")
+    elif written and config.swap.swap and not any(getattr(config.swap, key) for key in written) \
+            and not _recomputes(config.recompute):
+        logger.warning("swap_config.swap is true but swap_config.%s %s empty and nothing is recomputed: the config "
+                       "changes nothing, every saved tensor stays on the device; list the layers or ops to swap "
+                       "(or leave the lists out for MindFormers' default op swap)", " and ".join(written),
+                       "are" if len(written) > 1 else "is")
+
+
+def _recomputes(recompute: RecomputeConfig) -> bool:
+    """Whether ``recompute_config`` asks for any recompute as written (a written value may still select no
+    layer: this only rules out the config that plainly asks for none)."""
+    if isinstance(recompute, MegatronRecompute):
+        return recompute.recompute_granularity is not None
+    return any(bool(getattr(recompute, key)) for key in ("recompute", "select_recompute", "select_comm_recompute"))
 
 
 #: Values a dict config may hold, aliases (shared sub-lists) counted each time they appear.
