@@ -53,6 +53,7 @@ def apply(model: nn.Module | Sequence[nn.Module], config: Config | Plan | Mappin
 
     Raises:
         ConfigError: the config is invalid.
+        TypeError: ``config`` is ``None``.
         BindError: the model does not fit the plan, or an op pattern matches no sub-module in any
             layer (the message suggests the closest real names).
 
@@ -64,6 +65,9 @@ def apply(model: nn.Module | Sequence[nn.Module], config: Config | Plan | Mappin
     """
     if stage is None and not isinstance(model, nn.Module):
         raise _not_a_model(model)
+    if config is None:  # load_config's "the config is empty" asks for num_layers, which apply counts itself
+        raise TypeError("swapkit.apply: config is None; pass a config dict (for example {'swap_config': {'swap': "
+                        "True}}; {} applies nothing and only accounts), a YAML path, a Config or a Plan")
     loaded = None if isinstance(config, Plan) else as_config(config)
     if loaded is None:
         plan = config

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import swapkit
+from tests.toys import ToyNet
 from tests.user_models import TinyGPT
 
 
@@ -216,3 +217,11 @@ def test_two_models_in_one_step_take_one_session_over_both_containers():
             assert torch.equal(p.grad, q.grad), name
     assert set(session.stats.offloaded_by_scope) == {f"layer {i}: mlp" for i in range(6)}
     session.remove()
+
+
+def test_apply_without_a_config_says_what_to_pass():
+    """``apply(model, None)`` was "the config is empty; expected ... num_layers", which apply counts itself."""
+    model = ToyNet(layers=2)
+    with pytest.raises(TypeError, match=r"config is None; pass a config dict .*\{\} applies nothing and only accounts"):
+        swapkit.apply(model, None)
+    swapkit.apply(model, {}).remove()  # what the message offers works
