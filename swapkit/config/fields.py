@@ -59,7 +59,9 @@ def integer(minimum: int | None = None, maximum: int | None = None) -> Check:
 #: Units of a memory size as users write them (``64MiB``); ``swapkit.plan.size`` parses ``--budget`` with them.
 SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_SIZE_WITH_UNIT = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([kmgt]i?b)\s*", re.IGNORECASE)
+#: at most 30 digits a side: the bytes are written out in the message, and Python refuses to write an int of
+#: more than 4300 digits (a longer number is refused as any non-integer is)
+_SIZE_WITH_UNIT = re.compile(r"\s*([0-9]{1,30}(?:\.[0-9]{0,30})?|\.[0-9]{1,30})\s*([kmgt]i?b)\s*", re.IGNORECASE)
 
 
 def byte_count(minimum: int) -> Check:
