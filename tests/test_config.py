@@ -251,6 +251,8 @@ def test_invalid_no_effect_key_is_not_listed():
     (with_sections(runtime={"min_offload_bytes": "1.5 kb"}),
      "runtime.min_offload_bytes: got '1.5 kb'; expected a whole byte count >= 0. This key takes plain bytes, not a "
      "size with a unit: write 1500"),
+    (with_sections(runtime={"min_offload_bytes": "9" * 5000 + "GiB"}),  # its bytes: more digits than str(int) writes
+     "runtime.min_offload_bytes: got '" + "9" * 27 + "..." + "9" * 25 + "GiB'; expected an integer >= 0"),
     (with_sections(runtime={"engine_options": {"latency_s": -1}}),
      "runtime.engine_options.latency_s: got -1; expected a number >= 0"),
     (with_sections(runtime={"engine_options": {"bandwidth_gbps": float("nan")}}),

@@ -168,6 +168,21 @@ def test_a_misspelt_required_key_is_one_problem_not_two():
     assert "swap_config.op_swap[0].backward_prefetch: is required" in message  # missing, not misspelt
 
 
+def test_a_misspelt_required_key_past_the_listed_problems_is_still_counted():
+    """Past the first 20 problems an unknown key gets no "did you mean", so the key it would name is still
+    'is required' (it was dropped: counted nowhere, named nowhere)."""
+    from swapkit.config.errors import Problems
+    from swapkit.config.swap_entries import read_swap_entries
+
+    problems = Problems()
+    for index in range(20):
+        problems.add(f"earlier{index}", "some problem")
+    read_swap_entries([{"op_nam": "a", "backward_prefetch": 1, "layers": [0]}], "swap_config.op_swap", problems,
+                      with_op=True, num_layers=4)
+    assert [str(p) for p in problems.items[20:]] == ["swap_config.op_swap[0].op_nam: unknown key",
+                                                      "swap_config.op_swap[0].op_name: is required"]
+
+
 def test_op_swap_needs_op_name():
     message = error({"swap": True, "op_swap": [{"backward_prefetch": 1, "layers": [0]}]})
     assert "swap_config.op_swap[0].op_name: is required" in message

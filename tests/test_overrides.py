@@ -258,6 +258,34 @@ def test_a_swap_whose_tensors_are_all_small_is_warned_while_others_move(caplog):
     assert_grads_equal(grads(model), grads(expected))
 
 
+class NormedBlock(nn.Module):
+    """``wide`` saves its 256-byte input; ``norm``, a LayerNorm over 2 features, saves 32 bytes of input, its
+    mean and rstd, and its weight and bias (parameters, never candidates)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.wide, self.norm = nn.Linear(dim, dim, bias=False), nn.LayerNorm(2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.wide(x)
+        return h * self.norm(h[:, :2].contiguous()).sum(-1, keepdim=True)
+
+
+def test_a_small_swap_that_also_saves_parameters_is_warned(caplog):
+    """Note [Swaps whose tensors are all small]: a norm's swap saves its weight and bias too; they are kept as
+    parameters, which no threshold would move, so they do not silence the warning (they did)."""
+    model = ToyNet(layers=3, block=NormedBlock)
+    config = gated_swaps(100)
+    config["swap_config"]["op_swap"][1]["op_name"] = "norm"
+    session = synced_session(model, config)
+    caplog.set_level(logging.WARNING, logger="swapkit")
+    run(model, session, steps=2)
+    assert session.stats.skipped["parameter"] > 0
+    messages = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(messages) == 1 and messages[0].startswith("swapkit: op swap at layers 0-2: norm moved nothing")
+    assert "the largest was 32" in messages[0]
+
+
 def test_a_swap_with_tensors_above_the_threshold_is_not_called_small(caplog):
     model = ToyNet(layers=3, block=GatedBlock)
     session = synced_session(model, gated_swaps(0))

@@ -192,6 +192,29 @@ def test_a_stage_whose_swap_moves_nothing_warns_once(caplog):
     assert len(idle) == 1 and "runtime.min_offload_bytes" in idle[0]
 
 
+def test_a_chunk_whose_swaps_keep_only_small_tensors_is_named_while_the_other_chunk_moves(caplog):
+    """overrides Note [Swaps whose tensors are all small] in a stage of two chunks: chunk 0's layer swaps
+    offload, chunk 1's op swap of the norm keeps every tensor (under min_offload_bytes). No micro-step of chunk
+    1 offloaded anything and the stage-wide idle warning stays silent (chunk 0 moved bytes): the norm's swap
+    is named once (it was silent: each micro-step looked only at its own offloads)."""
+    swap = {"swap": True, "layer_swap": [{"backward_prefetch": 2, "layers": [2, 3]}],
+            "op_swap": [{"op_name": "attention_norm", "backward_prefetch": 2, "layers": [6, 7]}]}
+    config, chunks = tiny_stage("interleaved_1f1b", stage=1, swap_config=swap, runtime={"min_offload_bytes": 8192})
+    session = swapkit.apply(chunks, config, layers="layers", stage=1)
+    install_engine(session, ReadyWhenDone())
+    xs = [torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    caplog.set_level(logging.WARNING, logger="swapkit")
+    with session:
+        hidden = [chunks[0](x) for x in xs]
+        for loss in [chunks[1](h).sum() for h in hidden]:
+            loss.backward()
+    assert [(m.chunk, m.stats.offloaded_bytes > 0) for m in session.micro_step_stats] == \
+        [(0, True), (0, True), (1, False), (1, False)]
+    small = [m for m in caplog.messages if "smaller than runtime.min_offload_bytes" in m]
+    assert len(small) == 1 and small[0].startswith("swapkit: op swap at layers 6-7: attention_norm moved nothing")
+    session.remove()
+
+
 @pytest.mark.cuda
 def test_micro_steps_with_the_cuda_engine_keep_gradients_bit_identical():
     """F0 F1 B0 B1 by hand on a GPU: the CUDA engine's streams under micro-steps."""

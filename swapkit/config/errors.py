@@ -120,18 +120,20 @@ class Problems:
         self.add(path, f"{message}. {fix[0].upper()}{fix[1:]}" if fix else message)
 
     def unknown_key(self, path: str, key: str, known: Iterable[str], homes: Sequence[str] = (),
-                    ignored: Iterable[str] = ()) -> None:
+                    ignored: Iterable[str] = ()) -> str | None:
         """``key`` is not one of ``known`` at ``path``; ``homes``: the sections it belongs to instead;
-        ``ignored``: the MindFormers keys accepted there with no effect (suggested, not listed)."""
+        ``ignored``: the MindFormers keys accepted there with no effect (suggested, not listed).
+
+        Returns the key its "did you mean" names, if it has one."""
         key = clip(key, 100) if isinstance(key, str) else show(key)  # a YAML key may be any scalar
         if len(self.items) >= MAX_LISTED_PROBLEMS:  # not listed: only counted, so no did-you-mean search
             self.add(join(path, key), UNKNOWN_KEY)
-            return
+            return None
         if homes:  # schema Note [Keys written in the wrong section]
             where = " or ".join(home or "the top level" for home in homes)
             self.add(join(path, key), f"{UNKNOWN_KEY} here; {key!r} is a key of {where}: move it to "
                      f"{join(homes[0], key)}")
-            return
+            return None
         known, ignored = sorted(known), sorted(ignored)
         if not known:  # a MindSpore-only section (context): its keys are all there is to list
             known, ignored = ignored, []
@@ -139,6 +141,7 @@ class Problems:
         more = f" (and {len(ignored)} MindFormers keys accepted with no effect)" if ignored else ""
         hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(known)}{more}"
         self.add(join(path, key), f"{UNKNOWN_KEY}; {hint}")
+        return close[0] if close else None
 
     def raise_if_any(self, source: str | None = None) -> None:
         if self.items:

@@ -6,7 +6,6 @@ after recording a problem. Checks never raise: the loader collects every problem
 from __future__ import annotations
 
 import difflib
-import itertools
 import math
 import re
 from dataclasses import dataclass
@@ -15,7 +14,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import regex
 
-from swapkit.config.errors import MAX_LISTED_PROBLEMS, Problems, clip, join, show
+from swapkit.config.errors import Problems, clip, join, show
 
 INVALID: Any = type("Invalid", (), {"__repr__": lambda self: "INVALID"})()
 Check = Callable[[Any, str, Problems], Any]
@@ -59,7 +58,9 @@ def integer(minimum: int | None = None, maximum: int | None = None) -> Check:
 #: Units of a memory size as users write them (``64MiB``); ``swapkit.plan.size`` parses ``--budget`` with them.
 SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_SIZE_WITH_UNIT = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([kmgt]i?b)\s*", re.IGNORECASE)
+#: at most 30 digits a side: the bytes are written out in the message, and Python refuses to write an int of
+#: more than 4300 digits (a longer number is refused as any non-integer is)
+_SIZE_WITH_UNIT = re.compile(r"\s*([0-9]{1,30}(?:\.[0-9]{0,30})?|\.[0-9]{1,30})\s*([kmgt]i?b)\s*", re.IGNORECASE)
 
 
 def byte_count(minimum: int) -> Check:
@@ -318,6 +319,7 @@ def read_section(
     if not isinstance(raw, dict):
         problems.bad(path, raw, "a mapping of keys to values")
         return {name: INVALID for name in keys}
+    suggested = set()  # the keys a "did you mean" names
     for name, value in raw.items():
         if name in keys:
             values[name] = keys[name].check(value, join(path, name), problems)
@@ -326,23 +328,13 @@ def read_section(
                 notices.append(join(path, name))
         else:
             elsewhere = [home for home in homes(name) if home != path] if homes is not None else []
-            problems.unknown_key(path, name, keys, elsewhere, no_effect)
-    missing = [name for name, key in keys.items() if key.required and name not in raw]
-    misspelt = _suggested(raw, keys, no_effect) if missing else set()
-    for name in missing:
-        if name not in misspelt:  # else the unknown key's "did you mean" already names it
-            problems.add(join(path, name), "is required")
-        values[name] = INVALID
+            suggested.add(problems.unknown_key(path, name, keys, elsewhere, no_effect))
+    for name, key in keys.items():
+        if key.required and name not in raw:
+            if name not in suggested:  # else the unknown key's "did you mean" already names it
+                problems.add(join(path, name), "is required")
+            values[name] = INVALID
     return values
-
-
-def _suggested(raw: Mapping, keys: Mapping[str, Key], no_effect: Mapping[str, Check]) -> set[str]:
-    """The keys that the unknown keys of ``raw`` get a "did you mean" for (as ``Problems.unknown_key``
-    suggests them; only the first few are looked at, as only those are listed)."""
-    unknown = (key for key in raw if isinstance(key, str) and key not in keys and key not in no_effect)
-    suggestable = sorted(keys) + sorted(no_effect)
-    return {close for key in itertools.islice(unknown, MAX_LISTED_PROBLEMS)
-            for close in difflib.get_close_matches(key, suggestable, n=1, cutoff=0.6)}
 
 
 def any_invalid(values: Mapping[str, Any]) -> bool:

@@ -149,7 +149,11 @@ def idle_message(step: int, ticks: int, offloaded: int, skipped: Mapping[str, in
 # small and that offloaded nothing gets one WARNING per session, with its layers grouped as unused swaps
 # are, naming the largest such tensor and the threshold to lower. A scope that also kept candidates for
 # another reason (the tail, the host cap) is left to the step-wide warning: lowering the threshold alone
-# would not make it move anything.
+# would not make it move anything. Parameters (a norm's weight and bias) and tensors on another device
+# saved in the scope are no candidates: no threshold moves them, so they neither count nor silence it.
+# In a pipeline stage "a step that offloaded something" is the optimizer step, any of its micro-steps
+# (``StageSession._offloaded``), as the idle warning adds them up: a chunk whose swaps kept only small
+# tensors is named while another chunk's swaps move bytes.
 def small_message(layers: list[int], path: str, largest: int, min_offload_bytes: int, step: int) -> str:
     """The warning for a swap scope whose tensors were all under ``min_offload_bytes`` (Note [Swaps whose
     tensors are all small])."""

@@ -330,8 +330,12 @@ class SwapSession:
                 layers.setdefault((path, cause), []).append(layer)
         for (path, cause), where in layers.items():
             logger.warning(unused_message(sorted(where), path, cause, step.number))
-        if step.stats.offloaded_bytes:  # else the step-wide idle warning names the threshold
+        if self._offloaded(step):  # else the step-wide idle warning names the threshold
             self._report_small(step)
+
+    def _offloaded(self, step: Step) -> bool:
+        """Did the step's swaps offload anything (so the step-wide idle warning stays silent)?"""
+        return bool(step.stats.offloaded_bytes)
 
     def _report_small(self, step: Step) -> None:
         """One WARNING per op path (or layer swap) whose tensors were all small, naming every layer where they

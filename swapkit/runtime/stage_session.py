@@ -49,6 +49,7 @@ from swapkit.runtime.records import Saved, make_saved
 from swapkit.runtime.scope import Frame
 from swapkit.runtime.session import SwapSession
 from swapkit.runtime.stats import SwapStats
+from swapkit.runtime.step import Step
 
 logger = logging.getLogger(__name__)
 
@@ -164,6 +165,13 @@ class StageSession(SwapSession):
             logger.warning("swapkit: a copy also failed while leaving the block after an error", exc_info=True)
         if exc_type is not None:
             group.close(aborted=True)
+
+    def _offloaded(self, step: Step) -> bool:
+        """Did any micro-step of ``step``'s optimizer step offload anything? The idle warning is for the
+        micro-steps added up (``_check_idle``), so a chunk whose swaps all kept small tensors is named even
+        when only another chunk's micro-steps moved bytes (overrides Note [Swaps whose tensors are all small])."""
+        assert isinstance(step, MicroStep)
+        return any(other.stats.offloaded_bytes for other in step.group.steps)
 
     def _check_idle(self, group: MicroSteps) -> None:
         """overrides Note [Swaps that move nothing], for the micro-steps added up (summed only when none

@@ -249,7 +249,7 @@ class Step:
     def _not_candidate(self, parameter: bool, key: int, nbytes: int, frame: Frame | None) -> None:
         reason = "parameter" if parameter else "not_on_device" if nbytes else None
         if frame is not None and frame.prefetch is not None and reason is not None:
-            self._skip(reason, key, nbytes, frame)
+            self._skip(reason, key, nbytes, None)  # no candidate: not what its scope kept (overrides Note [Swaps ...])
 
     def _swapped_handle(self, tensor: torch.Tensor, record: SwapRecord, tick: int, frame: Frame | None,
                         version: int) -> Saved:
@@ -348,11 +348,14 @@ class Step:
         stats.skipped[reason] += batch.data_bytes
         self._kept_in(batch.frame, reason, 0)
 
-    def _skip(self, reason: str, key: int, nbytes: int, frame: Frame) -> None:
+    def _skip(self, reason: str, key: int, nbytes: int, frame: Frame | None) -> None:
+        """Count a storage saved in a swap scope that stays on the device; ``frame``: the scope, for a swap
+        candidate (``None`` for a parameter or a tensor on another device, which no threshold would move)."""
         if key not in self._skipped_storages:
             self._skipped_storages.add(key)
             self.stats.skipped[reason] += nbytes
-            self._kept_in(frame, reason, nbytes)
+            if frame is not None:
+                self._kept_in(frame, reason, nbytes)
         return None
 
     def _kept_in(self, frame: Frame, reason: str, nbytes: int) -> None:
