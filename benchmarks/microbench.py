@@ -36,11 +36,15 @@ when its first storage is due for release) the batch is copied as (d)'s engine c
 one flat ``uint8`` view per storage, one ``_foreach_copy_``; then the batch's keepers are emptied
 (``set_()``, version counters put back). At unpack, the version check; the first unpack of a batch copies
 its region back in one copy into a new buffer, and each handle gets its view rebuilt on it. The copies run
-inline (as (h)'s), and the region is a new tensor, not a pooled one. What (d) adds over (j) is swapkit's
-own Python: the session's, step's and records' frames, the release and prefetch queues and their ticks,
-the pool, the copy thread's hand-offs (measured apart by (h)), the lock, the accounting and the
+inline, on the main thread (as (h)'s; (d)'s copy thread builds its views and copies), the region is a new
+tensor, not a pooled one, and each slot starts at a multiple of ``SWAP_CALLS_ALIGN`` bytes, as a batch's.
+CPU only, as (h). What (h) adds over (j) is swapkit's own Python: the session's, step's and records'
+frames, the release and prefetch queues and their ticks, the pool, the lock, the accounting and the
 finalizers. So (j) over (b) is the least ratio a swap path in C over the same Python objects could reach
-on this machine.
+on this machine copying on the thread that saves (as (h) does; the CUDA engine queues its copies there
+too). (d) builds the views and copies on its copy thread instead: a path that did the same would take
+that share off the saving thread (a batch's flush, timed alone, cost about 1.5x the identity hooks per
+saved tensor), which makes (j) a bound for (h), not quite for (d).
 
 Note [Taking the swap way apart]
 Two costs of (d) are not the session's bookkeeping, and each has its own way, run in the same
@@ -210,25 +214,27 @@ class _SwapCallsRecord(list):
 
 #: saves per copy in way (j): (d)'s ``backward_prefetch``, which bounds its batches (Note [What a swap in C ...])
 SWAP_CALLS_BATCH = 8
+#: where way (j)'s slots start in a region: at multiples of a batch's alignment (swapkit.runtime.batch.ALIGN)
+SWAP_CALLS_ALIGN = 16
 _set_versions = torch._C._autograd._unsafe_set_version_counter
 
 
 def _swap_calls_hooks() -> ContextManager:
     """Way (j) (Note [What a swap in C would still pay]). A batch is ``[storages, keepers, bytes, region,
-    restored]``: ``region`` is set when it is copied to host (its storages and keepers let go then), ``restored``
-    at its first unpack."""
+    restored, sizes]``: ``region`` is set when it is copied to host (its storages and keepers let go then),
+    ``restored`` at its first unpack; ``sizes`` alternate each storage's bytes and its slot's padding, as
+    ``swapkit.engine.base.region_pairs`` cuts a region."""
     index: dict[int, Any] = {}
     device, flat = torch.device("cpu"), torch.empty(0, dtype=torch.uint8)
     empties: dict[torch.dtype, torch.Tensor] = {}
-    batch: list = [[], [], 0, None, None]
+    batch: list = [[], [], 0, None, None, []]
 
     def flush() -> None:
         nonlocal batch
-        full, batch = batch, [[], [], 0, None, None]
+        full, batch = batch, [[], [], 0, None, None, []]
         storages, keepers = full[0], full[1]
         region = torch.empty(full[2], dtype=torch.uint8)
-        torch._foreach_copy_(region.split_with_sizes([storage.nbytes() for storage in storages]),
-                             [flat.new().set_(storage) for storage in storages])
+        torch._foreach_copy_(region.split_with_sizes(full[5])[::2], [flat.new().set_(storage) for storage in storages])
         versions = tuple(keeper._version for keeper in keepers)
         for keeper in keepers:
             keeper.set_()
@@ -249,10 +255,12 @@ def _swap_calls_hooks() -> ContextManager:
             nbytes, _ = storage.nbytes(), storage.data_ptr()
             if tensor._base is not None or tensor.__dict__ or tensor.device != device:
                 pass  # the parameter and device tests a new storage needs, as in way (i)
-            record = _SwapCallsRecord((batch, batch[2], weakref.ref(storage)))
+            offset, slot = batch[2], -(-nbytes // SWAP_CALLS_ALIGN) * SWAP_CALLS_ALIGN
+            record = _SwapCallsRecord((batch, offset, weakref.ref(storage)))
             index[key] = weakref.ref(record)
             batch[0].append(storage)
-            batch[2] += nbytes
+            batch[2] = offset + slot
+            batch[5] += (nbytes, slot - nbytes)
         meta = (tensor.dtype, tuple(tensor.size()), tensor.stride(), tensor.storage_offset(), tensor.is_conj(),
                 tensor.is_neg())
         if record[0][3] is None:  # its batch is still open
@@ -359,6 +367,7 @@ def run(device: torch.device, length: int, reps: int, width: int = 16, ways: tup
     models = {name: TinyModel(length, width).to(device) for name in WAYS if name in ways or name in WAYS[:2]}
     if device.type != "cpu":
         models.pop("swap_inline", None)  # Note [Taking the swap way apart]: the thread engine's hand-offs
+        models.pop("swap_calls", None)  # Note [What a swap in C would still pay]: host regions on the CPU only
     makers = {"keep": lambda m: _session(m, False), "swap": lambda m: _session(m, True),
               "swap_per_tensor": lambda m: _session(m, True, coalesce=False),
               "swap_no_gc": lambda m: _session(m, True), "swap_inline": lambda m: _session(m, True)}

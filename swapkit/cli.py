@@ -7,10 +7,11 @@ Logs go to stderr on the ``swapkit`` logger in MindFormers' ``LEVEL - message`` 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import sys
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from swapkit.config.errors import BindError, ConfigError, Problem, clip
 from swapkit.distributed.signals import Interrupted
@@ -310,7 +311,8 @@ def _train(config: Config, args: argparse.Namespace, plan: BudgetPlan | None = N
                            progress=not args.no_progress)
     else:  # pipeline and/or data parallel: one process per rank
         # an op pattern no layer has is exit 2 here, as in one process, not a rank's BindError traceback
-        _check_builtin_patterns(args, config)  # launch.py Note [Checks before the ranks start]
+        with _logger_quiet("swapkit.runtime.binding"):  # its "Bound layers" line is each rank's to say
+            _check_builtin_patterns(args, config)  # launch.py Note [Checks before the ranks start]
         try:
             result = launch(config, resolve_device(config, args.device), steps=resolve_steps(config, args.steps),
                             metrics_out=args.metrics_out, progress=not args.no_progress)
@@ -320,6 +322,18 @@ def _train(config: Config, args: argparse.Namespace, plan: BudgetPlan | None = N
     if result is not None:  # under torchrun only rank 0 has the result
         print(format_summary(result.summary if plan is None else _budget_checked(plan, result.summary)))
     return EXIT_OK
+
+
+@contextlib.contextmanager
+def _logger_quiet(name: str) -> Iterator[None]:
+    """The logger ``name`` says only warnings and errors inside the block."""
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _budget_checked(plan: BudgetPlan, summary: dict[str, Any]) -> dict[str, Any]:

@@ -1,7 +1,12 @@
 """Shared pytest setup: ``@pytest.mark.cuda`` tests are skipped on machines without CUDA; shared fixtures."""
 from __future__ import annotations
 
+import getpass
 import logging
+import multiprocessing.util
+import os
+import re
+import shutil
 import tempfile
 
 import pytest
@@ -18,17 +23,34 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session", autouse=True)
-def temporary_files_stay_in_basetemp(tmp_path_factory):
-    """Every temporary file the suite and the processes it starts make lands in pytest's base folder, which
-    pytest prunes (it keeps the last three runs): a process a test kills with SIGKILL cannot remove its own
-    (``swapkit train``'s rank folder, multiprocessing's ``pymp-*`` folder, torchrun's ``torchelastic_*`` logs),
-    and ``torch.multiprocessing`` leaves a failed rank's ``pytorch-errorfile-*.pickle`` behind."""
-    folder = tmp_path_factory.mktemp("tmpdir")
+def temporary_files_stay_in_one_folder():
+    """Every temporary file the suite and the processes it starts make lands in one folder, removed when the
+    test process exits: a process a test kills with SIGKILL cannot remove its own (``swapkit train``'s rank folder,
+    multiprocessing's ``pymp-*`` folder, torchrun's ``torchelastic_*`` logs), and ``torch.multiprocessing``
+    leaves a failed rank's ``pytorch-errorfile-*.pickle`` behind. The folder sits right in the system's
+    temporary folder, not under pytest's deeper base folder: the fork server's socket lives in it, and a
+    Unix socket's path may hold only about 100 bytes (macOS's temporary folder is 50 already). Inductor
+    keeps its usual cache folder, so compiled kernels stay cached between runs."""
+    base = tempfile.gettempdir()
+    folder = tempfile.mkdtemp(prefix="swapkit-tests-", dir=base)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TMPDIR", str(folder))  # the processes tests start
+        if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+            patch.setenv("TORCHINDUCTOR_CACHE_DIR", os.path.join(base, f"torchinductor_{_user()}"))
+        patch.setenv("TMPDIR", folder)  # the processes tests start
         patch.setattr(tempfile, "tempdir", None)  # this process: gettempdir() reads TMPDIR again
         yield folder
     tempfile.tempdir = None
+    # removed at exit, after multiprocessing removed this process's own pymp-* folder in it (priority -100)
+    multiprocessing.util.Finalize(None, shutil.rmtree, args=(folder,), kwargs={"ignore_errors": True},
+                                  exitpriority=-101)
+
+
+def _user() -> str:
+    """The user name in inductor's default cache folder (``torchinductor_<user>``)."""
+    try:
+        return re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())
+    except (KeyError, OSError):  # no name for this uid (a container): inductor's own fallback
+        return f"uid_{os.getuid()}"
 
 
 @pytest.fixture(scope="module")

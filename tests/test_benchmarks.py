@@ -166,10 +166,13 @@ def test_microbench_swap_calls_moves_each_storage_once_and_restores_it_exactly()
         h = x * 2
         whole, view = pack(h), pack(h[2:])
         assert whole[2] is view[2] and whole[2][0][3] is None  # one record; its batch is still open
-        others = [pack(torch.full((3,), float(i))) for i in range(microbench.SWAP_CALLS_BATCH - 1)]
-        assert whole[2][0][3] is not None and whole[2][0][3].numel() == 32 + 12 * len(others)  # copied, one region
+        kept = [torch.full((3,), float(i), dtype=torch.float16 if i == 0 else torch.float32)  # 6 bytes, then 12s
+                for i in range(microbench.SWAP_CALLS_BATCH - 1)]
+        others = [pack(t) for t in kept]
+        assert whole[2][0][3] is not None and whole[2][0][3].numel() == 32 + 16 * len(others)  # copied, one region
         assert all(handle[0].untyped_storage().nbytes() == 0 for handle in [whole, view, *others])  # let go
-        assert torch.equal(unpack(view), h[2:]) and torch.equal(unpack(others[-1]), torch.full((3,), 6.0))
+        assert torch.equal(unpack(view), h[2:])
+        assert all(torch.equal(unpack(handle), t) for handle, t in zip(others, kept))  # slots aligned, mixed dtypes
         with torch.no_grad():
             h.add_(1)
         with pytest.raises(RuntimeError, match="modified in place"):

@@ -251,9 +251,9 @@ def test_a_swap_whose_tensors_are_all_small_is_warned_while_others_move(caplog):
     assert session.stats.skipped["small"] == 3 * 16  # the gates' outputs (the weights: "parameter")
     messages = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert messages == [
-        "swapkit: op swap at layers 0-2: gate moved nothing in step 1: every tensor saved in it was smaller than "
-        "runtime.min_offload_bytes (100 bytes; the largest was 16), so all stayed on the device and the swap has "
-        "no effect. Lower runtime.min_offload_bytes to 16 or less, or drop the swap from swap_config "
+        "swapkit: op swap at layers 0-2: gate moved nothing in step 1: every tensor it could have moved was "
+        "smaller than runtime.min_offload_bytes (100 bytes; the largest was 16), so all stayed on the device and "
+        "the swap has no effect. Lower runtime.min_offload_bytes to 16 or less, or drop the swap from swap_config "
         "(Note [Swaps whose tensors are all small])"]
     assert_grads_equal(grads(model), grads(expected))
 
@@ -284,6 +284,46 @@ def test_a_small_swap_that_also_saves_parameters_is_warned(caplog):
     messages = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(messages) == 1 and messages[0].startswith("swapkit: op swap at layers 0-2: norm moved nothing")
     assert "the largest was 32" in messages[0]
+
+
+class Sine(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sin(x)  # saves x
+
+
+class CosineAndGate(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cos(x) + torch.sigmoid(x[:, :1])  # saves x again, and a 16-byte output
+
+
+class ReSaving(nn.Module):
+    """``a`` saves the block's input (256 bytes, swapped); ``b`` saves it again, and otherwise only 16 bytes."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.a, self.b = Sine(), CosineAndGate()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x) + self.b(x)
+
+
+def test_a_swap_that_saves_again_a_storage_another_swap_moves_is_not_called_small(caplog):
+    """``b``'s only new candidate is small, but it also saves the input ``a`` swaps: it holds moved bytes, and
+    "every tensor it could have moved was smaller" would be false (Note [Swaps whose tensors are all small])."""
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    plain = ToyNet(layers=3, block=ReSaving)(x).sum()
+    expected = torch.autograd.grad(plain, x)[0]
+    model = ToyNet(layers=3, block=ReSaving)
+    entries = [{"op_name": op, "backward_prefetch": 1, "layers": True} for op in ("a", "b")]
+    session = synced_session(model, toy_config(3, swap_config={"swap": True, "op_swap": entries},
+                                               runtime={"min_offload_bytes": 100, "skip_tail_offload": False}))
+    caplog.set_level(logging.WARNING, logger="swapkit")
+    for _ in range(2):
+        with session:
+            got = torch.autograd.grad(model(x).sum(), x)[0]
+    assert torch.equal(got, expected)
+    assert session.stats.skipped["small"] == 3 * 16 and "layer 0: a" in session.stats.offloaded_by_scope
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == []
 
 
 def test_a_swap_with_tensors_above_the_threshold_is_not_called_small(caplog):

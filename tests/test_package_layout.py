@@ -112,13 +112,18 @@ def test_config_and_plan_work_without_torch():
 
 
 def test_the_process_that_starts_the_ranks_never_loads_pipelining_or_dynamo():
-    """swapkit.distributed.pipeline Note [Pipelining loads where a stage runs]: 2 s of the start of every run."""
+    """swapkit.distributed.pipeline Note [Pipelining loads where a stage runs]: 2 s of the start of every run. The
+    op-pattern check builds the model on meta, whose embedding init and rotary tables imported Dynamo
+    (swapkit.train.model Note [A meta model loads no Dynamo])."""
     script = textwrap.dedent(f"""
-        import sys
+        import argparse, sys
         import torch
+        from swapkit.cli import _check_builtin_patterns
         from swapkit.distributed.launch import check
         from swapkit.load import load_config
-        check(load_config({str(ROOT / "configs" / "pp2.yaml")!r}), torch.device("cpu"))
+        config = load_config({str(ROOT / "configs" / "pp2.yaml")!r})
+        check(config, torch.device("cpu"))
+        _check_builtin_patterns(argparse.Namespace(overrides=[]), config)  # binds the built-in model on meta
         print(sorted(m for m in ("torch.distributed.pipelining", "torch._dynamo") if m in sys.modules))
     """)
     result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -161,8 +161,8 @@ def choice(*options: str, aliases: Mapping[str, str] | None = None) -> Check:
 
 def _closest_option(value: Any, options: Sequence[str]) -> str | None:
     """``did you mean 'thread'?`` for ``'threads'``: the option a misspelt text value is closest to."""
-    if not isinstance(value, str):
-        return None
+    if not isinstance(value, str) or len(value) > 2 * max(map(len, options), default=0):
+        return None  # no match at 0.8 is possible (ratio 2M / (len a + len b)); a 1 MB value costs no difflib
     close = difflib.get_close_matches(value.lower(), options, n=1, cutoff=0.8)  # not fp16 -> bf16
     return f"did you mean {close[0]!r}?" if close else None
 

@@ -148,8 +148,11 @@ def idle_message(step: int, ticks: int, offloaded: int, skipped: Mapping[str, in
 # and when backward begins in a step that offloaded something, a scope whose kept candidates were all
 # small and that offloaded nothing gets one WARNING per session, with its layers grouped as unused swaps
 # are, naming the largest such tensor and the threshold to lower. A scope that also kept candidates for
-# another reason (the tail, the host cap) is left to the step-wide warning: lowering the threshold alone
-# would not make it move anything. Parameters (a norm's weight and bias) and tensors on another device
+# another reason (the tail, the host cap) is not named: lowering the threshold alone would not make it move
+# anything (``stats.skipped`` has those reasons). Nor is one that saved again a storage another scope swaps
+# (recorded as ``"moved"`` on that re-save path, only when the two scopes differ): it holds moved bytes.
+# The warning is its own kind: a scope named here can still be named as unused later, and the other way
+# round. Parameters (a norm's weight and bias) and tensors on another device
 # saved in the scope are no candidates: no threshold moves them, so they neither count nor silence it.
 # In a pipeline stage "a step that offloaded something" is the optimizer step, any of its micro-steps
 # (``StageSession._offloaded``), as the idle warning adds them up: a chunk whose swaps kept only small
@@ -159,7 +162,7 @@ def small_message(layers: list[int], path: str, largest: int, min_offload_bytes:
     tensors are all small])."""
     where = f"layer {layers[0]}" if len(layers) == 1 else layer_ranges(layers)
     what = f"op swap at {where}: {path}" if path else f"layer swap at {where}"
-    return (f"swapkit: {what} moved nothing in step {step}: every tensor saved in it was smaller than "
+    return (f"swapkit: {what} moved nothing in step {step}: every tensor it could have moved was smaller than "
             f"runtime.min_offload_bytes ({min_offload_bytes:,} bytes; the largest was {largest:,}), so all stayed "
             f"on the device and the swap has no effect. Lower runtime.min_offload_bytes to {largest} or less, or "
             "drop the swap from swap_config (Note [Swaps whose tensors are all small])")

@@ -99,7 +99,7 @@ class SwapSession:
         self._final_stats: SwapStats | None = None  # what stats said when remove() ran
         self._entry_lock = threading.Lock()
         self._owner: int | None = None  # the thread inside the `with` block
-        self._reported: set[tuple[int, str]] = set()  # unused swaps already warned about
+        self._reported: set[tuple] = set()  # unused swaps (layer, path), small ones ("small", layer, path), warned
         self._idle_reported = False  # overrides Note [Swaps that move nothing]: once per session
         self._late_reported = False  # Note [A backward after the next forward]: once per session
         self._outside_reported = False  # Note [A training forward outside the with block]: once per session
@@ -342,8 +342,8 @@ class SwapSession:
         were (overrides Note [Swaps whose tensors are all small]); a scope is reported once per session."""
         small: dict[str, tuple[list[int], int]] = {}
         for layer, path, largest in step.small_swaps():
-            if (layer, path) not in self._reported:
-                self._reported.add((layer, path))
+            if ("small", layer, path) not in self._reported:  # its own kind: the scope may still go unused later
+                self._reported.add(("small", layer, path))
                 where, most = small.get(path, ([], 0))
                 small[path] = (where + [layer], max(most, largest))
         for path, (where, largest) in small.items():

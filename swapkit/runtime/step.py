@@ -254,6 +254,8 @@ class Step:
     def _swapped_handle(self, tensor: torch.Tensor, record: SwapRecord, tick: int, frame: Frame | None,
                         version: int) -> Saved:
         record.saved_again(tick)
+        if frame is not record.frame and frame is not None and frame.prefetch is not None:
+            self._kept_in(frame, "moved", record.nbytes)  # moved by another scope: overrides Note [Swaps whose ...]
         keeper = tensor.detach()  # Note [Version keepers] in swapkit.runtime.records
         if record.released:  # the storage lives on elsewhere; its bytes are already on the host
             empty_keepers((keeper,))
@@ -359,8 +361,9 @@ class Step:
         return None
 
     def _kept_in(self, frame: Frame, reason: str, nbytes: int) -> None:
-        """A swap candidate saved in ``frame``'s scope stays on the device for ``reason``: the largest such
-        storage per scope and reason (swapkit.runtime.overrides Note [Swaps whose tensors are all small])."""
+        """A swap candidate saved in ``frame``'s scope stays on the device for ``reason`` (or, ``"moved"``, is a
+        storage another scope swaps): the largest such storage per scope and reason (swapkit.runtime.overrides
+        Note [Swaps whose tensors are all small])."""
         kept = self._kept_by_scope.setdefault(frame, {})
         kept[reason] = max(kept.get(reason, 0), nbytes)
 

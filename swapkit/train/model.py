@@ -144,11 +144,16 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        on_meta = torch.empty(0).device.type == "meta"  # build_model's device (Note [A meta model loads no Dynamo])
+        weight = torch.empty(cfg.vocab_size, cfg.hidden_size) if on_meta else None  # None: nn.Embedding's own init
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm_out = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
-        cos, sin = rotary_tables(cfg)
+        if on_meta:
+            cos, sin = torch.empty(rotary_shape(cfg)), torch.empty(rotary_shape(cfg))
+        else:
+            cos, sin = rotary_tables(cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -170,6 +175,18 @@ class LlamaModel(nn.Module):
         for layer in self.layers:
             h = layer(h, cos, sin)
         return self.lm_head(self.norm_out(h))
+
+
+# Note [A meta model loads no Dynamo]
+# A model built on the meta device (``swapkit plan``, and the op-pattern check ``swapkit train`` runs before
+# it starts several ranks) needs shapes, not values. But ``nn.Embedding``'s ``normal_`` init and the rotary
+# tables' ``torch.arange`` on a meta tensor run through ``torch._refs``, which imports ``torch._dynamo``:
+# about 1.5 s of the launching parent's time, which Note [Pipelining loads where a stage runs] keeps out of it.
+# So on meta the embedding gets an empty weight and the tables empty buffers of their shape. A real build is
+# unchanged: it draws the same numbers from the global generator, and ``reset_parameters`` then sets every weight.
+def rotary_shape(cfg: ModelConfig) -> tuple[int, int]:
+    """The shape of each rotary table: positions x half the head dimension."""
+    return cfg.seq_length, (cfg.hidden_size // cfg.num_heads + 1) // 2
 
 
 def rotary_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
