@@ -368,12 +368,26 @@ class Step:
         kept[reason] = max(kept.get(reason, 0), nbytes)
 
     def small_swaps(self) -> list[tuple[int, str, int]]:
-        """``(layer, op path, largest bytes)`` of each swap scope that offloaded nothing because every swap
-        candidate saved in it was under ``runtime.min_offload_bytes`` (Note [Swaps whose tensors are all small]
-        in swapkit.runtime.overrides)."""
+        """``(layer, op path, largest bytes)`` of each configured swap scope that offloaded nothing because every
+        swap candidate saved in it, or in a hooked op scope inside it that takes its distance, was under
+        ``runtime.min_offload_bytes`` (Note [Swaps whose tensors are all small] in swapkit.runtime.overrides)."""
+        reasons: dict[tuple[int, str], dict[str, int]] = {}
+        for frame, kept in self._kept_by_scope.items():
+            owner = self._swap_owner(frame.layer, frame.path)
+            if owner is not None:
+                merged = reasons.setdefault(owner, {})
+                for reason, nbytes in kept.items():
+                    merged[reason] = max(merged.get(reason, 0), nbytes)
         offloaded = self.stats.offloaded_by_scope
-        return [(frame.layer, frame.path, kept["small"]) for frame, kept in self._kept_by_scope.items()
-                if kept.keys() == {"small"} and not offloaded.get(frame.label)]
+        moved = {self._swap_owner(layer, path) for layer, path in self._seen if offloaded.get(scope_label(layer, path))}
+        return [(layer, path, kept["small"]) for (layer, path), kept in reasons.items()
+                if kept.keys() == {"small"} and (layer, path) not in moved]
+
+    def _swap_owner(self, layer: int, path: str) -> tuple[int, str] | None:
+        """The configured swap scope whose distance a scope saves under: itself, or the innermost configured one
+        around it (an op hooked for recompute inside a swapped layer takes the layer's distance)."""
+        around = [p for at, p in self.swap_scopes if at == layer and (p == path or not p or path.startswith(p + "."))]
+        return (layer, max(around, key=len)) if around else None
 
     def _advance(self, tick: int) -> None:
         """Release the records whose horizon has come and whose copy was queued (Note [Stream-ordered
