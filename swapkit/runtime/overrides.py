@@ -151,8 +151,10 @@ def idle_message(step: int, ticks: int, offloaded: int, skipped: Mapping[str, in
 # another reason (the tail, the host cap) is not named: lowering the threshold alone would not make it move
 # anything (``stats.skipped`` has those reasons). Nor is one that saved again a storage another scope swaps
 # (recorded as ``"moved"`` on that re-save path, only when the two scopes differ): it holds moved bytes.
-# The warning is its own kind: a scope named here can still be named as unused later, and the other way
-# round. Parameters (a norm's weight and bias) and tensors on another device
+# The scopes are the configured swaps: an op hooked inside one only for recompute saves under the distance
+# of the innermost configured swap around it and counts for that one (``Step._swap_owner``), so it is never
+# named as an op swap nobody wrote. The warning is its own kind: a scope named here can still be named as
+# unused later, and the other way round. Parameters (a norm's weight and bias) and tensors on another device
 # saved in the scope are no candidates: no threshold moves them, so they neither count nor silence it.
 # In a pipeline stage "a step that offloaded something" is the optimizer step, any of its micro-steps
 # (``StageSession._offloaded``), as the idle warning adds them up: a chunk whose swaps kept only small
