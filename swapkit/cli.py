@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import json
 import logging
+import os
 import sys
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
@@ -300,6 +301,7 @@ def run_train(args: argparse.Namespace) -> int:
 def _train(config: Config, args: argparse.Namespace, plan: BudgetPlan | None = None) -> int:
     """Train ``config`` in this process, or one process per rank for a pipeline / data-parallel config;
     with the ``plan`` it came from (``--budget``), its measured peaks are checked against the budget."""
+    _start_rank_server(config, args)  # before torch loads here: rank_start Note [The server starts first]
     from swapkit.distributed.launch import RankFailed, launch, world_size
     from swapkit.distributed.signals import StopOnSignal
     from swapkit.train import format_summary, train
@@ -322,6 +324,17 @@ def _train(config: Config, args: argparse.Namespace, plan: BudgetPlan | None = N
     if result is not None:  # under torchrun only rank 0 has the result
         print(format_summary(result.summary if plan is None else _budget_checked(plan, result.summary)))
     return EXIT_OK
+
+
+def _start_rank_server(config: Config, args: argparse.Namespace) -> None:
+    """The fork server of a run's CPU ranks, started while this process has not imported torch yet
+    (swapkit.distributed.rank_start Note [The server starts first]); not for one process, CUDA ranks
+    (spawned) or torchrun's ranks. The condition is ``launch.world_size`` without importing torch."""
+    ranks = config.parallel.pipeline_stage * config.parallel.data_parallel
+    if ranks > 1 and (args.device or config.train.device) == "cpu" and "RANK" not in os.environ:
+        from swapkit.distributed.rank_start import start_method
+
+        start_method("cpu")
 
 
 @contextlib.contextmanager

@@ -131,6 +131,32 @@ def test_the_process_that_starts_the_ranks_never_loads_pipelining_or_dynamo():
     assert result.stdout.strip() == "[]"
 
 
+def test_swapkit_train_starts_the_rank_server_before_it_imports_torch():
+    """swapkit.distributed.rank_start Note [The server starts first]: only a run with CPU ranks that swapkit train
+    starts itself gets the server, and the parent has not imported torch when it does."""
+    script = textwrap.dedent(f"""
+        import argparse, os, sys
+        from multiprocessing import forkserver
+        from swapkit.cli import _start_rank_server
+        from swapkit.load import load_config
+        started = lambda: forkserver._forkserver._forkserver_pid is not None
+        _start_rank_server(load_config({str(ROOT / "configs" / "tiny.yaml")!r}), argparse.Namespace(device=None))
+        one = started()
+        pipeline = load_config({str(ROOT / "configs" / "pp2.yaml")!r})
+        _start_rank_server(pipeline, argparse.Namespace(device="cuda"))
+        cuda = started()
+        os.environ["RANK"] = "0"
+        _start_rank_server(pipeline, argparse.Namespace(device=None))
+        torchrun = started()
+        del os.environ["RANK"]
+        _start_rank_server(pipeline, argparse.Namespace(device=None))
+        print(one, cuda, torchrun, started(), "torch" in sys.modules)
+    """)
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["False", "False", "False", "True", "False"]
+
+
 def test_torch_side_names_stay_public():
     import swapkit
 

@@ -14,6 +14,7 @@ import select
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -297,19 +298,39 @@ def test_ranks_that_end_within_the_join_that_saw_the_signal_still_report_the_sto
     assert info.value.signum == signal.SIGTERM and "stopped 2 rank processes" in str(info.value)
 
 
-def test_ctrl_c_while_the_ranks_start_stops_them_without_tracebacks(start_train):
-    """Note [Ranks start deaf]: a stop in the first seconds, while the fork server that starts the ranks
-    still imports torch (swapkit.distributed.rank_start Note [Ranks forked from a preloaded server]), is
-    held until the parent and each rank have their handlers installed."""
+def test_ctrl_c_while_the_ranks_start_stops_them_without_tracebacks(start_train, monkeypatch):
+    """Note [Ranks start deaf]: a stop while the ranks start (the fork server may still be importing torch:
+    swapkit.distributed.rank_start Note [Ranks forked from a preloaded server]) is held until the parent and
+    each rank have their handlers installed. The parent is starting ranks once its rank folder exists (made
+    with its signal handlers, in a TMPDIR of this test's own)."""
+    own = Path(tempfile.mkdtemp(prefix="t", dir=tempfile.gettempdir()))  # short: the server's socket is in it
+    monkeypatch.setenv("TMPDIR", str(own))
     child = start_train(str(ROOT / "configs" / "pp2.yaml"), "--steps", "100000")
     deadline = time.monotonic() + 60
-    while _fork_server(child) is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert _fork_server(child) is not None and _ranks_of(child) == []  # importing: the ranks are not forked yet
+    while not list(own.glob("swapkit-ranks-*")) and child.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert list(own.glob("swapkit-ranks-*")), "the run never started its ranks"
+    time.sleep(0.02)  # the folder is made just before the handlers are installed; ranks take longer to start
     err, processes = interrupt(child, signal.SIGINT, whole_group=True)
     assert child.returncode == 130, err[-3000:]
     assert "Traceback" not in err and "Exception ignored" not in err and "Terminating process" not in err, err[-3000:]
     assert re.search(r"swapkit: interrupted by SIGINT: stopped 2 rank processes", err), err
+    assert_all_gone(processes)
+
+
+def test_ctrl_c_before_the_ranks_start_leaves_no_process(start_train):
+    """rank_start Note [The server starts first]: the fork server runs while the parent still imports torch,
+    before any handler is installed. A Ctrl-C then ends the parent with one line, and the server with it
+    (it holds SIGINT blocked and ends when its parent's pipe closes)."""
+    child = start_train(str(ROOT / "configs" / "pp2.yaml"), "--steps", "100000")
+    deadline = time.monotonic() + 60
+    while _fork_server(child) is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _fork_server(child) is not None
+    err, processes = interrupt(child, signal.SIGINT, whole_group=True)
+    assert child.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "Exception ignored" not in err and "Terminating process" not in err, err[-3000:]
+    assert err.startswith("swapkit: interrupted"), err  # with "stopped 2 rank processes" if they had started
     assert_all_gone(processes)
 
 

@@ -45,6 +45,13 @@ parent, reaps a rank, so a rank's pid is free as soon as it ended; the parent si
 has not seen end, and a pid reused within that moment would take a whole cycle of the pid space. A
 module of :data:`RANK_PRELOAD` that fails to import in the server is skipped by ``multiprocessing``
 without a word: the ranks then import it themselves, as spawned ones do.
+
+Note [The server starts first]
+``swapkit train`` starts the server as soon as its config says the run has CPU ranks, before the
+parent imports torch (``swapkit.cli._start_rank_server``): the server's imports then run beside the
+parent's own and its checks (the op patterns on a meta model, the memory estimate), on the other
+core, instead of after them. ``launch`` finds it running. A run that then fails a check (exit 2)
+leaves nothing behind: the server ends with its parent.
 """
 from __future__ import annotations
 
