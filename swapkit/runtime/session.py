@@ -329,9 +329,13 @@ class SwapSession:
                     cause = HF_CHECKPOINT
                 layers.setdefault((path, cause), []).append(layer)
         for (path, cause), where in layers.items():
-            logger.warning(unused_message(sorted(where), path, cause, step.number))
+            logger.warning(unused_message(sorted(where), path, cause, self._step_number(step)))
         if self._offloaded(step):  # else the step-wide idle warning names the threshold
             self._report_small(step)
+
+    def _step_number(self, step: Step) -> int:
+        """The step a warning names: the training step (a stage session's is its optimizer step's)."""
+        return step.number
 
     def _offloaded(self, step: Step) -> bool:
         """Did the step's swaps offload anything (so the step-wide idle warning stays silent)?"""
@@ -348,7 +352,7 @@ class SwapSession:
                 small[path] = (where + [layer], max(most, largest))
         for path, (where, largest) in small.items():
             logger.warning(small_message(sorted(where), path, largest, self.plan.runtime.min_offload_bytes,
-                                         step.number))
+                                         self._step_number(step)))
 
     def _hf_checkpointed(self, layer: int) -> bool:
         """The layer's module has HF gradient checkpointing on (overrides Note [Swaps nobody reports])."""

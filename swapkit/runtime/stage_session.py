@@ -166,6 +166,11 @@ class StageSession(SwapSession):
         if exc_type is not None:
             group.close(aborted=True)
 
+    def _step_number(self, step: Step) -> int:
+        """The optimizer step (the ``with`` block), as the idle warning names it, not the micro-step's count."""
+        assert isinstance(step, MicroStep)
+        return step.group.number
+
     def _offloaded(self, step: Step) -> bool:
         """Did any micro-step of ``step``'s optimizer step offload anything? The idle warning is for the
         micro-steps added up (``_check_idle``), so a chunk whose swaps all kept small tensors is named even
