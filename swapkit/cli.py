@@ -329,11 +329,10 @@ def _train(config: Config, args: argparse.Namespace, plan: BudgetPlan | None = N
 def _start_rank_server(config: Config, args: argparse.Namespace) -> None:
     """The fork server of a run's CPU ranks, started while this process has not imported torch yet
     (swapkit.distributed.rank_start Note [The server starts first]); not for one process, CUDA ranks
-    (spawned) or torchrun's ranks. The condition is ``launch.world_size`` without importing torch."""
-    ranks = config.parallel.pipeline_stage * config.parallel.data_parallel
-    if ranks > 1 and (args.device or config.train.device) == "cpu" and "RANK" not in os.environ:
-        from swapkit.distributed.rank_start import start_method
+    (spawned) or torchrun's ranks."""
+    from swapkit.distributed.rank_start import start_method, world_size
 
+    if world_size(config) > 1 and (args.device or config.train.device) == "cpu" and "RANK" not in os.environ:
         start_method("cpu")
 
 

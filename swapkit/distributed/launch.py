@@ -82,7 +82,7 @@ from swapkit.config.errors import ConfigError, Problem
 from swapkit.config.types import Config
 from swapkit.distributed.agree import check_ranks_agree
 from swapkit.distributed.pipeline import micro_batch_problems
-from swapkit.distributed.rank_start import RankStart, start_method
+from swapkit.distributed.rank_start import RankStart, start_method, world_size
 from swapkit.plan.plan import build_plan
 from swapkit.distributed.signals import (
     POLL_S, STOP_GRACE_S, ForwardSignals, StopOnSignal, ignore_stop_signals, stop_signals_blocked,
@@ -102,11 +102,6 @@ RANK_PROCESS_BYTES = 16 * 2**20
 
 class RankFailed(RuntimeError):
     """A rank of a multi-process ``swapkit train`` raised; the message holds its error."""
-
-
-def world_size(config: Config) -> int:
-    """How many processes the config's ``parallel_config`` asks ``swapkit train`` for."""
-    return config.parallel.pipeline_stage * config.parallel.data_parallel
 
 
 def check(config: Config, device: torch.device) -> None:

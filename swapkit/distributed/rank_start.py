@@ -60,13 +60,22 @@ import os
 import signal
 import sys
 from multiprocessing import forkserver, reduction
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from swapkit.distributed.signals import stop_signals_blocked
+
+if TYPE_CHECKING:
+    from swapkit.config.types import Config
 
 #: what the fork server imports once, before it forks any rank: all a rank of swapkit train needs
 RANK_PRELOAD = ("torch", "torch._dynamo", "torch.distributed.fsdp", "torch.distributed.pipelining",
                 "swapkit.distributed.train")
+
+
+def world_size(config: Config) -> int:
+    """How many processes the config's ``parallel_config`` asks ``swapkit train`` for (no torch: the CLI
+    asks before it imports torch, Note [The server starts first])."""
+    return config.parallel.pipeline_stage * config.parallel.data_parallel
 
 
 def start_method(device_type: str, preload: Sequence[str] = RANK_PRELOAD) -> str:
