@@ -46,7 +46,9 @@ def temporary_files_stay_in_one_folder():
 
 
 def _user() -> str:
-    """The user name in inductor's default cache folder (``torchinductor_<user>``)."""
+    """The user name in inductor's default cache folder (``torchinductor_<user>``), as
+    ``torch._inductor.runtime.cache_dir_utils.default_cache_dir`` writes it; calling that would import
+    Dynamo and inductor's config (1.3 s) in every test run, also of a single file that needs neither."""
     try:
         return re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())
     except (KeyError, OSError):  # no name for this uid (a container): inductor's own fallback

@@ -144,7 +144,7 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
-        on_meta = torch.empty(0).device.type == "meta"  # build_model's device (Note [A meta model loads no Dynamo])
+        on_meta = torch.get_default_device().type == "meta"  # build_model's (Note [A meta model loads no Dynamo])
         weight = torch.empty(cfg.vocab_size, cfg.hidden_size) if on_meta else None  # None: nn.Embedding's own init
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
