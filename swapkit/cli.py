@@ -15,6 +15,7 @@ import sys
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from swapkit.config.errors import BindError, ConfigError, Problem, clip
+from swapkit.config.loader import CommandLineOverrides
 from swapkit.distributed.signals import Interrupted
 
 if TYPE_CHECKING:
@@ -29,6 +30,8 @@ logger = logging.getLogger("swapkit")
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    if hasattr(args, "overrides"):  # loader Note [Naming an override]
+        args.overrides = CommandLineOverrides(args.overrides)
     _configure_logging(args.verbose)
     try:
         return args.run(args)

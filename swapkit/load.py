@@ -10,9 +10,9 @@ import logging
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from swapkit.config.errors import Problems
-from swapkit.config.loader import (blame_overrides, read_config, source_name, warn_inactive_swap, warn_no_effect,
-                                   warn_written)
+from swapkit.config.errors import Problem, Problems
+from swapkit.config.loader import (CommandLineOverrides, blame_overrides, override_name, read_config, source_name,
+                                   warn_inactive_swap, warn_no_effect, warn_written)
 from swapkit.config.types import Config
 from swapkit.plan.plan import check_plan
 from swapkit.plan.readings import count_shaped_warnings, flip_warnings
@@ -88,9 +88,15 @@ def _blame_the_flip(source: str | Path | Mapping[str, Any], overrides: Sequence[
         return
     if file_swap is not None and file_swap != config.swap.swap and flip_warnings(config, file_swap):
         now, before = ("true", "false") if config.swap.swap else ("false", "true")
-        problems.add(SWAP_KEY, f"--set {SWAP_KEY}={now} flips the file's {before}, and with it what the recompute "
-                               f"lists mean (per-stage counts with swap off, global layer indices with swap on); "
-                               f"the problems above may come from that: drop the --set or rewrite the lists")
+        index = max(i for i, item in enumerate(overrides) if item.partition("=")[0].strip() == SWAP_KEY)
+        problems.items.append(Problem(SWAP_KEY, origin=override_name(overrides, index, overrides[index]), message=(
+            f"the override flips the file's {before} to {now}, and with it what the recompute lists mean (per-stage "
+            f"counts with swap off, global layer indices with swap on); the problems above may come from that: "
+            f"drop the {_word(overrides)} or rewrite the lists")))
+
+
+def _word(overrides: Sequence[str]) -> str:
+    return "--set" if isinstance(overrides, CommandLineOverrides) else "override"
 
 
 def _flipped(source: str | Path | Mapping[str, Any], overrides: Sequence[str], config: Config) -> list[str]:

@@ -467,8 +467,9 @@ def test_overrides_are_yaml_values(tmp_path):
 
 def test_overrides_are_validated_like_the_file():
     problems = problems_of(MINIMAL, overrides=["train.steps=0", "swap_config.sawp=true"])
-    assert sorted(problems) == ["swap_config.sawp (from --set swap_config.sawp=true): unknown key; did you mean 'swap'?",
-                                "train.steps (from --set train.steps=0): got 0; expected an integer >= 1"]
+    assert sorted(problems) == [
+        "swap_config.sawp (from overrides[1] 'swap_config.sawp=true'): unknown key; did you mean 'swap'?",
+        "train.steps (from overrides[0] 'train.steps=0'): got 0; expected an integer >= 1"]
 
 
 def test_overrides_given_as_one_string_name_the_fix():
@@ -523,25 +524,54 @@ def test_override_into_a_null_section():
 
 
 @pytest.mark.parametrize("override, expected", [
-    ("train.steps", "--set: got 'train.steps'; expected dotted.key=value, for example train.steps=5"),
-    ("=3", "--set: got '=3'; expected dotted.key=value"),
-    ("train..steps=3", "--set: got 'train..steps=3'; expected dotted.key=value"),
-    ("train.steps=[", "--set train.steps: got '['; expected a YAML value. YAML syntax error"),
+    ("train.steps", "overrides[1]: got 'train.steps'; expected dotted.key=value, for example train.steps=5"),
+    ("=3", "overrides[1]: got '=3'; expected dotted.key=value"),
+    ("train..steps=3", "overrides[1]: got 'train..steps=3'; expected dotted.key=value"),
+    ("train.steps=[", "overrides[1] train.steps: got '['; expected a YAML value. YAML syntax error"),
     ("model.model_config.num_layers.x=1",
-     "--set model.model_config.num_layers.x=1: got 4; expected model.model_config.num_layers to be a mapping"),
+     "overrides[1] 'model.model_config.num_layers.x=1': got 4; expected model.model_config.num_layers to be a mapping"),
 ])
 def test_bad_overrides(override, expected):
     problems = problems_of(MINIMAL, overrides=["train.steps=2", override])
     assert len(problems) == 1 and problems[0].startswith(expected), problems
 
 
+@pytest.mark.parametrize("override, expected", [
+    ("train.steps", "--set: got 'train.steps'; expected dotted.key=value, for example train.steps=5"),
+    ("train.steps=[", "--set train.steps: got '['; expected a YAML value. YAML syntax error"),
+    ("model.model_config.num_layers.x=1",
+     "--set model.model_config.num_layers.x=1: got 4; expected model.model_config.num_layers to be a mapping"),
+    ("train.steps=0", "train.steps (from --set train.steps=0): got 0; expected an integer >= 1"),
+])
+def test_overrides_from_the_command_line_name_set(override, expected):
+    """loader Note [Naming an override]: the CLI's items name --set, and the error the command line."""
+    from swapkit.config.loader import CommandLineOverrides
+
+    with pytest.raises(ConfigError) as info:
+        load_config(MINIMAL, overrides=CommandLineOverrides(["train.steps=2", override]))
+    assert str(info.value).startswith("invalid swapkit command line (1 problem):\n  - " + expected), info.value
+
+
+def test_overrides_from_python_name_the_argument_not_a_command_line():
+    """loader Note [Naming an override]: load_config(..., overrides=[...]) has no --set to blame."""
+    with pytest.raises(ConfigError) as info:
+        load_config(MINIMAL, overrides=["train.steps=2", "swap_config.sawp=true"])
+    assert str(info.value) == ("invalid swapkit overrides (1 problem):\n"
+                               "  - swap_config.sawp (from overrides[1] 'swap_config.sawp=true'): unknown key; "
+                               "did you mean 'swap'?")
+    assert "--set" not in str(info.value) and "command line" not in str(info.value)
+    with pytest.raises(ConfigError) as info:  # a problem of the file's own beside it: the config is named
+        load_config(with_sections(train={"lr": -1}), overrides=["swap_config.sawp=true"])
+    assert str(info.value).startswith("invalid swapkit config (2 problems):")
+
+
 def test_an_override_of_one_list_item_is_refused_naming_the_list():
     """loader Note [A list item on the command line]: it wrote a key named 'layer_swap[0]' and blamed the file."""
     raw = with_sections(swap_config={"swap": True, "layer_swap": [{"backward_prefetch": 2, "layers": [0]}]})
     (problem,) = problems_of(raw, overrides=["swap_config.layer_swap[0].backward_prefetch=3"])
-    assert problem == ("--set: got 'swap_config.layer_swap[0].backward_prefetch=3'; expected mapping keys only; "
-                       "swap_config.layer_swap is a list, and --set cannot set one of its items. Set the whole list: "
-                       "--set 'swap_config.layer_swap=[...]' (it is now [{'backward_prefetch': 2, 'layers': [0]}])")
+    assert problem == ("overrides[0]: got 'swap_config.layer_swap[0].backward_prefetch=3'; expected mapping keys "
+                       "only; swap_config.layer_swap is a list, and an override cannot set one of its items. Set the "
+                       "whole list: 'swap_config.layer_swap=[...]' (it is now [{'backward_prefetch': 2, 'layers': [0]}])")
     # a pattern key with brackets under a mapping is an ordinary key
     config = load_config(with_sections(swap_config={"swap": True}), overrides=["recompute_config.select_recompute.w[13]=[0]"])
     assert config.recompute.select_recompute == {"w[13]": [0]}
@@ -549,8 +579,8 @@ def test_an_override_of_one_list_item_is_refused_naming_the_list():
 
 def test_bad_overrides_are_collected_with_other_problems():
     problems = problems_of(with_sections(train={"lr": -1}), overrides=["nonsense", "train.steps=x"])
-    assert problems[0].startswith("--set: got 'nonsense'")
-    assert "train.steps (from --set train.steps=x): got 'x'; expected an integer >= 1" in problems
+    assert problems[0].startswith("overrides[0]: got 'nonsense'")
+    assert "train.steps (from overrides[1] 'train.steps=x'): got 'x'; expected an integer >= 1" in problems
     assert "train.lr: got -1; expected a number > 0" in problems
 
 
@@ -597,3 +627,21 @@ def test_the_planners_json_report_is_named_as_such_not_a_list_of_unknown_keys(tm
     (problem,) = problems_of(report)
     assert "got the JSON report of `swapkit plan --budget --json`" in problem
     assert "swapkit plan CONFIG --budget SIZE --out planned.yaml" in problem
+
+
+def test_an_override_that_flips_swap_is_named_once_where_the_problems_may_come_from(tmp_path):
+    """load._blame_the_flip, with loader Note [Naming an override]: the CLI's --set or the Python argument."""
+    from swapkit.config.loader import CommandLineOverrides
+
+    path = write(tmp_path, "model: {model_config: {num_layers: 4}}\nrecompute_config: {recompute: [0, 3]}\n"
+                           "swap_config: {swap: true}\n")
+    tail = ("the override flips the file's true to false, and with it what the recompute lists mean (per-stage "
+            "counts with swap off, global layer indices with swap on); the problems above may come from that: drop "
+            "the {} or rewrite the lists")
+    for overrides, origin, word in ((["train.steps=2", "swap_config.swap=false"],
+                                     "overrides[1] 'swap_config.swap=false'", "override"),
+                                    (CommandLineOverrides(["swap_config.swap=false"]),
+                                     "--set swap_config.swap=false", "--set")):
+        problems = problems_of(path, overrides=overrides)
+        assert problems[0].startswith("recompute_config.recompute: got [0, 3]; expected at most pipeline_stage (1)")
+        assert problems[1] == f"swap_config.swap (from {origin}): {tail.format(word)}"

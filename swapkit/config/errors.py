@@ -27,7 +27,7 @@ class Problem:
 
     path: str
     message: str
-    origin: str | None = None  # ``--set key=value`` when the value at ``path`` came from the command line
+    origin: str | None = None  # the override that wrote the value at ``path`` (loader Note [Naming an override])
 
     def __str__(self) -> str:
         where = f"{self.path} (from {self.origin})" if self.origin else self.path
@@ -42,7 +42,7 @@ class ConfigError(ValueError):
         self.source = source
         where = f" in {clip(source, 200)}" if source else ""
         count = len(self.problems)
-        what = "command line" if all(_from_command_line(p) for p in self.problems) else f"config{where}"
+        what = _overrides_only(self.problems) or f"config{where}"
         lines = [f"invalid swapkit {what} ({count:,} problem{'s' if count != 1 else ''}):"]
         lines += [f"  - {p}" for p in self.problems[:MAX_LISTED_PROBLEMS]]
         if count > MAX_LISTED_PROBLEMS:
@@ -50,8 +50,17 @@ class ConfigError(ValueError):
         super().__init__("\n".join(lines))
 
 
-def _from_command_line(problem: Problem) -> bool:
-    return problem.path.startswith("--") or problem.origin is not None
+def from_overrides(path: str) -> bool:
+    """Whether a problem's path names a command-line flag or a ``load_config`` override, not a config key."""
+    return path.startswith(("--", "overrides["))
+
+
+def _overrides_only(problems: Sequence[Problem]) -> str | None:
+    """``'command line'`` or ``'overrides'`` when every problem came from one of them, else ``None``."""
+    origins = {p.origin or p.path for p in problems}
+    if not origins or not all(from_overrides(origin) for origin in origins):
+        return None
+    return "overrides" if all(origin.startswith("overrides[") for origin in origins) else "command line"
 
 
 def _more(rest: tuple[Problem, ...]) -> str:

@@ -16,7 +16,7 @@ from typing import Any, Mapping, Sequence
 
 from swapkit.config import fields as F
 from swapkit.config import schema
-from swapkit.config.errors import ConfigError, Problem, Problems, clip, join, show
+from swapkit.config.errors import ConfigError, Problem, Problems, clip, from_overrides, join, show
 from swapkit.config.megatron import megatron_warnings, read_megatron
 from swapkit.config.swap_entries import read_swap_entries, swap_warnings
 from swapkit.config.yaml_reader import MAX_DEPTH, parse_yaml, read_yaml_file
@@ -110,20 +110,41 @@ def _copy(value: Any, depth: int = 0, budget: list[int] | None = None) -> Any:
     return value
 
 
+class CommandLineOverrides(tuple):
+    """Override strings the user wrote as ``--set KEY=VALUE``: problems with them name ``--set``
+    (Note [Naming an override]); the CLI passes its ``--set`` items in this."""
+
+
+# Note [Naming an override]
+# The same override strings reach the loader from `swapkit train tiny.yaml --set a.b=1` and from
+# `load_config("tiny.yaml", overrides=["a.b=1"])`. A problem must name what the user wrote: a Python
+# caller who was told "invalid swapkit command line ... (from --set a.b=1)" looks for a command line
+# it never used. The CLI wraps its items in CommandLineOverrides; any other sequence is the Python
+# argument, and its items are named by index: `overrides[0] 'a.b=1'`.
+def override_name(overrides: Sequence[str], index: int, item: str | None = None) -> str:
+    """``--set ITEM`` (or ``--set``) for the CLI's overrides, ``overrides[i] 'ITEM'`` (or ``overrides[i]``)
+    for the Python argument."""
+    if isinstance(overrides, CommandLineOverrides):
+        return "--set" if item is None else f"--set {clip(item, 120)}"
+    return f"overrides[{index}]" if item is None else f"overrides[{index}] {show(item)}"
+
+
 def apply_overrides(raw: Any, overrides: Sequence[str], problems: Problems) -> Any:
     """Apply ``--set a.b=value`` strings to the raw dict (the value is parsed as YAML)."""
-    for item in overrides:
+    for index, item in enumerate(overrides):
         key, sep, text = item.partition("=")
         parts = key.strip().split(".")
+        name = override_name(overrides, index)
         if not sep or not all(parts):
-            problems.bad("--set", item, "dotted.key=value, for example train.steps=5")
+            problems.bad(name, item, "dotted.key=value, for example train.steps=5")
             continue
         try:
             value = parse_yaml(text) if text.strip() else None
         except ConfigError as err:
-            problems.bad(f"--set {key}", text, "a YAML value", err.problems[0].message)
+            problems.bad(f"{name} {key}", text, "a YAML value", err.problems[0].message)
             continue
-        raw = _set_path(raw if isinstance(raw, dict) else {}, parts, value, problems, item)
+        raw = _set_path(raw if isinstance(raw, dict) else {}, parts, value, problems,
+                        (overrides, index, item))
     return raw
 
 
@@ -136,24 +157,25 @@ def blame_overrides(problems: Problems, overrides: Sequence[str]) -> None:
 # Note [Blame the command line]
 # `swapkit train tiny.yaml --set swap_config.swp=true` used to report "invalid swapkit config in
 # tiny.yaml": the file was blamed for a key it does not have. An override replaces the whole value at
-# its dotted key, so every problem at that key path or below it came from the command line. The last
-# override whose key is a prefix of the problem's path wrote it (overrides apply in order).
+# its dotted key, so every problem at that key path or below it came from the command line (or from
+# `load_config`'s `overrides`: Note [Naming an override]). The last override whose key is a prefix of
+# the problem's path wrote it (overrides apply in order).
 def _override_keys(overrides: Sequence[str]) -> list[tuple[str, str]]:
-    """(dotted key, the ``--set`` item) for each well-formed override, in the order they apply."""
+    """(dotted key, the override's name) for each well-formed override, in the order they apply."""
     keys = []
-    for item in overrides:
+    for index, item in enumerate(overrides):
         key, sep, _ = item.partition("=")
         if sep and all(key.strip().split(".")):
-            keys.append((key.strip(), item))
+            keys.append((key.strip(), override_name(overrides, index, item)))
     return keys
 
 
 def _blamed(problem: Problem, written: list[tuple[str, str]]) -> Problem:
-    if problem.origin is not None or problem.path.startswith("--"):
+    if problem.origin is not None or from_overrides(problem.path):
         return problem
     path = problem.path
-    items = [item for key, item in written if path == key or path.startswith((f"{key}.", f"{key}["))]
-    return replace(problem, origin=f"--set {clip(items[-1], 120)}") if items else problem
+    names = [name for key, name in written if path == key or path.startswith((f"{key}.", f"{key}["))]
+    return replace(problem, origin=names[-1]) if names else problem
 
 
 # Note [A list item on the command line]
@@ -163,20 +185,25 @@ def _blamed(problem: Problem, written: list[tuple[str, str]]) -> Problem:
 # which reads as if ``layer_swap`` were missing. A part ``name[i]`` whose ``name`` holds a list is refused
 # naming the command line and how to set the whole list. Only then: a pattern key such as ``w[13]`` under
 # ``select_recompute`` (a mapping) is an ordinary key.
-def _list_item_problem(node: dict, parts: list[str], depth: int, item: str, problems: Problems) -> bool:
+def _list_item_problem(node: dict, parts: list[str], depth: int, where: tuple, problems: Problems) -> bool:
     name, bracket, _ = parts[depth].partition("[")
     if not bracket or parts[depth] in node or not isinstance(node.get(name), list):
         return False
+    overrides, index, item = where
     dotted = ".".join(parts[:depth] + [name])
-    problems.bad("--set", item, f"mapping keys only; {dotted} is a list, and --set cannot set one of its items",
-                 f"set the whole list: --set '{dotted}=[...]' (it is now {show(node[name])})")
+    flag = "--set" if isinstance(overrides, CommandLineOverrides) else "an override"
+    example = f"--set '{dotted}=[...]'" if isinstance(overrides, CommandLineOverrides) else f"'{dotted}=[...]'"
+    problems.bad(override_name(overrides, index), item,
+                 f"mapping keys only; {dotted} is a list, and {flag} cannot set one of its items",
+                 f"set the whole list: {example} (it is now {show(node[name])})")
     return True
 
 
-def _set_path(raw: dict, parts: list[str], value: Any, problems: Problems, item: str) -> dict:
+def _set_path(raw: dict, parts: list[str], value: Any, problems: Problems, where: tuple) -> dict:
+    """``where``: (overrides, index, item) of the override that writes ``value``, for its problems."""
     node = raw
     for depth, part in enumerate(parts):  # Note [A list item on the command line]
-        if _list_item_problem(node, parts, depth, item, problems):
+        if _list_item_problem(node, parts, depth, where, problems):
             return raw
         if depth == len(parts) - 1:
             break
@@ -184,7 +211,7 @@ def _set_path(raw: dict, parts: list[str], value: Any, problems: Problems, item:
         if child is None:
             child = node[part] = {}
         if not isinstance(child, dict):
-            problems.bad(f"--set {clip(item, 120)}", child, f"{'.'.join(parts[:depth + 1])} to be a mapping")
+            problems.bad(override_name(*where), child, f"{'.'.join(parts[:depth + 1])} to be a mapping")
             return raw
         node = child
     node[parts[-1]] = value
