@@ -251,6 +251,15 @@ def test_invalid_no_effect_key_is_not_listed():
     (with_sections(runtime={"min_offload_bytes": "1.5 kb"}),
      "runtime.min_offload_bytes: got '1.5 kb'; expected a whole byte count >= 0. This key takes plain bytes, not a "
      "size with a unit: write 1500"),
+    (with_sections(runtime={"min_offload_bytes": "512b"}),  # bytes written with the unit b: the bytes
+     "runtime.min_offload_bytes: got '512b'; expected a whole byte count >= 0. This key takes plain bytes, not a "
+     "size with a unit: write 512"),
+    (with_sections(runtime={"max_host_bytes": "0.0001KiB"}),  # under one byte: not "write 0", which is refused too
+     "runtime.max_host_bytes: got '0.0001KiB'; expected a whole byte count >= 1. This key takes plain bytes, not a "
+     "size with a unit: that is 0.1024 bytes; write a whole number of bytes >= 1"),
+    (with_sections(runtime={"max_host_bytes": "0kb"}),  # whole, but under the minimum
+     "runtime.max_host_bytes: got '0kb'; expected a whole byte count >= 1. This key takes plain bytes, not a "
+     "size with a unit: that is 0 bytes; write a whole number of bytes >= 1"),
     (with_sections(runtime={"min_offload_bytes": "9" * 5000 + "GiB"}),  # its bytes: more digits than str(int) writes
      "runtime.min_offload_bytes: got '" + "9" * 27 + "..." + "9" * 25 + "GiB'; expected an integer >= 0"),
     (with_sections(runtime={"engine_options": {"latency_s": -1}}),

@@ -60,7 +60,7 @@ SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12
               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 #: at most 30 digits a side: the bytes are written out in the message, and Python refuses to write an int of
 #: more than 4300 digits (a longer number is refused as any non-integer is)
-_SIZE_WITH_UNIT = re.compile(r"\s*([0-9]{1,30}(?:\.[0-9]{0,30})?|\.[0-9]{1,30})\s*([kmgt]i?b)\s*", re.IGNORECASE)
+_SIZE_WITH_UNIT = re.compile(r"\s*([0-9]{1,30}(?:\.[0-9]{0,30})?|\.[0-9]{1,30})\s*([kmgt]i?b|b)\s*", re.IGNORECASE)
 
 
 def byte_count(minimum: int) -> Check:
@@ -70,13 +70,20 @@ def byte_count(minimum: int) -> Check:
     def check(value: Any, path: str, problems: Problems) -> Any:
         match = _SIZE_WITH_UNIT.fullmatch(value) if isinstance(value, str) else None
         if match:
-            size = int(Fraction(match.group(1)) * SIZE_UNITS[match.group(2).lower()])
+            size = Fraction(match.group(1)) * SIZE_UNITS[match.group(2).lower()]
             problems.bad(path, value, f"a whole byte count >= {minimum}",
-                         f"this key takes plain bytes, not a size with a unit: write {size}")
+                         f"this key takes plain bytes, not a size with a unit: {_bytes_to_write(size, minimum)}")
             return INVALID
         return whole(value, path, problems)
 
     return check
+
+
+def _bytes_to_write(size: Fraction, minimum: int) -> str:
+    """What to write for a size with a unit that is ``size`` bytes."""
+    if size.denominator == 1 and size >= minimum:
+        return f"write {size}"
+    return f"that is {float(size):.6g} bytes; write a whole number of bytes >= {minimum}"
 
 
 _SEXAGESIMAL = re.compile(r"[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?")
