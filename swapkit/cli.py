@@ -304,16 +304,29 @@ def run_train(args: argparse.Namespace) -> int:
 def _train(config: Config, args: argparse.Namespace, plan: BudgetPlan | None = None) -> int:
     """Train ``config`` in this process, or one process per rank for a pipeline / data-parallel config;
     with the ``plan`` it came from (``--budget``), its measured peaks are checked against the budget."""
+    from swapkit.distributed.signals import StopOnSignal
+
+    with StopOnSignal():  # SIGINT / SIGTERM: one Interrupted, never lost in a finalizer (Note [Stopped early])
+        return _train_stoppable(config, args, plan)
+
+
+# Note [Stopped early]
+# The fork server of a run's CPU ranks starts before this process imports torch (rank_start Note [The
+# server starts first]), and the ranks' launch installs its own handlers (signals Note [Stopping the
+# ranks]) seconds later. A SIGTERM in between met the default action: the process died with no word and
+# left the server's socket folder (`pymp-*`) in TMPDIR, which only an orderly exit removes. The stop
+# handlers are therefore installed before the server starts: a stop then is one Interrupted line and
+# an orderly exit (the server ends when this process's pipe to it closes); launch's handlers take over
+# while the ranks run and hand back when they end.
+def _train_stoppable(config: Config, args: argparse.Namespace, plan: BudgetPlan | None) -> int:
     _start_rank_server(config, args)  # before torch loads here: rank_start Note [The server starts first]
     from swapkit.distributed.launch import RankFailed, launch, world_size
-    from swapkit.distributed.signals import StopOnSignal
     from swapkit.train import format_summary, train
     from swapkit.train.loop import resolve_device, resolve_steps
 
     if world_size(config) == 1:
-        with StopOnSignal():  # SIGINT / SIGTERM: one Interrupted, never lost in a finalizer
-            result = train(config, steps=args.steps, device=args.device, metrics_out=args.metrics_out,
-                           progress=not args.no_progress)
+        result = train(config, steps=args.steps, device=args.device, metrics_out=args.metrics_out,
+                       progress=not args.no_progress)
     else:  # pipeline and/or data parallel: one process per rank
         # an op pattern no layer has is exit 2 here, as in one process, not a rank's BindError traceback
         with _logger_quiet("swapkit.runtime.binding"):  # its "Bound layers" line is each rank's to say

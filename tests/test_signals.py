@@ -318,20 +318,30 @@ def test_ctrl_c_while_the_ranks_start_stops_them_without_tracebacks(start_train,
     assert_all_gone(processes)
 
 
-def test_ctrl_c_before_the_ranks_start_leaves_no_process(start_train):
+@pytest.mark.parametrize("signum, code, whole_group", [
+    (signal.SIGINT, 130, True),    # Ctrl-C
+    (signal.SIGTERM, 143, False),  # a scheduler's stop: before, the default action, silent, with the server's folder left
+], ids=["ctrl-c-group", "sigterm-parent"])
+def test_a_stop_before_the_ranks_start_leaves_no_process_and_no_file(start_train, monkeypatch, signum, code,
+                                                                     whole_group):
     """rank_start Note [The server starts first]: the fork server runs while the parent still imports torch,
-    before any handler is installed. A Ctrl-C then ends the parent with one line, and the server with it
-    (it holds SIGINT blocked and ends when its parent's pipe closes)."""
+    before launch installs its handlers. cli Note [Stopped early]: a stop then ends the parent with one line
+    and an orderly exit, which removes the server's socket folder, and the server ends with it (it holds
+    SIGINT blocked and ends when its parent's pipe closes)."""
+    own = Path(tempfile.mkdtemp(prefix="t", dir=tempfile.gettempdir()))  # short: the server's socket is in it
+    monkeypatch.setenv("TMPDIR", str(own))
     child = start_train(str(ROOT / "configs" / "pp2.yaml"), "--steps", "100000")
     deadline = time.monotonic() + 60
     while _fork_server(child) is None and time.monotonic() < deadline:
         time.sleep(0.01)
     assert _fork_server(child) is not None
-    err, processes = interrupt(child, signal.SIGINT, whole_group=True)
-    assert child.returncode == 130, err[-3000:]
+    err, processes = interrupt(child, signum, whole_group)
+    assert child.returncode == code, err[-3000:]
     assert "Traceback" not in err and "Exception ignored" not in err and "Terminating process" not in err, err[-3000:]
-    assert err.startswith("swapkit: interrupted"), err  # with "stopped 2 rank processes" if they had started
+    name = signal.Signals(signum).name  # with "stopped 2 rank processes" if they had started
+    assert re.fullmatch(rf"swapkit: interrupted by {name}(: stopped 2 rank processes.*)?\n", err), err
     assert_all_gone(processes)
+    assert not list(own.glob("pymp-*")) and not list(own.glob("swapkit-ranks-*")), list(own.iterdir())
 
 
 def _fork_server(child: subprocess.Popen) -> psutil.Process | None:
