@@ -27,6 +27,16 @@ finalizer. A save path written in C (an extension module, as swapkit does not sh
 that part and still pay (i)'s torch calls through the same Python objects, so (i) over (b) is the
 least ratio such a path could reach for a keep on this machine.
 
+Note [What a save path in C++ pays]
+Way (k) makes a keep's bookkeeping in C++ (``benchmarks/native_keep.cpp``, built on first use with
+``torch.utils.cpp_extension``; the way is left out, saying why, where no compiler is found): the pack
+hook is a C function (no Python frame) that reads the tensor's ``StorageImpl`` directly, without
+making its Python storage object, and keeps a storage index, records and the held bytes and their
+peak in C++; its handle is a small C object whose end releases its record. It ticks a clock and makes
+(i)'s tests and lookups, but none of swapkit's scope, frame and step bookkeeping. So (k) over (b) is
+what a keep written as a torch extension would cost at least, against (i)'s bound for one that calls
+torch through the Python objects.
+
 Note [What a swap in C would still pay]
 Way (j) is to (d) what (i) is to (c): a pair of plain hooks that make the torch calls and allocations a
 coalesced swap of every saved storage needs, and nothing else. At pack, (i)'s keep calls, plus the storage's
@@ -205,6 +215,34 @@ def _keep_calls_hooks() -> ContextManager:
     return torch.autograd.graph.saved_tensors_hooks(pack, _unpack_floor)
 
 
+def native_keep() -> Any:
+    """The module of way (k) (Note [What a save path in C++ pays]), built on first use (torch caches the
+    build in ``TORCH_EXTENSIONS_DIR``).
+
+    Raises:
+        RuntimeError: no C++ compiler (or the build failed), with the compiler's output.
+    """
+    from torch.utils.cpp_extension import load
+
+    source = Path(__file__).resolve().with_name("native_keep.cpp")
+    return load(name="swapkit_bench_native_keep", sources=[str(source)], extra_cflags=["-O2"])
+
+
+def _built_native_keep() -> Any:
+    """Way (k)'s module, or ``None`` after saying on stderr why it is left out of this run."""
+    try:
+        return native_keep()
+    except (RuntimeError, OSError, ImportError) as err:  # no compiler, no ninja, no headers: the build says which
+        lines = str(err).strip().splitlines() or [type(err).__name__]
+        print(f"microbench: way (k) keep_native left out: its C++ build failed: {lines[-1][:300]}", file=sys.stderr)
+        return None
+
+
+def _keep_native_hooks(module: Any) -> Callable[[], ContextManager]:
+    """Way (k): a new storage index per step, as the other ways' hooks have."""
+    return lambda: torch.autograd.graph.saved_tensors_hooks(*module.make_hooks()[:2])
+
+
 class _SwapCallsRecord(list):
     """A swapped storage's record in way (j): ``[batch, offset, weakref to the storage]``, weakly referenced
     from the storage index, as ``SwapRecord``."""
@@ -357,7 +395,7 @@ class CollectorClock:
 
 
 WAYS = ("none", "identity", "keep", "swap", "swap_per_tensor", "floor", "swap_no_gc", "swap_inline", "keep_calls",
-        "swap_calls")
+        "swap_calls", "keep_native")
 
 
 def run(device: torch.device, length: int, reps: int, width: int = 16, ways: tuple[str, ...] = WAYS) -> dict[str, Any]:
@@ -368,12 +406,16 @@ def run(device: torch.device, length: int, reps: int, width: int = 16, ways: tup
     if device.type != "cpu":
         models.pop("swap_inline", None)  # Note [Taking the swap way apart]: the thread engine's hand-offs
         models.pop("swap_calls", None)  # Note [What a swap in C would still pay]: host regions on the CPU only
+    native = _built_native_keep() if "keep_native" in models else None
+    if native is None:
+        models.pop("keep_native", None)
     makers = {"keep": lambda m: _session(m, False), "swap": lambda m: _session(m, True),
               "swap_per_tensor": lambda m: _session(m, True, coalesce=False),
               "swap_no_gc": lambda m: _session(m, True), "swap_inline": lambda m: _session(m, True)}
     sessions = {name: make(models[name]) for name, make in makers.items() if name in models}
     contexts = {"none": contextlib.nullcontext, "identity": _identity_hooks, "floor": _floor_hooks,
                 "keep_calls": _keep_calls_hooks, "swap_calls": _swap_calls_hooks,
+                "keep_native": _keep_native_hooks(native),
                 **{name: (lambda s=session: s) for name, session in sessions.items()}}
     if "swap_no_gc" in sessions:
         contexts["swap_no_gc"] = lambda s=sessions["swap_no_gc"]: _without_collector(s)
@@ -584,6 +626,7 @@ LABELS = {"none": "(a) no hooks", "identity": "(b) identity saved_tensors_hooks"
           "swap_no_gc": "(g) as (d), cyclic GC off during the step",
           "swap_inline": "(h) as (d), copies inline on the queueing thread (no copy thread)",
           "keep_calls": "(i) a keep's torch calls and allocations alone, no swapkit frames",
+          "keep_native": "(k) a keep's bookkeeping in C++ (a torch extension), no Python per save",
           "swap_calls": "(j) a coalesced swap's torch calls and allocations alone, no swapkit frames"}
 
 

@@ -154,6 +154,58 @@ def test_microbench_keep_calls_is_a_safe_keep_with_one_record_per_storage():
     assert_a_safe_keep(microbench._keep_calls_hooks)
 
 
+def _native_keep():
+    """Way (k)'s module; a skip only where this machine has no C++ compiler (a failed build fails the test)."""
+    import shutil
+
+    if not any(shutil.which(name) for name in ("c++", "g++", "clang++")):
+        pytest.skip("way (k) needs a C++ compiler (torch.utils.cpp_extension)")
+    return bench_module("microbench").native_keep()
+
+
+def test_microbench_keep_native_is_a_safe_keep_with_one_record_per_storage():
+    """Way (k) stands for a keep written as a torch extension (Note [What a save path in C++ pays]): the saves of
+    one storage (x and its views) share one record, whose bytes are held until its last handle ends; it catches
+    an in-place write, and a record written in place is replaced, not reused."""
+    native = _native_keep()
+    pack, unpack, counters = native.make_hooks()
+    h = torch.randn(8) * 2
+    handles = [pack(h), pack(h[2:]), pack(torch.ones(3)), pack(h.view(2, 4))]
+    assert counters() == {"saves": 4, "bytes": 32 + 12, "peak": 44, "records": 2, "indexed": 2}
+    assert torch.equal(unpack(handles[1]), h[2:]) and torch.equal(unpack(handles[3]), h.view(2, 4))
+    del handles[2]  # the ones' last handle: its record ends
+    assert counters()["bytes"] == 32 and counters()["indexed"] == 1
+    h.add_(1)
+    with pytest.raises(RuntimeError, match="modified in place"):
+        unpack(handles[0])
+    handles.append(pack(h))  # a new record for the written storage; the old one lives while its handles do
+    assert counters() == {"saves": 5, "bytes": 64, "peak": 64, "records": 3, "indexed": 1}
+    handles.clear()
+    assert counters()["bytes"] == 0 and counters()["indexed"] == 0
+    with pytest.raises(TypeError, match="not a handle"):
+        unpack((h, 0))
+    hooks = bench_module("microbench")._keep_native_hooks(native)
+    assert_a_safe_keep(hooks)
+    x = torch.randn(8, requires_grad=True)
+    with hooks():
+        y = (x * 2).sin().exp()
+    y.sum().backward()
+    assert torch.equal(x.grad, (2 * x.detach()).sin().exp() * (2 * x.detach()).cos() * 2)
+
+
+def test_microbench_leaves_out_way_k_saying_why_when_it_cannot_build(monkeypatch, capsys):
+    microbench = bench_module("microbench")
+
+    def no_compiler():
+        raise RuntimeError("Error building extension 'swapkit_bench_native_keep'\nc++: command not found")
+
+    monkeypatch.setattr(microbench, "native_keep", no_compiler)
+    result = microbench.run(torch.device("cpu"), 20, 1, ways=("keep_native",))
+    assert set(result["cpu_over_identity"]) == {"identity"}
+    assert ("microbench: way (k) keep_native left out: its C++ build failed: c++: command not found"
+            in capsys.readouterr().err)
+
+
 def test_microbench_swap_calls_moves_each_storage_once_and_restores_it_exactly():
     """Way (j) stands for what a coalesced swap must do (Note [What a swap in C would still pay]): the saves of
     one storage share a record; a full batch is copied to host in one job and its keepers let go of the
