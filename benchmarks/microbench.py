@@ -14,7 +14,8 @@ unpack (autograd stops checking it once hooks are installed; ``swapkit.runtime.r
 keepers]), and do nothing else. Two more ways take (d) apart (Note [Taking the swap way apart]): (g) as (d) with Python's
 cyclic garbage collector off during the step, (h) as (d) with every copy run on the thread that queues
 it (CPU only). (i) bounds what a keep could cost without swapkit's Python (Note [What a save path in C
-would still pay]), and (j) what a coalesced swap could (Note [What a swap in C would still pay]).
+would still pay]), and (j) what a coalesced swap could (Note [What a swap in C would still pay]); (k) and
+(l) do the same work in C++, as a torch extension would (Note [What a save path in C++ pays]).
 
 Note [What a save path in C would still pay]
 Way (i) is a pair of plain hooks that make the torch calls and the allocations a keep needs and
@@ -28,14 +29,19 @@ that part and still pay (i)'s torch calls through the same Python objects, so (i
 least ratio such a path could reach for a keep on this machine.
 
 Note [What a save path in C++ pays]
-Way (k) makes a keep's bookkeeping in C++ (``benchmarks/native_keep.cpp``, built on first use with
-``torch.utils.cpp_extension``; the way is left out, saying why, where no compiler is found): the pack
-hook is a C function (no Python frame) that reads the tensor's ``StorageImpl`` directly, without
-making its Python storage object, and keeps a storage index, records and the held bytes and their
-peak in C++; its handle is a small C object whose end releases its record. It ticks a clock and makes
-(i)'s tests and lookups, but none of swapkit's scope, frame and step bookkeeping. So (k) over (b) is
-what a keep written as a torch extension would cost at least, against (i)'s bound for one that calls
-torch through the Python objects.
+Ways (k) and (l) make a keep's and a coalesced swap's bookkeeping in C++ (``benchmarks/native_save.cpp``,
+built on first use with ``torch.utils.cpp_extension``; both ways are left out, saying why, where it cannot
+be built). Their hooks are C functions (no Python frame per save) that read the tensor's ``StorageImpl``
+directly, without making its Python storage object, and keep the storage index and the records in C++;
+a handle is a small C object whose end releases its record.
+- (k) is (i) in C++, with a clock and the held bytes and their peak added.
+- (l) is (j) in C++: batches of ``SWAP_CALLS_BATCH`` new storages, each copied to one host region with one
+  ``memcpy`` per storage into slots at multiples of ``SWAP_CALLS_ALIGN`` bytes, the keepers emptied
+  (``set_()``, version put back), the region copied back once per batch at its first unpack and each view
+  rebuilt on it. CPU only (the ``memcpy`` reads the storage).
+Neither has swapkit's scope, frame and step bookkeeping, release and prefetch schedule or pool. So (k) and
+(l) over (b) are what a keep and a swap written as a torch extension would cost at least, against (i)'s and
+(j)'s bounds for the same work calling torch through its Python objects.
 
 Note [What a swap in C would still pay]
 Way (j) is to (d) what (i) is to (c): a pair of plain hooks that make the torch calls and allocations a
@@ -116,7 +122,7 @@ import tempfile
 import time
 import weakref
 from pathlib import Path
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable, ContextManager, Iterable
 
 import torch
 from torch import nn
@@ -215,32 +221,42 @@ def _keep_calls_hooks() -> ContextManager:
     return torch.autograd.graph.saved_tensors_hooks(pack, _unpack_floor)
 
 
-def native_keep() -> Any:
-    """The module of way (k) (Note [What a save path in C++ pays]), built on first use (torch caches the
-    build in ``TORCH_EXTENSIONS_DIR``).
+def native_save() -> Any:
+    """The module of ways (k) and (l) (Note [What a save path in C++ pays]), built on first use (torch caches
+    the build in ``TORCH_EXTENSIONS_DIR``).
 
     Raises:
         RuntimeError: no C++ compiler (or the build failed), with the compiler's output.
     """
     from torch.utils.cpp_extension import load
 
-    source = Path(__file__).resolve().with_name("native_keep.cpp")
-    return load(name="swapkit_bench_native_keep", sources=[str(source)], extra_cflags=["-O2"])
+    source = Path(__file__).resolve().with_name("native_save.cpp")
+    return load(name="swapkit_bench_native_save", sources=[str(source)], extra_cflags=["-O2"])
 
 
-def _built_native_keep() -> Any:
-    """Way (k)'s module, or ``None`` after saying on stderr why it is left out of this run."""
+#: the ways built from ``native_save.cpp``
+NATIVE_WAYS = ("keep_native", "swap_native")
+
+
+def _built_native_save(ways: Iterable[str]) -> Any:
+    """The module of ways (k) and (l), or ``None`` after saying on stderr why ``ways`` are left out of this run."""
     try:
-        return native_keep()
+        return native_save()
     except (RuntimeError, OSError, ImportError) as err:  # no compiler, no ninja, no headers: the build says which
         lines = str(err).strip().splitlines() or [type(err).__name__]
-        print(f"microbench: way (k) keep_native left out: its C++ build failed: {lines[-1][:300]}", file=sys.stderr)
+        print(f"microbench: ways {', '.join(ways)} left out: their C++ build failed: {lines[-1][:300]}",
+              file=sys.stderr)
         return None
 
 
 def _keep_native_hooks(module: Any) -> Callable[[], ContextManager]:
     """Way (k): a new storage index per step, as the other ways' hooks have."""
     return lambda: torch.autograd.graph.saved_tensors_hooks(*module.make_hooks()[:2])
+
+
+def _swap_native_hooks(module: Any) -> Callable[[], ContextManager]:
+    """Way (l): a new storage index and open batch per step, as way (j)'s."""
+    return lambda: torch.autograd.graph.saved_tensors_hooks(*module.make_swap_hooks()[:2])
 
 
 class _SwapCallsRecord(list):
@@ -395,7 +411,7 @@ class CollectorClock:
 
 
 WAYS = ("none", "identity", "keep", "swap", "swap_per_tensor", "floor", "swap_no_gc", "swap_inline", "keep_calls",
-        "swap_calls", "keep_native")
+        "swap_calls", "keep_native", "swap_native")
 
 
 def run(device: torch.device, length: int, reps: int, width: int = 16, ways: tuple[str, ...] = WAYS) -> dict[str, Any]:
@@ -406,16 +422,19 @@ def run(device: torch.device, length: int, reps: int, width: int = 16, ways: tup
     if device.type != "cpu":
         models.pop("swap_inline", None)  # Note [Taking the swap way apart]: the thread engine's hand-offs
         models.pop("swap_calls", None)  # Note [What a swap in C would still pay]: host regions on the CPU only
-    native = _built_native_keep() if "keep_native" in models else None
+        models.pop("swap_native", None)  # Note [What a save path in C++ pays]: its memcpy reads host memory
+    native_ways = [name for name in NATIVE_WAYS if name in models]
+    native = _built_native_save(native_ways) if native_ways else None
     if native is None:
-        models.pop("keep_native", None)
+        for name in native_ways:
+            models.pop(name)
     makers = {"keep": lambda m: _session(m, False), "swap": lambda m: _session(m, True),
               "swap_per_tensor": lambda m: _session(m, True, coalesce=False),
               "swap_no_gc": lambda m: _session(m, True), "swap_inline": lambda m: _session(m, True)}
     sessions = {name: make(models[name]) for name, make in makers.items() if name in models}
     contexts = {"none": contextlib.nullcontext, "identity": _identity_hooks, "floor": _floor_hooks,
                 "keep_calls": _keep_calls_hooks, "swap_calls": _swap_calls_hooks,
-                "keep_native": _keep_native_hooks(native),
+                "keep_native": _keep_native_hooks(native), "swap_native": _swap_native_hooks(native),
                 **{name: (lambda s=session: s) for name, session in sessions.items()}}
     if "swap_no_gc" in sessions:
         contexts["swap_no_gc"] = lambda s=sessions["swap_no_gc"]: _without_collector(s)
@@ -627,6 +646,7 @@ LABELS = {"none": "(a) no hooks", "identity": "(b) identity saved_tensors_hooks"
           "swap_inline": "(h) as (d), copies inline on the queueing thread (no copy thread)",
           "keep_calls": "(i) a keep's torch calls and allocations alone, no swapkit frames",
           "keep_native": "(k) a keep's bookkeeping in C++ (a torch extension), no Python per save",
+          "swap_native": "(l) a coalesced swap's bookkeeping and copies in C++, no Python per save",
           "swap_calls": "(j) a coalesced swap's torch calls and allocations alone, no swapkit frames"}
 
 

@@ -154,20 +154,21 @@ def test_microbench_keep_calls_is_a_safe_keep_with_one_record_per_storage():
     assert_a_safe_keep(microbench._keep_calls_hooks)
 
 
-def _native_keep():
-    """Way (k)'s module; a skip only where this machine has no C++ compiler (a failed build fails the test)."""
+def _native_save():
+    """The module of ways (k) and (l); a skip only where this machine has no C++ compiler (a failed build fails
+    the test)."""
     import shutil
 
     if not any(shutil.which(name) for name in ("c++", "g++", "clang++")):
-        pytest.skip("way (k) needs a C++ compiler (torch.utils.cpp_extension)")
-    return bench_module("microbench").native_keep()
+        pytest.skip("ways (k) and (l) need a C++ compiler (torch.utils.cpp_extension)")
+    return bench_module("microbench").native_save()
 
 
 def test_microbench_keep_native_is_a_safe_keep_with_one_record_per_storage():
     """Way (k) stands for a keep written as a torch extension (Note [What a save path in C++ pays]): the saves of
     one storage (x and its views) share one record, whose bytes are held until its last handle ends; it catches
     an in-place write, and a record written in place is replaced, not reused."""
-    native = _native_keep()
+    native = _native_save()
     pack, unpack, counters = native.make_hooks()
     h = torch.randn(8) * 2
     handles = [pack(h), pack(h[2:]), pack(torch.ones(3)), pack(h.view(2, 4))]
@@ -193,16 +194,67 @@ def test_microbench_keep_native_is_a_safe_keep_with_one_record_per_storage():
     assert torch.equal(x.grad, (2 * x.detach()).sin().exp() * (2 * x.detach()).cos() * 2)
 
 
-def test_microbench_leaves_out_way_k_saying_why_when_it_cannot_build(monkeypatch, capsys):
+def test_microbench_swap_native_moves_each_storage_once_and_restores_it_exactly():
+    """Way (l) is way (j) in C++ (Note [What a save path in C++ pays]): the saves of one storage share a record;
+    a full batch is copied to host at once and its keepers let go of the storages; unpack rebuilds each view
+    (mixed dtypes, aligned slots, conj and neg bits) from the host copy, catches an in-place write, and
+    backward's gradients are bit-identical to those of the model without hooks."""
+    microbench, native = bench_module("microbench"), _native_save()
+    pack, unpack, counters = native.make_swap_hooks()
+    h = torch.randn(8) * 2
+    kept = [torch.full((3,), float(i), dtype=torch.float16 if i == 0 else torch.float32)  # 6 bytes, then 12s
+            for i in range(6)] + [torch.randn(3, dtype=torch.complex64).conj()]
+    uses = [_storage_uses(t) for t in [h, *kept]]  # before any save holds them
+    whole, view = pack(h), pack(h[2:])
+    assert counters() == {"saves": 2, "copies": 0, "records": 1, "indexed": 1, "open": 1}
+    others = [pack(t) for t in kept[:-1]]
+    assert _storage_uses(kept[0]) > uses[1]  # held by the open batch and its keeper
+    others.append(pack(kept[-1]))
+    assert counters() == {"saves": 9, "copies": 1, "records": 8, "indexed": 8, "open": 0}
+    assert [_storage_uses(t) for t in [h, *kept]] == uses  # copied: the batch and the keepers let go
+    again = pack(h)  # saved again after its batch was copied: an empty keeper at once
+    assert counters()["records"] == 8 and _storage_uses(h) == uses[0]
+    assert torch.equal(unpack(view), h[2:]) and torch.equal(unpack(again), h)
+    assert all(torch.equal(unpack(handle), t) for handle, t in zip(others, kept))
+    assert unpack(others[-1]).is_conj()
+    with torch.no_grad():
+        h.add_(1)
+    with pytest.raises(RuntimeError, match="modified in place"):
+        unpack(whole)
+    with pytest.raises(TypeError, match="not a handle"):
+        unpack((h, 0))
+    del whole, view, again, others
+    assert counters()["indexed"] == 0
+
+    def chain(leaf):
+        y = leaf * 2
+        for _ in range(24):
+            y = torch.sin(y) * y[0]
+        return y.exp().sum()
+
+    x = torch.randn(8, requires_grad=True)
+    expected = x.detach().clone().requires_grad_()
+    chain(expected).backward()
+    with microbench._swap_native_hooks(native)():
+        loss = chain(x)
+    loss.backward()
+    assert torch.equal(x.grad, expected.grad)
+
+
+def _storage_uses(tensor: torch.Tensor) -> int:
+    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
+
+
+def test_microbench_leaves_out_the_native_ways_saying_why_when_they_cannot_build(monkeypatch, capsys):
     microbench = bench_module("microbench")
 
     def no_compiler():
-        raise RuntimeError("Error building extension 'swapkit_bench_native_keep'\nc++: command not found")
+        raise RuntimeError("Error building extension 'swapkit_bench_native_save'\nc++: command not found")
 
-    monkeypatch.setattr(microbench, "native_keep", no_compiler)
-    result = microbench.run(torch.device("cpu"), 20, 1, ways=("keep_native",))
-    assert set(result["cpu_over_identity"]) == {"identity"}
-    assert ("microbench: way (k) keep_native left out: its C++ build failed: c++: command not found"
+    monkeypatch.setattr(microbench, "native_save", no_compiler)
+    result = microbench.run(torch.device("cpu"), 20, 1, ways=("keep", "keep_native", "swap_native"))
+    assert set(result["cpu_over_identity"]) == {"identity", "keep"}
+    assert ("microbench: ways keep_native, swap_native left out: their C++ build failed: c++: command not found"
             in capsys.readouterr().err)
 
 
