@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from swapkit.config.errors import Problem, Problems
-from swapkit.config.loader import (CommandLineOverrides, blame_overrides, override_name, read_config, source_name,
+from swapkit.config.loader import (blame_overrides, override_name, override_word, read_config, source_name,
                                    warn_inactive_swap, warn_no_effect, warn_written)
 from swapkit.config.types import Config
 from swapkit.plan.plan import check_plan
@@ -92,11 +92,7 @@ def _blame_the_flip(source: str | Path | Mapping[str, Any], overrides: Sequence[
         problems.items.append(Problem(SWAP_KEY, origin=override_name(overrides, index, overrides[index]), message=(
             f"the override flips the file's {before} to {now}, and with it what the recompute lists mean (per-stage "
             f"counts with swap off, global layer indices with swap on); the problems above may come from that: "
-            f"drop the {_word(overrides)} or rewrite the lists")))
-
-
-def _word(overrides: Sequence[str]) -> str:
-    return "--set" if isinstance(overrides, CommandLineOverrides) else "override"
+            f"drop the {override_word(overrides)} or rewrite the lists")))
 
 
 def _flipped(source: str | Path | Mapping[str, Any], overrides: Sequence[str], config: Config) -> list[str]:

@@ -129,6 +129,11 @@ def override_name(overrides: Sequence[str], index: int, item: str | None = None)
     return f"overrides[{index}]" if item is None else f"overrides[{index}] {show(item)}"
 
 
+def override_word(overrides: Sequence[str]) -> str:
+    """What the user calls one of ``overrides``: ``--set`` on the command line, else an override."""
+    return "--set" if isinstance(overrides, CommandLineOverrides) else "override"
+
+
 def apply_overrides(raw: Any, overrides: Sequence[str], problems: Problems) -> Any:
     """Apply ``--set a.b=value`` strings to the raw dict (the value is parsed as YAML)."""
     for index, item in enumerate(overrides):
@@ -191,11 +196,11 @@ def _list_item_problem(node: dict, parts: list[str], depth: int, where: tuple, p
         return False
     overrides, index, item = where
     dotted = ".".join(parts[:depth] + [name])
-    flag = "--set" if isinstance(overrides, CommandLineOverrides) else "an override"
-    example = f"--set '{dotted}=[...]'" if isinstance(overrides, CommandLineOverrides) else f"'{dotted}=[...]'"
+    cli = override_word(overrides) == "--set"
     problems.bad(override_name(overrides, index), item,
-                 f"mapping keys only; {dotted} is a list, and {flag} cannot set one of its items",
-                 f"set the whole list: {example} (it is now {show(node[name])})")
+                 f"mapping keys only; {dotted} is a list, and {'--set' if cli else 'an override'} cannot set one of "
+                 f"its items", f"set the whole list: {'--set ' if cli else ''}'{dotted}=[...]' (it is now "
+                 f"{show(node[name])})")
     return True
 
 
