@@ -14,6 +14,7 @@ Numerics: recompute re-runs the very same kernels on the very same inputs (and, 
 """
 from __future__ import annotations
 
+import copy
 import gc
 import logging
 import weakref
@@ -646,6 +647,90 @@ def test_a_region_that_overwrites_its_input_is_refused_in_forward(recompute):
         toy_run(InplaceActNet, recompute)
     toy_run(InplaceActNet, None)  # trains without swapkit
 
+
+
+class SpectralLayer(nn.Module):
+    """``spectral_norm`` (a GAN's discriminator): each training forward runs a power-iteration step that
+    writes the buffers ``_u`` and ``_v`` in place, and the weight is computed from them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.utils.parametrizations.spectral_norm(nn.Linear(8, 8))
+        self.register_buffer("scale", torch.full((8,), 0.5))  # only read: never refused
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x)) * self.scale
+
+
+class CountingLayer(nn.Module):
+    """A buffer of the model's own changed in forward (a step counter); the output does not read it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return torch.tanh(self.lin(x))
+
+
+def net_of(layer: type) -> type:
+    class Net(InplaceActNet):
+        def __init__(self) -> None:
+            nn.Module.__init__(self)
+            self.layers = nn.ModuleList(layer() for _ in range(2))
+
+    return Net
+
+
+def test_plain_checkpoint_of_a_region_writing_a_buffer_changes_the_gradients():
+    """What the refusal below prevents: torch.utils.checkpoint re-runs spectral_norm's power iteration
+    in backward from the buffers the forward changed, so the recomputed weight is another one."""
+    torch.manual_seed(0)
+    layer = SpectralLayer()
+    ref = copy.deepcopy(layer)
+    x = torch.randn(4, 8)
+    ref(x).square().sum().backward()
+    torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False).square().sum().backward()
+    assert not torch.equal(layer.lin.parametrizations.weight.original.grad,
+                           ref.lin.parametrizations.weight.original.grad)
+
+
+@pytest.mark.parametrize("layer, buffer, region", [
+    (SpectralLayer, r"lin\.parametrizations\.weight\.0\._u", r"layer 0 \(SpectralLayer\)"),
+    (CountingLayer, "calls", r"layer 0 \(CountingLayer\)")])
+def test_a_region_that_writes_a_buffer_is_refused_in_forward(layer, buffer, region):
+    """Note [Regions that write module state]: before, the gradients (spectral norm) or the buffer
+    (a counter, moved twice per step) differed silently from the model without recompute."""
+    with pytest.raises(RuntimeError, match=rf"swapkit: the recomputed region {region} changed its buffer "
+                                           rf"{buffer} in place in forward.*out of recompute_config"):
+        toy_run(net_of(layer), {"recompute": True})
+
+
+@pytest.mark.parametrize("recompute, region", [
+    ({"select_recompute": ["lin"]}, r"layer 0: lin \(ParametrizedLinear\) changed its buffer "
+                                    r"parametrizations\.weight\.0\._u"),
+    ({"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 2},
+     r"layers 0-1 \(SpectralLayer\) changed its buffer layer 0: lin\.parametrizations\.weight\.0\._u")])
+def test_op_regions_and_units_that_write_a_buffer_are_refused_naming_it(recompute, region):
+    with pytest.raises(RuntimeError, match=rf"swapkit: the recomputed region {region} in place"):
+        toy_run(net_of(SpectralLayer), recompute)
+
+
+def test_a_region_that_only_reads_a_buffer_is_recomputed_exactly():
+    """``scale`` is read by every layer; with the spectral norms in eval mode nothing is written."""
+    def run(recompute: dict | None) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        model = net_of(SpectralLayer)()
+        for layer in model.layers:
+            layer.lin.eval()  # spectral_norm power-iterates only in training mode
+        if recompute is not None:
+            swapkit.apply(model, {"model": {"model_config": {"num_layers": 2}}, "recompute_config": recompute})
+        model(torch.randn(4, 8)).square().sum().backward()
+        return {name: p.grad for name, p in model.named_parameters()}
+
+    assert_toy_grads_equal(run({"recompute": True}), run(None))
 
 # ---------------------------------------------------------------------------- wrapper contracts
 

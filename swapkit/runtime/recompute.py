@@ -103,6 +103,23 @@ compares its tensor inputs' version counters before and after the region's forwa
 once, naming the region and the fix. Reading a counter costs nothing next to a checkpoint call.
 A region that writes its input in place and saves nothing for backward would have worked; it
 is refused too (checkpointing it frees nothing).
+
+Note [Regions that write module state]
+A region's re-run in backward reads its modules' buffers as they are then, not as the forward read
+them. A buffer the forward changes in place - the power iteration of
+``torch.nn.utils.parametrizations.spectral_norm`` (its ``_u`` and ``_v``), a step counter, a running
+average or an expert-load count of the model's own - has moved on by then: the re-run starts from
+the changed value and changes it once more. With spectral norm the recomputed weight differs from the
+one the forward used, so the gradients differ from the model without recompute; with a counter the
+buffer moves twice per step. Nothing fails: plain ``torch.utils.checkpoint`` does the same, silently.
+Putting the values back exactly would need a copy of every buffer of the region at each forward (which
+buffers a forward writes is known only after it ran). So, as with written inputs, the wrapper reads
+the version counters of the region's buffers before and after the region's forward and raises at
+once, naming the region, the buffer and the fix (leave the region out of recompute; a swap keeps the
+gradients exact). Norm statistics are left out: they are not read by a training forward, and
+``replay_safe`` puts them back (Note [Norm statistics in recomputation]). A buffer *replaced* by a new
+tensor (Hugging Face's dynamic rotary embeddings re-register ``inv_freq``) is not written in place, and
+its re-run reads the same new tensor the forward went on with: it is not reported.
 """
 from __future__ import annotations
 
@@ -241,7 +258,8 @@ class Recompute:
             for layer in layers:
                 self._check_hf_checkpoint(layer, label)
             clean_args, clean_kwargs = self._no_cache(cache, (h, *args), kwargs, label)
-            output = self._checkpoint(replayable, clean_args, clean_kwargs, label, head)
+            members = [(f"layer {layer.index}: ", layer.module) for layer in layers]
+            output = self._checkpoint(replayable, clean_args, clean_kwargs, label, head, members)
             state["output"], state["inputs"] = output, (args, kwargs)  # as the pass-throughs receive them
             return output
 
@@ -286,8 +304,9 @@ class Recompute:
         return args, kwargs
 
     def _checkpoint(self, function: Callable[..., Any], args: tuple, kwargs: dict, label: str,
-                    module: nn.Module) -> Any:
+                    module: nn.Module, members: list[tuple[str, nn.Module]] | None = None) -> Any:
         versions = [(t, t._version) for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+        buffers = _buffer_versions(members or [("", module)])  # Note [Regions that write module state]
         inputs, shape = distinct_inputs(args, kwargs)  # region_inputs Note [A tensor passed ...]
         if self.use_reentrant:
             _check_reentrant(args, kwargs, label)
@@ -300,6 +319,9 @@ class Recompute:
         for tensor, version in versions:  # Note [Regions that write their inputs]
             if tensor._version != version:
                 raise _written_input_error(label, module, version, tensor._version)
+        for name, buffer, version in buffers:  # Note [Regions that write module state]
+            if buffer._version != version:
+                raise _written_buffer_error(label, module, name, version, buffer._version)
         self._counted(label)
         return out
 
@@ -319,9 +341,7 @@ def replay_safe(function: Callable[..., Any], modules: list[nn.Module]) -> Calla
     def run(*args: Any, **kwargs: Any) -> Any:
         if torch._C._current_graph_task_id() == -1:  # the first forward: statistics move once, here
             return function(*args, **kwargs)
-        kept = [(buffer, buffer.clone()) for module in modules for norm in module.modules()
-                if isinstance(norm, _NormBase) and norm.training and norm.track_running_stats
-                for buffer in (norm.running_mean, norm.running_var, norm.num_batches_tracked) if buffer is not None]
+        kept = [(buffer, buffer.clone()) for buffer in _norm_statistics(modules)]
         try:
             return function(*args, **kwargs)
         finally:
@@ -329,6 +349,22 @@ def replay_safe(function: Callable[..., Any], modules: list[nn.Module]) -> Calla
                 buffer.data.copy_(value)  # fail the version check of the tensors the re-run saved
 
     return run
+
+
+def _norm_statistics(modules: list[nn.Module]) -> list[torch.Tensor]:
+    """The running statistics that the norms inside ``modules`` update in a training forward (batch and
+    instance norms in training mode that track them): Note [Norm statistics in recomputation]."""
+    return [buffer for module in modules for norm in module.modules()
+            if isinstance(norm, _NormBase) and norm.training and norm.track_running_stats
+            for buffer in (norm.running_mean, norm.running_var, norm.num_batches_tracked) if buffer is not None]
+
+
+def _buffer_versions(members: list[tuple[str, nn.Module]]) -> list[tuple[str, torch.Tensor, int]]:
+    """``(name, buffer, version)`` for each buffer of the region's modules (each ``(prefix, module)``,
+    the prefix naming the layer of a unit) but norm statistics: Note [Regions that write module state]."""
+    statistics = {id(buffer) for buffer in _norm_statistics([module for _, module in members])}
+    return [(prefix + name, buffer, buffer._version) for prefix, module in members
+            for name, buffer in module.named_buffers() if id(buffer) not in statistics]
 
 
 def _pass_through(state: dict[str, Any], original: Callable[..., Any], index: int, label: str,
@@ -399,6 +435,18 @@ def _written_input_error(label: str, module: nn.Module, before: int, after: int)
                         "re-runs the region in backward from its inputs, so they must stay unchanged and backward "
                         "would fail. Set inplace=False on the modules inside the region, or leave it out of "
                         "recompute_config")
+
+
+def _written_buffer_error(label: str, module: nn.Module, name: str, before: int, after: int) -> RuntimeError:
+    """Note [Regions that write module state]"""
+    return RuntimeError(
+        f"swapkit: the recomputed region {label} ({type(module).__name__}) changed its buffer {name} in place in "
+        f"forward (version {before} -> {after}; spectral_norm's power iteration, or a counter or running average of "
+        "the model's own, does this). Recompute re-runs the region in backward, where it would read the changed "
+        "value and change it once more: the gradients (spectral_norm) or the buffer (a counter) would differ from "
+        "the model without recompute, silently, as with plain torch.utils.checkpoint. Leave this layer or op out "
+        "of recompute_config (swap it instead: swapped gradients stay exact), or move the update out of the region "
+        "(Note [Regions that write module state])")
 
 
 def _check_reentrant(args: tuple, kwargs: dict, label: str) -> None:
