@@ -348,6 +348,49 @@ def test_a_swap_on_every_position_of_a_shared_module_is_not_reported_unused(capl
     assert not [m for m in caplog.messages if "saw no saved tensor" in m]
 
 
+
+def shared_at_0_and_2() -> ToyNet:
+    torch.manual_seed(0)
+    model = ToyNet(layers=1)
+    model.layers = nn.ModuleList([model.layers[0], Block(16), model.layers[0]])
+    return model
+
+
+@pytest.mark.parametrize("num_layers", [2, 3])
+def test_a_uniform_unit_holding_a_shared_module_is_refused_at_apply(num_layers):
+    """Note [One module at several layer positions]: a unit replaces its members' forwards with the unit's
+    head and pass-throughs, which the other positions of a shared module then ran: [a, b, a] in units of 2
+    gave another loss and other gradients, silently, and [a, a, a] in one unit recomputed nothing."""
+    model = shared_at_0_and_2()
+    recompute = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": num_layers}
+    with pytest.raises(BindError, match=r"uniform recompute unit layers 0-\d: layer 0 is the Block object of "
+                                        r"layers 0, 2 .*recompute_method: block"):
+        swapkit.apply(model, toy_config(3, recompute_config=recompute))
+    assert "forward" not in model.layers[0].__dict__  # nothing was left wrapped
+
+
+@pytest.mark.parametrize("recompute, counted", [
+    ({"recompute": True}, {"layer 0": 2, "layer 1": 1}),
+    ({"select_recompute": ["lin"]}, {"layer 0: lin": 2, "layer 1: lin": 1}),
+    ({"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 3},
+     {"layer 0": 2, "layer 1": 1})])
+def test_a_shared_module_is_wrapped_once_and_its_recomputes_counted_once(recompute, counted):
+    """Before, the shared block's forward was wrapped once per position (checkpoints nested three deep on
+    ALBERT) and every call was counted at each position: {'layer 0': 2, 'layer 2': 2, 'layer 1': 1}."""
+    model = shared_at_0_and_2()
+    reference = copy.deepcopy(model)
+    session = swapkit.apply(model, toy_config(3, recompute_config=recompute))
+    x = torch.randn(4, 16, requires_grad=True)
+    with session:
+        model(x).sum().backward()
+    reference(x.detach().requires_grad_()).sum().backward()
+    assert session.stats.recomputed_by_scope == counted
+    for (name, p), q in zip(reference.named_parameters(), model.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    assert len(session.recompute.wrapped_modules()) == 2  # the shared block (or its lin) and layer 1's
+    session.remove()
+    assert all("forward" not in m.__dict__ for m in model.modules())
+
 def test_distinct_layers_are_not_warned(caplog):
     caplog.set_level(logging.WARNING, logger="swapkit")
     swapkit.apply(ToyNet(layers=3), toy_config(3))

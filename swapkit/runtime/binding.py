@@ -39,7 +39,13 @@ module, not to the position: every call of the shared module pushes the frames o
 positions (the last one is innermost, so its swap applies to every call) and a recompute
 configured at any of its positions recomputes every call. Gradients stay exact, but per-layer
 settings that differ between the positions cannot hold, so binding logs a WARNING naming the
-positions and what applies to them.
+positions and what applies to them. A recompute region is wrapped once per module, under the label
+of the first position that configures it: wrapped once per position, the checkpoints nested (three
+deep on a block shared by three positions) and each call was counted at every position in
+``recomputed_by_scope``. A Megatron ``uniform`` unit cannot hold such a module at all: it replaces
+its members' forwards with one checkpoint of the whole unit and pass-throughs, which the module's
+calls at its other positions ran too (another loss, silently, on ``[a, b, a]`` in units of two;
+nothing recomputed on ``[a, a, a]`` in one unit). ``apply`` raises naming the unit and the positions.
 """
 from __future__ import annotations
 
