@@ -363,7 +363,7 @@ def test_a_uniform_unit_holding_a_shared_module_is_refused_at_apply(num_layers):
     gave another loss and other gradients, silently, and [a, a, a] in one unit recomputed nothing."""
     model = shared_at_0_and_2()
     recompute = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": num_layers}
-    with pytest.raises(BindError, match=r"uniform recompute unit layers 0-\d: layer 0 is the Block object of "
+    with pytest.raises(BindError, match=r"uniform unit of layers 0-\d: layer 0 is the Block object of "
                                         r"layers 0, 2 .*recompute_method: block"):
         swapkit.apply(model, toy_config(3, recompute_config=recompute))
     assert "forward" not in model.layers[0].__dict__  # nothing was left wrapped

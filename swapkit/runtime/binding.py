@@ -109,7 +109,7 @@ def bind(model: nn.Module, plan: Plan, layers_path: str | Sequence[str] | None =
 
     Raises:
         BindError: a container cannot be found, the layer count differs from ``num_layers``, or a
-            uniform recompute unit spans two containers.
+            uniform recompute unit spans two containers or holds a module found at several positions.
     """
     found = find_containers(model, layers_path, plan.layers_path)
     layers = [layer for _, container in found for layer in container]
@@ -122,6 +122,7 @@ def bind(model: nn.Module, plan: Plan, layers_path: str | Sequence[str] | None =
                         "model.model_config.num_layers=null)")
     _check_units(plan, found)
     _warn_shared(type(model).__name__, layers)
+    _check_shared_units(plan, layers)
     bound = [BoundLayer(i, layer, lp, resolve_layer(lp, module_tree(layer)))
              for i, (layer, lp) in enumerate(zip(layers, plan.layers))]
     logger.info("Bound layers: %s", describe(found))
@@ -273,6 +274,23 @@ def _check_units(plan: Plan, found: list[tuple[str, nn.Module]]) -> None:
                                 "recompute_num_layers so units stay inside one container, or use "
                                 "recompute_method: block")
         start = end + 1
+
+
+def _check_shared_units(plan: Plan, layers: list[nn.Module]) -> None:
+    """Note [One module at several layer positions]: a uniform unit's members run nowhere else."""
+    positions: dict[int, list[int]] = {}
+    for index, layer in enumerate(layers):
+        positions.setdefault(id(layer), []).append(index)
+    for index, (layer, layer_plan) in enumerate(zip(layers, plan.layers)):
+        unit, shared = layer_plan.unit, positions[id(layer)]
+        if layer_plan.full and unit is not None and unit[0] != unit[1] and len(shared) > 1:
+            raise BindError(
+                f"recompute_method: uniform unit of layers {unit[0]}-{unit[1]}: layer {index} is the "
+                f"{type(layer).__name__} object of layers {', '.join(map(str, shared))} (a module at several "
+                "positions, as in weight-shared ALBERT-style models); a unit replaces the forwards of its layers "
+                "with one checkpoint running them all, which the module's calls at its other positions would run "
+                "too. Use recompute_method: block, or give each position a module of its own "
+                "(Note [One module at several layer positions])")
 
 
 def _walk(model: nn.Module, path: str) -> nn.Module:

@@ -132,7 +132,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 from torch.utils.checkpoint import checkpoint
 
-from swapkit.runtime.binding import BindError, Binding, BoundLayer
+from swapkit.runtime.binding import Binding, BoundLayer
 from swapkit.runtime.detach import AttachedForward
 from swapkit.runtime.kv_cache import CacheArguments, cache_warning
 from swapkit.runtime.recipes import capture_state
@@ -162,7 +162,6 @@ class Recompute:
         self._counted = eager(self._count)
 
     def apply(self) -> None:
-        _check_units(self.binding.layers)  # binding Note [One module at several layer positions]
         for layer in self.binding.layers:
             plan = layer.plan
             if plan.full:
@@ -388,25 +387,6 @@ def _pass_through(state: dict[str, Any], original: Callable[..., Any], index: in
         return h
 
     return forward
-
-
-def _check_units(layers: list[BoundLayer]) -> None:
-    """Refuse a Megatron uniform unit that holds a module found at several layer positions (binding Note
-    [One module at several layer positions]): the unit replaces its members' forwards with its head and
-    pass-throughs, which the module's calls at its other positions would run too."""
-    positions: dict[int, list[int]] = {}
-    for layer in layers:
-        positions.setdefault(id(layer.module), []).append(layer.index)
-    for layer in layers:
-        unit, shared = layer.plan.unit, positions[id(layer.module)]
-        if layer.plan.full and unit is not None and unit[0] != unit[1] and len(shared) > 1:
-            raise BindError(
-                f"swapkit: uniform recompute unit layers {unit[0]}-{unit[1]}: layer {layer.index} is the "
-                f"{type(layer.module).__name__} object of layers {', '.join(map(str, shared))} (a module at several "
-                "positions, as in weight-shared ALBERT-style models); a unit replaces the forwards of its layers "
-                "with one checkpoint running them all, which the module's calls at its other positions would run "
-                "too. Use recompute_method: block, or give each position a module of its own "
-                "(Note [One module at several layer positions])")
 
 
 def _check_unit_sharding(layers: list[BoundLayer], label: str) -> None:
