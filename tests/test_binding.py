@@ -391,6 +391,29 @@ def test_a_shared_module_is_wrapped_once_and_its_recomputes_counted_once(recompu
     session.remove()
     assert all("forward" not in m.__dict__ for m in model.modules())
 
+
+@pytest.mark.parametrize("config, scope", [
+    ({"swap_config": {"swap": True, "op_swap": [{"op_name": "lin", "backward_prefetch": 1, "layers": [1]}]},
+      "runtime": {"min_offload_bytes": 0}}, "lin of layer 1"),
+    ({"recompute_config": {"select_recompute": {"lin": [1]}}}, "lin of layer 0")])
+def test_an_op_scope_shared_by_distinct_layers_is_warned(config, scope, caplog):
+    """Note [One module at several layer positions]: a sub-module shared between distinct layers (Zamba's
+    shared attention block) carries the hooks of the layer that configures it, so its calls from the other
+    layers were swapped (here all three, counted under layer 1) or recomputed too, and nothing said so."""
+    model = ToyNet(layers=3)
+    for layer in model.layers[1:]:
+        layer.lin = model.layers[0].lin
+    caplog.set_level(logging.WARNING, logger="swapkit")
+    session = swapkit.apply(model, toy_config(3, **config))
+    (message,) = [m for m in caplog.messages if "shared between layers" in m]
+    assert message.startswith(f"swapkit: op scope {scope} is one Linear object with layers 0, 1, 2's ")
+    if "swap_config" in config:
+        with session:
+            model(torch.randn(4, 16)).sum().backward()
+        # the model's input, saved by layer 0's call of the shared lin (the other layers' inputs were saved
+        # first, and kept, by the sigmoid before them): layer 0 got layer 1's swap
+        assert session.stats.offloaded_by_scope == {"layer 1: lin": 4 * 16 * 4}
+
 def test_distinct_layers_are_not_warned(caplog):
     caplog.set_level(logging.WARNING, logger="swapkit")
     swapkit.apply(ToyNet(layers=3), toy_config(3))

@@ -46,6 +46,10 @@ deep on a block shared by three positions) and each call was counted at every po
 its members' forwards with one checkpoint of the whole unit and pass-throughs, which the module's
 calls at its other positions ran too (another loss, silently, on ``[a, b, a]`` in units of two;
 nothing recomputed on ``[a, a, a]`` in one unit). ``apply`` raises naming the unit and the positions.
+The same holds one level down: a sub-module shared between distinct layers (Zamba's shared attention
+block, a projection tied across layers) that the config names as an op scope in one layer carries that
+layer's hooks and wrapper, so its calls from the other layers are swapped or recomputed too, and
+counted under the configuring layer. Binding warns about each such scope, naming the layers that hold it.
 """
 from __future__ import annotations
 
@@ -125,6 +129,7 @@ def bind(model: nn.Module, plan: Plan, layers_path: str | Sequence[str] | None =
     _check_shared_units(plan, layers)
     bound = [BoundLayer(i, layer, lp, resolve_layer(lp, module_tree(layer)))
              for i, (layer, lp) in enumerate(zip(layers, plan.layers))]
+    _warn_shared_scopes(bound)
     logger.info("Bound layers: %s", describe(found))
     return Binding(model, paths, bound)
 
@@ -140,6 +145,28 @@ def _warn_shared(model_name: str, layers: list[nn.Module]) -> None:
                        "recompute configured for any of these layers; give these layers the same settings "
                        "(Note [One module at several layer positions])", ", ".join(map(str, shared)), model_name,
                        type(layers[shared[0]]).__name__, shared[-1])
+
+
+def _warn_shared_scopes(bound: list[BoundLayer]) -> None:
+    """Note [One module at several layer positions]: a configured op scope that distinct layers share."""
+    holders: dict[int, list[int]] = {}
+    for layer in bound:
+        for module in layer.module.modules():
+            holders.setdefault(id(module), []).append(layer.index)
+    warned: set[int] = set()
+    for layer in bound:
+        for path in dict.fromkeys([*layer.scopes.select, *layer.scopes.comm, *(p for _, p, _ in layer.scopes.op_swap)]):
+            module = layer.submodule(path)
+            held = holders[id(module)]
+            if id(module) in warned or all(bound[i].module is layer.module for i in held):
+                continue
+            warned.add(id(module))
+            logger.warning("swapkit: op scope %s of layer %d is one %s object with layers %s's (a sub-module shared "
+                           "between layers): swapkit's hooks and wrappers belong to the module, so its calls from all "
+                           "these layers get the swap and recompute configured for it here (counted under layer %d); "
+                           "give it the same settings in these layers, or configure its layers instead "
+                           "(Note [One module at several layer positions])", path, layer.index,
+                           type(module).__name__, ", ".join(map(str, held)), layer.index)
 
 
 def container_label(owner: str, path: str) -> str:
