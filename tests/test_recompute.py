@@ -732,6 +732,43 @@ def test_a_region_that_only_reads_a_buffer_is_recomputed_exactly():
 
     assert_toy_grads_equal(run({"recompute": True}), run(None))
 
+
+class ClipsEarlierLayer(InplaceActNet):
+    """After layer 1 ran, clips layer 0's weight in place (a max-norm constraint applied mid-forward)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.layers[1](self.layers[0](x))
+        with torch.no_grad():
+            self.layers[0].lin.bias.clamp_(-0.1, 0.1)
+        return x
+
+
+@pytest.mark.parametrize("recompute", [
+    {"recompute": True}, {"select_recompute": ["lin"]},
+    {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 2}])
+def test_a_parameter_changed_between_forward_and_re_run_raises_in_backward(recompute):
+    """Note [Module state changed before the re-run]: plain autograd needs no bias to compute gradients
+    (nothing saved it), so the model trains; before, the re-run read the clipped bias and every gradient
+    behind it was that of another forward, silently."""
+    plain = toy_run(ClipsEarlierLayer, None)
+    assert plain["layers.0.lin.weight"] is not None
+    with pytest.raises(RuntimeError, match=r"swapkit: (layer 0: )?(lin\.)?bias of the recomputed region layers? 0.* "
+                                           r"was changed in place between the region's forward and its "
+                                           r"recomputation in backward .*out of recompute_config"):
+        toy_run(ClipsEarlierLayer, recompute)
+
+
+def test_an_optimizer_step_between_forward_and_backward_raises_with_recompute():
+    torch.manual_seed(0)
+    model = InplaceActNet()
+    swapkit.apply(model, {"model": {"model_config": {"num_layers": 2}}, "recompute_config": {"recompute": True}})
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss = model(torch.randn(4, 8)).square().sum()
+    model(torch.randn(4, 8)).square().sum().backward()  # another micro-batch's backward, then a step
+    optimizer.step()
+    with pytest.raises(RuntimeError, match=r"swapkit: lin\.weight of the recomputed region layer 1 was changed"):
+        loss.backward()
+
 # ---------------------------------------------------------------------------- wrapper contracts
 
 class OptionsLayer(nn.Module):

@@ -78,6 +78,20 @@ version check there. A re-run is recognised by running inside autograd's backwar
 (``torch._C._current_graph_task_id() != -1``), which covers reentrant and non-reentrant
 checkpointing and the recipes alike; the first forward is never inside a backward.
 
+Note [Module state changed before the re-run]
+The same holds for a change *after* the region's forward and before its re-run in backward: a weight
+clipped or renormalised in place by a later part of the forward, an ``optimizer.step()`` between a
+forward and its backward, a buffer the model updates after the region ran. Without recompute, autograd
+raises its in-place error wherever it saved the changed tensor (and a parameter it did not save, such as
+a bias, changes no gradient); with recompute the re-run reads the new values and the gradients are those
+of another forward, silently (as with plain ``torch.utils.checkpoint``, which saves no parameter). So
+after the region's forward the wrapper records the version counters of the region's parameters and
+buffers (norm statistics aside), and the re-run compares them first and raises naming the tensor and the
+region. Writes the region itself makes in forward are covered above for buffers; a parameter the
+forward itself writes (``nn.Embedding(max_norm=...)`` renormalises rows in place) is allowed, as its
+re-run starts from the version the forward left. The versions are read at the region's forward and in
+its re-run only: no work per saved tensor.
+
 Note [Two checkpoints of one layer]
 Hugging Face's gradient checkpointing (``model.gradient_checkpointing_enable()``, or
 ``TrainingArguments(gradient_checkpointing=True)``, which enables it inside ``trainer.train()``, after
@@ -311,7 +325,10 @@ class Recompute:
     def _checkpoint(self, function: Callable[..., Any], args: tuple, kwargs: dict, label: str,
                     module: nn.Module, members: list[tuple[str, nn.Module]] | None = None) -> Any:
         versions = [(t, t._version) for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
-        buffers = _buffer_versions(members or [("", module)])  # Note [Regions that write module state]
+        members = members or [("", module)]
+        buffers = _buffer_versions(members)  # Note [Regions that write module state]
+        expected: list[tuple[str, torch.Tensor, int]] = []  # Note [Module state changed before the re-run]
+        function = _checked_replay(function, expected, label)
         inputs, shape = distinct_inputs(args, kwargs)  # region_inputs Note [A tensor passed ...]
         if self.use_reentrant:
             _check_reentrant(args, kwargs, label)
@@ -327,6 +344,7 @@ class Recompute:
         for name, buffer, version in buffers:  # Note [Regions that write module state]
             if buffer._version != version:
                 raise _written_buffer_error(label, module, name, version, buffer._version)
+        expected += _parameter_versions(members) + buffers
         self._counted(label)
         return out
 
@@ -370,6 +388,27 @@ def _buffer_versions(members: list[tuple[str, nn.Module]]) -> list[tuple[str, to
     statistics = {id(buffer) for buffer in _norm_statistics([module for _, module in members])}
     return [(prefix + name, buffer, buffer._version) for prefix, module in members
             for name, buffer in module.named_buffers() if id(buffer) not in statistics]
+
+
+def _parameter_versions(members: list[tuple[str, nn.Module]]) -> list[tuple[str, torch.Tensor, int]]:
+    """``(name, parameter, version)`` for each parameter of the region's modules (each ``(prefix, module)``)."""
+    return [(prefix + name, parameter, parameter._version) for prefix, module in members
+            for name, parameter in module.named_parameters()]
+
+
+def _checked_replay(function: Callable[..., Any], expected: list[tuple[str, torch.Tensor, int]],
+                    label: str) -> Callable[..., Any]:
+    """``function``, whose re-run in backward first checks that the region's parameters and buffers are
+    still at the versions in ``expected`` (filled once the forward ran): Note [Module state changed
+    before the re-run]."""
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if torch._C._current_graph_task_id() != -1:  # a re-run (Note [Norm statistics in recomputation])
+            for name, tensor, version in expected:
+                if tensor._version != version:
+                    raise _changed_state_error(label, name, version, tensor._version)
+        return function(*args, **kwargs)
+
+    return run
 
 
 def _pass_through(state: dict[str, Any], original: Callable[..., Any], index: int, label: str,
@@ -452,6 +491,18 @@ def _written_buffer_error(label: str, module: nn.Module, name: str, before: int,
         "the model without recompute, silently, as with plain torch.utils.checkpoint. Leave this layer or op out "
         "of recompute_config (swap it instead: swapped gradients stay exact), or move the update out of the region "
         "(Note [Regions that write module state])")
+
+
+def _changed_state_error(label: str, name: str, before: int, after: int) -> RuntimeError:
+    """Note [Module state changed before the re-run]"""
+    return RuntimeError(
+        f"swapkit: {name} of the recomputed region {label} was changed in place between the region's forward and "
+        f"its recomputation in backward (version {before} -> {after}; an optimizer step or a weight clip before "
+        "backward, or a later part of the forward writing it). Recompute re-runs the region with the values as "
+        "they are now, so the gradients would differ from those of the forward that ran (without recompute, "
+        "autograd raises its in-place error wherever it saved the tensor). Change parameters and buffers only "
+        "after backward, or leave this layer or op out of recompute_config "
+        "(Note [Module state changed before the re-run])")
 
 
 def _check_reentrant(args: tuple, kwargs: dict, label: str) -> None:
