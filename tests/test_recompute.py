@@ -758,6 +758,51 @@ def test_a_parameter_changed_between_forward_and_re_run_raises_in_backward(recom
         toy_run(ClipsEarlierLayer, recompute)
 
 
+
+class Shift(nn.Module):
+    """``x + bias``: saves nothing, so its checkpoint never re-runs; only an output recipe re-runs it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias = nn.Parameter(torch.randn(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.bias
+
+
+class ShiftLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.shift, self.out = Shift(), nn.Linear(8, 8)  # out saves shift's output: the recipe rebuilds it
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.shift(x))
+
+
+class ClipsShift(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(ShiftLayer() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.layers[1](self.layers[0](x))
+        with torch.no_grad():
+            self.layers[0].shift.bias.clamp_(-0.1, 0.1)
+        return x
+
+
+def test_an_output_recipe_re_run_after_a_parameter_changed_raises():
+    """Note [Module state changed before the re-run], for MindFormers op semantics: the recipe rebuilding
+    shift's output read the clipped bias, so ``out``'s weight gradient was another forward's, silently."""
+    torch.manual_seed(0)
+    model = ClipsShift()
+    session = swapkit.apply(model, {"model": {"model_config": {"num_layers": 2}},
+                                    "recompute_config": {"select_recompute": ["shift"]}})
+    with pytest.raises(RuntimeError, match=r"swapkit: bias of the recomputed region layer 0: shift was changed"):
+        with session:
+            model(torch.randn(4, 8)).square().sum().backward()
+    assert session.stats.output_recomputes == 1  # layer 1's recipe ran; layer 0's raised
+
 def test_an_optimizer_step_between_forward_and_backward_raises_with_recompute():
     torch.manual_seed(0)
     model = InplaceActNet()

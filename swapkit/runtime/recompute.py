@@ -90,7 +90,8 @@ buffers (norm statistics aside), and the re-run compares them first and raises n
 region. Writes the region itself makes in forward are covered above for buffers; a parameter the
 forward itself writes (``nn.Embedding(max_norm=...)`` renormalises rows in place) is allowed, as its
 re-run starts from the version the forward left. The versions are read at the region's forward and in
-its re-run only: no work per saved tensor.
+its re-runs only (the checkpoint's, and an output recipe's: Note [What an op-level region saves]): no
+work per saved tensor.
 
 Note [Two checkpoints of one layer]
 Hugging Face's gradient checkpointing (``model.gradient_checkpointing_enable()``, or
@@ -229,9 +230,9 @@ class Recompute:
                 self._check_hf_checkpoint(layer, label)
             args, kwargs = self._no_cache(cache, args, kwargs, label)
             state = capture(args, kwargs) if outputs else None
-            out = self._checkpoint(replayable, args, kwargs, label, module)
+            out, checked = self._checkpoint(replayable, args, kwargs, label, module)
             if state is not None:
-                record(replayable, args, kwargs, state, out, label)
+                record(checked, args, kwargs, state, out, label)
             return out
 
         self._replace_forward(module, forward, label)
@@ -278,7 +279,7 @@ class Recompute:
                 self._check_hf_checkpoint(layer, label)
             clean_args, clean_kwargs = self._no_cache(cache, (h, *args), kwargs, label)
             members = [(f"layer {layer.index}: ", layer.module) for layer in layers]
-            output = self._checkpoint(replayable, clean_args, clean_kwargs, label, head, members)
+            output, _ = self._checkpoint(replayable, clean_args, clean_kwargs, label, head, members)
             state["output"], state["inputs"] = output, (args, kwargs)  # as the pass-throughs receive them
             return output
 
@@ -323,7 +324,9 @@ class Recompute:
         return args, kwargs
 
     def _checkpoint(self, function: Callable[..., Any], args: tuple, kwargs: dict, label: str,
-                    module: nn.Module, members: list[tuple[str, nn.Module]] | None = None) -> Any:
+                    module: nn.Module, members: list[tuple[str, nn.Module]] | None = None) -> tuple[Any, Callable]:
+        """Run ``function`` as a checkpoint region; returns its output and the function its re-runs call
+        (an output recipe re-runs that one too: Note [Module state changed before the re-run])."""
         versions = [(t, t._version) for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
         members = members or [("", module)]
         buffers = _buffer_versions(members)  # Note [Regions that write module state]
@@ -346,7 +349,7 @@ class Recompute:
                 raise _written_buffer_error(label, module, name, version, buffer._version)
         expected += _parameter_versions(members) + buffers
         self._counted(label)
-        return out
+        return out, function
 
 
 def replay_safe(function: Callable[..., Any], modules: list[nn.Module]) -> Callable[..., Any]:
