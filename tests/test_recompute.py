@@ -884,6 +884,8 @@ class LoopNet(nn.Module):
                 h = layer(h) + 0.0
             elif self.mode == "per_layer_args":
                 h = layer(h, 1.0 + i)
+            elif self.mode.startswith("skip"):  # LayerDrop, an early exit: layer int(mode[4:]) is skipped
+                h = h if i == int(self.mode[4:]) else layer(h, 0.5)
             else:
                 h = layer(h, 0.5)
         return h
@@ -903,6 +905,21 @@ def test_uniform_unit_refuses_a_loop_it_would_compute_wrongly(mode, message):
     with pytest.raises(RuntimeError, match=message):
         model(torch.randn(4, 8))
 
+
+@pytest.mark.parametrize("skipped, message", [
+    (1, "uniform recompute unit layers 0-1: layer 1 was not called after layer 0 in that forward"),
+    (3, "uniform recompute unit layers 2-3: layer 3 was not called after layer 2 in that forward")])
+def test_uniform_unit_whose_later_layer_is_skipped_raises_in_backward(skipped, message):
+    """Note [Uniform units]: the unit had already run the skipped layer; before, the loss and gradients were
+    those of a model that ran it, silently (layer 3: the model's output itself was the unit's)."""
+    torch.manual_seed(0)
+    model = LoopNet(f"skip{skipped}")
+    swapkit.apply(model, UNIFORM_2)
+    loss = model(torch.randn(4, 8)).square().sum()
+    with pytest.raises(RuntimeError, match=message + r".*recompute_method: block"):
+        loss.backward()
+    model.mode = "skip0"  # a skipped head is no unit: layer 1 computes itself (no stale unit output left)
+    model(torch.randn(4, 8)).square().sum().backward()
 
 def test_uniform_unit_with_same_extra_arguments_matches_the_plain_loop():
     torch.manual_seed(0)

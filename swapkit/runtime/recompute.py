@@ -30,6 +30,13 @@ returns a tuple, as Falcon's and T5's do) raises swapkit's error instead of comp
 thing. The last pass-through of a
 unit lets go of the unit's output and arguments, so no tensor (nor the graph behind it) outlives
 the forward that made it; a pass-through called outside a unit's forward computes its layer.
+A model that skips a layer (LayerDrop, stochastic depth, an early exit) cannot be told in advance:
+the unit has already run the skipped layer when the loop moves on, so the forward's output is not the
+model's. Each pass-through records that it was called, and a hook on the unit's output checks in
+backward, before any gradient flows through the unit, that every later layer of the unit was, and
+raises naming the skipped layer otherwise (before, the loss and gradients were silently another model's).
+The hook also lets go of the unit's output that skipped pass-through never collected, so the next
+forward's pass-throughs do not compare their input with it.
 
 Note [Uniform units under FSDP2]
 FSDP2 gathers a module's sharded weights in the pre-forward hook of the module ``fully_shard`` was
@@ -254,7 +261,7 @@ class Recompute:
         originals = [layer.module.forward for layer in layers]
         head = layers[0].module
         cache = CacheArguments(originals[0])
-        state: dict[str, Any] = {"output": None, "inputs": None}  # output None: pass-throughs compute
+        state: dict[str, Any] = {"output": None, "inputs": None, "called": []}  # output None: pass-throughs compute
 
         def run_unit(h: Any, *args: Any, **kwargs: Any) -> Any:
             for layer, forward in zip(layers, originals):
@@ -280,7 +287,9 @@ class Recompute:
             clean_args, clean_kwargs = self._no_cache(cache, (h, *args), kwargs, label)
             members = [(f"layer {layer.index}: ", layer.module) for layer in layers]
             output, _ = self._checkpoint(replayable, clean_args, clean_kwargs, label, head, members)
-            state["output"], state["inputs"] = output, (args, kwargs)  # as the pass-throughs receive them
+            called: list[int] = []  # this forward's pass-throughs: Note [Uniform units]
+            state["output"], state["inputs"], state["called"] = output, (args, kwargs), called
+            output.register_hook(_unit_complete(state, called, layers, label))
             return output
 
         self._replace_forward(head, head_forward, label)
@@ -424,11 +433,30 @@ def _pass_through(state: dict[str, Any], original: Callable[..., Any], index: in
             raise _unit_error(label, index, "was called with a tensor other than the previous layer's output")
         if not _same_arguments((args, kwargs), state["inputs"]):
             raise _unit_error(label, index, "was called with other extra arguments than the first layer of the unit")
+        state["called"].append(index)
         if last:
             state["output"] = state["inputs"] = None
         return h
 
     return forward
+
+
+def _unit_complete(state: dict[str, Any], called: list[int], layers: list[BoundLayer],
+                   label: str) -> Callable[[torch.Tensor], None]:
+    """A hook on a unit's output, run in backward: every later layer of the unit was called in that forward
+    (``called`` lists them), or the unit ran a layer the model skipped (Note [Uniform units])."""
+    def check(grad: torch.Tensor) -> None:
+        missing = [layer.index for layer in layers[1:] if layer.index not in called]
+        if missing and state["called"] is called:  # still waiting for that forward's pass-throughs
+            state["output"] = state["inputs"] = None
+        if missing:
+            first = layers[0].index
+            raise _unit_error(label, missing[0], f"was not called after layer {first} in that forward (the model "
+                              "skipped it, as LayerDrop or an early exit does), but the unit had already run it inside "
+                              f"layer {first}'s checkpoint, so that forward's output and these gradients are not the "
+                              "model's; use recompute_method: block for a model that skips layers")
+
+    return check
 
 
 def _check_unit_sharding(layers: list[BoundLayer], label: str) -> None:
