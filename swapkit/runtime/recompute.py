@@ -222,6 +222,7 @@ class Recompute:
         self._wrapped_ids.add(id(module))
         original = module.forward
         cache = CacheArguments(original)
+        region = RegionState([("", module)])  # Note [Regions that write module state]
         # swapkit.runtime.scope Note [Bookkeeping stays out of compiled graphs]
         capture, record = eager(self._capture), eager(self._record)
 
@@ -237,7 +238,7 @@ class Recompute:
                 self._check_hf_checkpoint(layer, label)
             args, kwargs = self._no_cache(cache, args, kwargs, label)
             state = capture(args, kwargs) if outputs else None
-            out, checked = self._checkpoint(replayable, args, kwargs, label, module)
+            out, checked = self._checkpoint(replayable, args, kwargs, label, module, region)
             if state is not None:
                 record(checked, args, kwargs, state, out, label)
             return out
@@ -273,6 +274,7 @@ class Recompute:
             return h
 
         replayable = replay_safe(run_unit, [layer.module for layer in layers])  # Note [Norm statistics ...]
+        region = RegionState([(f"layer {layer.index}: ", layer.module) for layer in layers])
 
         def head_forward(h: Any, *args: Any, **kwargs: Any) -> Any:
             state["output"] = state["inputs"] = None
@@ -285,8 +287,7 @@ class Recompute:
             for layer in layers:
                 self._check_hf_checkpoint(layer, label)
             clean_args, clean_kwargs = self._no_cache(cache, (h, *args), kwargs, label)
-            members = [(f"layer {layer.index}: ", layer.module) for layer in layers]
-            output, _ = self._checkpoint(replayable, clean_args, clean_kwargs, label, head, members)
+            output, _ = self._checkpoint(replayable, clean_args, clean_kwargs, label, head, region)
             called: list[int] = []  # this forward's pass-throughs: Note [Uniform units]
             state["output"], state["inputs"], state["called"] = output, (args, kwargs), called
             output.register_hook(_unit_complete(state, called, layers, label))
@@ -333,12 +334,11 @@ class Recompute:
         return args, kwargs
 
     def _checkpoint(self, function: Callable[..., Any], args: tuple, kwargs: dict, label: str,
-                    module: nn.Module, members: list[tuple[str, nn.Module]] | None = None) -> tuple[Any, Callable]:
+                    module: nn.Module, region: RegionState) -> tuple[Any, Callable]:
         """Run ``function`` as a checkpoint region; returns its output and the function its re-runs call
         (an output recipe re-runs that one too: Note [Module state changed before the re-run])."""
         versions = [(t, t._version) for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
-        members = members or [("", module)]
-        buffers = _buffer_versions(members)  # Note [Regions that write module state]
+        buffers = region.buffers()  # Note [Regions that write module state]
         expected: list[tuple[str, torch.Tensor, int]] = []  # Note [Module state changed before the re-run]
         function = _checked_replay(function, expected, label)
         inputs, shape = distinct_inputs(args, kwargs)  # region_inputs Note [A tensor passed ...]
@@ -356,7 +356,7 @@ class Recompute:
         for name, buffer, version in buffers:  # Note [Regions that write module state]
             if buffer._version != version:
                 raise _written_buffer_error(label, module, name, version, buffer._version)
-        expected += _parameter_versions(members) + buffers
+        expected += region.parameters() + buffers
         self._counted(label)
         return out, function
 
@@ -394,18 +394,32 @@ def _norm_statistics(modules: list[nn.Module]) -> list[torch.Tensor]:
             for buffer in (norm.running_mean, norm.running_var, norm.num_batches_tracked) if buffer is not None]
 
 
-def _buffer_versions(members: list[tuple[str, nn.Module]]) -> list[tuple[str, torch.Tensor, int]]:
-    """``(name, buffer, version)`` for each buffer of the region's modules (each ``(prefix, module)``,
-    the prefix naming the layer of a unit) but norm statistics: Note [Regions that write module state]."""
-    statistics = {id(buffer) for buffer in _norm_statistics([module for _, module in members])}
-    return [(prefix + name, buffer, buffer._version) for prefix, module in members
-            for name, buffer in module.named_buffers() if id(buffer) not in statistics]
+class RegionState:
+    """The parameters and buffers of a region's modules, read by name at each call: Note [Regions that
+    write module state] and Note [Module state changed before the re-run]. The modules are listed once,
+    when the region is wrapped; their ``_parameters`` and ``_buffers`` dicts are read at each call
+    (FSDP2 swaps the parameter objects in them)."""
+
+    def __init__(self, members: list[tuple[str, nn.Module]]) -> None:
+        """``members``: ``(prefix, module)`` pairs, the prefix naming the layer of a unit's module."""
+        self.modules = [(f"{prefix}{name}." if name else prefix, module) for prefix, layer in members
+                        for name, module in layer.named_modules()]
+
+    def buffers(self) -> list[tuple[str, torch.Tensor, int]]:
+        """``(name, buffer, version)``, norm statistics aside (Note [Norm statistics in recomputation])."""
+        return [(prefix + name, buffer, buffer._version) for prefix, module in self.modules
+                for name, buffer in module._buffers.items() if buffer is not None and not _statistic(module, name)]
+
+    def parameters(self) -> list[tuple[str, torch.Tensor, int]]:
+        """``(name, parameter, version)``."""
+        return [(prefix + name, parameter, parameter._version) for prefix, module in self.modules
+                for name, parameter in module._parameters.items() if parameter is not None]
 
 
-def _parameter_versions(members: list[tuple[str, nn.Module]]) -> list[tuple[str, torch.Tensor, int]]:
-    """``(name, parameter, version)`` for each parameter of the region's modules (each ``(prefix, module)``)."""
-    return [(prefix + name, parameter, parameter._version) for prefix, module in members
-            for name, parameter in module.named_parameters()]
+def _statistic(module: nn.Module, name: str) -> bool:
+    """``module.<name>`` is a running statistic a training forward updates (as :func:`_norm_statistics`)."""
+    return (isinstance(module, _NormBase) and module.training and module.track_running_stats
+            and name in ("running_mean", "running_var", "num_batches_tracked"))
 
 
 def _checked_replay(function: Callable[..., Any], expected: list[tuple[str, torch.Tensor, int]],
