@@ -814,6 +814,39 @@ def test_an_optimizer_step_between_forward_and_backward_raises_with_recompute():
     with pytest.raises(RuntimeError, match=r"swapkit: lin\.weight of the recomputed region layer 1 was changed"):
         loss.backward()
 
+
+class OwnGeneratorLayer(nn.Module):
+    """Dropout drawn from a ``torch.Generator`` the module owns (reproducible per-module noise)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.generator = torch.Generator().manual_seed(7)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        keep = torch.bernoulli(torch.full((x.shape[0], 8), 0.7), generator=self.generator)
+        return torch.tanh(self.lin(x)) * keep
+
+
+@pytest.mark.parametrize("recompute", [
+    {"recompute": True}, {"recompute": True, "use_reentrant": True},
+    {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 2}])
+def test_a_generator_owned_by_the_region_replays_its_numbers(recompute):
+    """Note [Generators of the region's modules]: checkpointing replays only the default generators, so the
+    re-run drew another mask from the module's own generator and the gradients differed silently."""
+    def run(config: dict | None) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+        torch.manual_seed(0)
+        model = net_of(OwnGeneratorLayer)()
+        if config is not None:
+            swapkit.apply(model, {"model": {"model_config": {"num_layers": 2}}, "recompute_config": config})
+        for _ in range(2):
+            model(torch.randn(4, 8, requires_grad=True)).square().sum().backward()
+        return {n: p.grad for n, p in model.named_parameters()}, [l.generator.get_state() for l in model.layers]
+
+    (got, got_states), (expected, expected_states) = run(recompute), run(None)
+    assert_toy_grads_equal(got, expected)
+    assert all(torch.equal(a, b) for a, b in zip(got_states, expected_states))  # the re-run drew nothing
+
 # ---------------------------------------------------------------------------- wrapper contracts
 
 class OptionsLayer(nn.Module):

@@ -100,6 +100,17 @@ re-run starts from the version the forward left. The versions are read at the re
 its re-runs only (the checkpoint's, and an output recipe's: Note [What an op-level region saves]): no
 work per saved tensor.
 
+Note [Generators of the region's modules]
+``torch.utils.checkpoint(preserve_rng_state=True)`` replays the default CPU and device generators, so
+dropout drawn from them gets the same mask in the re-run. A module that draws from a
+``torch.Generator`` of its own (reproducible noise per module, ``torch.bernoulli(p, generator=g)``) got
+other numbers in the re-run: another mask, and gradients of another forward, silently. The wrapper
+looks for generators among the attributes of the region's modules when it wraps the region, records
+each one's state before the region's forward, sets it back for every re-run (the checkpoint's and an
+output recipe's) and, after the re-run, puts back the state the generator had reached, so draws after
+the re-run go on as without recompute. A generator the region reaches another way (a global, an
+argument) is not seen: README, Limitations.
+
 Note [Two checkpoints of one layer]
 Hugging Face's gradient checkpointing (``model.gradient_checkpointing_enable()``, or
 ``TrainingArguments(gradient_checkpointing=True)``, which enables it inside ``trainer.train()``, after
@@ -340,7 +351,8 @@ class Recompute:
         versions = [(t, t._version) for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
         buffers = region.buffers()  # Note [Regions that write module state]
         expected: list[tuple[str, torch.Tensor, int]] = []  # Note [Module state changed before the re-run]
-        function = _checked_replay(function, expected, label)
+        drawn = [(generator, generator.get_state()) for generator in region.generators]  # Note [Generators ...]
+        function = _checked_replay(function, expected, label, drawn)
         inputs, shape = distinct_inputs(args, kwargs)  # region_inputs Note [A tensor passed ...]
         if self.use_reentrant:
             _check_reentrant(args, kwargs, label)
@@ -404,6 +416,8 @@ class RegionState:
         """``members``: ``(prefix, module)`` pairs, the prefix naming the layer of a unit's module."""
         self.modules = [(f"{prefix}{name}." if name else prefix, module) for prefix, layer in members
                         for name, module in layer.named_modules()]
+        self.generators = list({id(value): value for _, module in self.modules for value in vars(module).values()
+                                if isinstance(value, torch.Generator)}.values())  # Note [Generators of the ...]
 
     def buffers(self) -> list[tuple[str, torch.Tensor, int]]:
         """``(name, buffer, version)``, norm statistics aside (Note [Norm statistics in recomputation])."""
@@ -422,17 +436,26 @@ def _statistic(module: nn.Module, name: str) -> bool:
             and name in ("running_mean", "running_var", "num_batches_tracked"))
 
 
-def _checked_replay(function: Callable[..., Any], expected: list[tuple[str, torch.Tensor, int]],
-                    label: str) -> Callable[..., Any]:
+def _checked_replay(function: Callable[..., Any], expected: list[tuple[str, torch.Tensor, int]], label: str,
+                    drawn: list[tuple[torch.Generator, torch.Tensor]]) -> Callable[..., Any]:
     """``function``, whose re-run in backward first checks that the region's parameters and buffers are
-    still at the versions in ``expected`` (filled once the forward ran): Note [Module state changed
-    before the re-run]."""
+    still at the versions in ``expected`` (filled once the forward ran: Note [Module state changed before
+    the re-run]) and draws from the region's own generators what the forward drew (``drawn``: each
+    generator with its state before the forward; Note [Generators of the region's modules])."""
     def run(*args: Any, **kwargs: Any) -> Any:
-        if torch._C._current_graph_task_id() != -1:  # a re-run (Note [Norm statistics in recomputation])
-            for name, tensor, version in expected:
-                if tensor._version != version:
-                    raise _changed_state_error(label, name, version, tensor._version)
-        return function(*args, **kwargs)
+        if torch._C._current_graph_task_id() == -1:  # the first forward (Note [Norm statistics in ...])
+            return function(*args, **kwargs)
+        for name, tensor, version in expected:
+            if tensor._version != version:
+                raise _changed_state_error(label, name, version, tensor._version)
+        after = [(generator, generator.get_state()) for generator, _ in drawn]
+        try:
+            for generator, state in drawn:
+                generator.set_state(state)
+            return function(*args, **kwargs)
+        finally:
+            for generator, state in after:  # later draws go on from where the forward left them
+                generator.set_state(state)
 
     return run
 
