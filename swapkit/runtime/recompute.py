@@ -192,7 +192,7 @@ class Recompute:
                 record(checked, args, kwargs, state, out, label)
             return out
 
-        self._replace_forward(module, forward, label)
+        self._replace_forward(module, region.eager(forward), label)
 
     def _capture(self, args: tuple, kwargs: dict) -> tuple | None:
         """RNG and autocast state for a recipe, when the session records recipes (Note [What an op-level ...])."""
@@ -242,7 +242,7 @@ class Recompute:
             output.register_hook(_unit_complete(state, called, layers, label))
             return output
 
-        self._replace_forward(head, head_forward, label)
+        self._replace_forward(head, region.eager(head_forward), label)
         for position, layer in enumerate(layers[1:], start=1):
             forward = _pass_through(state, originals[position], layer.index, label, position == len(layers) - 1)
             self._replace_forward(layer.module, forward, f"{label} (pass-through {layer.index})")

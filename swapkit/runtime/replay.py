@@ -67,7 +67,11 @@ looks for generators among the attributes of the region's modules when it wraps 
 each one's state before the region's forward, sets it back for every re-run (the checkpoint's and an
 output recipe's) and, after the re-run, puts back the state the generator had reached, so draws after
 the re-run go on as without recompute. A generator the region reaches another way (a global, an
-argument) is not seen: README, Limitations.
+argument) is not seen: README, Limitations. Dynamo cannot trace ``Generator.get_state``: under
+``torch.compile`` the wrapper broke the graph there and Dynamo compiled the rest of the wrapper as a
+frame of its own, guarded on the identity of each input tensor, so it recompiled at every call until
+``recompile_limit`` (8) with a warning. The wrapper of a region holding a generator therefore runs
+eagerly (``torch.compiler.disable``); a draw with ``generator=`` breaks the graph anyway.
 """
 from __future__ import annotations
 
@@ -76,6 +80,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
+
+from swapkit.runtime.scope import eager
 
 
 def replay_safe(function: Callable[..., Any], modules: list[nn.Module]) -> Callable[..., Any]:
@@ -123,6 +129,11 @@ class RegionState:
                         for name, module in layer.named_modules()]
         self.generators = list({id(value): value for _, module in self.modules for value in vars(module).values()
                                 if isinstance(value, torch.Generator)}.values())  # Note [Generators of the ...]
+
+    def eager(self, forward: Callable[..., Any]) -> Callable[..., Any]:
+        """``forward``, kept out of Dynamo's traces when the region holds a generator (Note [Generators of
+        the region's modules])."""
+        return eager(forward) if self.generators else forward
 
     def buffers(self) -> list[tuple[str, torch.Tensor, int]]:
         """``(name, buffer, version)``, norm statistics aside (Note [Norm statistics in recomputation])."""
