@@ -348,6 +348,72 @@ def test_a_swap_on_every_position_of_a_shared_module_is_not_reported_unused(capl
     assert not [m for m in caplog.messages if "saw no saved tensor" in m]
 
 
+
+def shared_at_0_and_2() -> ToyNet:
+    torch.manual_seed(0)
+    model = ToyNet(layers=1)
+    model.layers = nn.ModuleList([model.layers[0], Block(16), model.layers[0]])
+    return model
+
+
+@pytest.mark.parametrize("num_layers", [2, 3])
+def test_a_uniform_unit_holding_a_shared_module_is_refused_at_apply(num_layers):
+    """Note [One module at several layer positions]: a unit replaces its members' forwards with the unit's
+    head and pass-throughs, which the other positions of a shared module then ran: [a, b, a] in units of 2
+    gave another loss and other gradients, silently, and [a, a, a] in one unit recomputed nothing."""
+    model = shared_at_0_and_2()
+    recompute = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": num_layers}
+    with pytest.raises(BindError, match=r"uniform unit of layers 0-\d: layer 0 is the Block object of "
+                                        r"layers 0, 2 .*recompute_method: block"):
+        swapkit.apply(model, toy_config(3, recompute_config=recompute))
+    assert "forward" not in model.layers[0].__dict__  # nothing was left wrapped
+
+
+@pytest.mark.parametrize("recompute, counted", [
+    ({"recompute": True}, {"layer 0": 2, "layer 1": 1}),
+    ({"select_recompute": ["lin"]}, {"layer 0: lin": 2, "layer 1: lin": 1}),
+    ({"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 3},
+     {"layer 0": 2, "layer 1": 1})])
+def test_a_shared_module_is_wrapped_once_and_its_recomputes_counted_once(recompute, counted):
+    """Before, the shared block's forward was wrapped once per position (checkpoints nested three deep on
+    ALBERT) and every call was counted at each position: {'layer 0': 2, 'layer 2': 2, 'layer 1': 1}."""
+    model = shared_at_0_and_2()
+    reference = copy.deepcopy(model)
+    session = swapkit.apply(model, toy_config(3, recompute_config=recompute))
+    x = torch.randn(4, 16, requires_grad=True)
+    with session:
+        model(x).sum().backward()
+    reference(x.detach().requires_grad_()).sum().backward()
+    assert session.stats.recomputed_by_scope == counted
+    for (name, p), q in zip(reference.named_parameters(), model.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    assert len(session.recompute.wrapped_modules()) == 2  # the shared block (or its lin) and layer 1's
+    session.remove()
+    assert all("forward" not in m.__dict__ for m in model.modules())
+
+
+@pytest.mark.parametrize("config, scope", [
+    ({"swap_config": {"swap": True, "op_swap": [{"op_name": "lin", "backward_prefetch": 1, "layers": [1]}]},
+      "runtime": {"min_offload_bytes": 0}}, "lin of layer 1"),
+    ({"recompute_config": {"select_recompute": {"lin": [1]}}}, "lin of layer 0")])
+def test_an_op_scope_shared_by_distinct_layers_is_warned(config, scope, caplog):
+    """Note [One module at several layer positions]: a sub-module shared between distinct layers (Zamba's
+    shared attention block) carries the hooks of the layer that configures it, so its calls from the other
+    layers were swapped (here all three, counted under layer 1) or recomputed too, and nothing said so."""
+    model = ToyNet(layers=3)
+    for layer in model.layers[1:]:
+        layer.lin = model.layers[0].lin
+    caplog.set_level(logging.WARNING, logger="swapkit")
+    session = swapkit.apply(model, toy_config(3, **config))
+    (message,) = [m for m in caplog.messages if "shared between layers" in m]
+    assert message.startswith(f"swapkit: op scope {scope} is one Linear object with layers 0, 1, 2's ")
+    if "swap_config" in config:
+        with session:
+            model(torch.randn(4, 16)).sum().backward()
+        # the model's input, saved by layer 0's call of the shared lin (the other layers' inputs were saved
+        # first, and kept, by the sigmoid before them): layer 0 got layer 1's swap
+        assert session.stats.offloaded_by_scope == {"layer 1: lin": 4 * 16 * 4}
+
 def test_distinct_layers_are_not_warned(caplog):
     caplog.set_level(logging.WARNING, logger="swapkit")
     swapkit.apply(ToyNet(layers=3), toy_config(3))

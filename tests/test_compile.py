@@ -252,7 +252,7 @@ def test_fullgraph_names_swapkit_and_the_fix(variant):
     assert "compile without fullgraph=True" in message
 
 
-def test_compiled_transformer_encoder_never_compiles_swapkits_hook_objects(monkeypatch):
+def test_compiled_transformer_encoder_never_compiles_swapkits_hook_objects():
     """An op swap on nn.MultiheadAttention in a compiled nn.TransformerEncoder: Dynamo broke the graph at the
     scope hook and then compiled ``AttachedHook.__call__`` as a frame of its own, once per hook signature, until
     it hit ``recompile_limit`` with a warning (Note [Saved-tensor hooks stay out of Dynamo])."""
@@ -268,12 +268,47 @@ def test_compiled_transformer_encoder_never_compiles_swapkits_hook_objects(monke
     install_engine(session, ReadyWhenDone())  # releases at their horizon: none left in the tail by a slow copy
     compiled_model = torch.compile(model, backend="eager")
     x = torch.randn(2, 8, 32, requires_grad=True)  # every layer's input requires grad: one graph per frame
-    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
-    for _ in range(2):
-        with session:
+    for _ in range(2):  # config.patch, not monkeypatch: its undo deleted the option from Dynamo's config
+        with session, torch._dynamo.config.patch(error_on_recompile=True):
             compiled_model(x).square().mean().backward()
     assert AttachedHook.__call__.__code__ not in [code() for code in input_codes.seen]
     stats = session.stats
     assert stats.prefetched_bytes == stats.offloaded_bytes > 0 and stats.unused_swaps == []
     assert set(stats.offloaded_by_scope) == {"layer 0: self_attn", "layer 1: self_attn"}
     session.remove()
+
+
+class NoisyBlock(torch.nn.Module):
+    """Multiplies by a mask drawn from a ``torch.Generator`` the module owns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+        self.generator = torch.Generator().manual_seed(3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x)) * torch.bernoulli(torch.full((16,), 0.7), generator=self.generator)
+
+
+def test_a_region_holding_a_generator_runs_eagerly_under_compile():
+    """swapkit.runtime.replay Note [Generators of the region's modules]: Dynamo broke the graph at
+    ``Generator.get_state`` and compiled the rest of the wrapper as a frame guarded on each input tensor's
+    identity, recompiling at every call until ``recompile_limit``, with a warning."""
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)
+        model = torch.nn.Module()
+        model.layers = torch.nn.ModuleList(NoisyBlock() for _ in range(3))
+        model.forward = lambda x: model.layers[2](model.layers[1](model.layers[0](x)))
+        return model
+
+    plain, model = build(), build()
+    session = swapkit.apply(model, {"recompute_config": {"recompute": True}})
+    compiled_model = torch.compile(model, backend="eager")
+    for step in range(3):
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step), requires_grad=True)
+        with session, torch._dynamo.config.patch(error_on_recompile=True):
+            compiled_model(x).square().sum().backward()
+        plain(x.detach().requires_grad_()).square().sum().backward()
+    assert session.stats.recomputed_by_scope == {"layer 0": 1, "layer 1": 1, "layer 2": 1}
+    for (name, p), q in zip(plain.named_parameters(), model.parameters()):
+        assert torch.equal(p.grad, q.grad), name

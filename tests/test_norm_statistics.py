@@ -1,6 +1,6 @@
 """Recomputation leaves batch-norm running statistics as one forward left them.
 
-swapkit.runtime.recompute Note [Norm statistics in recomputation]: plain ``torch.utils.checkpoint``
+swapkit.runtime.replay Note [Norm statistics in recomputation]: plain ``torch.utils.checkpoint``
 runs a batch norm's forward twice per step, so its running statistics moved twice and a model trained
 with recompute evaluated differently from the same model trained without it.
 """

@@ -14,6 +14,7 @@ Numerics: recompute re-runs the very same kernels on the very same inputs (and, 
 """
 from __future__ import annotations
 
+import copy
 import gc
 import logging
 import weakref
@@ -647,6 +648,205 @@ def test_a_region_that_overwrites_its_input_is_refused_in_forward(recompute):
     toy_run(InplaceActNet, None)  # trains without swapkit
 
 
+
+class SpectralLayer(nn.Module):
+    """``spectral_norm`` (a GAN's discriminator): each training forward runs a power-iteration step that
+    writes the buffers ``_u`` and ``_v`` in place, and the weight is computed from them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.utils.parametrizations.spectral_norm(nn.Linear(8, 8))
+        self.register_buffer("scale", torch.full((8,), 0.5))  # only read: never refused
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x)) * self.scale
+
+
+class CountingLayer(nn.Module):
+    """A buffer of the model's own changed in forward (a step counter); the output does not read it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return torch.tanh(self.lin(x))
+
+
+def net_of(layer: type) -> type:
+    class Net(InplaceActNet):
+        def __init__(self) -> None:
+            nn.Module.__init__(self)
+            self.layers = nn.ModuleList(layer() for _ in range(2))
+
+    return Net
+
+
+def test_plain_checkpoint_of_a_region_writing_a_buffer_changes_the_gradients():
+    """What the refusal below prevents: torch.utils.checkpoint re-runs spectral_norm's power iteration
+    in backward from the buffers the forward changed, so the recomputed weight is another one."""
+    torch.manual_seed(0)
+    layer = SpectralLayer()
+    ref = copy.deepcopy(layer)
+    x = torch.randn(4, 8)
+    ref(x).square().sum().backward()
+    torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False).square().sum().backward()
+    assert not torch.equal(layer.lin.parametrizations.weight.original.grad,
+                           ref.lin.parametrizations.weight.original.grad)
+
+
+@pytest.mark.parametrize("layer, buffer, region", [
+    (SpectralLayer, r"lin\.parametrizations\.weight\.0\._u", r"layer 0 \(SpectralLayer\)"),
+    (CountingLayer, "calls", r"layer 0 \(CountingLayer\)")])
+def test_a_region_that_writes_a_buffer_is_refused_in_forward(layer, buffer, region):
+    """Note [Regions that write module state]: before, the gradients (spectral norm) or the buffer
+    (a counter, moved twice per step) differed silently from the model without recompute."""
+    with pytest.raises(RuntimeError, match=rf"swapkit: the recomputed region {region} changed its buffer "
+                                           rf"{buffer} in place in forward.*out of recompute_config"):
+        toy_run(net_of(layer), {"recompute": True})
+
+
+@pytest.mark.parametrize("recompute, region", [
+    ({"select_recompute": ["lin"]}, r"layer 0: lin \(ParametrizedLinear\) changed its buffer "
+                                    r"parametrizations\.weight\.0\._u"),
+    ({"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 2},
+     r"layers 0-1 \(SpectralLayer\) changed its buffer layer 0: lin\.parametrizations\.weight\.0\._u")])
+def test_op_regions_and_units_that_write_a_buffer_are_refused_naming_it(recompute, region):
+    with pytest.raises(RuntimeError, match=rf"swapkit: the recomputed region {region} in place"):
+        toy_run(net_of(SpectralLayer), recompute)
+
+
+def test_a_region_that_only_reads_a_buffer_is_recomputed_exactly():
+    """``scale`` is read by every layer; with the spectral norms in eval mode nothing is written."""
+    def run(recompute: dict | None) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        model = net_of(SpectralLayer)()
+        for layer in model.layers:
+            layer.lin.eval()  # spectral_norm power-iterates only in training mode
+        if recompute is not None:
+            swapkit.apply(model, {"model": {"model_config": {"num_layers": 2}}, "recompute_config": recompute})
+        model(torch.randn(4, 8)).square().sum().backward()
+        return {name: p.grad for name, p in model.named_parameters()}
+
+    assert_toy_grads_equal(run({"recompute": True}), run(None))
+
+
+class ClipsEarlierLayer(InplaceActNet):
+    """After layer 1 ran, clips layer 0's weight in place (a max-norm constraint applied mid-forward)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.layers[1](self.layers[0](x))
+        with torch.no_grad():
+            self.layers[0].lin.bias.clamp_(-0.1, 0.1)
+        return x
+
+
+@pytest.mark.parametrize("recompute", [
+    {"recompute": True}, {"select_recompute": ["lin"]},
+    {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 2}])
+def test_a_parameter_changed_between_forward_and_re_run_raises_in_backward(recompute):
+    """Note [Module state changed before the re-run]: plain autograd needs no bias to compute gradients
+    (nothing saved it), so the model trains; before, the re-run read the clipped bias and every gradient
+    behind it was that of another forward, silently."""
+    plain = toy_run(ClipsEarlierLayer, None)
+    assert plain["layers.0.lin.weight"] is not None
+    with pytest.raises(RuntimeError, match=r"swapkit: (layer 0: )?(lin\.)?bias of the recomputed region layers? 0.* "
+                                           r"was changed in place between the region's forward and its "
+                                           r"recomputation in backward .*out of recompute_config"):
+        toy_run(ClipsEarlierLayer, recompute)
+
+
+
+class Shift(nn.Module):
+    """``x + bias``: saves nothing, so its checkpoint never re-runs; only an output recipe re-runs it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias = nn.Parameter(torch.randn(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.bias
+
+
+class ShiftLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.shift, self.out = Shift(), nn.Linear(8, 8)  # out saves shift's output: the recipe rebuilds it
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.shift(x))
+
+
+class ClipsShift(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(ShiftLayer() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.layers[1](self.layers[0](x))
+        with torch.no_grad():
+            self.layers[0].shift.bias.clamp_(-0.1, 0.1)
+        return x
+
+
+def test_an_output_recipe_re_run_after_a_parameter_changed_raises():
+    """Note [Module state changed before the re-run], for MindFormers op semantics: the recipe rebuilding
+    shift's output read the clipped bias, so ``out``'s weight gradient was another forward's, silently."""
+    torch.manual_seed(0)
+    model = ClipsShift()
+    session = swapkit.apply(model, {"model": {"model_config": {"num_layers": 2}},
+                                    "recompute_config": {"select_recompute": ["shift"]}})
+    with pytest.raises(RuntimeError, match=r"swapkit: bias of the recomputed region layer 0: shift was changed"):
+        with session:
+            model(torch.randn(4, 8)).square().sum().backward()
+    assert session.stats.output_recomputes == 1  # layer 1's recipe ran; layer 0's raised
+
+def test_an_optimizer_step_between_forward_and_backward_raises_with_recompute():
+    torch.manual_seed(0)
+    model = InplaceActNet()
+    swapkit.apply(model, {"model": {"model_config": {"num_layers": 2}}, "recompute_config": {"recompute": True}})
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss = model(torch.randn(4, 8)).square().sum()
+    model(torch.randn(4, 8)).square().sum().backward()  # another micro-batch's backward, then a step
+    optimizer.step()
+    with pytest.raises(RuntimeError, match=r"swapkit: lin\.weight of the recomputed region layer 1 was changed"):
+        loss.backward()
+
+
+class OwnGeneratorLayer(nn.Module):
+    """Dropout drawn from a ``torch.Generator`` the module owns (reproducible per-module noise)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.generator = torch.Generator().manual_seed(7)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        keep = torch.bernoulli(torch.full((x.shape[0], 8), 0.7), generator=self.generator)
+        return torch.tanh(self.lin(x)) * keep
+
+
+@pytest.mark.parametrize("recompute", [
+    {"recompute": True}, {"recompute": True, "use_reentrant": True},
+    {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 2}])
+def test_a_generator_owned_by_the_region_replays_its_numbers(recompute):
+    """Note [Generators of the region's modules]: checkpointing replays only the default generators, so the
+    re-run drew another mask from the module's own generator and the gradients differed silently."""
+    def run(config: dict | None) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+        torch.manual_seed(0)
+        model = net_of(OwnGeneratorLayer)()
+        if config is not None:
+            swapkit.apply(model, {"model": {"model_config": {"num_layers": 2}}, "recompute_config": config})
+        for _ in range(2):
+            model(torch.randn(4, 8, requires_grad=True)).square().sum().backward()
+        return {n: p.grad for n, p in model.named_parameters()}, [l.generator.get_state() for l in model.layers]
+
+    (got, got_states), (expected, expected_states) = run(recompute), run(None)
+    assert_toy_grads_equal(got, expected)
+    assert all(torch.equal(a, b) for a, b in zip(got_states, expected_states))  # the re-run drew nothing
+
 # ---------------------------------------------------------------------------- wrapper contracts
 
 class OptionsLayer(nn.Module):
@@ -717,6 +917,8 @@ class LoopNet(nn.Module):
                 h = layer(h) + 0.0
             elif self.mode == "per_layer_args":
                 h = layer(h, 1.0 + i)
+            elif self.mode.startswith("skip"):  # LayerDrop, an early exit: layer int(mode[4:]) is skipped
+                h = h if i == int(self.mode[4:]) else layer(h, 0.5)
             else:
                 h = layer(h, 0.5)
         return h
@@ -736,6 +938,21 @@ def test_uniform_unit_refuses_a_loop_it_would_compute_wrongly(mode, message):
     with pytest.raises(RuntimeError, match=message):
         model(torch.randn(4, 8))
 
+
+@pytest.mark.parametrize("skipped, message", [
+    (1, "uniform recompute unit layers 0-1: layer 1 was not called after layer 0 in that forward"),
+    (3, "uniform recompute unit layers 2-3: layer 3 was not called after layer 2 in that forward")])
+def test_uniform_unit_whose_later_layer_is_skipped_raises_in_backward(skipped, message):
+    """Note [Uniform units]: the unit had already run the skipped layer; before, the loss and gradients were
+    those of a model that ran it, silently (layer 3: the model's output itself was the unit's)."""
+    torch.manual_seed(0)
+    model = LoopNet(f"skip{skipped}")
+    swapkit.apply(model, UNIFORM_2)
+    loss = model(torch.randn(4, 8)).square().sum()
+    with pytest.raises(RuntimeError, match=message + r".*recompute_method: block"):
+        loss.backward()
+    model.mode = "skip0"  # a skipped head is no unit: layer 1 computes itself (no stale unit output left)
+    model(torch.randn(4, 8)).square().sum().backward()
 
 def test_uniform_unit_with_same_extra_arguments_matches_the_plain_loop():
     torch.manual_seed(0)

@@ -519,6 +519,43 @@ def test_eval_forward_without_grad_saves_nothing():
     assert session._step.clock == 0 and session._step.stats.saved_bytes == 0
 
 
+
+def test_inference_mode_forwards_save_nothing_and_leave_no_step_open():
+    model = llama()
+    session = swapkit.apply(model, toy_config(4, **layer_swap(2)), layers="layers")
+    with session:
+        for _ in range(3):
+            with torch.inference_mode():
+                model(llama_batch()[0])
+    assert session.stats.saved_bytes == 0 and session.stats.ticks == 0 and no_saved_tensor_hooks()
+
+
+@pytest.mark.parametrize("recompute", [None, {"recompute": [1]}, {"select_recompute": {"feed_forward": [0, 2]}}])
+def test_autocast_bfloat16_swap_is_bit_identical(recompute):
+    """Under CPU autocast the saved activations (and autocast's cached bf16 weight copies, which are no
+    parameters) are bfloat16; they move and come back bit for bit, with recompute replaying autocast."""
+    batch = llama_batch()
+
+    def step(model):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(batch[0])
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), batch[1].flatten())
+        loss.backward()
+        return loss.detach()
+
+    plain = llama()
+    expected = step(plain)
+    model = llama()
+    config = toy_config(4, **layer_swap(2, layers=[0, 1, 2]))
+    if recompute is not None:
+        config["recompute_config"] = recompute
+    session = swapkit.apply(model, config, layers="layers")
+    with session:
+        loss = step(model)
+    assert torch.equal(loss, expected)
+    assert_grads_equal(grads(model), grads(plain))
+    assert session.stats.offloaded_bytes > 0
+
 def test_tensors_off_the_compute_device_are_skipped():
     class SavesMeta(torch.autograd.Function):
         @staticmethod

@@ -39,7 +39,17 @@ module, not to the position: every call of the shared module pushes the frames o
 positions (the last one is innermost, so its swap applies to every call) and a recompute
 configured at any of its positions recomputes every call. Gradients stay exact, but per-layer
 settings that differ between the positions cannot hold, so binding logs a WARNING naming the
-positions and what applies to them.
+positions and what applies to them. A recompute region is wrapped once per module, under the label
+of the first position that configures it: wrapped once per position, the checkpoints nested (three
+deep on a block shared by three positions) and each call was counted at every position in
+``recomputed_by_scope``. A Megatron ``uniform`` unit cannot hold such a module at all: it replaces
+its members' forwards with one checkpoint of the whole unit and pass-throughs, which the module's
+calls at its other positions ran too (another loss, silently, on ``[a, b, a]`` in units of two;
+nothing recomputed on ``[a, a, a]`` in one unit). ``apply`` raises naming the unit and the positions.
+The same holds one level down: a sub-module shared between distinct layers (Zamba's shared attention
+block, a projection tied across layers) that the config names as an op scope in one layer carries that
+layer's hooks and wrapper, so its calls from the other layers are swapped or recomputed too, and
+counted under the configuring layer. Binding warns about each such scope, naming the layers that hold it.
 """
 from __future__ import annotations
 
@@ -103,7 +113,7 @@ def bind(model: nn.Module, plan: Plan, layers_path: str | Sequence[str] | None =
 
     Raises:
         BindError: a container cannot be found, the layer count differs from ``num_layers``, or a
-            uniform recompute unit spans two containers.
+            uniform recompute unit spans two containers or holds a module found at several positions.
     """
     found = find_containers(model, layers_path, plan.layers_path)
     layers = [layer for _, container in found for layer in container]
@@ -116,8 +126,10 @@ def bind(model: nn.Module, plan: Plan, layers_path: str | Sequence[str] | None =
                         "model.model_config.num_layers=null)")
     _check_units(plan, found)
     _warn_shared(type(model).__name__, layers)
+    _check_shared_units(plan, layers)
     bound = [BoundLayer(i, layer, lp, resolve_layer(lp, module_tree(layer)))
              for i, (layer, lp) in enumerate(zip(layers, plan.layers))]
+    _warn_shared_scopes(bound)
     logger.info("Bound layers: %s", describe(found))
     return Binding(model, paths, bound)
 
@@ -133,6 +145,28 @@ def _warn_shared(model_name: str, layers: list[nn.Module]) -> None:
                        "recompute configured for any of these layers; give these layers the same settings "
                        "(Note [One module at several layer positions])", ", ".join(map(str, shared)), model_name,
                        type(layers[shared[0]]).__name__, shared[-1])
+
+
+def _warn_shared_scopes(bound: list[BoundLayer]) -> None:
+    """Note [One module at several layer positions]: a configured op scope that distinct layers share."""
+    holders: dict[int, list[int]] = {}
+    for layer in bound:
+        for module in layer.module.modules():
+            holders.setdefault(id(module), []).append(layer.index)
+    warned: set[int] = set()
+    for layer in bound:
+        for path in dict.fromkeys([*layer.scopes.select, *layer.scopes.comm, *(p for _, p, _ in layer.scopes.op_swap)]):
+            module = layer.submodule(path)
+            held = holders[id(module)]
+            if id(module) in warned or all(bound[i].module is layer.module for i in held):
+                continue
+            warned.add(id(module))
+            logger.warning("swapkit: op scope %s of layer %d is one %s object with layers %s's (a sub-module shared "
+                           "between layers): swapkit's hooks and wrappers belong to the module, so its calls from all "
+                           "these layers get the swap and recompute configured for it here (counted under layer %d); "
+                           "give it the same settings in these layers, or configure its layers instead "
+                           "(Note [One module at several layer positions])", path, layer.index,
+                           type(module).__name__, ", ".join(map(str, held)), layer.index)
 
 
 def container_label(owner: str, path: str) -> str:
@@ -267,6 +301,23 @@ def _check_units(plan: Plan, found: list[tuple[str, nn.Module]]) -> None:
                                 "recompute_num_layers so units stay inside one container, or use "
                                 "recompute_method: block")
         start = end + 1
+
+
+def _check_shared_units(plan: Plan, layers: list[nn.Module]) -> None:
+    """Note [One module at several layer positions]: a uniform unit's members run nowhere else."""
+    positions: dict[int, list[int]] = {}
+    for index, layer in enumerate(layers):
+        positions.setdefault(id(layer), []).append(index)
+    for index, (layer, layer_plan) in enumerate(zip(layers, plan.layers)):
+        unit, shared = layer_plan.unit, positions[id(layer)]
+        if layer_plan.full and unit is not None and unit[0] != unit[1] and len(shared) > 1:
+            raise BindError(
+                f"recompute_method: uniform unit of layers {unit[0]}-{unit[1]}: layer {index} is the "
+                f"{type(layer).__name__} object of layers {', '.join(map(str, shared))} (a module at several "
+                "positions, as in weight-shared ALBERT-style models); a unit replaces the forwards of its layers "
+                "with one checkpoint running them all, which the module's calls at its other positions would run "
+                "too. Use recompute_method: block, or give each position a module of its own "
+                "(Note [One module at several layer positions])")
 
 
 def _walk(model: nn.Module, path: str) -> nn.Module:

@@ -30,6 +30,13 @@ returns a tuple, as Falcon's and T5's do) raises swapkit's error instead of comp
 thing. The last pass-through of a
 unit lets go of the unit's output and arguments, so no tensor (nor the graph behind it) outlives
 the forward that made it; a pass-through called outside a unit's forward computes its layer.
+A model that skips a layer (LayerDrop, stochastic depth, an early exit) cannot be told in advance:
+the unit has already run the skipped layer when the loop moves on, so the forward's output is not the
+model's. Each pass-through records that it was called, and a hook on the unit's output checks in
+backward, before any gradient flows through the unit, that every later layer of the unit was, and
+raises naming the skipped layer otherwise (before, the loss and gradients were silently another model's).
+The hook also lets go of the unit's output that skipped pass-through never collected, so the next
+forward's pass-throughs do not compare their input with it.
 
 Note [Uniform units under FSDP2]
 FSDP2 gathers a module's sharded weights in the pre-forward hook of the module ``fully_shard`` was
@@ -58,25 +65,6 @@ swallowed by ``checkpoint`` and never reach the module, so the keywords travel t
 one positional dict. They are not saved as region inputs either way (non-reentrant checkpointing
 keeps its keyword tensors by reference; a write to one before the re-run raises, region_inputs Note
 [Keyword tensors written after the region]); reentrant checkpointing refuses them.
-
-Note [Norm statistics in recomputation]
-A batch norm in training mode updates its running statistics (``running_mean``, ``running_var``,
-``num_batches_tracked``) as a side effect of its forward, and recomputation runs that forward a
-second time on the same batch: with plain ``torch.utils.checkpoint`` the statistics move twice per
-step (the momentum is effectively doubled and ``num_batches_tracked`` counts two), so a model trained
-with recompute evaluates differently from the same model trained without it, silently. The gradients
-are unaffected: in training mode the output uses the batch's own statistics. Every function swapkit
-re-runs in backward (a recomputed layer, unit or op scope, and an op scope's output recipe) therefore
-puts back, when the re-run ends (also when it ends early: non-reentrant checkpointing stops a
-recomputation once it has what backward needs), the running statistics of the norm modules inside it
-that are in training mode and track them (``_NormBase``: batch and instance norms). Switching
-``track_running_stats`` off for the re-run instead would change what the norm saves for backward,
-which ``torch.utils.checkpoint`` rejects (a different number of saved tensors). The values go back
-through ``.data``, as the norm kernel writes them, without bumping the buffers' version counters:
-the re-run saved them for its own backward (reentrant checkpointing), and a bump would fail their
-version check there. A re-run is recognised by running inside autograd's backward
-(``torch._C._current_graph_task_id() != -1``), which covers reentrant and non-reentrant
-checkpointing and the recipes alike; the first forward is never inside a backward.
 
 Note [Two checkpoints of one layer]
 Hugging Face's gradient checkpointing (``model.gradient_checkpointing_enable()``, or
@@ -112,13 +100,13 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _NormBase
 from torch.utils.checkpoint import checkpoint
 
 from swapkit.runtime.binding import Binding, BoundLayer
 from swapkit.runtime.detach import AttachedForward
 from swapkit.runtime.kv_cache import CacheArguments, cache_warning
 from swapkit.runtime.recipes import capture_state
+from swapkit.runtime.replay import RegionState, checked_replay, replay_safe, written_buffer_error
 from swapkit.runtime.region_inputs import call_region, distinct_inputs, nothing_to_differentiate, unsaved_keywords
 from swapkit.runtime.scope import eager
 
@@ -137,6 +125,7 @@ class Recompute:
         self.output_sink: Any = None  # the swap session, which records recipes while it is active
         self._restore: list[tuple[nn.Module, Any]] = []
         self.wrapped: list[str] = []  # "layer 2: feed_forward", "layers 0-1" ... in apply order
+        self._wrapped_ids: set[int] = set()  # binding Note [One module at several layer positions]
         self._cache_warned = False  # Note [Caches in recomputed regions]: one warning per session
         self._eval_warned = False  # Note [Recompute in eval mode]: one warning per session
         self._twice_warned = False  # Note [Two checkpoints of one layer]: one warning per session
@@ -164,6 +153,7 @@ class Recompute:
                 module.forward = previous
         self._restore.clear()
         self.wrapped.clear()
+        self._wrapped_ids.clear()
 
     def wrapped_modules(self) -> list[nn.Module]:
         """The modules whose ``forward`` is wrapped (detach Note [Copies and pickles of a model ...])."""
@@ -176,12 +166,16 @@ class Recompute:
         self.wrapped.append(label)
 
     def _wrap(self, module: nn.Module, label: str, outputs: bool = False, layer: BoundLayer | None = None) -> None:
+        if id(module) in self._wrapped_ids:  # binding Note [One module at several layer positions]
+            return
+        self._wrapped_ids.add(id(module))
         original = module.forward
         cache = CacheArguments(original)
+        region = RegionState([("", module)])  # replay Note [Regions that write module state]
         # swapkit.runtime.scope Note [Bookkeeping stays out of compiled graphs]
         capture, record = eager(self._capture), eager(self._record)
 
-        replayable = replay_safe(original, [module])  # Note [Norm statistics in recomputation]
+        replayable = replay_safe(original, [module])  # replay Note [Norm statistics in recomputation]
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             if not (module.training and torch.is_grad_enabled()):
@@ -193,12 +187,12 @@ class Recompute:
                 self._check_hf_checkpoint(layer, label)
             args, kwargs = self._no_cache(cache, args, kwargs, label)
             state = capture(args, kwargs) if outputs else None
-            out = self._checkpoint(replayable, args, kwargs, label, module)
+            out, checked = self._checkpoint(replayable, args, kwargs, label, module, region)
             if state is not None:
-                record(replayable, args, kwargs, state, out, label)
+                record(checked, args, kwargs, state, out, label)
             return out
 
-        self._replace_forward(module, forward, label)
+        self._replace_forward(module, region.eager(forward), label)
 
     def _capture(self, args: tuple, kwargs: dict) -> tuple | None:
         """RNG and autocast state for a recipe, when the session records recipes (Note [What an op-level ...])."""
@@ -217,7 +211,7 @@ class Recompute:
         originals = [layer.module.forward for layer in layers]
         head = layers[0].module
         cache = CacheArguments(originals[0])
-        state: dict[str, Any] = {"output": None, "inputs": None}  # output None: pass-throughs compute
+        state: dict[str, Any] = {"output": None, "inputs": None, "called": []}  # output None: pass-throughs compute
 
         def run_unit(h: Any, *args: Any, **kwargs: Any) -> Any:
             for layer, forward in zip(layers, originals):
@@ -228,7 +222,8 @@ class Recompute:
                                       "recompute) for layers that return tuples")
             return h
 
-        replayable = replay_safe(run_unit, [layer.module for layer in layers])  # Note [Norm statistics ...]
+        replayable = replay_safe(run_unit, [layer.module for layer in layers])  # replay Note [Norm statistics ...]
+        region = RegionState([(f"layer {layer.index}: ", layer.module) for layer in layers])
 
         def head_forward(h: Any, *args: Any, **kwargs: Any) -> Any:
             state["output"] = state["inputs"] = None
@@ -241,11 +236,13 @@ class Recompute:
             for layer in layers:
                 self._check_hf_checkpoint(layer, label)
             clean_args, clean_kwargs = self._no_cache(cache, (h, *args), kwargs, label)
-            output = self._checkpoint(replayable, clean_args, clean_kwargs, label, head)
-            state["output"], state["inputs"] = output, (args, kwargs)  # as the pass-throughs receive them
+            output, _ = self._checkpoint(replayable, clean_args, clean_kwargs, label, head, region)
+            called: list[int] = []  # this forward's pass-throughs: Note [Uniform units]
+            state["output"], state["inputs"], state["called"] = output, (args, kwargs), called
+            output.register_hook(_unit_complete(state, called, layers, label))
             return output
 
-        self._replace_forward(head, head_forward, label)
+        self._replace_forward(head, region.eager(head_forward), label)
         for position, layer in enumerate(layers[1:], start=1):
             forward = _pass_through(state, originals[position], layer.index, label, position == len(layers) - 1)
             self._replace_forward(layer.module, forward, f"{label} (pass-through {layer.index})")
@@ -286,8 +283,14 @@ class Recompute:
         return args, kwargs
 
     def _checkpoint(self, function: Callable[..., Any], args: tuple, kwargs: dict, label: str,
-                    module: nn.Module) -> Any:
+                    module: nn.Module, region: RegionState) -> tuple[Any, Callable]:
+        """Run ``function`` as a checkpoint region; returns its output and the function its re-runs call
+        (an output recipe re-runs that one too: replay Note [Module state changed before the re-run])."""
         versions = [(t, t._version) for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+        buffers = region.buffers()  # replay Note [Regions that write module state]
+        expected: list[tuple[str, torch.Tensor, int]] = []  # replay Note [Module state changed ...]
+        drawn = [(generator, generator.get_state()) for generator in region.generators]  # replay Note [Generators ...]
+        function = checked_replay(function, expected, label, drawn)
         inputs, shape = distinct_inputs(args, kwargs)  # region_inputs Note [A tensor passed ...]
         if self.use_reentrant:
             _check_reentrant(args, kwargs, label)
@@ -300,35 +303,12 @@ class Recompute:
         for tensor, version in versions:  # Note [Regions that write their inputs]
             if tensor._version != version:
                 raise _written_input_error(label, module, version, tensor._version)
+        for name, buffer, version in buffers:  # replay Note [Regions that write module state]
+            if buffer._version != version:
+                raise written_buffer_error(label, module, name, version, buffer._version)
+        expected += region.parameters() + buffers
         self._counted(label)
-        return out
-
-
-def replay_safe(function: Callable[..., Any], modules: list[nn.Module]) -> Callable[..., Any]:
-    """``function``, which leaves norm statistics alone when it is re-run in backward.
-
-    Note [Norm statistics in recomputation]
-
-    Args:
-        function: the region's forward (a module's ``forward`` or a unit's loop over its layers).
-        modules: the modules the region runs; their norm modules are looked up at each re-run.
-
-    Returns:
-        A function with ``function``'s signature and result.
-    """
-    def run(*args: Any, **kwargs: Any) -> Any:
-        if torch._C._current_graph_task_id() == -1:  # the first forward: statistics move once, here
-            return function(*args, **kwargs)
-        kept = [(buffer, buffer.clone()) for module in modules for norm in module.modules()
-                if isinstance(norm, _NormBase) and norm.training and norm.track_running_stats
-                for buffer in (norm.running_mean, norm.running_var, norm.num_batches_tracked) if buffer is not None]
-        try:
-            return function(*args, **kwargs)
-        finally:
-            for buffer, value in kept:  # as the norm kernel updates them: no version bump, which would
-                buffer.data.copy_(value)  # fail the version check of the tensors the re-run saved
-
-    return run
+        return out, function
 
 
 def _pass_through(state: dict[str, Any], original: Callable[..., Any], index: int, label: str,
@@ -341,11 +321,30 @@ def _pass_through(state: dict[str, Any], original: Callable[..., Any], index: in
             raise _unit_error(label, index, "was called with a tensor other than the previous layer's output")
         if not _same_arguments((args, kwargs), state["inputs"]):
             raise _unit_error(label, index, "was called with other extra arguments than the first layer of the unit")
+        state["called"].append(index)
         if last:
             state["output"] = state["inputs"] = None
         return h
 
     return forward
+
+
+def _unit_complete(state: dict[str, Any], called: list[int], layers: list[BoundLayer],
+                   label: str) -> Callable[[torch.Tensor], None]:
+    """A hook on a unit's output, run in backward: every later layer of the unit was called in that forward
+    (``called`` lists them), or the unit ran a layer the model skipped (Note [Uniform units])."""
+    def check(grad: torch.Tensor) -> None:
+        missing = [layer.index for layer in layers[1:] if layer.index not in called]
+        if missing and state["called"] is called:  # still waiting for that forward's pass-throughs
+            state["output"] = state["inputs"] = None
+        if missing:
+            first = layers[0].index
+            raise _unit_error(label, missing[0], f"was not called after layer {first} in that forward (the model "
+                              "skipped it, as LayerDrop or an early exit does), but the unit had already run it inside "
+                              f"layer {first}'s checkpoint, so that forward's output and these gradients are not the "
+                              "model's; use recompute_method: block for a model that skips layers")
+
+    return check
 
 
 def _check_unit_sharding(layers: list[BoundLayer], label: str) -> None:
