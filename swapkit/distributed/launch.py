@@ -57,17 +57,27 @@ the first data-parallel rank of every other stage (ranks ``1 .. P-1``: rank ``= 
 not the whole-model lines, which rank 0 already printed: they are the plan's own log lines, known
 before any rank starts. The other data-parallel replicas repeat their stage: WARNING and above only.
 
+Note [A rank's progress bar lock]
+tqdm guards its bars with a ``multiprocessing`` lock, created with the first bar (every rank creates
+one, hidden on all but rank 0). In a rank forked from the fork server that lock is a named POSIX
+semaphore registered with the parent's resource tracker, and a rank killed with SIGKILL never
+unregisters it: after swapkit's one line the tracker warned ``There appear to be 1 leaked semaphore
+objects to clean up at shutdown``. A rank has one bar and no child processes that share it, so it
+uses a thread lock.
+
 SIGINT and SIGTERM: ``swapkit.distributed.signals`` Note [Stopping the ranks] (the parent) and
 Note [Interrupts and finalizers] (each rank, started by ``swapkit train`` or by torchrun).
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
 import pickle
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -77,6 +87,7 @@ import psutil
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from tqdm import tqdm
 
 from swapkit.config.errors import ConfigError, Problem
 from swapkit.config.types import Config
@@ -85,8 +96,8 @@ from swapkit.distributed.pipeline import micro_batch_problems
 from swapkit.distributed.rank_start import RankStart, start_method, world_size
 from swapkit.plan.plan import build_plan
 from swapkit.distributed.signals import (
-    POLL_S, STOP_GRACE_S, ForwardSignals, StopOnSignal, ignore_stop_signals, stop_signals_blocked,
-    stop_when_parent_dies, stopped_ranks, unblock_stop_signals,
+    POLL_S, STOP_GRACE_S, ForwardSignals, StopOnSignal, end_processes, ignore_stop_signals, leave_no_files,
+    rank_processes, stop_signals_blocked, stop_when_parent_dies, stopped_ranks, unblock_stop_signals,
 )
 from swapkit.train.errors import RunFailed
 from swapkit.train.loop import preflight
@@ -164,12 +175,16 @@ def launch(config: Config, device: torch.device, **options: Any) -> TrainResult 
     with tempfile.TemporaryDirectory(prefix="swapkit-ranks-") as folder, ForwardSignals() as signals:
         with stop_signals_blocked():  # the ranks (and a fork server) start with them blocked (Note [Ranks start deaf])
             method = start_method(device.type)  # rank_start Note [Ranks forked from a preloaded server]
+            started = time.time() - 1  # create times are in clock ticks; a second earlier is still long after any reuse
             context = mp.start_processes(_started_rank, args=(world, config, device.type, folder, logger_level(),
                                                               options, RankStart()),
                                          nprocs=world, join=False, start_method=method)
+        ranks = rank_processes(context.processes, started)
         try:
-            _join(context, Path(folder), signals)
+            with _quiet_terminations():
+                _join(context, Path(folder), signals)
         finally:
+            end_processes(ranks, STOP_GRACE_S)  # signals Note [A rank has ended when its process has]
             _remove_error_files(context)
         return torch.load(Path(folder) / "result.pt", weights_only=False)
 
@@ -192,6 +207,19 @@ def _join(context: Any, folder: Path, signals: ForwardSignals) -> None:
         killed = signals.stop(context.processes, STOP_GRACE_S)
         finished = len(list(folder.glob("done*")))  # ranks that had ended on their own
         raise stopped_ranks(signals.signum, len(context.processes) - finished, killed)
+
+
+@contextlib.contextmanager
+def _quiet_terminations():
+    """``torch.multiprocessing`` logs a WARNING for each rank it terminates after one failed; the message
+    swapkit prints says so once ("the other ranks were stopped")."""
+    spawn_logger = logging.getLogger("torch.multiprocessing.spawn")
+    level = spawn_logger.level
+    spawn_logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        spawn_logger.setLevel(level)
 
 
 def exit_message(err: mp.ProcessExitedException) -> str:
@@ -260,12 +288,19 @@ def _started_rank(rank: int, world: int, config: Config, device_type: str, folde
                   options: dict, start: RankStart) -> None:
     StopOnSignal().install()  # Note [Interrupts and finalizers]; torch.multiprocessing exits quietly on Interrupted
     start.take()  # the parent's environment and streams (rank_start Note [Ranks forked from a preloaded server])
-    stop_when_parent_dies(start.parent)  # Note [No rank outlives its parent]
+    tqdm.set_lock(threading.RLock())  # Note [A rank's progress bar lock]
+    parent = stop_when_parent_dies(start.parent)  # Note [No rank outlives its parent]
     try:
         unblock_stop_signals()  # a stop that came while this rank started is raised here (Note [Ranks start deaf])
         _rank_main(rank, world, config, device_type, folder, level, options)
+    except Exception:
+        if not parent.gone():
+            raise  # torch.multiprocessing writes it to its error file for the parent
+        raise SystemExit(1) from None  # nobody reads that file now (Note [An orphaned rank removes the run's files])
     finally:  # ending: a late signal must not raise in the interpreter's shutdown (the parent reaps this rank)
         ignore_stop_signals()
+        if parent.gone():
+            leave_no_files(folder)
 
 
 def _rank_main(rank: int, world: int, config: Config, device_type: str, folder: str, level: int,

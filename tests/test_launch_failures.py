@@ -1,0 +1,94 @@
+"""A rank, the fork server or ``swapkit train`` itself dies mid-run: one message, nothing left behind.
+
+End to end, as ``tests/test_signals.py`` runs them: ``swapkit train`` in its own session, here with a TMPDIR
+of the test's own, so that every file the run leaves in the temporary folder is seen
+(``swapkit.distributed.signals`` Notes [A rank has ended when its process has] and [An orphaned rank removes
+the run's files], ``swapkit.distributed.launch`` Note [A rank's progress bar lock]).
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import tempfile
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.test_signals import BOUND_S, ROOT, _fork_server, _ranks_of, assert_all_gone, start_train, wait_for_step
+
+__all__ = ["start_train"]  # the fixture, used by name
+
+PP2 = str(ROOT / "configs" / "pp2.yaml")
+
+
+@pytest.fixture
+def own_tmpdir(monkeypatch) -> Path:
+    """The run's TMPDIR: short (the fork server's socket is in it) and empty."""
+    folder = Path(tempfile.mkdtemp(prefix="t", dir=tempfile.gettempdir()))
+    monkeypatch.setenv("TMPDIR", str(folder))
+    return folder
+
+
+def leftovers(folder: Path) -> list[str]:
+    return sorted(path.name for path in folder.iterdir())
+
+
+def running(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_a_rank_killed_with_sigkill_ends_the_run_with_one_message(start_train, own_tmpdir):
+    """Before, ``multiprocessing``'s resource tracker warned of a leaked semaphore (tqdm's lock, which the
+    killed rank never released) after swapkit's message, and torch logged each rank it terminated."""
+    child = start_train(PP2, "--steps", "100000")
+    seen = wait_for_step(child)
+    processes = psutil.Process(child.pid).children(recursive=True)
+    ranks = _ranks_of(child)
+    assert len(ranks) == 2
+    ranks[1].kill()
+    _, err = child.communicate(timeout=BOUND_S)
+    output = "".join(seen) + err
+    assert child.returncode == 1, output[-3000:]
+    assert re.search(r"swapkit: rank [01] was killed by SIGKILL \(.*\); the other ranks were stopped\n$", err), err
+    assert "Traceback" not in output and "Terminating process" not in output and "leaked" not in output, err
+    assert_all_gone(processes)
+    assert leftovers(own_tmpdir) == []
+
+
+def test_a_dead_fork_server_ends_the_run_only_after_its_ranks(start_train, own_tmpdir):
+    """``multiprocessing`` learns that a forked rank ended from the fork server; a server that dies reports
+    every rank as ended (255) while they still run. The parent exited at once, and the ranks, still
+    stopping, wrote their failures into the rank folder it had removed: each left a
+    ``pytorch-errorfile-*.pickle`` in TMPDIR."""
+    child = start_train(PP2, "--steps", "100000")
+    seen = wait_for_step(child)
+    processes = psutil.Process(child.pid).children(recursive=True)
+    ranks = _ranks_of(child)
+    assert len(ranks) == 2
+    _fork_server(child).kill()
+    assert child.wait(timeout=BOUND_S) == 1
+    assert [rank.pid for rank in ranks if running(rank)] == []  # ended before the parent did
+    _, err = child.communicate(timeout=BOUND_S)
+    assert "or the fork server it was forked from died" in err, "".join(seen) + err
+    assert "Traceback" not in err and "Terminating process" not in err, err
+    assert_all_gone(processes)
+    assert leftovers(own_tmpdir) == []
+
+
+def test_a_killed_swapkit_train_leaves_no_temporary_files(start_train, own_tmpdir):
+    """kill -9 on the parent: its ranks stop (Note [No rank outlives its parent]), and they, the last
+    processes of the run, remove its rank folder and the fork server's socket folder; before, those and a
+    ``pytorch-errorfile-*.pickle`` of a rank that failed on its stopped peer stayed in TMPDIR."""
+    child = start_train(PP2, "--steps", "100000")
+    wait_for_step(child)
+    processes = psutil.Process(child.pid).children(recursive=True)
+    assert len(_ranks_of(child)) == 2
+    os.kill(child.pid, signal.SIGKILL)
+    child.communicate(timeout=BOUND_S)  # EOF once every rank closed the pipe
+    assert_all_gone(processes)
+    assert leftovers(own_tmpdir) == []
