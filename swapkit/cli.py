@@ -79,7 +79,18 @@ def _failure(err: Exception, verbose: bool) -> str:
     if verbose:
         logger.exception("swapkit: traceback of the failure")
     hint = "" if verbose else "; rerun with -v for the traceback"
-    return f"failed: {type(err).__name__}: {clip(str(err), 500)}{hint}"
+    return f"failed: {_with_causes(err)}{hint}"
+
+
+def _with_causes(err: BaseException, depth: int = 3) -> str:
+    """``Type: message`` of ``err`` and of the errors it was raised from (``raise ... from``), each on one line:
+    torch's pipeline stages wrap a stage's forward or backward error in a RuntimeError of their own whose
+    indented, multi-line text (``[Stage 1] failed to run forward: args: ...``) does not name it."""
+    parts = []
+    while err is not None and len(parts) < depth:
+        parts.append(f"{type(err).__name__}: {clip(' '.join(str(err).split()), 500)}")
+        err = err.__cause__
+    return "; caused by ".join(parts)
 
 
 DESCRIPTION = ("Activation memory per layer and per operator (swap, recompute or keep), driven by "
