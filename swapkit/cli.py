@@ -344,7 +344,7 @@ def _start_rank_server(config: Config, args: argparse.Namespace) -> None:
     from swapkit.distributed.rank_start import start_method, world_size
 
     if world_size(config) > 1 and (args.device or config.train.device) == "cpu" and "RANK" not in os.environ:
-        start_method("cpu")
+        start_method("cpu", warn=False)  # launch asks again, and warns if the server cannot start
 
 
 @contextlib.contextmanager

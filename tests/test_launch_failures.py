@@ -92,3 +92,24 @@ def test_a_killed_swapkit_train_leaves_no_temporary_files(start_train, own_tmpdi
     child.communicate(timeout=BOUND_S)  # EOF once every rank closed the pipe
     assert_all_gone(processes)
     assert leftovers(own_tmpdir) == []
+
+
+def test_ranks_are_spawned_when_tmpdir_is_too_long_for_the_fork_servers_socket(tmp_path):
+    """rank_start Note [A fork server needs a short TMPDIR]: the server listens on a Unix socket in TMPDIR, whose
+    path Linux caps at 108 bytes; a longer TMPDIR failed every CPU pipeline run with ``swapkit: failed:
+    OSError: AF_UNIX path too long``. In a process of its own, so that this test starts the server."""
+    from tests.dist_utils import run_script
+
+    deep = Path(tempfile.mkdtemp(dir=tempfile.gettempdir())) / ("d" * 100)
+    deep.mkdir()
+    script = ("import logging, multiprocessing, os\n"
+              "from multiprocessing import forkserver\n"
+              "from swapkit.distributed.rank_start import start_method\n"
+              "logging.basicConfig(format='%(levelname)s - %(message)s')\n"
+              "print(start_method('cpu', preload=()), forkserver._forkserver._forkserver_pid)\n")
+    done = run_script(tmp_path / "long_tmpdir.py", script, env={"TMPDIR": str(deep)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["spawn", "None"]  # no server started, no failed one either
+    assert f"TMPDIR ({deep}) is too long for the Unix socket of the fork server" in done.stderr, done.stderr
+    short = run_script(tmp_path / "short_tmpdir.py", script, env={"TMPDIR": tempfile.gettempdir()})
+    assert short.stdout.split()[0] == "forkserver" and short.stderr == "", short.stderr
