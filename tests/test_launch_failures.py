@@ -11,6 +11,7 @@ import os
 import re
 import signal
 import tempfile
+import time
 from pathlib import Path
 
 import psutil
@@ -113,3 +114,47 @@ def test_ranks_are_spawned_when_tmpdir_is_too_long_for_the_fork_servers_socket(t
     assert f"TMPDIR ({deep}) is too long for the Unix socket of the fork server" in done.stderr, done.stderr
     short = run_script(tmp_path / "short_tmpdir.py", script, env={"TMPDIR": tempfile.gettempdir()})
     assert short.stdout.split()[0] == "forkserver" and short.stderr == "", short.stderr
+
+
+#: installed as sitecustomize in every process of the run: rank 1 dies before it joins the process group
+DIES_BEFORE_THE_RENDEZVOUS = '''
+import importlib.abc, importlib.util, os, sys
+
+def _patch(launch):
+    join_group = launch._init
+    def _init(config, device, rank, world, init_method):
+        if rank == 1:
+            print("rank 1 dies now", file=sys.stderr, flush=True)
+            os._exit(3)
+        return join_group(config, device, rank, world, init_method)
+    launch._init = _init
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "swapkit.distributed.launch":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+        spec.loader.exec_module = lambda module: (run(module), _patch(module))
+        return spec
+
+sys.meta_path.insert(0, _Finder())
+'''
+
+
+def test_a_rank_that_dies_before_the_rendezvous_ends_the_run_within_seconds(start_train, own_tmpdir, monkeypatch):
+    """launch Note [Peers of a failed rank]: its peers wait for it in the rendezvous, in native code where
+    SIGTERM runs no handler, and torch's join gave them 30 s before SIGKILL: the run took 40-50 s to say so."""
+    (own_tmpdir / "site").mkdir()
+    (own_tmpdir / "site" / "sitecustomize.py").write_text(DIES_BEFORE_THE_RENDEZVOUS)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(own_tmpdir / "site"), str(ROOT)]))
+    child = start_train(PP2, "--steps", "100000")
+    seen = wait_for_step(child, "rank 1 dies now")
+    started = time.monotonic()
+    _, err = child.communicate(timeout=BOUND_S)
+    output = "".join(seen) + err
+    assert child.returncode == 1, output[-3000:]
+    assert "swapkit: rank 1 exited with code 3 without a Python error; the other ranks were stopped\n" in err, err
+    assert time.monotonic() - started < 10, output[-3000:]
+    assert leftovers(own_tmpdir) == ["site"]

@@ -288,7 +288,7 @@ def test_ranks_that_end_within_the_join_that_saw_the_signal_still_report_the_sto
     ended = SimpleNamespace(is_alive=lambda: False, join=lambda: None, pid=-1)
     signals = ForwardSignals()
 
-    def join(timeout: float) -> bool:
+    def join(timeout: float, grace_period: float | None = None) -> bool:
         signals.signum = signal.SIGTERM  # the signal arrives during this join, and both ranks end
         return True
 

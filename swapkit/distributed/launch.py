@@ -57,6 +57,16 @@ the first data-parallel rank of every other stage (ranks ``1 .. P-1``: rank ``= 
 not the whole-model lines, which rank 0 already printed: they are the plan's own log lines, known
 before any rank starts. The other data-parallel replicas repeat their stage: WARNING and above only.
 
+Note [Peers of a failed rank]
+When a rank fails, ``torch.multiprocessing``'s join stops the others: with no grace period it sends
+SIGTERM at once and SIGKILL 30 s later. A peer in a collective fails by itself as soon as the failed
+rank's connections close, but one still in the rendezvous (``init_process_group`` waiting at the
+store for a rank that died before it came, up to ``train.collective_timeout_s``) is in native code,
+where SIGTERM runs no handler: the run ended 40-50 s after a rank died at its start. So the join gets
+``FAILED_RANK_GRACE_S``: the peers have that long to end on their own (recording their own failures,
+Note [The first failure is the cause]), then SIGTERM, then as long again before SIGKILL. The run has
+failed either way; the grace only lets the peers end cleanly when they can.
+
 Note [A rank's progress bar lock]
 tqdm guards its bars with a ``multiprocessing`` lock, created with the first bar (every rank creates
 one, hidden on all but rank 0). In a rank forked from the fork server that lock is a named POSIX
@@ -109,6 +119,8 @@ logger = logging.getLogger(__name__)
 #: Note [Ranks this machine can hold]: lower bounds of the fork server (torch imported) and of a rank's own pages
 SERVER_PROCESS_BYTES = 256 * 2**20
 RANK_PROCESS_BYTES = 16 * 2**20
+#: Note [Peers of a failed rank]: how long they get to end on their own, then again after SIGTERM
+FAILED_RANK_GRACE_S = 2.0
 
 
 class RankFailed(RuntimeError):
@@ -194,7 +206,7 @@ def _join(context: Any, folder: Path, signals: ForwardSignals) -> None:
     done = False
     try:
         while not done and signals.signum is None:
-            done = context.join(timeout=POLL_S)
+            done = context.join(timeout=POLL_S, grace_period=FAILED_RANK_GRACE_S)  # Note [Peers of a failed rank]
     except mp.ProcessRaisedException as err:
         if signals.signum is None:
             raise _first_failure(folder, err.error_index, str(err)) from None
