@@ -187,7 +187,7 @@ def launch(config: Config, device: torch.device, **options: Any) -> TrainResult 
     with tempfile.TemporaryDirectory(prefix="swapkit-ranks-") as folder, ForwardSignals() as signals:
         with stop_signals_blocked():  # the ranks (and a fork server) start with them blocked (Note [Ranks start deaf])
             method = start_method(device.type)  # rank_start Note [Ranks forked from a preloaded server]
-            started = time.time() - 1  # create times are in clock ticks; a second earlier is still long after any reuse
+            started = time.time() - 10  # psutil's start times can be a second early (whole-second boot time)
             context = mp.start_processes(_started_rank, args=(world, config, device.type, folder, logger_level(),
                                                               options, RankStart()),
                                          nprocs=world, join=False, start_method=method)
