@@ -156,5 +156,5 @@ def test_a_rank_that_dies_before_the_rendezvous_ends_the_run_within_seconds(star
     output = "".join(seen) + err
     assert child.returncode == 1, output[-3000:]
     assert "swapkit: rank 1 exited with code 3 without a Python error; the other ranks were stopped\n" in err, err
-    assert time.monotonic() - started < 10, output[-3000:]
+    assert time.monotonic() - started < 15, output[-3000:]  # 2 x 2 s of grace and the exits; 30 s before
     assert leftovers(own_tmpdir) == ["site"]
