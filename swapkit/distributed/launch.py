@@ -47,6 +47,9 @@ parent as a traceback in :class:`RankFailed`. So a rank that fails with one of t
 its problems (plain data: ``Problem`` records or the message) next to its traceback, and the parent
 raises the same error again when that rank failed first, so the CLI reports it exactly as it
 reports the single-process one.
+A collective that timed out is reported the same way, as a :class:`RunFailed` naming
+``train.collective_timeout_s`` and what it means (a peer stopped answering) beside torch's words:
+the traceback of gloo's ``Timed out waiting 10000ms for send operation to complete`` named neither.
 
 Note [Each stage logs its own layers]
 MindFormers logs its ``Set ...`` lines in every stage's process, for the layers that stage builds;
@@ -99,7 +102,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from tqdm import tqdm
 
-from swapkit.config.errors import ConfigError, Problem
+from swapkit.config.errors import ConfigError, Problem, clip
 from swapkit.config.types import Config
 from swapkit.distributed.agree import check_ranks_agree
 from swapkit.distributed.pipeline import micro_batch_problems
@@ -266,12 +269,28 @@ def _first_failure(folder: Path, noticed: int, message: str) -> Exception:
     return RankFailed(f"rank {rank} failed{others}:\n{path.read_text().split(chr(10), 1)[1]}")
 
 
-def _reportable(err: BaseException) -> tuple | None:
+def _reportable(err: BaseException, collective_timeout_s: float) -> tuple | None:
     """What the parent needs to raise ``err`` again (Note [Errors a rank reports as they are])."""
     if isinstance(err, ConfigError):
         return ("config", list(err.problems), err.source)
     if isinstance(err, RunFailed):
         return ("run", str(err))
+    timeout = _collective_timeout(err)
+    if timeout is not None:
+        return ("run", f"a collective waited train.collective_timeout_s ({collective_timeout_s:g} s) for another "
+                       "rank and gave up: a rank stopped answering (stuck, or much slower than the others: then "
+                       f"raise train.collective_timeout_s); torch: {type(timeout).__name__}: {clip(str(timeout), 500)}")
+    return None
+
+
+def _collective_timeout(err: BaseException | None) -> BaseException | None:
+    """The error in ``err``'s chain of causes (a pipeline stage wraps the error of its forward or backward) in
+    which gloo or NCCL says a collective waited ``train.collective_timeout_s``."""
+    while err is not None:
+        text = str(err)
+        if isinstance(err, RuntimeError) and ("Timed out waiting" in text or "collective operation timeout" in text):
+            return err
+        err = err.__cause__
     return None
 
 
@@ -323,7 +342,7 @@ def _rank_main(rank: int, world: int, config: Config, device_type: str, folder: 
     try:
         result = _run(config, device, rank, world, options)
     except BaseException as err:
-        reportable = _reportable(err)
+        reportable = _reportable(err, config.train.collective_timeout_s)
         if reportable is not None:  # before the traceback file, which the parent looks for first
             Path(folder, f"failed{rank}.pkl").write_bytes(pickle.dumps(reportable))
         Path(folder, f"failed{rank}.txt").write_text(f"{time.time()}\n{traceback.format_exc()}")
