@@ -2,7 +2,7 @@
 
 End to end, as ``tests/test_signals.py`` runs them: ``swapkit train`` in its own session, here with a TMPDIR
 of the test's own, so that every file the run leaves in the temporary folder is seen
-(``swapkit.distributed.signals`` Notes [A rank has ended when its process has] and [An orphaned rank removes
+(``swapkit.distributed.rank_end`` Notes [A rank has ended when its process has] and [An orphaned rank removes
 the run's files], ``swapkit.distributed.launch`` Note [A rank's progress bar lock]).
 """
 from __future__ import annotations

@@ -108,9 +108,10 @@ from swapkit.distributed.agree import check_ranks_agree
 from swapkit.distributed.pipeline import micro_batch_problems
 from swapkit.distributed.rank_start import RankStart, start_method, world_size
 from swapkit.plan.plan import build_plan
+from swapkit.distributed.rank_end import end_processes, leave_no_files, rank_processes
 from swapkit.distributed.signals import (
-    POLL_S, STOP_GRACE_S, ForwardSignals, StopOnSignal, end_processes, ignore_stop_signals, leave_no_files,
-    rank_processes, stop_signals_blocked, stop_when_parent_dies, stopped_ranks, unblock_stop_signals,
+    POLL_S, STOP_GRACE_S, ForwardSignals, StopOnSignal, ignore_stop_signals, stop_signals_blocked,
+    stop_when_parent_dies, stopped_ranks, unblock_stop_signals,
 )
 from swapkit.train.errors import RunFailed
 from swapkit.train.loop import preflight
@@ -199,7 +200,7 @@ def launch(config: Config, device: torch.device, **options: Any) -> TrainResult 
             with _quiet_terminations():
                 _join(context, Path(folder), signals)
         finally:
-            end_processes(ranks, STOP_GRACE_S)  # signals Note [A rank has ended when its process has]
+            end_processes(ranks, STOP_GRACE_S)  # rank_end Note [A rank has ended when its process has]
             _remove_error_files(context)
         return torch.load(Path(folder) / "result.pt", weights_only=False)
 
@@ -327,7 +328,8 @@ def _started_rank(rank: int, world: int, config: Config, device_type: str, folde
     except Exception:
         if not parent.gone():
             raise  # torch.multiprocessing writes it to its error file for the parent
-        raise SystemExit(1) from None  # nobody reads that file now (Note [An orphaned rank removes the run's files])
+        # nobody reads that file now: rank_end Note [An orphaned rank removes the run's files]
+        raise SystemExit(1) from None
     finally:  # ending: a late signal must not raise in the interpreter's shutdown (the parent reaps this rank)
         ignore_stop_signals()
         if parent.gone():

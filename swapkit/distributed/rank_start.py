@@ -41,7 +41,7 @@ process, not only the first (the server outlives a launch: Python API users may 
 The server ends once the parent and every process it forked have ended (each holds its pipe open).
 If it dies first (killed), ``multiprocessing`` reads every rank it forked as ended with code 255,
 and torch's ``PR_SET_PDEATHSIG`` sends each of them SIGINT, which stops them; the parent waits for
-them by pid (swapkit.distributed.signals Note [A rank has ended when its process has]). The server, not the
+them by pid (swapkit.distributed.rank_end Note [A rank has ended when its process has]). The server, not the
 parent, reaps a rank, so a rank's pid is free as soon as it ended; the parent signals only ranks it
 has not seen end, and a pid reused within that moment would take a whole cycle of the pid space. A
 module of :data:`RANK_PRELOAD` that fails to import in the server is skipped by ``multiprocessing``
