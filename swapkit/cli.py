@@ -35,7 +35,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, BindError) as err:
         print(f"swapkit: {_blamed(err, getattr(args, 'overrides', ()))}", file=sys.stderr)
         return EXIT_USAGE
-    except Interrupted as err:  # swapkit train's processes: SIGINT or SIGTERM, named
+    except Interrupted as err:  # swapkit train's processes: SIGINT, SIGTERM or SIGHUP, named
         sys.stderr.write(f"swapkit: {err}\n")  # one write: torchrun's ranks share the terminal
         return 128 + err.signum
     except KeyboardInterrupt:
@@ -319,7 +319,7 @@ def _train(config: Config, args: argparse.Namespace, plan: BudgetPlan | None = N
     from swapkit.train.loop import resolve_device, resolve_steps
 
     if world_size(config) == 1:
-        with StopOnSignal():  # SIGINT / SIGTERM: one Interrupted, never lost in a finalizer
+        with StopOnSignal():  # SIGINT / SIGTERM / SIGHUP: one Interrupted, never lost in a finalizer
             result = train(config, steps=args.steps, device=args.device, metrics_out=args.metrics_out,
                            progress=not args.no_progress)
     else:  # pipeline and/or data parallel: one process per rank

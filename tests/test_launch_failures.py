@@ -158,3 +158,21 @@ def test_a_rank_that_dies_before_the_rendezvous_ends_the_run_within_seconds(star
     assert "swapkit: rank 1 exited with code 3 without a Python error; the other ranks were stopped\n" in err, err
     assert time.monotonic() - started < 15, output[-3000:]  # 2 x 2 s of grace and the exits; 30 s before
     assert leftovers(own_tmpdir) == ["site"]
+
+
+def test_a_terminal_hangup_stops_the_run_as_sigterm_does(start_train, own_tmpdir):
+    """signals Note [A hangup is a stop]: closing the terminal (or an SSH session dropping) sends SIGHUP to every
+    process of the run; its default action ended each at once, and the rank folder and the fork server's socket
+    stayed in TMPDIR."""
+    child = start_train(PP2, "--steps", "100000")
+    seen = wait_for_step(child)
+    processes = psutil.Process(child.pid).children(recursive=True)
+    os.killpg(child.pid, signal.SIGHUP)
+    _, err = child.communicate(timeout=BOUND_S)
+    output = "".join(seen) + err
+    assert child.returncode == 128 + signal.SIGHUP, output[-3000:]
+    assert re.search(r"swapkit: interrupted by SIGHUP: stopped 2 rank processes( \(\d killed after the grace "
+                     r"period\))?\n$", err), err
+    assert "Traceback" not in output and "Exception ignored" not in output, output[-3000:]
+    assert_all_gone(processes)
+    assert leftovers(own_tmpdir) == []

@@ -78,7 +78,7 @@ unregisters it: after swapkit's one line the tracker warned ``There appear to be
 objects to clean up at shutdown``. A rank has one bar and no child processes that share it, so it
 uses a thread lock.
 
-SIGINT and SIGTERM: ``swapkit.distributed.signals`` Note [Stopping the ranks] (the parent) and
+SIGINT, SIGTERM and SIGHUP: ``swapkit.distributed.signals`` Note [Stopping the ranks] (the parent) and
 Note [Interrupts and finalizers] (each rank, started by ``swapkit train`` or by torchrun).
 """
 from __future__ import annotations
@@ -177,7 +177,7 @@ def launch(config: Config, device: torch.device, **options: Any) -> TrainResult 
     Raises:
         RankFailed: a rank raised (its traceback is in the message).
         ConfigError, RunFailed: the rank that failed first raised this (Note [Errors a rank reports as they are]).
-        Interrupted: SIGINT or SIGTERM; every rank was stopped and reaped first (Note [Stopping the ranks]).
+        Interrupted: SIGINT, SIGTERM or SIGHUP; every rank was stopped and reaped first (Note [Stopping the ranks]).
     """
     check(config, device)
     world = world_size(config)

@@ -1,4 +1,4 @@
-"""SIGINT and SIGTERM in the processes ``swapkit train`` owns: one clear stop, no tracebacks, no orphans.
+"""SIGINT, SIGTERM and SIGHUP in the processes ``swapkit train`` owns: one clear stop, no tracebacks, no orphans.
 
 Note [Stopping the ranks]
 A scheduler (or ``kill -INT PID``) signals only the process it started: the parent of the
@@ -11,6 +11,15 @@ importing (before it installed :class:`StopOnSignal`) then exits at once and qui
 would print a ``KeyboardInterrupt`` traceback from the interpreter's start-up; once installed, the
 rank treats both alike. A ``SIG_IGN`` inherited for a signal (``nohup``, a background job of a
 script) is kept: that signal stays ignored.
+
+Note [A hangup is a stop]
+Closing the terminal, or an SSH session that drops, sends SIGHUP to every process of the run, whose
+default action ends each at once: no cleanup ran, and the rank folder and the fork server's socket
+stayed in TMPDIR. SIGHUP is therefore the third stop signal, handled as SIGTERM is (exit status
+``128 + 1``), as torchrun's agent also treats it; ``nohup swapkit train ...`` starts it ignored, and
+an inherited ignore is kept. The fork server is not swapkit's and dies of it (it reports every rank
+as ended): the parent then waits for each rank process itself (swapkit.distributed.rank_end Note [A
+rank has ended when its process has]).
 
 Note [Interrupts and finalizers]
 Python runs a signal's handler on the main thread between any two bytecodes, finalizers included.
@@ -88,14 +97,14 @@ import psutil
 
 logger = logging.getLogger(__name__)
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # Note [A hangup is a stop]
 RETRY_S = 0.005  # Note [Interrupts and finalizers]: a finalizer returns well within this
 POLL_S = 0.1
 STOP_GRACE_S = 10.0  # Note [Stopping the ranks]: a rank stops within a step; this is for one stuck in native code
 
 
 class Interrupted(KeyboardInterrupt):
-    """The run was stopped by SIGINT or SIGTERM; a ``KeyboardInterrupt``, so every cleanup for Ctrl-C runs.
+    """The run was stopped by one of :data:`STOP_SIGNALS`; a ``KeyboardInterrupt``, so every cleanup for Ctrl-C runs.
 
     Attributes:
         signum: the signal received; the CLI exits with ``128 + signum``.
@@ -216,7 +225,7 @@ def _interrupt_propagating() -> bool:
 
 
 class _StopHandlers:
-    """SIGINT and SIGTERM go to ``self._handle`` while installed (main thread only, an inherited ignore kept)."""
+    """The stop signals go to ``self._handle`` while installed (main thread only, an inherited ignore kept)."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
@@ -241,7 +250,7 @@ class _StopHandlers:
 
 
 class StopOnSignal(_StopHandlers):
-    """SIGINT and SIGTERM raise :class:`Interrupted`, never inside a finalizer (Note [Interrupts and finalizers]).
+    """The stop signals raise :class:`Interrupted`, never inside a finalizer (Note [Interrupts and finalizers]).
 
     For processes swapkit owns: a rank, or the CLI's single-process run. Installed on entry (on the
     main thread only), the previous handlers restored on exit. An ``Exception`` leaving the block after
@@ -321,7 +330,7 @@ class StopOnSignal(_StopHandlers):
 
 
 class ForwardSignals(_StopHandlers):
-    """The parent's side of Note [Stopping the ranks]: remember SIGINT / SIGTERM, stop and reap the ranks.
+    """The parent's side of Note [Stopping the ranks]: remember a stop signal, stop and reap the ranks.
 
     Attributes:
         signum: the first stop signal received, ``None`` if none.
