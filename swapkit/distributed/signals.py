@@ -375,6 +375,9 @@ def _send(process: Any, signum: int) -> None:
 
 
 def stopped_ranks(signum: int, stopped: int, killed: int) -> Interrupted:
-    """The parent's :class:`Interrupted`: ``interrupted by SIGINT: stopped 2 rank processes``."""
+    """The parent's :class:`Interrupted`: ``interrupted by SIGINT: stopped 2 rank processes``, or, when every rank
+    had ended its work before the signal came, that the run was complete but for the summary."""
+    if stopped == 0:
+        return Interrupted(signum, "every rank had finished its steps; the summary was not printed")
     text = f"stopped {stopped} rank process{'es' if stopped != 1 else ''}"
     return Interrupted(signum, text + (f" ({killed} killed after the grace period)" if killed else ""))
