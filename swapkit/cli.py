@@ -38,7 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, BindError) as err:
         print(f"swapkit: {_blamed(err, getattr(args, 'overrides', ()))}", file=sys.stderr)
         return EXIT_USAGE
-    except Interrupted as err:  # swapkit train's processes: SIGINT or SIGTERM, named
+    except Interrupted as err:  # swapkit train's processes: SIGINT, SIGTERM or SIGHUP, named
         sys.stderr.write(f"swapkit: {err}\n")  # one write: torchrun's ranks share the terminal
         return 128 + err.signum
     except KeyboardInterrupt:
@@ -82,7 +82,18 @@ def _failure(err: Exception, verbose: bool) -> str:
     if verbose:
         logger.exception("swapkit: traceback of the failure")
     hint = "" if verbose else "; rerun with -v for the traceback"
-    return f"failed: {type(err).__name__}: {clip(str(err), 500)}{hint}"
+    return f"failed: {_with_causes(err)}{hint}"
+
+
+def _with_causes(err: BaseException, depth: int = 3) -> str:
+    """``Type: message`` of ``err`` and of the errors it was raised from (``raise ... from``), each on one line:
+    torch's pipeline stages wrap a stage's forward or backward error in a RuntimeError of their own whose
+    indented, multi-line text (``[Stage 1] failed to run forward: args: ...``) does not name it."""
+    parts = []
+    while err is not None and len(parts) < depth:
+        parts.append(f"{type(err).__name__}: {clip(' '.join(str(err).split()), 500)}")
+        err = err.__cause__
+    return "; caused by ".join(parts)
 
 
 DESCRIPTION = ("Activation memory per layer and per operator (swap, recompute or keep), driven by "
@@ -306,14 +317,14 @@ def _train(config: Config, args: argparse.Namespace, plan: BudgetPlan | None = N
     with the ``plan`` it came from (``--budget``), its measured peaks are checked against the budget."""
     from swapkit.distributed.signals import StopOnSignal
 
-    with StopOnSignal():  # SIGINT / SIGTERM: one Interrupted, never lost in a finalizer (Note [Stopped early])
+    with StopOnSignal():  # SIGINT / SIGTERM / SIGHUP: one Interrupted, never lost in a finalizer (Note [Stopped early])
         return _train_stoppable(config, args, plan)
 
 
 # Note [Stopped early]
 # The fork server of a run's CPU ranks starts before this process imports torch (rank_start Note [The
 # server starts first]), and the ranks' launch installs its own handlers (signals Note [Stopping the
-# ranks]) seconds later. A SIGTERM in between met the default action: the process died with no word and
+# ranks]) seconds later. A SIGTERM or SIGHUP in between met the default action: the process died with no word and
 # left the server's socket folder (`pymp-*`) in TMPDIR, which only an orderly exit removes. The stop
 # handlers are therefore installed before the server starts: a stop then is one Interrupted line and
 # an orderly exit (the server ends when this process's pipe to it closes); launch's handlers take over
@@ -349,7 +360,7 @@ def _start_rank_server(config: Config, args: argparse.Namespace) -> None:
     from swapkit.distributed.rank_start import start_method, world_size
 
     if world_size(config) > 1 and (args.device or config.train.device) == "cpu" and "RANK" not in os.environ:
-        start_method("cpu")
+        start_method("cpu", warn=False)  # launch asks again, and warns if the server cannot start
 
 
 @contextlib.contextmanager

@@ -48,17 +48,17 @@ PRELOAD = (*RANK_PRELOAD, "pytest")
 
 
 def run_script(path: Path, source: str, *args: str, close_stderr: bool = False,
-               timeout_s: float = 60) -> subprocess.CompletedProcess:
+               timeout_s: float = 60, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Write ``source`` to ``path`` and run it with this checkout importable; its output comes back as text.
 
     A file, not ``python -c``: the processes a script starts with ``forkserver`` import its functions by
-    name. ``close_stderr`` starts it as ``2>&-`` would.
+    name. ``close_stderr`` starts it as ``2>&-`` would; ``env`` adds to this process's environment.
     """
     path.write_text(source)
     root = Path(__file__).resolve().parents[1]
     return subprocess.run([sys.executable, str(path), *args], cwd=root, capture_output=not close_stderr,
                           stdout=subprocess.PIPE if close_stderr else None, text=True, timeout=timeout_s,
-                          env={**os.environ, "PYTHONPATH": str(root)},
+                          env={**os.environ, **(env or {}), "PYTHONPATH": str(root)},
                           preexec_fn=(lambda: os.close(2)) if close_stderr else None)
 
 

@@ -274,6 +274,24 @@ def test_an_unexpected_exception_is_one_line_with_exit_1(tmp_path, capsys, monke
     assert "Traceback" not in err
 
 
+def test_an_unexpected_exception_names_the_error_it_wraps(tmp_path, capsys, monkeypatch):
+    """torch's pipeline stages wrap a forward's or backward's error in a RuntimeError of their own whose text
+    does not name it (``[Stage 1] failed to run forward: args: ...``); a torchrun rank printed only that."""
+    def broken(*args, **kwargs):
+        try:
+            raise ZeroDivisionError("boom")
+        except ZeroDivisionError as err:
+            raise RuntimeError("\n            [Stage 1] failed to run forward:\n            kwargs: {}\n") from err
+
+    monkeypatch.setattr(train_loop, "lm_loss", broken)
+    status = cli.main(["train", str(_write(tmp_path, BASE)), "--steps", "1", "--no-progress"])
+    err = capsys.readouterr().err
+    assert status == 1
+    assert ("swapkit: failed: RuntimeError: [Stage 1] failed to run forward: kwargs: {}; caused by "
+            "ZeroDivisionError: boom; rerun with -v for the traceback\n") in err, err
+    assert "Traceback" not in err
+
+
 # ---------------------------------------------------------------- the thread engine's link options
 
 @pytest.mark.parametrize("options, message", [

@@ -46,7 +46,7 @@ def test_a_config_error_in_a_rank_is_one_message_with_exit_2(saved, tmp_path, ca
 
 def _fail(folder, rank: int, when: float, error: BaseException | None = None) -> None:
     if error is not None:
-        (folder / f"failed{rank}.pkl").write_bytes(pickle.dumps(launch._reportable(error)))
+        (folder / f"failed{rank}.pkl").write_bytes(pickle.dumps(launch._reportable(error, 300.0)))
     (folder / f"failed{rank}.txt").write_text(f"{when}\nTraceback (most recent call last):\n  boom {rank}\n")
 
 
@@ -63,6 +63,24 @@ def test_the_first_failed_rank_is_reported_with_its_traceback_or_its_own_error(t
     error = launch._first_failure(tmp_path, 1, "noticed")
     assert isinstance(error, ConfigError) and error.problems == (Problem("train.seed", "0 -> 1"),)
     assert error.source == "pp2.yaml"
+
+
+def test_a_collective_timeout_is_reported_with_the_setting_that_bounds_it(tmp_path):
+    """Note [Errors a rank reports as they are]: a rank whose peer stopped answering (stuck in Python, or much
+    slower) fails in gloo after train.collective_timeout_s; the run printed that rank's traceback, ending in
+    ``Timed out waiting 10000ms for send operation to complete``, which names neither the setting nor the cause."""
+    timed_out = RuntimeError("[../gloo/transport/tcp/unbound_buffer.cc:129] Timed out waiting 10000ms for send "
+                             "operation to complete")
+    assert launch._reportable(RuntimeError("Mismatch in shape"), 10.0) is None
+    (tmp_path / "failed0.pkl").write_bytes(pickle.dumps(launch._reportable(timed_out, 10.0)))
+    (tmp_path / "failed0.txt").write_text("1.0\nTraceback (most recent call last):\n  boom 0\n")
+    error = launch._first_failure(tmp_path, 1, "noticed")
+    assert isinstance(error, RunFailed)
+    assert str(error) == (
+        "rank 0: a collective waited train.collective_timeout_s (10 s) for another rank and gave up: a rank "
+        "stopped answering (stuck, or much slower than the others: then raise train.collective_timeout_s); "
+        "torch: RuntimeError: [../gloo/transport/tcp/unbound_buffer.cc:129] Timed out waiting 10000ms for send "
+        "operation to complete")
 
 
 def test_every_rank_resumes_the_newest_step_all_ranks_saved(saved, tmp_path, capfd):

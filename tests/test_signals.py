@@ -288,7 +288,7 @@ def test_ranks_that_end_within_the_join_that_saw_the_signal_still_report_the_sto
     ended = SimpleNamespace(is_alive=lambda: False, join=lambda: None, pid=-1)
     signals = ForwardSignals()
 
-    def join(timeout: float) -> bool:
+    def join(timeout: float, grace_period: float | None = None) -> bool:
         signals.signum = signal.SIGTERM  # the signal arrives during this join, and both ranks end
         return True
 
@@ -296,6 +296,28 @@ def test_ranks_that_end_within_the_join_that_saw_the_signal_still_report_the_sto
     with pytest.raises(Interrupted) as info:
         _join(context, tmp_path, signals)
     assert info.value.signum == signal.SIGTERM and "stopped 2 rank processes" in str(info.value)
+
+
+def test_a_stop_after_every_rank_finished_says_so(tmp_path):
+    """A Ctrl-C while the ranks were already exiting after their last step said ``stopped 0 rank processes``: the
+    run was complete (checkpoints and metrics written); only the summary was not printed."""
+    from types import SimpleNamespace
+
+    from swapkit.distributed.launch import _join
+    from swapkit.distributed.signals import ForwardSignals
+
+    for rank in range(2):
+        (tmp_path / f"done{rank}").touch()
+    exiting = SimpleNamespace(is_alive=lambda: False, join=lambda: None, pid=-1)
+    signals = ForwardSignals()
+
+    def join(timeout: float, grace_period: float | None = None) -> bool:
+        signals.signum = signal.SIGINT  # the ranks wrote their done files and are still exiting
+        return False
+
+    with pytest.raises(Interrupted) as info:
+        _join(SimpleNamespace(join=join, processes=[exiting, exiting]), tmp_path, signals)
+    assert str(info.value) == "interrupted by SIGINT: every rank had finished its steps; the summary was not printed"
 
 
 def test_ctrl_c_while_the_ranks_start_stops_them_without_tracebacks(start_train, monkeypatch):

@@ -47,6 +47,9 @@ parent as a traceback in :class:`RankFailed`. So a rank that fails with one of t
 its problems (plain data: ``Problem`` records or the message) next to its traceback, and the parent
 raises the same error again when that rank failed first, so the CLI reports it exactly as it
 reports the single-process one.
+A collective that timed out is reported the same way, as a :class:`RunFailed` naming
+``train.collective_timeout_s`` and what it means (a peer stopped answering) beside torch's words:
+the traceback of gloo's ``Timed out waiting 10000ms for send operation to complete`` named neither.
 
 Note [Each stage logs its own layers]
 MindFormers logs its ``Set ...`` lines in every stage's process, for the layers that stage builds;
@@ -57,17 +60,37 @@ the first data-parallel rank of every other stage (ranks ``1 .. P-1``: rank ``= 
 not the whole-model lines, which rank 0 already printed: they are the plan's own log lines, known
 before any rank starts. The other data-parallel replicas repeat their stage: WARNING and above only.
 
-SIGINT and SIGTERM: ``swapkit.distributed.signals`` Note [Stopping the ranks] (the parent) and
+Note [Peers of a failed rank]
+When a rank fails, ``torch.multiprocessing``'s join stops the others: with no grace period it sends
+SIGTERM at once and SIGKILL 30 s later. A peer in a collective fails by itself as soon as the failed
+rank's connections close, but one still in the rendezvous (``init_process_group`` waiting at the
+store for a rank that died before it came, up to ``train.collective_timeout_s``) is in native code,
+where SIGTERM runs no handler: the run ended 40-50 s after a rank died at its start. So the join gets
+``FAILED_RANK_GRACE_S``: the peers have that long to end on their own (recording their own failures,
+Note [The first failure is the cause]), then SIGTERM, then as long again before SIGKILL. The run has
+failed either way; the grace only lets the peers end cleanly when they can.
+
+Note [A rank's progress bar lock]
+tqdm guards its bars with a ``multiprocessing`` lock, created with the first bar (every rank creates
+one, hidden on all but rank 0). In a rank forked from the fork server that lock is a named POSIX
+semaphore registered with the parent's resource tracker, and a rank killed with SIGKILL never
+unregisters it: after swapkit's one line the tracker warned ``There appear to be 1 leaked semaphore
+objects to clean up at shutdown``. A rank has one bar and no child processes that share it, so it
+uses a thread lock.
+
+SIGINT, SIGTERM and SIGHUP: ``swapkit.distributed.signals`` Note [Stopping the ranks] (the parent) and
 Note [Interrupts and finalizers] (each rank, started by ``swapkit train`` or by torchrun).
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
 import pickle
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -77,13 +100,15 @@ import psutil
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from tqdm import tqdm
 
-from swapkit.config.errors import ConfigError, Problem
+from swapkit.config.errors import ConfigError, Problem, clip
 from swapkit.config.types import Config
 from swapkit.distributed.agree import check_ranks_agree
 from swapkit.distributed.pipeline import micro_batch_problems
 from swapkit.distributed.rank_start import RankStart, start_method, world_size
 from swapkit.plan.plan import build_plan
+from swapkit.distributed.rank_end import end_processes, leave_no_files, rank_processes
 from swapkit.distributed.signals import (
     POLL_S, STOP_GRACE_S, ForwardSignals, StopOnSignal, ignore_stop_signals, stop_signals_blocked,
     stop_when_parent_dies, stopped_ranks, unblock_stop_signals,
@@ -98,6 +123,8 @@ logger = logging.getLogger(__name__)
 #: Note [Ranks this machine can hold]: lower bounds of the fork server (torch imported) and of a rank's own pages
 SERVER_PROCESS_BYTES = 256 * 2**20
 RANK_PROCESS_BYTES = 16 * 2**20
+#: Note [Peers of a failed rank]: how long they get to end on their own, then again after SIGTERM
+FAILED_RANK_GRACE_S = 2.0
 
 
 class RankFailed(RuntimeError):
@@ -150,7 +177,7 @@ def launch(config: Config, device: torch.device, **options: Any) -> TrainResult 
     Raises:
         RankFailed: a rank raised (its traceback is in the message).
         ConfigError, RunFailed: the rank that failed first raised this (Note [Errors a rank reports as they are]).
-        Interrupted: SIGINT or SIGTERM; every rank was stopped and reaped first (Note [Stopping the ranks]).
+        Interrupted: SIGINT, SIGTERM or SIGHUP; every rank was stopped and reaped first (Note [Stopping the ranks]).
     """
     check(config, device)
     world = world_size(config)
@@ -164,12 +191,16 @@ def launch(config: Config, device: torch.device, **options: Any) -> TrainResult 
     with tempfile.TemporaryDirectory(prefix="swapkit-ranks-") as folder, ForwardSignals() as signals:
         with stop_signals_blocked():  # the ranks (and a fork server) start with them blocked (Note [Ranks start deaf])
             method = start_method(device.type)  # rank_start Note [Ranks forked from a preloaded server]
+            started = time.time() - 10  # psutil's start times can be a second early (whole-second boot time)
             context = mp.start_processes(_started_rank, args=(world, config, device.type, folder, logger_level(),
                                                               options, RankStart()),
                                          nprocs=world, join=False, start_method=method)
+        ranks = rank_processes(context.processes, started)
         try:
-            _join(context, Path(folder), signals)
+            with _quiet_terminations():
+                _join(context, Path(folder), signals)
         finally:
+            end_processes(ranks, STOP_GRACE_S)  # rank_end Note [A rank has ended when its process has]
             _remove_error_files(context)
         return torch.load(Path(folder) / "result.pt", weights_only=False)
 
@@ -179,7 +210,7 @@ def _join(context: Any, folder: Path, signals: ForwardSignals) -> None:
     done = False
     try:
         while not done and signals.signum is None:
-            done = context.join(timeout=POLL_S)
+            done = context.join(timeout=POLL_S, grace_period=FAILED_RANK_GRACE_S)  # Note [Peers of a failed rank]
     except mp.ProcessRaisedException as err:
         if signals.signum is None:
             raise _first_failure(folder, err.error_index, str(err)) from None
@@ -192,6 +223,19 @@ def _join(context: Any, folder: Path, signals: ForwardSignals) -> None:
         killed = signals.stop(context.processes, STOP_GRACE_S)
         finished = len(list(folder.glob("done*")))  # ranks that had ended on their own
         raise stopped_ranks(signals.signum, len(context.processes) - finished, killed)
+
+
+@contextlib.contextmanager
+def _quiet_terminations():
+    """``torch.multiprocessing`` logs a WARNING for each rank it terminates after one failed; the message
+    swapkit prints says so once ("the other ranks were stopped")."""
+    spawn_logger = logging.getLogger("torch.multiprocessing.spawn")
+    level = spawn_logger.level
+    spawn_logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        spawn_logger.setLevel(level)
 
 
 def exit_message(err: mp.ProcessExitedException) -> str:
@@ -226,12 +270,28 @@ def _first_failure(folder: Path, noticed: int, message: str) -> Exception:
     return RankFailed(f"rank {rank} failed{others}:\n{path.read_text().split(chr(10), 1)[1]}")
 
 
-def _reportable(err: BaseException) -> tuple | None:
+def _reportable(err: BaseException, collective_timeout_s: float) -> tuple | None:
     """What the parent needs to raise ``err`` again (Note [Errors a rank reports as they are])."""
     if isinstance(err, ConfigError):
         return ("config", list(err.problems), err.source)
     if isinstance(err, RunFailed):
         return ("run", str(err))
+    timeout = _collective_timeout(err)
+    if timeout is not None:
+        return ("run", f"a collective waited train.collective_timeout_s ({collective_timeout_s:g} s) for another "
+                       "rank and gave up: a rank stopped answering (stuck, or much slower than the others: then "
+                       f"raise train.collective_timeout_s); torch: {type(timeout).__name__}: {clip(str(timeout), 500)}")
+    return None
+
+
+def _collective_timeout(err: BaseException | None) -> BaseException | None:
+    """The error in ``err``'s chain of causes (a pipeline stage wraps the error of its forward or backward) in
+    which gloo or NCCL says a collective waited ``train.collective_timeout_s``."""
+    while err is not None:
+        text = str(err)
+        if isinstance(err, RuntimeError) and ("Timed out waiting" in text or "collective operation timeout" in text):
+            return err
+        err = err.__cause__
     return None
 
 
@@ -260,12 +320,20 @@ def _started_rank(rank: int, world: int, config: Config, device_type: str, folde
                   options: dict, start: RankStart) -> None:
     StopOnSignal().install()  # Note [Interrupts and finalizers]; torch.multiprocessing exits quietly on Interrupted
     start.take()  # the parent's environment and streams (rank_start Note [Ranks forked from a preloaded server])
-    stop_when_parent_dies(start.parent)  # Note [No rank outlives its parent]
+    tqdm.set_lock(threading.RLock())  # Note [A rank's progress bar lock]
+    parent = stop_when_parent_dies(start.parent)  # Note [No rank outlives its parent]
     try:
         unblock_stop_signals()  # a stop that came while this rank started is raised here (Note [Ranks start deaf])
         _rank_main(rank, world, config, device_type, folder, level, options)
+    except Exception:
+        if not parent.gone():
+            raise  # torch.multiprocessing writes it to its error file for the parent
+        # nobody reads that file now: rank_end Note [An orphaned rank removes the run's files]
+        raise SystemExit(1) from None
     finally:  # ending: a late signal must not raise in the interpreter's shutdown (the parent reaps this rank)
         ignore_stop_signals()
+        if parent.gone():
+            leave_no_files(folder)
 
 
 def _rank_main(rank: int, world: int, config: Config, device_type: str, folder: str, level: int,
@@ -276,7 +344,7 @@ def _rank_main(rank: int, world: int, config: Config, device_type: str, folder: 
     try:
         result = _run(config, device, rank, world, options)
     except BaseException as err:
-        reportable = _reportable(err)
+        reportable = _reportable(err, config.train.collective_timeout_s)
         if reportable is not None:  # before the traceback file, which the parent looks for first
             Path(folder, f"failed{rank}.pkl").write_bytes(pickle.dumps(reportable))
         Path(folder, f"failed{rank}.txt").write_text(f"{time.time()}\n{traceback.format_exc()}")

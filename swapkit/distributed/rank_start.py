@@ -40,7 +40,8 @@ process, not only the first (the server outlives a launch: Python API users may 
   process itself (swapkit.distributed.signals Note [No rank outlives its parent]).
 The server ends once the parent and every process it forked have ended (each holds its pipe open).
 If it dies first (killed), ``multiprocessing`` reads every rank it forked as ended with code 255,
-and torch's ``PR_SET_PDEATHSIG`` sends each of them SIGINT, which stops them. The server, not the
+and torch's ``PR_SET_PDEATHSIG`` sends each of them SIGINT, which stops them; the parent waits for
+them by pid (swapkit.distributed.rank_end Note [A rank has ended when its process has]). The server, not the
 parent, reaps a rank, so a rank's pid is free as soon as it ended; the parent signals only ranks it
 has not seen end, and a pid reused within that moment would take a whole cycle of the pid space. A
 module of :data:`RANK_PRELOAD` that fails to import in the server is skipped by ``multiprocessing``
@@ -52,20 +53,36 @@ parent imports torch (``swapkit.cli._start_rank_server``): the server's imports 
 parent's own and its checks (the op patterns on a meta model, the memory estimate), on the other
 core, instead of after them. ``launch`` finds it running. A run that then fails a check (exit 2)
 leaves nothing behind: the server ends with its parent.
+
+Note [A fork server needs a short TMPDIR]
+The server listens on a Unix socket that ``multiprocessing`` makes in a ``pymp-*`` folder of TMPDIR,
+and the kernel caps a socket's path (108 bytes on Linux with the terminating NUL, 104 on macOS). With
+a longer TMPDIR the server cannot start, and every CPU run on several ranks failed with ``swapkit:
+failed: OSError: AF_UNIX path too long``, while one process trained. Before it starts the server,
+:func:`start_method` measures the path the socket would have; when it does not fit, the ranks are
+spawned as CUDA ranks are (each imports torch itself: slower, the same run) and a WARNING says so and
+how to get the fast start back.
 """
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import signal
 import sys
-from multiprocessing import forkserver, reduction
+import tempfile
+from multiprocessing import forkserver, reduction, util
 from typing import TYPE_CHECKING, Any, Sequence
 
 from swapkit.distributed.signals import stop_signals_blocked
 
 if TYPE_CHECKING:
     from swapkit.config.types import Config
+
+logger = logging.getLogger(__name__)
+
+#: Note [A fork server needs a short TMPDIR]: the longest path a Unix socket binds to (the NUL takes a byte)
+SOCKET_PATH_MAX = 107 if sys.platform.startswith("linux") else 103
 
 #: what the fork server imports once, before it forks any rank: all a rank of swapkit train needs
 RANK_PRELOAD = ("torch", "torch._dynamo", "torch.distributed.fsdp", "torch.distributed.pipelining",
@@ -78,20 +95,38 @@ def world_size(config: Config) -> int:
     return config.parallel.pipeline_stage * config.parallel.data_parallel
 
 
-def start_method(device_type: str, preload: Sequence[str] = RANK_PRELOAD) -> str:
+def start_method(device_type: str, preload: Sequence[str] = RANK_PRELOAD, warn: bool = True) -> str:
     """``forkserver`` for CPU ranks, with the server started now (SIGINT blocked) if it is not running;
-    ``spawn`` for CUDA ranks (Note [Ranks forked from a preloaded server]).
+    ``spawn`` for CUDA ranks (Note [Ranks forked from a preloaded server]), and for CPU ranks when TMPDIR is
+    too long for the server's socket (Note [A fork server needs a short TMPDIR]).
 
     Args:
         device_type: the ranks' device type.
         preload: the modules a server started now imports.
+        warn: log the WARNING of Note [A fork server needs a short TMPDIR] (the CLI's early start leaves it
+            to the launch, which asks again).
     """
-    if device_type == "cuda":
+    if device_type == "cuda" or not _server_socket_fits(warn):
         return "spawn"
     multiprocessing.get_context("forkserver").set_forkserver_preload(list(preload))
     with stop_signals_blocked((signal.SIGINT,)):
         forkserver.ensure_running()  # a no-op once it runs: the preload and the mask are its first start's
     return "forkserver"
+
+
+def _server_socket_fits(warn: bool) -> bool:
+    """Note [A fork server needs a short TMPDIR]: whether a server started now can bind its socket."""
+    if forkserver._forkserver._forkserver_pid is not None:  # started once: a restart binds in the same folder
+        return True
+    listener = os.path.join(util.get_temp_dir(), "listener-" + "x" * 8)  # as multiprocessing names it
+    if len(os.fsencode(listener)) <= SOCKET_PATH_MAX:
+        return True
+    if warn:
+        logger.warning("swapkit: TMPDIR (%s) is too long for the Unix socket of the fork server that CPU ranks are "
+                       "forked from (%d bytes of at most %d with its file name); the ranks are spawned instead, "
+                       "each importing torch itself (seconds per rank). Set TMPDIR to a shorter folder for the fast "
+                       "start", tempfile.gettempdir(), len(os.fsencode(listener)), SOCKET_PATH_MAX)
+    return False
 
 
 class RankStart:

@@ -1,4 +1,4 @@
-"""SIGINT and SIGTERM in the processes ``swapkit train`` owns: one clear stop, no tracebacks, no orphans.
+"""SIGINT, SIGTERM and SIGHUP in the processes ``swapkit train`` owns: one clear stop, no tracebacks, no orphans.
 
 Note [Stopping the ranks]
 A scheduler (or ``kill -INT PID``) signals only the process it started: the parent of the
@@ -11,6 +11,15 @@ importing (before it installed :class:`StopOnSignal`) then exits at once and qui
 would print a ``KeyboardInterrupt`` traceback from the interpreter's start-up; once installed, the
 rank treats both alike. A ``SIG_IGN`` inherited for a signal (``nohup``, a background job of a
 script) is kept: that signal stays ignored.
+
+Note [A hangup is a stop]
+Closing the terminal, or an SSH session that drops, sends SIGHUP to every process of the run, whose
+default action ends each at once: no cleanup ran, and the rank folder and the fork server's socket
+stayed in TMPDIR. SIGHUP is therefore the third stop signal, handled as SIGTERM is (exit status
+``128 + 1``), as torchrun's agent also treats it; ``nohup swapkit train ...`` starts it ignored, and
+an inherited ignore is kept. The fork server is not swapkit's and dies of it (it reports every rank
+as ended): the parent then waits for each rank process itself (swapkit.distributed.rank_end Note [A
+rank has ended when its process has]).
 
 Note [Interrupts and finalizers]
 Python runs a signal's handler on the main thread between any two bytecodes, finalizers included.
@@ -88,14 +97,14 @@ import psutil
 
 logger = logging.getLogger(__name__)
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # Note [A hangup is a stop]
 RETRY_S = 0.005  # Note [Interrupts and finalizers]: a finalizer returns well within this
 POLL_S = 0.1
 STOP_GRACE_S = 10.0  # Note [Stopping the ranks]: a rank stops within a step; this is for one stuck in native code
 
 
 class Interrupted(KeyboardInterrupt):
-    """The run was stopped by SIGINT or SIGTERM; a ``KeyboardInterrupt``, so every cleanup for Ctrl-C runs.
+    """The run was stopped by one of :data:`STOP_SIGNALS`; a ``KeyboardInterrupt``, so every cleanup for Ctrl-C runs.
 
     Attributes:
         signum: the signal received; the CLI exits with ``128 + signum``.
@@ -145,14 +154,32 @@ def ignore_stop_signals() -> None:
         signal.signal(signum, signal.SIG_IGN)
 
 
-def stop_when_parent_dies(parent: int) -> None:
-    """A rank: SIGTERM to itself once the process ``parent`` has ended (Note [No rank outlives its parent])."""
-    threading.Thread(target=_watch_parent, args=(parent,), name="swapkit-parent-watch", daemon=True).start()
+def stop_when_parent_dies(parent: int) -> ParentWatch:
+    """A rank: SIGTERM to itself once the process ``parent`` has ended (Note [No rank outlives its parent]).
+
+    Returns:
+        The watch, which also answers whether the parent has ended (swapkit.distributed.rank_end Note [An
+        orphaned rank removes the run's files]).
+    """
+    watch = ParentWatch(parent)
+    threading.Thread(target=_watch_parent, args=(watch,), name="swapkit-parent-watch", daemon=True).start()
+    return watch
 
 
-def _watch_parent(parent: int) -> None:
-    _wait_for_end(parent, psutil.Process().create_time())
-    logger.warning("swapkit: the swapkit train process (pid %d) that started this rank is gone; stopping", parent)
+class ParentWatch:
+    """The process that started this rank, and this rank's start time (so a reused pid is not taken for it)."""
+
+    def __init__(self, parent: int) -> None:
+        self.parent, self.born = parent, psutil.Process().create_time()
+
+    def gone(self) -> bool:
+        return _has_ended(self.parent, self.born)
+
+
+def _watch_parent(watch: ParentWatch) -> None:
+    _wait_for_end(watch.parent, watch.born)
+    logger.warning("swapkit: the swapkit train process (pid %d) that started this rank is gone; stopping",
+                   watch.parent)
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(STOP_GRACE_S)  # still running: the parent would kill it now (Note [No rank outlives its parent])
     logger.warning("swapkit: this rank did not stop within %g s (blocked in native code: a rendezvous or a "
@@ -163,17 +190,20 @@ def _watch_parent(parent: int) -> None:
 def _wait_for_end(pid: int, born_before: float) -> None:
     """Return once the process ``pid``, started before ``born_before``, has ended (Note [No rank outlives its
     parent])."""
+    while not _has_ended(pid, born_before):
+        time.sleep(POLL_S)
+
+
+def _has_ended(pid: int, born_before: float) -> bool:
+    """The process ``pid``, started before ``born_before``, has ended: gone, a zombie (its parent has not reaped
+    it yet), or its pid names a process started later."""
     try:
         process = psutil.Process(pid)
-        if process.create_time() > born_before:  # the pid was reused: the process it named has ended
-            return
-        while process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
-            time.sleep(POLL_S)
+        return process.create_time() > born_before or process.status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:  # a zombie's details, too
-        pass
+        return True
     except psutil.AccessDenied:  # /proc hides it (hidepid): its pid is all there is to watch
-        while psutil.pid_exists(pid):
-            time.sleep(POLL_S)
+        return not psutil.pid_exists(pid)
 
 
 def _in_finalizer(frame: FrameType | None) -> bool:
@@ -195,7 +225,7 @@ def _interrupt_propagating() -> bool:
 
 
 class _StopHandlers:
-    """SIGINT and SIGTERM go to ``self._handle`` while installed (main thread only, an inherited ignore kept)."""
+    """The stop signals go to ``self._handle`` while installed (main thread only, an inherited ignore kept)."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
@@ -220,7 +250,7 @@ class _StopHandlers:
 
 
 class StopOnSignal(_StopHandlers):
-    """SIGINT and SIGTERM raise :class:`Interrupted`, never inside a finalizer (Note [Interrupts and finalizers]).
+    """The stop signals raise :class:`Interrupted`, never inside a finalizer (Note [Interrupts and finalizers]).
 
     For processes swapkit owns: a rank, or the CLI's single-process run. Installed on entry (on the
     main thread only), the previous handlers restored on exit. An ``Exception`` leaving the block after
@@ -300,7 +330,7 @@ class StopOnSignal(_StopHandlers):
 
 
 class ForwardSignals(_StopHandlers):
-    """The parent's side of Note [Stopping the ranks]: remember SIGINT / SIGTERM, stop and reap the ranks.
+    """The parent's side of Note [Stopping the ranks]: remember a stop signal, stop and reap the ranks.
 
     Attributes:
         signum: the first stop signal received, ``None`` if none.
@@ -345,6 +375,9 @@ def _send(process: Any, signum: int) -> None:
 
 
 def stopped_ranks(signum: int, stopped: int, killed: int) -> Interrupted:
-    """The parent's :class:`Interrupted`: ``interrupted by SIGINT: stopped 2 rank processes``."""
+    """The parent's :class:`Interrupted`: ``interrupted by SIGINT: stopped 2 rank processes``, or, when every rank
+    had ended its work before the signal came, that the run was complete but for the summary."""
+    if stopped == 0:
+        return Interrupted(signum, "every rank had finished its steps; the summary was not printed")
     text = f"stopped {stopped} rank process{'es' if stopped != 1 else ''}"
     return Interrupted(signum, text + (f" ({killed} killed after the grace period)" if killed else ""))

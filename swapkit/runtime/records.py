@@ -72,8 +72,8 @@ the step's re-entrant lock, whose holders never wait for a lock a finalizer coul
 ``release`` never waits for the pool's lock (``swapkit.engine.pool`` Note [Releases never wait for the
 pool's lock]), the engine's fence takes no lock, and the CUDA engine's own lock is never held across
 an allocation (``swapkit.engine.cuda`` Note [No lock a finalizer waits on]). In the processes
-``swapkit train`` owns, a SIGINT or SIGTERM is never raised inside this finalizer, which it would cut
-half-way (``swapkit.distributed.signals`` Note [Interrupts and finalizers]).
+``swapkit train`` owns, a stop signal (SIGINT, SIGTERM, SIGHUP) is never raised inside this finalizer,
+which it would cut half-way (``swapkit.distributed.signals`` Note [Interrupts and finalizers]).
 """
 from __future__ import annotations
 
