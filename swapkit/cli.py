@@ -324,11 +324,11 @@ def _train(config: Config, args: argparse.Namespace, plan: BudgetPlan | None = N
 # Note [Stopped early]
 # The fork server of a run's CPU ranks starts before this process imports torch (rank_start Note [The
 # server starts first]), and the ranks' launch installs its own handlers (signals Note [Stopping the
-# ranks]) seconds later. A SIGTERM or SIGHUP in between met the default action: the process died with no word and
-# left the server's socket folder (`pymp-*`) in TMPDIR, which only an orderly exit removes. The stop
-# handlers are therefore installed before the server starts: a stop then is one Interrupted line and
-# an orderly exit (the server ends when this process's pipe to it closes); launch's handlers take over
-# while the ranks run and hand back when they end.
+# ranks]) seconds later. A SIGTERM or SIGHUP in between met the default action: the process died with
+# no word and left the server's socket folder (`pymp-*`) in TMPDIR, which only an orderly exit removes.
+# The stop handlers are therefore installed before the server starts: a stop then is one Interrupted
+# line and an orderly exit (the server ends when this process's pipe to it closes); launch's handlers
+# take over while the ranks run and hand back when they end.
 def _train_stoppable(config: Config, args: argparse.Namespace, plan: BudgetPlan | None) -> int:
     _start_rank_server(config, args)  # before torch loads here: rank_start Note [The server starts first]
     from swapkit.distributed.launch import RankFailed, launch, world_size
