@@ -106,9 +106,9 @@ from swapkit.config.errors import ConfigError, Problem, clip
 from swapkit.config.types import Config
 from swapkit.distributed.agree import check_ranks_agree
 from swapkit.distributed.pipeline import micro_batch_problems
+from swapkit.distributed.rank_end import end_processes, leave_no_files, rank_processes
 from swapkit.distributed.rank_start import RankStart, start_method, world_size
 from swapkit.plan.plan import build_plan
-from swapkit.distributed.rank_end import end_processes, leave_no_files, rank_processes
 from swapkit.distributed.signals import (
     POLL_S, STOP_GRACE_S, ForwardSignals, StopOnSignal, ignore_stop_signals, stop_signals_blocked,
     stop_when_parent_dies, stopped_ranks, unblock_stop_signals,
