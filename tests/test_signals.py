@@ -32,14 +32,16 @@ BOUND_S = 20  # generous for a loaded 2-core box; stopping takes about 2 s
 
 @pytest.fixture
 def start_train():
-    """Start ``swapkit train`` in its own session (SIGINT back to its default: a background suite inherits it
-    ignored); whatever a test leaves running is killed with its whole group."""
+    """Start ``swapkit train`` in its own session (SIGINT and SIGHUP back to their defaults: a background suite
+    inherits SIGINT ignored, one started with ``nohup`` SIGHUP); whatever a test leaves running is killed with its
+    whole group."""
     children: list[subprocess.Popen] = []
 
     def start(*args: str, launcher: tuple[str, ...] = (), sigint: Any = signal.SIG_DFL) -> subprocess.Popen:
         def child_setup() -> None:
             os.setsid()
             signal.signal(signal.SIGINT, sigint)
+            signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
         command = [sys.executable, "-m", *launcher, "swapkit.cli", "train", *args, "--no-progress"]
         children.append(subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
