@@ -11,7 +11,6 @@
 #include <torch/extension.h>
 #include <torch/csrc/autograd/python_variable.h>
 
-#include <cstring>
 #include <memory>
 #include <unordered_map>
 #include <unordered_set>
@@ -64,12 +63,20 @@ void Handle_dealloc(PyObject* self) {
   Py_TYPE(self)->tp_free(self);
 }
 
+// A handle of ``record``, which the caller counted for it (``handles``): a failure here releases it again,
+// so no record is left indexed without a handle.
 PyObject* make_handle(PyObject* hooks, const at::Tensor& tensor, int64_t version, Record* record) {
-  PyObject* keeper = THPVariable_Wrap(tensor.detach());
-  if (keeper == nullptr) return nullptr;
-  auto* handle = PyObject_New(Handle, &HandleType);
+  PyObject* keeper = nullptr;
+  try {
+    keeper = THPVariable_Wrap(tensor.detach());
+  } catch (...) {
+    if (record != nullptr) release(record);
+    throw;
+  }
+  auto* handle = keeper == nullptr ? nullptr : PyObject_New(Handle, &HandleType);
   if (handle == nullptr) {
-    Py_DECREF(keeper);
+    Py_XDECREF(keeper);
+    if (record != nullptr) release(record);
     return nullptr;
   }
   Py_INCREF(hooks);
@@ -77,19 +84,21 @@ PyObject* make_handle(PyObject* hooks, const at::Tensor& tensor, int64_t version
   handle->hooks = hooks;
   handle->version = version;
   handle->record = record;
-  if (record != nullptr) record->handles++;
   return reinterpret_cast<PyObject*>(handle);
 }
 
 Record* record_of(Hooks* hooks, const at::Tensor& tensor, int64_t version) {
   c10::StorageImpl* key = tensor.storage().unsafeGetStorageImpl();
   auto found = hooks->index->find(key);
-  if (found != hooks->index->end() && found->second->version == version) return found->second;
+  if (found != hooks->index->end() && found->second->version == version) {
+    found->second->handles++;  // for the handle about to be made
+    return found->second;
+  }
   bool parameter = hooks->parameters->count(key) > 0 || tensor.is_view();
   bool elsewhere = tensor.device().type() != c10::kCPU;
   (void)parameter;  // the tests a new storage needs; their answers do not matter here
   (void)elsewhere;
-  auto* record = new Record{hooks, tensor.storage(), static_cast<int64_t>(key->nbytes()), version, 0};
+  auto* record = new Record{hooks, tensor.storage(), static_cast<int64_t>(key->nbytes()), version, 1};
   (*hooks->index)[key] = record;  // replaces a record written in place since: its handles keep it
   hooks->bytes += record->nbytes;
   hooks->peak = std::max(hooks->peak, hooks->bytes);
@@ -145,11 +154,13 @@ void ready(PyTypeObject* type, Py_ssize_t size, destructor dealloc) {
 
 
 // Way (l), as way (j) of microbench.py in C++: the keep's lookups and tests, and a new storage joins the open
-// batch; every SWAP_BATCH new storages the batch is copied to one host region (one memcpy per storage, each
-// slot at a multiple of ALIGN bytes) and its keepers let go of the storages (set_(), version put back). A
-// storage saved again once its batch was copied gets an empty keeper at once. At unpack, the version check;
-// the first unpack of a copied batch copies the region back (one clone), and each handle's view is rebuilt
-// on it (dtype, size, stride, offset, conj and neg bits). CPU only: the memcpy reads the storage directly.
+// batch; every SWAP_BATCH new storages the batch is copied to one host region as (j) and swapkit's engines
+// copy it (a flat byte view per storage, one slot per storage at a multiple of ALIGN bytes, one
+// _foreach_copy_, which checks every size) and its keepers let go of the storages (set_(), version put
+// back). A storage saved again once its batch was copied gets an empty keeper at once, unless it was written
+// in place since: then it is a new storage, as in swapkit's step. At unpack, the version check; the first
+// unpack of a copied batch copies the region back (one clone), and each handle's view is rebuilt on it
+// (dtype, size, stride, offset, conj and neg bits). CPU only, as (j).
 constexpr size_t SWAP_BATCH = 8;
 constexpr int64_t ALIGN = 16;
 
@@ -169,7 +180,8 @@ struct SwapRecord {
   c10::StorageImpl* key;  // its index entry, unless a record of a new storage at that address replaced it
   std::shared_ptr<Batch> batch;
   int64_t offset;
-  c10::weak_intrusive_ptr<c10::StorageImpl> storage;  // the index's key is this storage while it lives
+  c10::weak_intrusive_ptr<c10::StorageImpl> storage;  // keeps the StorageImpl's address from being reused
+  int64_t version;
   int64_t handles;
 };
 
@@ -208,11 +220,19 @@ void empty_keeper(at::Tensor& keeper) {
 }
 
 void copy_out(Batch& batch) {
-  batch.region = at::empty({batch.bytes}, at::TensorOptions().dtype(at::kByte));
-  auto* region = static_cast<char*>(batch.region.data_ptr());
-  for (size_t i = 0; i < batch.storages.size(); ++i) {
-    std::memcpy(region + batch.slots[i].first, batch.storages[i].data(), batch.slots[i].second);
+  at::Tensor region = at::empty({batch.bytes}, at::TensorOptions().dtype(at::kByte));
+  std::vector<int64_t> sizes;  // each storage's bytes, then its slot's padding
+  for (const auto& slot : batch.slots) {
+    sizes.push_back(slot.second);
+    sizes.push_back((slot.second + ALIGN - 1) / ALIGN * ALIGN - slot.second);
   }
+  std::vector<at::Tensor> parts = region.split_with_sizes(sizes), slots, storages;
+  for (size_t i = 0; i < batch.storages.size(); ++i) {
+    slots.push_back(parts[2 * i]);
+    storages.push_back(at::empty({0}, at::TensorOptions().dtype(at::kByte)).set_(batch.storages[i]));
+  }
+  at::_foreach_copy_(slots, storages);  // raises (the batch stays open, nothing emptied) for a resized storage
+  batch.region = region;
   for (auto& keeper : batch.keepers) empty_keeper(keeper);
   batch.storages.clear();
   batch.keepers.clear();
@@ -238,7 +258,10 @@ void SwapHandle_dealloc(PyObject* self) {
 SwapRecord* swap_record_of(SwapHooks* hooks, const at::Tensor& tensor) {
   c10::StorageImpl* key = tensor.storage().unsafeGetStorageImpl();
   auto found = hooks->index->find(key);
-  if (found != hooks->index->end() && found->second->storage.lock().get() == key) return found->second;
+  if (found != hooks->index->end() && found->second->version == tensor._version()) {
+    found->second->handles++;  // for the handle about to be made
+    return found->second;
+  }
   bool parameter = hooks->parameters->count(key) > 0 || tensor.is_view();
   bool elsewhere = tensor.device().type() != c10::kCPU;
   (void)parameter;  // as way (k)
@@ -246,13 +269,33 @@ SwapRecord* swap_record_of(SwapHooks* hooks, const at::Tensor& tensor) {
   Batch& batch = **hooks->open;
   int64_t nbytes = static_cast<int64_t>(key->nbytes());
   auto* record = new SwapRecord{hooks, key, *hooks->open, batch.bytes,
-                                c10::weak_intrusive_ptr<c10::StorageImpl>(tensor.storage().getWeakStorageImpl()), 0};
+                                c10::weak_intrusive_ptr<c10::StorageImpl>(tensor.storage().getWeakStorageImpl()),
+                                tensor._version(), 1};
   (*hooks->index)[key] = record;
   batch.storages.push_back(tensor.storage());
   batch.slots.emplace_back(batch.bytes, nbytes);
   batch.bytes += (nbytes + ALIGN - 1) / ALIGN * ALIGN;
   hooks->records++;
   return record;
+}
+
+// Way (l)'s save of ``tensor`` into ``record`` (counted for its handle by the caller): the view to rebuild,
+// and the keeper either joins the open batch (copied once it is full) or is emptied at once.
+std::unique_ptr<View> join(SwapHooks* hooks, SwapRecord* record, const at::Tensor& tensor, at::Tensor& keeper) {
+  auto view = std::make_unique<View>(View{tensor.scalar_type(), tensor.sizes().vec(), tensor.strides().vec(),
+                                          tensor.storage_offset(), tensor.is_conj(), tensor.is_neg()});
+  Batch& batch = *record->batch;
+  if (batch.region.defined()) {  // saved again after its batch was copied: its bytes are on the host already
+    empty_keeper(keeper);
+    return view;
+  }
+  batch.keepers.push_back(keeper);
+  if (batch.storages.size() >= SWAP_BATCH) {
+    copy_out(batch);
+    hooks->copies++;
+    *hooks->open = std::make_shared<Batch>();
+  }
+  return view;
 }
 
 PyObject* swap_pack(PyObject* self, PyObject* object) {
@@ -263,33 +306,21 @@ PyObject* swap_pack(PyObject* self, PyObject* object) {
   int64_t version = tensor._version();
   bool plain = THPVariable_CheckExact(object) && tensor.layout() == c10::kStrided && !tensor.is_nested() &&
                !tensor.is_quantized();
-  SwapRecord* record = plain ? swap_record_of(hooks, tensor) : nullptr;
-  at::Tensor keeper = tensor.detach();
-  View* view = nullptr;
-  if (record != nullptr) {
-    view = new View{tensor.scalar_type(), tensor.sizes().vec(), tensor.strides().vec(), tensor.storage_offset(),
-                    tensor.is_conj(), tensor.is_neg()};
-    Batch& batch = *record->batch;
-    if (!batch.region.defined()) {  // its batch is still open
-      batch.keepers.push_back(keeper);
-      if (batch.storages.size() == SWAP_BATCH) {
-        copy_out(batch);
-        hooks->copies++;
-        *hooks->open = std::make_shared<Batch>();
-      }
-    } else {  // saved again after its batch was copied: its bytes are on the host already
-      empty_keeper(keeper);
-    }
+  SwapRecord* record = plain ? swap_record_of(hooks, tensor) : nullptr;  // counted for this save's handle
+  std::unique_ptr<View> view;
+  PyObject* wrapped = nullptr;
+  try {
+    at::Tensor keeper = tensor.detach();
+    if (record != nullptr) view = join(hooks, record, tensor, keeper);
+    wrapped = THPVariable_Wrap(std::move(keeper));
+  } catch (...) {
+    if (record != nullptr) release_swap(record);
+    throw;
   }
-  PyObject* wrapped = THPVariable_Wrap(std::move(keeper));
-  if (wrapped == nullptr) {
-    delete view;
-    return nullptr;
-  }
-  auto* handle = PyObject_New(SwapHandle, &SwapHandleType);
+  auto* handle = wrapped == nullptr ? nullptr : PyObject_New(SwapHandle, &SwapHandleType);
   if (handle == nullptr) {
-    Py_DECREF(wrapped);
-    delete view;
+    Py_XDECREF(wrapped);
+    if (record != nullptr) release_swap(record);
     return nullptr;
   }
   Py_INCREF(self);
@@ -297,8 +328,7 @@ PyObject* swap_pack(PyObject* self, PyObject* object) {
   handle->hooks = self;
   handle->version = version;
   handle->record = record;
-  handle->view = view;
-  if (record != nullptr) record->handles++;
+  handle->view = view.release();
   return reinterpret_cast<PyObject*>(handle);
   END_HANDLE_TH_ERRORS
 }
