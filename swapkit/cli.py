@@ -7,16 +7,16 @@ Logs go to stderr on the ``swapkit`` logger in MindFormers' ``LEVEL - message`` 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import os
 import sys
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from swapkit.config.errors import BindError, ConfigError, Problem, clip
 from swapkit.config.loader import CommandLineOverrides
 from swapkit.distributed.signals import Interrupted
+from swapkit.logs import quieter
 
 if TYPE_CHECKING:
     from swapkit.config.types import Config
@@ -340,7 +340,7 @@ def _train_stoppable(config: Config, args: argparse.Namespace, plan: BudgetPlan 
                        progress=not args.no_progress)
     else:  # pipeline and/or data parallel: one process per rank
         # an op pattern no layer has is exit 2 here, as in one process, not a rank's BindError traceback
-        with _logger_quiet("swapkit.runtime.binding"):  # its "Bound layers" line is each rank's to say
+        with quieter("swapkit.runtime.binding", logging.WARNING):  # its "Bound layers" line is each rank's to say
             _check_builtin_patterns(args, config)  # launch.py Note [Checks before the ranks start]
         try:
             result = launch(config, resolve_device(config, args.device), steps=resolve_steps(config, args.steps),
@@ -361,18 +361,6 @@ def _start_rank_server(config: Config, args: argparse.Namespace) -> None:
 
     if world_size(config) > 1 and (args.device or config.train.device) == "cpu" and "RANK" not in os.environ:
         start_method("cpu", warn=False)  # launch asks again, and warns if the server cannot start
-
-
-@contextlib.contextmanager
-def _logger_quiet(name: str) -> Iterator[None]:
-    """The logger ``name`` says only warnings and errors inside the block."""
-    logger = logging.getLogger(name)
-    level = logger.level
-    logger.setLevel(logging.WARNING)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
 
 
 def _budget_checked(plan: BudgetPlan, summary: dict[str, Any]) -> dict[str, Any]:

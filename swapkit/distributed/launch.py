@@ -83,7 +83,6 @@ Note [Interrupts and finalizers] (each rank, started by ``swapkit train`` or by 
 """
 from __future__ import annotations
 
-import contextlib
 import datetime
 import logging
 import os
@@ -108,11 +107,12 @@ from swapkit.distributed.agree import check_ranks_agree
 from swapkit.distributed.pipeline import micro_batch_problems
 from swapkit.distributed.rank_end import end_processes, leave_no_files, rank_processes
 from swapkit.distributed.rank_start import RankStart, start_method, world_size
-from swapkit.plan.plan import build_plan
 from swapkit.distributed.signals import (
     POLL_S, STOP_GRACE_S, ForwardSignals, StopOnSignal, ignore_stop_signals, stop_signals_blocked,
     stop_when_parent_dies, stopped_ranks, unblock_stop_signals,
 )
+from swapkit.logs import quieter
+from swapkit.plan.plan import build_plan
 from swapkit.train.errors import RunFailed
 from swapkit.train.loop import preflight
 from swapkit.train.state import TrainResult
@@ -197,7 +197,8 @@ def launch(config: Config, device: torch.device, **options: Any) -> TrainResult 
                                          nprocs=world, join=False, start_method=method)
         ranks = rank_processes(context.processes, started)
         try:
-            with _quiet_terminations():
+            # torch.multiprocessing logs a WARNING per rank it terminates after one failed; swapkit's message
+            with quieter("torch.multiprocessing.spawn", logging.ERROR):  # says so once ("the other ranks ...")
                 _join(context, Path(folder), signals)
         finally:
             end_processes(ranks, STOP_GRACE_S)  # rank_end Note [A rank has ended when its process has]
@@ -223,19 +224,6 @@ def _join(context: Any, folder: Path, signals: ForwardSignals) -> None:
         killed = signals.stop(context.processes, STOP_GRACE_S)
         finished = len(list(folder.glob("done*")))  # ranks that had ended on their own
         raise stopped_ranks(signals.signum, len(context.processes) - finished, killed)
-
-
-@contextlib.contextmanager
-def _quiet_terminations():
-    """``torch.multiprocessing`` logs a WARNING for each rank it terminates after one failed; the message
-    swapkit prints says so once ("the other ranks were stopped")."""
-    spawn_logger = logging.getLogger("torch.multiprocessing.spawn")
-    level = spawn_logger.level
-    spawn_logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        spawn_logger.setLevel(level)
 
 
 def exit_message(err: mp.ProcessExitedException) -> str:
