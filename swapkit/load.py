@@ -82,7 +82,8 @@ def _file_swap(source: str | Path | Mapping[str, Any], overrides: Sequence[str])
 
 def _blame_the_flip(source: str | Path | Mapping[str, Any], overrides: Sequence[str], config: Config,
                     problems: Problems) -> None:
-    """A config that fails after ``--set swap_config.swap`` flipped the file: say the flip changed the lists' reading."""
+    """A config that fails after an override of ``swap_config.swap`` flipped the file: say the flip changed the
+    lists' reading."""
     file_swap = _file_swap(source, overrides)
     if not isinstance(config.swap.swap, bool):  # the override's value is itself wrong (reported): no flip
         return

@@ -141,8 +141,9 @@ def _warn_shared(model_name: str, layers: list[nn.Module]) -> None:
         positions.setdefault(id(layer), []).append(index)
     for shared in (p for p in positions.values() if len(p) > 1):
         logger.warning("swapkit: layers %s of %s are one %s object (a module at several positions): swapkit's "
-                       "hooks and wrappers belong to the module, so every call of it gets the swap configured for layer %d and the "
-                       "recompute configured for any of these layers; give these layers the same settings "
+                       "hooks and wrappers belong to the module, so every call of it gets the swap configured for "
+                       "layer %d and the recompute configured for any of these layers; give these layers the same "
+                       "settings "
                        "(Note [One module at several layer positions])", ", ".join(map(str, shared)), model_name,
                        type(layers[shared[0]]).__name__, shared[-1])
 
