@@ -32,7 +32,7 @@ struct Hooks {
   PyObject_HEAD
   std::unordered_map<c10::StorageImpl*, Record*>* index;
   std::unordered_set<c10::StorageImpl*>* parameters;  // empty here: the lookup is what a keep pays
-  int64_t clock, bytes, peak, records;
+  int64_t clock, bytes, peak, records, unusual;
 };
 
 struct Handle {
@@ -45,6 +45,39 @@ struct Handle {
 
 PyTypeObject HooksType = {PyVarObject_HEAD_INIT(nullptr, 0) "native_save.Hooks"};
 PyTypeObject HandleType = {PyVarObject_HEAD_INIT(nullptr, 0) "native_save.Handle"};
+
+// Both ways' test of a tensor they index by storage (as (i)'s and (j)'s, which also take an exact Parameter).
+bool plain(PyObject* object, const at::Tensor& tensor) {
+  return THPVariable_CheckExact(object) && tensor.layout() == c10::kStrided && !tensor.is_nested() &&
+         !tensor.is_quantized();
+}
+
+// The parameter and device tests a new storage needs; their answers only count (``unusual``), so that the
+// compiler keeps them.
+template <typename H>
+void test_new_storage(H* hooks, c10::StorageImpl* key, const at::Tensor& tensor) {
+  bool parameter = hooks->parameters->count(key) > 0 || tensor.is_view();
+  hooks->unusual += parameter || tensor.device().type() != c10::kCPU;
+}
+
+// A handle of type H for ``record``, which the caller counted for it (``handles``): with ``keeper`` null (its
+// wrap failed) or the handle not made, the record is released again, so none is left indexed without a handle.
+template <typename H, typename R>
+H* new_handle(PyTypeObject* type, PyObject* hooks, PyObject* keeper, int64_t version, R* record,
+              void (*release_record)(R*)) {
+  auto* handle = keeper == nullptr ? nullptr : PyObject_New(H, type);
+  if (handle == nullptr) {
+    Py_XDECREF(keeper);
+    if (record != nullptr) release_record(record);
+    return nullptr;
+  }
+  Py_INCREF(hooks);
+  handle->keeper = keeper;
+  handle->hooks = hooks;
+  handle->version = version;
+  handle->record = record;
+  return handle;
+}
 
 void release(Record* record) {
   if (--record->handles > 0) return;
@@ -63,8 +96,7 @@ void Handle_dealloc(PyObject* self) {
   Py_TYPE(self)->tp_free(self);
 }
 
-// A handle of ``record``, which the caller counted for it (``handles``): a failure here releases it again,
-// so no record is left indexed without a handle.
+// Way (k)'s handle of ``record`` (counted for it by record_of): new_handle's contract.
 PyObject* make_handle(PyObject* hooks, const at::Tensor& tensor, int64_t version, Record* record) {
   PyObject* keeper = nullptr;
   try {
@@ -73,18 +105,7 @@ PyObject* make_handle(PyObject* hooks, const at::Tensor& tensor, int64_t version
     if (record != nullptr) release(record);
     throw;
   }
-  auto* handle = keeper == nullptr ? nullptr : PyObject_New(Handle, &HandleType);
-  if (handle == nullptr) {
-    Py_XDECREF(keeper);
-    if (record != nullptr) release(record);
-    return nullptr;
-  }
-  Py_INCREF(hooks);
-  handle->keeper = keeper;
-  handle->hooks = hooks;
-  handle->version = version;
-  handle->record = record;
-  return reinterpret_cast<PyObject*>(handle);
+  return reinterpret_cast<PyObject*>(new_handle<Handle>(&HandleType, hooks, keeper, version, record, release));
 }
 
 Record* record_of(Hooks* hooks, const at::Tensor& tensor, int64_t version) {
@@ -94,10 +115,7 @@ Record* record_of(Hooks* hooks, const at::Tensor& tensor, int64_t version) {
     found->second->handles++;  // for the handle about to be made
     return found->second;
   }
-  bool parameter = hooks->parameters->count(key) > 0 || tensor.is_view();
-  bool elsewhere = tensor.device().type() != c10::kCPU;
-  (void)parameter;  // the tests a new storage needs; their answers do not matter here
-  (void)elsewhere;
+  test_new_storage(hooks, key, tensor);
   auto* record = new Record{hooks, tensor.storage(), static_cast<int64_t>(key->nbytes()), version, 1};
   (*hooks->index)[key] = record;  // replaces a record written in place since: its handles keep it
   hooks->bytes += record->nbytes;
@@ -112,9 +130,7 @@ PyObject* pack(PyObject* self, PyObject* object) {
   hooks->clock++;
   const at::Tensor& tensor = THPVariable_Unpack(object);
   int64_t version = tensor._version();
-  bool plain = THPVariable_CheckExact(object) && tensor.layout() == c10::kStrided && !tensor.is_nested() &&
-               !tensor.is_quantized();  // (i) also takes an exact nn.Parameter; none is saved in the benchmark
-  return make_handle(self, tensor, version, plain ? record_of(hooks, tensor, version) : nullptr);
+  return make_handle(self, tensor, version, plain(object, tensor) ? record_of(hooks, tensor, version) : nullptr);
   END_HANDLE_TH_ERRORS
 }
 
@@ -190,7 +206,7 @@ struct SwapHooks {
   std::unordered_map<c10::StorageImpl*, SwapRecord*>* index;
   std::unordered_set<c10::StorageImpl*>* parameters;
   std::shared_ptr<Batch>* open;
-  int64_t clock, copies, records;
+  int64_t clock, copies, records, unusual;
 };
 
 struct View {
@@ -262,10 +278,7 @@ SwapRecord* swap_record_of(SwapHooks* hooks, const at::Tensor& tensor) {
     found->second->handles++;  // for the handle about to be made
     return found->second;
   }
-  bool parameter = hooks->parameters->count(key) > 0 || tensor.is_view();
-  bool elsewhere = tensor.device().type() != c10::kCPU;
-  (void)parameter;  // as way (k)
-  (void)elsewhere;
+  test_new_storage(hooks, key, tensor);
   Batch& batch = **hooks->open;
   int64_t nbytes = static_cast<int64_t>(key->nbytes());
   auto* record = new SwapRecord{hooks, key, *hooks->open, batch.bytes,
@@ -304,9 +317,7 @@ PyObject* swap_pack(PyObject* self, PyObject* object) {
   hooks->clock++;
   const at::Tensor& tensor = THPVariable_Unpack(object);
   int64_t version = tensor._version();
-  bool plain = THPVariable_CheckExact(object) && tensor.layout() == c10::kStrided && !tensor.is_nested() &&
-               !tensor.is_quantized();
-  SwapRecord* record = plain ? swap_record_of(hooks, tensor) : nullptr;  // counted for this save's handle
+  SwapRecord* record = plain(object, tensor) ? swap_record_of(hooks, tensor) : nullptr;  // counted for its handle
   std::unique_ptr<View> view;
   PyObject* wrapped = nullptr;
   try {
@@ -317,17 +328,8 @@ PyObject* swap_pack(PyObject* self, PyObject* object) {
     if (record != nullptr) release_swap(record);
     throw;
   }
-  auto* handle = wrapped == nullptr ? nullptr : PyObject_New(SwapHandle, &SwapHandleType);
-  if (handle == nullptr) {
-    Py_XDECREF(wrapped);
-    if (record != nullptr) release_swap(record);
-    return nullptr;
-  }
-  Py_INCREF(self);
-  handle->keeper = wrapped;
-  handle->hooks = self;
-  handle->version = version;
-  handle->record = record;
+  auto* handle = new_handle<SwapHandle>(&SwapHandleType, self, wrapped, version, record, release_swap);
+  if (handle == nullptr) return nullptr;
   handle->view = view.release();
   return reinterpret_cast<PyObject*>(handle);
   END_HANDLE_TH_ERRORS
@@ -381,7 +383,7 @@ py::tuple make_hooks() {
   if (hooks == nullptr) throw py::error_already_set();
   hooks->index = new std::unordered_map<c10::StorageImpl*, Record*>();
   hooks->parameters = new std::unordered_set<c10::StorageImpl*>();
-  hooks->clock = hooks->bytes = hooks->peak = hooks->records = 0;
+  hooks->clock = hooks->bytes = hooks->peak = hooks->records = hooks->unusual = 0;
   auto self = py::reinterpret_steal<py::object>(reinterpret_cast<PyObject*>(hooks));
   auto pack_fn = py::reinterpret_steal<py::object>(PyCFunction_New(&pack_def, self.ptr()));
   auto unpack_fn = py::reinterpret_steal<py::object>(PyCFunction_New(&unpack_def, self.ptr()));
@@ -403,7 +405,7 @@ py::tuple make_swap_hooks() {
   hooks->index = new std::unordered_map<c10::StorageImpl*, SwapRecord*>();
   hooks->parameters = new std::unordered_set<c10::StorageImpl*>();
   hooks->open = new std::shared_ptr<Batch>(std::make_shared<Batch>());
-  hooks->clock = hooks->copies = hooks->records = 0;
+  hooks->clock = hooks->copies = hooks->records = hooks->unusual = 0;
   auto self = py::reinterpret_steal<py::object>(reinterpret_cast<PyObject*>(hooks));
   auto pack_fn = py::reinterpret_steal<py::object>(PyCFunction_New(&swap_pack_def, self.ptr()));
   auto unpack_fn = py::reinterpret_steal<py::object>(PyCFunction_New(&swap_unpack_def, self.ptr()));
