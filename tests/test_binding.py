@@ -414,6 +414,50 @@ def test_an_op_scope_shared_by_distinct_layers_is_warned(config, scope, caplog):
         # first, and kept, by the sigmoid before them): layer 0 got layer 1's swap
         assert session.stats.offloaded_by_scope == {"layer 1: lin": 4 * 16 * 4}
 
+def stage_config(**sections) -> dict:
+    """Two stages of two layers each (layers 0-1 on stage 0)."""
+    config = toy_config(4, **sections)
+    config.setdefault("parallel_config", {})["pipeline_stage"] = 2
+    return config
+
+
+def test_a_pipeline_stage_with_one_module_at_two_positions_is_warned(caplog):
+    """Note [One module at several layer positions] holds for a stage's chunk as for a whole model; a stage
+    bound without the check said nothing (bind_stage skipped it)."""
+    chunk = ToyNet(layers=1)
+    chunk.layers = nn.ModuleList([chunk.layers[0]] * 2)
+    caplog.set_level(logging.WARNING, logger="swapkit")
+    swapkit.apply(chunk, stage_config(swap_config={"swap": True, "layer_swap": [{"backward_prefetch": 1,
+                                                                                 "layers": [0]}]}),
+                  layers="layers", stage=0)
+    (message,) = [m for m in caplog.messages if "several positions" in m]
+    assert message.startswith("swapkit: layers 0, 1 of pipeline stage 0 are one Block object")
+
+
+def test_a_pipeline_stage_with_a_uniform_unit_over_a_shared_module_is_refused():
+    """Note [One module at several layer positions]: stage 1 holds global layers 2-3, one module."""
+    chunk = ToyNet(layers=1)
+    chunk.layers = nn.ModuleList([chunk.layers[0]] * 2)
+    recompute = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 2}
+    with pytest.raises(BindError, match=r"uniform unit of layers 2-3: layer 2 is the Block object of layers 2, 3 "):
+        swapkit.apply(chunk, stage_config(recompute_config=recompute), layers="layers", stage=1)
+    assert "forward" not in chunk.layers[0].__dict__
+
+
+def test_an_op_scope_shared_across_a_stages_chunks_is_warned(caplog):
+    """Two interleaved chunks of one stage sharing a sub-module: the scope check runs over the stage's
+    layers with their global indices (stage 0 of 2 with 2 chunks holds global layers 0 and 2)."""
+    chunks = [ToyNet(layers=1), ToyNet(layers=1)]
+    chunks[1].layers[0].lin = chunks[0].layers[0].lin
+    config = stage_config(swap_config={"swap": True, "op_swap": [{"op_name": "lin", "backward_prefetch": 1,
+                                                                  "layers": [2]}]})
+    config["model"]["model_config"]["pp_interleave_num"] = 2
+    caplog.set_level(logging.WARNING, logger="swapkit")
+    swapkit.apply(chunks, config, layers="layers", stage=0)
+    (message,) = [m for m in caplog.messages if "shared between layers" in m]
+    assert message.startswith("swapkit: op scope lin of layer 2 is one Linear object with layers 0, 2's ")
+
+
 def test_distinct_layers_are_not_warned(caplog):
     caplog.set_level(logging.WARNING, logger="swapkit")
     swapkit.apply(ToyNet(layers=3), toy_config(3))

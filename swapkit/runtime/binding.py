@@ -50,6 +50,8 @@ The same holds one level down: a sub-module shared between distinct layers (Zamb
 block, a projection tied across layers) that the config names as an op scope in one layer carries that
 layer's hooks and wrapper, so its calls from the other layers are swapped or recomputed too, and
 counted under the configuring layer. Binding warns about each such scope, naming the layers that hold it.
+A pipeline stage's chunks are checked the same way, over the stage's layers and their global indices
+(``swapkit.runtime.stage_binding.bind_stage``).
 """
 from __future__ import annotations
 
@@ -125,31 +127,43 @@ def bind(model: nn.Module, plan: Plan, layers_path: str | Sequence[str] | None =
                         "num_layers out and swapkit counts the layers (on the command line: --set "
                         "model.model_config.num_layers=null)")
     _check_units(plan, found)
-    _warn_shared(type(model).__name__, layers)
-    _check_shared_units(plan, layers)
     bound = [BoundLayer(i, layer, lp, resolve_layer(lp, module_tree(layer)))
              for i, (layer, lp) in enumerate(zip(layers, plan.layers))]
-    _warn_shared_scopes(bound)
+    check_shared(type(model).__name__, bound)
     logger.info("Bound layers: %s", describe(found))
     return Binding(model, paths, bound)
 
 
-def _warn_shared(model_name: str, layers: list[nn.Module]) -> None:
-    """Note [One module at several layer positions]"""
+def check_shared(owner: str, bound: list[BoundLayer]) -> None:
+    """Note [One module at several layer positions]: warn about layers and configured op scopes that are one
+    module, and refuse a uniform unit holding such a layer. ``bound``: a model's layers, or a pipeline stage's
+    (global indices), ``owner`` names their model or stage.
+
+    Raises:
+        BindError: a uniform recompute unit holds a module found at several positions.
+    """
     positions: dict[int, list[int]] = {}
-    for index, layer in enumerate(layers):
-        positions.setdefault(id(layer), []).append(index)
+    for layer in bound:
+        positions.setdefault(id(layer.module), []).append(layer.index)
+    _warn_shared(owner, bound, positions)
+    _check_shared_units(bound, positions)
+    _warn_shared_scopes(bound)
+
+
+def _warn_shared(owner: str, bound: list[BoundLayer], positions: dict[int, list[int]]) -> None:
+    modules = {layer.index: layer.module for layer in bound}
     for shared in (p for p in positions.values() if len(p) > 1):
         logger.warning("swapkit: layers %s of %s are one %s object (a module at several positions): swapkit's "
                        "hooks and wrappers belong to the module, so every call of it gets the swap configured for "
                        "layer %d and the recompute configured for any of these layers; give these layers the same "
                        "settings "
-                       "(Note [One module at several layer positions])", ", ".join(map(str, shared)), model_name,
-                       type(layers[shared[0]]).__name__, shared[-1])
+                       "(Note [One module at several layer positions])", ", ".join(map(str, shared)), owner,
+                       type(modules[shared[0]]).__name__, shared[-1])
 
 
 def _warn_shared_scopes(bound: list[BoundLayer]) -> None:
     """Note [One module at several layer positions]: a configured op scope that distinct layers share."""
+    modules = {layer.index: layer.module for layer in bound}
     holders: dict[int, list[int]] = {}
     for layer in bound:
         for module in layer.module.modules():
@@ -159,7 +173,7 @@ def _warn_shared_scopes(bound: list[BoundLayer]) -> None:
         for path in dict.fromkeys([*layer.scopes.select, *layer.scopes.comm, *(p for _, p, _ in layer.scopes.op_swap)]):
             module = layer.submodule(path)
             held = holders[id(module)]
-            if id(module) in warned or all(bound[i].module is layer.module for i in held):
+            if id(module) in warned or all(modules[i] is layer.module for i in held):
                 continue
             warned.add(id(module))
             logger.warning("swapkit: op scope %s of layer %d is one %s object with layers %s's (a sub-module shared "
@@ -304,17 +318,14 @@ def _check_units(plan: Plan, found: list[tuple[str, nn.Module]]) -> None:
         start = end + 1
 
 
-def _check_shared_units(plan: Plan, layers: list[nn.Module]) -> None:
+def _check_shared_units(bound: list[BoundLayer], positions: dict[int, list[int]]) -> None:
     """Note [One module at several layer positions]: a uniform unit's members run nowhere else."""
-    positions: dict[int, list[int]] = {}
-    for index, layer in enumerate(layers):
-        positions.setdefault(id(layer), []).append(index)
-    for index, (layer, layer_plan) in enumerate(zip(layers, plan.layers)):
-        unit, shared = layer_plan.unit, positions[id(layer)]
-        if layer_plan.full and unit is not None and unit[0] != unit[1] and len(shared) > 1:
+    for layer in bound:
+        unit, shared = layer.plan.unit, positions[id(layer.module)]
+        if layer.plan.full and unit is not None and unit[0] != unit[1] and len(shared) > 1:
             raise BindError(
-                f"recompute_method: uniform unit of layers {unit[0]}-{unit[1]}: layer {index} is the "
-                f"{type(layer).__name__} object of layers {', '.join(map(str, shared))} (a module at several "
+                f"recompute_method: uniform unit of layers {unit[0]}-{unit[1]}: layer {layer.index} is the "
+                f"{type(layer.module).__name__} object of layers {', '.join(map(str, shared))} (a module at several "
                 "positions, as in weight-shared ALBERT-style models); a unit replaces the forwards of its layers "
                 "with one checkpoint running them all, which the module's calls at its other positions would run "
                 "too. Use recompute_method: block, or give each position a module of its own "

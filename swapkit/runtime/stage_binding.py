@@ -30,7 +30,9 @@ from swapkit.config.errors import ConfigError, Problem
 from swapkit.plan.layout import OFFSET_PATH, Layout, as_lists
 from swapkit.plan.plan import Plan
 from swapkit.plan.report import resolve_layer
-from swapkit.runtime.binding import Binding, BindError, BoundLayer, container_label, find_layers, module_tree
+from swapkit.runtime.binding import (
+    Binding, BindError, BoundLayer, check_shared, container_label, find_layers, module_tree,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +59,9 @@ def bind_stage(chunks: list[nn.Module], plan: Plan, layers_path: str | Sequence[
     """Bind the plan's layers of pipeline stage ``stage`` to its chunk modules (global layer ids).
 
     Raises:
-        BindError: several layer containers were given, or a chunk's layer container is missing or
-            does not hold that chunk's layers.
+        BindError: several layer containers were given, a chunk's layer container is missing or
+            does not hold that chunk's layers, or a uniform recompute unit holds a module found at
+            several positions (Note [One module at several layer positions] in swapkit.runtime.binding).
     """
     bound: list[BoundLayer] = []
     path = _one_path(layers_path if layers_path is not None else plan.layers_path, stage)
@@ -73,6 +76,7 @@ def bind_stage(chunks: list[nn.Module], plan: Plan, layers_path: str | Sequence[
                             "with exactly those layers, in order")
         bound += [BoundLayer(i, layer, plan.layers[i], resolve_layer(plan.layers[i], module_tree(layer)))
                   for i, layer in zip(ids, layers)]
+    check_shared(f"pipeline stage {stage}", bound)
     return Binding(nn.ModuleList(chunks), (path,), bound)
 
 
