@@ -330,6 +330,28 @@ def test_one_module_at_several_layer_positions_is_warned(caplog):
     assert "the swap configured for layer 2" in message
 
 
+def test_a_swap_at_an_earlier_position_of_a_shared_module_names_the_shared_module(caplog):
+    """ALBERT with a swap at a middle position only: every call saves under the last position's frame, which
+    swaps nothing. Before, the binding warning said every call got "the swap configured for layer 2" (which
+    has none) and the step's report blamed something else: "the tensors are saved elsewhere, or something else
+    checkpoints the region ... stop the other checkpointing"."""
+    model = ToyNet(layers=1)
+    model.layers = nn.ModuleList([model.layers[0]] * 3)
+    caplog.set_level(logging.WARNING, logger="swapkit")
+    session = swapkit.apply(model, toy_config(3, **layer_swap(1, layers=[1])))
+    with session:
+        model(torch.randn(4, 16)).sum().backward()
+    assert session.stats.offloaded_bytes == 0
+    (bound,) = [m for m in caplog.messages if "several positions" in m and "Block object" in m]
+    assert "the swap configured for layer 2 (none: the swap configured for layer 1 has no effect)" in bound
+    (unused,) = [m for m in caplog.messages if "saw no saved tensor" in m]
+    assert unused.startswith("swapkit: layer swap at layer 1 saw no saved tensor in step 1: its layer is one module "
+                             "object with layers 0, 1, 2 (a module at several positions), so every call of it saves "
+                             "under the swap settings of layer 2")
+    assert "Configure the same swap for every position of the shared module" in unused
+    assert "checkpoint" not in unused
+
+
 def test_a_swap_on_every_position_of_a_shared_module_is_not_reported_unused(caplog):
     """Note [One module at several layer positions]: with the same swap at every position (the advice of
     the warning above), every call's saves land in the last position's frame and are swapped; the earlier

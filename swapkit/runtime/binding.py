@@ -151,14 +151,27 @@ def check_shared(owner: str, bound: list[BoundLayer]) -> None:
 
 
 def _warn_shared(owner: str, bound: list[BoundLayer], positions: dict[int, list[int]]) -> None:
-    modules = {layer.index: layer.module for layer in bound}
+    plans = {layer.index: layer for layer in bound}
     for shared in (p for p in positions.values() if len(p) > 1):
+        last = plans[shared[-1]]
+        none = "" if last.plan.swaps else _idle_swaps([plans[i] for i in shared[:-1]])
         logger.warning("swapkit: layers %s of %s are one %s object (a module at several positions): swapkit's "
                        "hooks and wrappers belong to the module, so every call of it gets the swap configured for "
-                       "layer %d and the recompute configured for any of these layers; give these layers the same "
-                       "settings "
+                       "layer %d%s and the recompute "
+                       "configured for any of these layers; give these layers the same settings "
                        "(Note [One module at several layer positions])", ", ".join(map(str, shared)), owner,
-                       type(modules[shared[0]]).__name__, shared[-1])
+                       type(last.module).__name__, last.index, none)
+
+
+def _idle_swaps(earlier: list[BoundLayer]) -> str:
+    """``" (none: the swaps configured for layers 0, 1 have no effect)"`` where the last position configures no
+    swap, or nothing if these earlier positions configure none either."""
+    idle = [layer.index for layer in earlier if layer.plan.swaps]
+    if not idle:
+        return ""
+    many = len(idle) > 1
+    return (f" (none: the swap{'s' if many else ''} configured for layer{'s' if many else ''} "
+            f"{', '.join(map(str, idle))} {'have' if many else 'has'} no effect)")
 
 
 def _warn_shared_scopes(bound: list[BoundLayer]) -> None:

@@ -84,14 +84,25 @@ def scope_label(layer: int, path: str) -> str:
     return f"layer {layer}: {path}" if path else f"layer {layer}"
 
 
-def unused_message(layers: list[int], path: str, cause: str | None, step: int) -> str:
+def shared_cause(positions: list[int]) -> str:
+    """The cause of a swap at a shared module's position (Note [Swaps nobody reports]): every call saves
+    under its last position's frame (``swapkit.runtime.scope`` Note [A shared module's swap scope])."""
+    return (f"its layer is one module object with layers {', '.join(map(str, positions))} (a module at several "
+            f"positions), so every call of it saves under the swap settings of layer {positions[-1]} "
+            "(Note [One module at several layer positions] in swapkit.runtime.binding)")
+
+
+SHARED_FIX = "Configure the same swap for every position of the shared module, or give each position a module of its own"
+
+
+def unused_message(layers: list[int], path: str, cause: str | None, step: int, fix: str | None = None) -> str:
     """One warning for a swap scope that saw no saved tensor, for every layer (ascending) where it did not
-    for the same cause: a 32-layer model says it once, not 32 times."""
+    for the same cause: a 32-layer model says it once, not 32 times. ``fix``: what to do, if not the cause's."""
     where = f"layer {layers[0]}" if len(layers) == 1 else layer_ranges(layers)
     what = f"op swap at {where}: {path}" if path else f"layer swap at {where}"
     why = cause or ("nothing inside it saved a tensor through swapkit (the tensors are saved elsewhere, or "
                     "something else checkpoints the region)")
-    fix = FIXES.get(cause, "Drop the swap from swap_config, or stop the other checkpointing for this layer")
+    fix = fix or FIXES.get(cause, "Drop the swap from swap_config, or stop the other checkpointing for this layer")
     if len(layers) > 1:
         fix = fix.replace("for this layer", "for these layers")
     return (f"swapkit: {what} saw no saved tensor in step {step}: {why}; the swap has no effect. {fix} "

@@ -58,8 +58,9 @@ from swapkit.plan.plan import Plan, swap_counts
 from swapkit.runtime.detach import unmark
 from swapkit.runtime.dynamo import out_of_dynamo
 from swapkit.runtime.kv_cache import swap_cache_warning
-from swapkit.runtime.overrides import (FROZEN, HF_CHECKPOINT, NO_GRAD, OTHER_HOOKS, distance_key, entry_cause,
-                                       idle_message, small_message, unused_message)
+from swapkit.runtime.overrides import (FROZEN, HF_CHECKPOINT, NO_GRAD, NOT_ENTERED, OTHER_HOOKS, SHARED_FIX,
+                                       distance_key, entry_cause, idle_message, shared_cause, small_message,
+                                       unused_message)
 from swapkit.runtime.recipes import PackedInput, Recipe, tensor_leaves
 from swapkit.runtime.recompute import Recompute
 from swapkit.runtime.records import Saved, SwapRecord, is_plain, make_saved
@@ -320,16 +321,21 @@ class SwapSession:
         """One WARNING per swap scope and cause, naming every layer where it went unused (a scope is
         reported once per session)."""
         layers: dict[tuple[str, str | None], list[int]] = {}
+        fixes: dict[str | None, str] = {}
         for layer, path, cause in step.unused_swaps():
             if (layer, path) not in self._reported:
                 self._reported.add((layer, path))
-                if cause is None and self._frozen(layer, path):
+                shared = self._positions_sharing(layer)
+                if cause in (None, NOT_ENTERED) and shared[-1] != layer:  # binding Note [One module at several ...]
+                    cause = shared_cause(shared)
+                    fixes[cause] = SHARED_FIX
+                elif cause is None and self._frozen(layer, path):
                     cause = FROZEN
                 elif cause in (OTHER_HOOKS, NO_GRAD) and self._hf_checkpointed(layer):
                     cause = HF_CHECKPOINT
                 layers.setdefault((path, cause), []).append(layer)
         for (path, cause), where in layers.items():
-            logger.warning(unused_message(sorted(where), path, cause, self._step_number(step)))
+            logger.warning(unused_message(sorted(where), path, cause, self._step_number(step), fixes.get(cause)))
         if self._offloaded(step):  # else the step-wide idle warning names the threshold
             self._report_small(step)
 
@@ -358,6 +364,11 @@ class SwapSession:
         """The layer's module has HF gradient checkpointing on (overrides Note [Swaps nobody reports])."""
         bound = next((b for b in self.binding.layers if b.index == layer), None)
         return bound is not None and getattr(bound.module, "gradient_checkpointing", False) is True
+
+    def _positions_sharing(self, layer: int) -> list[int]:
+        """The bound positions whose module is layer ``layer``'s, in order (``[layer]`` when it has its own)."""
+        bound = next((b for b in self.binding.layers if b.index == layer), None)
+        return [layer] if bound is None else [b.index for b in self.binding.layers if b.module is bound.module]
 
     def _frozen(self, layer: int, path: str) -> bool:
         """The scope's module has parameters and none requires grad (overrides Note [Swaps nobody reports])."""
