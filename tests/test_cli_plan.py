@@ -386,3 +386,18 @@ def test_verbose_may_follow_the_command(argv, verbose):
     from swapkit.cli import _parser
 
     assert _parser().parse_args(argv).verbose is verbose
+
+
+def test_an_exclude_is_logged_once_between_the_layout_and_the_formative_lines(capsys, tmp_path):
+    """MindFormers' LayerSetting logs the removal once, after the layout lines and before "Formative ...";
+    it was logged by every normalization (load_config's check and build_plan's), before the layout."""
+    config = tmp_path / "exclude.yaml"
+    config.write_text("model: {model_config: {num_layers: 4}}\n"
+                      "recompute_config: {select_recompute: true, select_recompute_exclude: ['feed_forward\\.mul']}\n")
+    status, _, err = run_main(capsys, "--log", config)
+    assert status == 0
+    lines = info_lines(err)
+    removal = r"The pattern feed_forward\.mul in select_recompute conflicts with select_recompute_exclude and will be removed."
+    assert lines.count(removal) == 1
+    assert lines.index("Interleave id list: [0, 0, 0, 0]") < lines.index(removal) < lines.index(
+        r"Formative select_recompute: {'feed_forward\\.w1\\.activation\\.silu': [[4]]}")

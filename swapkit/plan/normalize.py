@@ -6,7 +6,6 @@ stage-agnostic instead: ``True`` or lists of global layer indices. Pure: no torc
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Callable, Mapping
@@ -17,8 +16,6 @@ from swapkit.config.types import MindFormersRecompute, SwapConfig, SwapEntry
 from swapkit.config.errors import Problems, join
 from swapkit.plan.layout import Grid, Layout
 from swapkit.config.swap_entries import layer_indices
-
-logger = logging.getLogger(__name__)
 
 DEFAULT_SELECT = (r"feed_forward\.mul", r"feed_forward\.w1\.activation\.silu")
 DEFAULT_COMM = (r".*\.norm",)
@@ -60,6 +57,8 @@ class Formative:
     select_comm_recompute_exclude: Mapping[str, Spec]
     layer_swap: tuple[SwapRule, ...]
     op_swap: Mapping[str, tuple[SwapRule, ...]]
+    #: MindFormers' line for each select pattern an exclude removed (Note [Logging what an exclude removed])
+    removed: tuple[str, ...] = ()
 
     def to_json(self) -> dict:
         return {
@@ -74,7 +73,7 @@ class Formative:
 
     def log_lines(self, swap_on: bool) -> list[str]:
         data = self.to_json()
-        lines = [f"Formative layer_recompute: {data['layer_recompute']}"]
+        lines = list(self.removed) + [f"Formative layer_recompute: {data['layer_recompute']}"]
         lines += [f"Formative {key}: {data[key]}" for key in (
             "select_recompute", "select_comm_recompute", "select_recompute_exclude", "select_comm_recompute_exclude")]
         if swap_on:
@@ -227,9 +226,19 @@ def normalize_select(
     return result if ok else None
 
 
-def exclude(select: dict[str, Spec], excludes: Mapping[str, Spec], name: str) -> dict[str, Spec]:
-    """Remove select patterns that an exclude pattern names (same scope, either-way fullmatch)."""
-    kept = dict(select)
+# Note [Logging what an exclude removed]
+# MindFormers' LayerSetting logs "The pattern ... conflicts with ..._exclude and will be removed." once,
+# after the layout lines and before the "Formative ..." lines. Normalization is pure and runs more than
+# once per config (load_config's check, build_plan, the readings of a list), so logging here printed the
+# line once per run and before the layout; the lines travel in Formative.removed instead and the plan's
+# log_lines() print them where MindFormers does.
+def exclude(select: dict[str, Spec], excludes: Mapping[str, Spec], name: str) -> tuple[dict[str, Spec], list[str]]:
+    """Remove select patterns that an exclude pattern names (same scope, either-way fullmatch).
+
+    Returns:
+        The kept patterns, and one MindFormers log line per removed one (Note [Logging what an exclude removed]).
+    """
+    kept, removed = dict(select), []
     for key in excludes:
         try:
             named = [p for p in kept if patterns.same_scope(key, p)]
@@ -237,15 +246,16 @@ def exclude(select: dict[str, Spec], excludes: Mapping[str, Spec], name: str) ->
             raise err.at(f"recompute_config.{name}_exclude") from None
         for pattern in named:
             del kept[pattern]
-            logger.info("The pattern %s in %s conflicts with %s_exclude and will be removed.", pattern, name, name)
-    return kept
+            removed.append(f"The pattern {pattern} in {name} conflicts with {name}_exclude and will be removed.")
+    return kept, removed
 
 
 def normalize_recompute(
     recompute: MindFormersRecompute, layout: Layout, swap_mode: bool, problems: Problems, excluded: bool = True
 ) -> dict[str, Any] | None:
-    """All five MindFormers recompute keys, normalized; ``None`` if any is invalid. ``excluded=False``
-    leaves the select patterns as written, before the excludes remove any."""
+    """All five MindFormers recompute keys, normalized, and ``removed`` (the log lines of the patterns the excludes
+    removed); ``None`` if any is invalid. ``excluded=False`` leaves the select patterns as written, before the
+    excludes remove any (and no ``removed``)."""
     def counts(value: Any, path: str) -> Spec | None:
         return normalize_counts(value, layout, path, problems)
 
@@ -269,9 +279,10 @@ def normalize_recompute(
         return None
     if not excluded:
         return out
-    out["select_recompute"] = exclude(out["select_recompute"], out["select_recompute_exclude"], "select_recompute")
-    out["select_comm_recompute"] = exclude(
-        out["select_comm_recompute"], out["select_comm_recompute_exclude"], "select_comm_recompute")
+    out["removed"] = ()
+    for key in ("select_recompute", "select_comm_recompute"):
+        out[key], removed = exclude(out[key], out[f"{key}_exclude"], key)
+        out["removed"] += tuple(removed)
     return out
 
 
