@@ -401,3 +401,15 @@ def test_an_exclude_is_logged_once_between_the_layout_and_the_formative_lines(ca
     assert lines.count(removal) == 1
     assert lines.index("Interleave id list: [0, 0, 0, 0]") < lines.index(removal) < lines.index(
         r"Formative select_recompute: {'feed_forward\\.w1\\.activation\\.silu': [[4]]}")
+
+
+@pytest.mark.parametrize("command", ["plan", "train"])
+def test_an_override_written_without_set_names_set(capsys, command):
+    """``swapkit train cfg.yaml swap_config.swap=false`` (torchtune's and Hydra's form) was argparse's bare
+    'unrecognized arguments'; the error now says how swapkit takes an override."""
+    with pytest.raises(SystemExit) as info:
+        main([command, str(CONFIGS / "tiny.yaml"), "swap_config.swap=false", "--bogus"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert ("unrecognized arguments: swap_config.swap=false --bogus; to override a config value write "
+            "--set swap_config.swap=false") in err
