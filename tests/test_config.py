@@ -376,6 +376,29 @@ def test_yaml_tab_indentation_is_a_syntax_error(tmp_path):
         load_config(path)
 
 
+@pytest.mark.parametrize("text, fix", [
+    ("model:\n\tmodel_config: {}\n", "YAML syntax error at line 2, column 1: found character '\\t' that cannot "
+     "start any token. YAML indents with spaces: replace the tab with spaces"),
+    ("model: {model_config: {num_layers: 2}}\n---\ntrain: {}\n", "YAML syntax error at line 2, column 1: expected a "
+     "single document in the stream but found another document. A config is one YAML document: remove the '---' "
+     "line and merge the documents"),
+])
+def test_yaml_syntax_errors_say_the_fix(tmp_path, text, fix):
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, text))
+    assert [str(p) for p in info.value.problems] == [fix]
+
+
+def test_two_merge_keys_in_one_mapping_are_a_duplicate_key(tmp_path):
+    """Two ``<<`` keys are a duplicate key like any other (PyYAML silently let the second one's values win)."""
+    path = write(tmp_path, "model:\n  model_config:\n    <<: {num_layers: 2}\n    <<: {num_layers: 3}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert [str(p) for p in info.value.problems] == [
+        "YAML error at line 4, column 5: duplicate key '<<' (first given at line 3); merge several mappings with "
+        "one key: <<: [*a, *b]"]
+
+
 @pytest.mark.parametrize("text", ["", "# only a comment\n", "---\n"])
 def test_empty_file(tmp_path, text):
     with pytest.raises(ConfigError) as info:
