@@ -384,6 +384,19 @@ def test_swap_mode_excludes_keep_count_semantics():
     assert result.select_recompute_exclude == {"attention": ((2,),)}
 
 
+def test_swap_mode_exclude_written_as_indices_is_told_it_keeps_counts():
+    """An exclude written as layer indices beside a swap-mode select dict was told to "set swap_config.swap:
+    true", which it was: the fix must say that excludes keep counts and remove their pattern from every layer."""
+    message = error(num_layers=4, recompute={"select_recompute": {"attention": [1]},
+                                             "select_recompute_exclude": {"attention": [1, 2]}}, swap=SWAP_ON)
+    assert "recompute_config.select_recompute_exclude.attention: got [1, 2]; expected at most pipeline_stage (1)" \
+        in message
+    assert "set swap_config.swap: true" not in message
+    assert ("It has 2; an exclude keeps per-stage counts with swap_config.swap: true (only recompute, "
+            "select_recompute and select_comm_recompute take layer indices) and removes its pattern from every "
+            "layer whatever its counts: write true") in message
+
+
 @pytest.mark.parametrize("key, value, path", [
     ("recompute", [[0, 1], [2]], "recompute_config.recompute"),
     ("select_recompute", {"feed_forward": [[0], [1]]}, "recompute_config.select_recompute.feed_forward"),

@@ -92,15 +92,23 @@ def _plain(value: Any) -> Any:
 
 # ---------------------------------------------------------------- count values (stage mode)
 
-def normalize_counts(value: Any, layout: Layout, path: str, problems: Problems) -> Grid | None:
-    """One count value -> ``[V][P]`` grid of "first n layers of the chunk" counts."""
+#: The fix for a too-long exclude list in swap mode, where the swap-mode fix (turn swap on) does not apply.
+EXCLUDE_SWAP_FIX = ("an exclude keeps per-stage counts with swap_config.swap: true (only recompute, select_recompute "
+                    "and select_comm_recompute take layer indices) and removes its pattern from every layer whatever "
+                    "its counts: write true")
+
+
+def normalize_counts(value: Any, layout: Layout, path: str, problems: Problems,
+                     long_fix: str | None = None) -> Grid | None:
+    """One count value -> ``[V][P]`` grid of "first n layers of the chunk" counts; ``long_fix`` replaces the
+    fix for a per-stage list longer than ``pipeline_stage`` (which names swap mode)."""
     if isinstance(value, bool):
         return layout.layer_list if value else layout.zeros()
     if isinstance(value, (list, tuple)):
         if value and all(isinstance(v, str) for v in value):
             return layout.layer_list  # a list of op names as a count means "all layers"
         if all(F.is_int(v) or isinstance(v, bool) for v in value):
-            return _deal_per_stage(value, layout, path, problems)
+            return _deal_per_stage(value, layout, path, problems, long_fix)
         if all(isinstance(v, (list, tuple, bool)) for v in value):
             return _per_chunk(value, layout, path, problems)
     problems.bad(path, value, f"true/false, a list of per-stage counts (at most {layout.pipeline_stage}) or a "
@@ -108,12 +116,13 @@ def normalize_counts(value: Any, layout: Layout, path: str, problems: Problems) 
     return None
 
 
-def _deal_per_stage(value: Any, layout: Layout, path: str, problems: Problems) -> Grid | None:
+def _deal_per_stage(value: Any, layout: Layout, path: str, problems: Problems,
+                    long_fix: str | None = None) -> Grid | None:
     stages, chunks = layout.pipeline_stage, layout.pp_interleave_num
     if len(value) > stages:
-        problems.bad(path, value, f"at most pipeline_stage ({stages}) per-stage counts",
-                     f"it has {len(value)}; use one count per stage, or, if these are layer indices, set "
-                     "swap_config.swap: true (MindFormers reads the lists as global layer indices in swap mode)")
+        fix = long_fix or ("use one count per stage, or, if these are layer indices, set swap_config.swap: true "
+                           "(MindFormers reads the lists as global layer indices in swap mode)")
+        problems.bad(path, value, f"at most pipeline_stage ({stages}) per-stage counts", f"it has {len(value)}; {fix}")
         return None
     if _negative(value, path, problems):
         return None
@@ -259,6 +268,9 @@ def normalize_recompute(
     def counts(value: Any, path: str) -> Spec | None:
         return normalize_counts(value, layout, path, problems)
 
+    def exclude_counts(value: Any, path: str) -> Spec | None:
+        return normalize_counts(value, layout, path, problems, EXCLUDE_SWAP_FIX if swap_mode else None)
+
     def indices(value: Any, path: str) -> Spec | None:
         return normalize_indices(value, path, problems)
 
@@ -271,7 +283,7 @@ def normalize_recompute(
     out = {"layer_recompute": spec(recompute.recompute, join(base, "recompute"))}
     for key, defaults, to_spec in (
         ("select_recompute", DEFAULT_SELECT, spec), ("select_comm_recompute", DEFAULT_COMM, spec),
-        ("select_recompute_exclude", (), counts), ("select_comm_recompute_exclude", (), counts),
+        ("select_recompute_exclude", (), exclude_counts), ("select_comm_recompute_exclude", (), exclude_counts),
     ):
         out[key] = normalize_select(getattr(recompute, key), defaults, to_spec, join(base, key), problems,
                                     dict_spec if to_spec is spec else None)
