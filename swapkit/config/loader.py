@@ -249,7 +249,8 @@ def _read_config(raw: Any, problems: Problems, name: str | None) -> Config:
         top["parallel_config"], "parallel_config", schema.PARALLEL_KEYS, problems, schema.PARALLEL_NO_EFFECT, notices))
     recompute = _read_recompute(top["recompute_config"], problems, notices)
     swap = _read_swap(top["swap_config"], problems, model)
-    warnings = swap_warnings(top["swap_config"], swap) + megatron_warnings(recompute) + one_process_warnings(parallel)
+    warnings = (swap_warnings(top["swap_config"], swap) + megatron_warnings(recompute) + one_process_warnings(parallel)
+                + ignored_offset_warnings(model, parallel))
     _read_context(top["context"], problems, notices)  # before no_effect is frozen into the Config
     config = Config(
         model=model,
@@ -281,6 +282,23 @@ def one_process_warnings(parallel: ParallelConfig) -> list[str]:
         out.append(f"parallel_config.pipeline_schedule: {parallel.pipeline_schedule} has no effect with "
                    "pipeline_stage 1 (no pipeline); drop it, or set pipeline_stage above 1")
     return out
+
+
+def ignored_offset_warnings(model: ModelConfig, parallel: ParallelConfig) -> list[str]:
+    """A non-zero ``offset`` with one stage and one chunk: the layout ignores it, as MindFormers master does
+    (DESIGN §3), so it does nothing. A malformed one is the layout's error."""
+    if not (parallel.pipeline_stage == 1 and model.pp_interleave_num == 1 and _nonzero(model.offset)):
+        return []
+    return [f"model.model_config.offset: {show(model.offset)} has no effect with pipeline_stage 1 and "
+            "pp_interleave_num 1 (one chunk holds every layer; ignored, as in MindFormers); remove it, or set "
+            "pipeline_stage or pp_interleave_num above 1"]
+
+
+def _nonzero(offset: Any) -> bool:
+    """Some integer of an offset (an int, a list or a grid of them) is not 0."""
+    if isinstance(offset, (list, tuple)):
+        return any(_nonzero(cell) for cell in offset)
+    return F.is_int(offset) and offset != 0
 
 
 def _read_model(raw: Any, problems: Problems, notices: list[str]) -> ModelConfig:
