@@ -413,3 +413,16 @@ def test_an_override_written_without_set_names_set(capsys, command):
     err = capsys.readouterr().err
     assert ("unrecognized arguments: swap_config.swap=false --bogus; to override a config value write "
             "--set swap_config.swap=false") in err
+
+
+def test_seed001s_w3_matmul_recomputes_nothing_and_says_so(capsys):
+    r"""Seed 001's ``'feed_forward\.w3\.matmul': [2,1,0,0,0]`` deals to layers 0, 4 and 24, which its
+    ``recompute: [[2,1,0,0,0],[1,0,0,0,0]]`` fully recomputes (full wins): the pattern does nothing, as the
+    summary shows (no "select recompute feed_forward\.w3\.matmul" line); MindFormers says nothing."""
+    status, out, err = run_main(capsys, CONFIGS / "seed001_recompute_pp.yaml")
+    assert status == 0
+    assert not any(r"feed_forward\.w3\.matmul" in line for line in out.splitlines())
+    assert [line for line in err.splitlines() if line.startswith("WARNING")] == [
+        r"WARNING - recompute_config.select_recompute.feed_forward\.w3\.matmul: every layer it selects [0, 4, 24] is "
+        "fully recomputed, and full recompute wins: it recomputes nothing; take those layers out of recompute where "
+        "this op alone should be recomputed, or remove the pattern"]

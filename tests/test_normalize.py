@@ -337,6 +337,32 @@ def test_an_exclude_that_removes_nothing_is_warned(recompute, swap, warning):
     assert warnings == (warning,), warnings
 
 
+@pytest.mark.parametrize("recompute, swap, warning", [
+    # full recompute wins on every layer the pattern selects (MindFormers files often carry both)
+    ({"recompute": True, "select_recompute": {"feed_forward": True}}, None,
+     "recompute_config.select_recompute.feed_forward: every layer it selects [0, 1, 2, 3] is fully recomputed, and "
+     "full recompute wins: it recomputes nothing; take those layers out of recompute where this op alone should be "
+     "recomputed, or remove the pattern"),
+    # counts that select no layer
+    ({"select_comm_recompute": [r"ffn_norm\.norm"], "select_recompute": {"attention": [0]}}, None,
+     "recompute_config.select_recompute.attention: its counts [0] select no layer: it recomputes nothing; give "
+     "the layers to recompute, or remove the pattern"),
+    # swap mode: an empty list of layer indices
+    ({"select_recompute": {"attention": [], "feed_forward": [2]}}, {"swap": True, "op_swap": []},
+     "recompute_config.select_recompute.attention: its layer indices [] select no layer: it recomputes nothing; "
+     "give the layers to recompute, or remove the pattern"),
+])
+def test_a_written_select_pattern_that_recomputes_nothing_is_warned(recompute, swap, warning):
+    """Note [Select patterns that recompute nothing]: the pattern was written, and does nothing."""
+    warnings = plan_warnings(recompute=recompute, swap=swap)
+    assert warnings == (warning,), warnings
+
+
+def test_default_select_patterns_that_recompute_nothing_are_not_warned():
+    """``select_recompute: false`` or counts of 0 turn the default patterns off: that is no mistake."""
+    assert plan_warnings(recompute={"recompute": True, "select_recompute": True, "select_comm_recompute": [0]}) == ()
+
+
 def test_an_exclude_written_as_true_or_counts_names_no_pattern():
     assert plan_warnings(recompute={"select_recompute": True, "select_recompute_exclude": True}) == (
         "recompute_config.select_recompute_exclude: true names no pattern (an exclude has no default patterns): it "
