@@ -389,6 +389,29 @@ def test_yaml_syntax_errors_say_the_fix(tmp_path, text, fix):
     assert [str(p) for p in info.value.problems] == [fix]
 
 
+def test_a_pattern_in_double_quotes_says_to_use_single_quotes(tmp_path):
+    """In YAML double quotes a backslash starts an escape, and MindFormers' patterns are full of them."""
+    path = write(tmp_path, 'model: {model_config: {num_layers: 2}}\nrecompute_config:\n  select_recompute:\n'
+                           '    "feed_forward\\.mul": true\n')
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert [str(p) for p in info.value.problems] == [
+        "YAML syntax error at line 4, column 19: found unknown escape character '.'. In double quotes a backslash "
+        "starts an escape: write an op pattern in single quotes ('feed_forward\\.mul') or unquoted"]
+
+
+def test_a_doubled_backslash_in_a_pattern_says_to_write_one(tmp_path):
+    """The log lines show patterns as Python's repr, which doubles the backslash; copied into single quotes,
+    the pattern's first component ended in a lone backslash: 'bad escape (end of pattern)'."""
+    path = write(tmp_path, "model: {model_config: {num_layers: 2}}\nrecompute_config:\n  select_recompute:\n"
+                           "    'feed_forward\\\\.mul': true\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    (problem,) = info.value.problems
+    assert str(problem).endswith(
+        "a backslash doubled as in the log lines (Python's repr doubles it): write one, feed_forward\\.mul")
+
+
 def test_two_merge_keys_in_one_mapping_are_a_duplicate_key(tmp_path):
     """Two ``<<`` keys are a duplicate key like any other (PyYAML silently let the second one's values win)."""
     path = write(tmp_path, "model:\n  model_config:\n    <<: {num_layers: 2}\n    <<: {num_layers: 3}\n")

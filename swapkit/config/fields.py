@@ -256,9 +256,17 @@ def pattern(value: Any, path: str, problems: Problems) -> Any:
         error = _compile_error(component)
         if error:
             problems.bad(path, value, "a valid regular expression in every \\.-separated component",
-                         f"component {show(component)} does not compile: {error}")
+                         f"component {show(component)} does not compile: {error}{_doubled_backslash(value)}")
             return INVALID
     return value
+
+
+def _doubled_backslash(value: str) -> str:
+    """The fix for ``feed_forward\\\\.mul`` copied from a log line, where Python's repr doubles each backslash."""
+    if "\\\\." not in value:
+        return ""
+    return (f"; a backslash doubled as in the log lines (Python's repr doubles it): write one, "
+            f"{value.replace(chr(92) * 2, chr(92))}")
 
 
 def _length_fix(value: Any) -> str | None:

@@ -167,6 +167,8 @@ def _budget_error(node: yaml.Node, what: str) -> yaml.YAMLError:
 _SYNTAX_FIXES = {
     "found character '\\t' that cannot start any token": "YAML indents with spaces: replace the tab with spaces",
     "but found another document": "A config is one YAML document: remove the '---' line and merge the documents",
+    "found unknown escape character": ("In double quotes a backslash starts an escape: write an op pattern in "
+                                       "single quotes ('feed_forward\\.mul') or unquoted"),
 }
 
 
@@ -177,7 +179,7 @@ def yaml_message(err: yaml.YAMLError) -> str:
     context = getattr(err, "context", None)
     if context and problem.startswith("but "):  # "but found another document" says nothing without its context
         problem = f"{context} {problem}"
-    fix = next((f". {fix}" for text, fix in _SYNTAX_FIXES.items() if problem.endswith(text)), "")
+    fix = next((f". {fix}" for text, fix in _SYNTAX_FIXES.items() if text in problem), "")
     kind = "YAML error" if isinstance(err, yaml.constructor.ConstructorError) else "YAML syntax error"
     return clip(f"{kind}{where}: {problem}{fix}", 300)
 
