@@ -520,6 +520,20 @@ def test_overrides_are_yaml_values(tmp_path):
     assert config.runtime.engine == "thread"
 
 
+def test_an_override_key_keeps_an_op_pattern_whole(tmp_path):
+    r"""``--set recompute_config.select_recompute.feed_forward\.mul=[1]`` split the pattern at its ``\.``
+    separator into the keys ``feed_forward\`` and ``mul``: a dot after a backslash is the pattern's, not a key path's."""
+    path = write(tmp_path, "model: {model_config: {num_layers: 3}}\nrecompute_config:\n  select_recompute:\n"
+                           "    'feed_forward\\.mul': true\n")
+    config = load_config(path, overrides=[r"recompute_config.select_recompute.feed_forward\.mul=[1]",
+                                          r"recompute_config.select_recompute.attention\.wq=[2]"])
+    assert config.recompute.select_recompute == {r"feed_forward\.mul": [1], r"attention\.wq": [2]}
+    problems = problems_of(MINIMAL, overrides=[r"recompute_config.select_recompute.feed_forward\.w9=x"])
+    assert problems == [r"recompute_config.select_recompute.feed_forward\.w9 (from overrides[0] "
+                        r"'recompute_config.select_recompute.feed_forward\\.w9=x'): got 'x'; expected true/false, "
+                        "a list of per-stage counts (at most 1) or a [1][1] grid of per-chunk counts"]
+
+
 def test_overrides_are_validated_like_the_file():
     problems = problems_of(MINIMAL, overrides=["train.steps=0", "swap_config.sawp=true"])
     assert sorted(problems) == [

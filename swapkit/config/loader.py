@@ -9,6 +9,7 @@ layout (list lengths, negative counts, layer indices out of range, ...) are adde
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -134,11 +135,24 @@ def override_word(overrides: Sequence[str]) -> str:
     return "--set" if isinstance(overrides, CommandLineOverrides) else "override"
 
 
+# Note [An op pattern in an override key]
+# `--set recompute_config.select_recompute.feed_forward\.mul=[1]` names a select pattern, whose
+# components are separated by the two characters `\.`. Splitting the key at every dot made the keys
+# `feed_forward\` and `mul`, and the error blamed the file for a pattern that does not compile. A dot
+# after a backslash belongs to the pattern; only the other dots separate the key path.
+_KEY_DOT = re.compile(r"(?<!\\)\.")
+
+
+def key_parts(key: str) -> list[str]:
+    """The keys of an override's dotted path (Note [An op pattern in an override key])."""
+    return _KEY_DOT.split(key.strip())
+
+
 def apply_overrides(raw: Any, overrides: Sequence[str], problems: Problems) -> Any:
     """Apply ``--set a.b=value`` strings to the raw dict (the value is parsed as YAML)."""
     for index, item in enumerate(overrides):
         key, sep, text = item.partition("=")
-        parts = key.strip().split(".")
+        parts = key_parts(key)
         name = override_name(overrides, index)
         if not sep or not all(parts):
             problems.bad(name, item, "dotted.key=value, for example train.steps=5")
@@ -170,7 +184,7 @@ def _override_keys(overrides: Sequence[str]) -> list[tuple[str, str]]:
     keys = []
     for index, item in enumerate(overrides):
         key, sep, _ = item.partition("=")
-        if sep and all(key.strip().split(".")):
+        if sep and all(key_parts(key)):
             keys.append((key.strip(), override_name(overrides, index, item)))
     return keys
 
