@@ -410,6 +410,25 @@ def test_swap_mode_excludes_keep_count_semantics():
     assert result.select_recompute_exclude == {"attention": ((2,),)}
 
 
+@pytest.mark.parametrize("key, value, path, fix, swap", [
+    ("recompute", "True", "recompute_config.recompute", "'True' is text because it is quoted; write true unquoted",
+     None),
+    ("recompute", "yes", "recompute_config.recompute", "'yes' is text because it is quoted; write true unquoted",
+     SWAP_ON),
+    ("select_recompute", {"feed_forward": "false"}, "recompute_config.select_recompute.feed_forward",
+     "'false' is text because it is quoted; write false unquoted", None),
+    ("recompute", ["1", 0], "recompute_config.recompute",
+     "'1' is text because it is quoted; write the number unquoted: 1", None),
+    ("recompute", ["1", 0], "recompute_config.recompute",
+     "'1' is text because it is quoted; write the number unquoted: 1", SWAP_ON),
+])
+def test_a_quoted_count_or_boolean_says_to_unquote_it(key, value, path, fix, swap):
+    """A boolean key given 'true' says to write true; a count value did not (bools given as strings)."""
+    message = error(num_layers=4, recompute={key: value}, swap=swap)
+    assert f"{path}: got " in message
+    assert fix in message
+
+
 def test_swap_mode_exclude_written_as_indices_is_told_it_keeps_counts():
     """An exclude written as layer indices beside a swap-mode select dict was told to "set swap_config.swap:
     true", which it was: the fix must say that excludes keep counts and remove their pattern from every layer."""

@@ -106,6 +106,20 @@ def yaml11_hint(value: Any) -> str | None:
     return None
 
 
+_BOOLEAN_WORDS = {"true": "true", "yes": "true", "on": "true", "false": "false", "no": "false", "off": "false"}
+
+
+def quoted_hint(value: Any) -> str | None:
+    """The fix for a value (or a list item) that is a boolean or an integer in quotes, as text: ``'True'`` is
+    not ``true`` (a count or layer value that YAML read as text)."""
+    for item in value if isinstance(value, (list, tuple)) else [value]:
+        if isinstance(item, str) and item.strip().lower() in _BOOLEAN_WORDS:
+            return f"{item!r} is text because it is quoted; write {_BOOLEAN_WORDS[item.strip().lower()]} unquoted"
+        if isinstance(item, str) and re.fullmatch(r"[-+]?[0-9]+", item.strip()):
+            return f"{item!r} is text because it is quoted; write the number unquoted: {item.strip()}"
+    return None
+
+
 def _int_range(minimum: int | None, maximum: int | None, above: bool = False) -> str:
     """The range in words; a far-away upper bound (a size limit) is named only when it was exceeded."""
     if minimum is not None and maximum is not None and (above or maximum <= 100_000):

@@ -57,7 +57,8 @@ def layer_indices(value: Any, path: str, problems: Problems, num_layers: int | N
         problems.bad(path, value, "a flat list of global layer indices; 2-D lists are not allowed here", fix)
         return F.INVALID
     if not isinstance(value, (list, tuple)) or not all(F.is_int(v) for v in value):
-        problems.bad(path, value, "true, false or a list of layer indices", fix)
+        quoted = F.quoted_hint(value)
+        problems.bad(path, value, "true, false or a list of layer indices", f"{quoted}; {fix}" if quoted else fix)
         return F.INVALID
     bad = [v for v in value if v < 0 or (num_layers is not None and v >= num_layers)]
     if bad:
