@@ -164,6 +164,25 @@ def test_mindspore_only_keys_load_and_are_listed(caplog):
     assert len(warnings) == len(NO_EFFECT_PATHS)
 
 
+@pytest.mark.parametrize("section, path, key", [
+    ({"seed": 42}, "seed", "train.seed"),
+    ({"model": {"model_config": {"num_layers": 4, "batch_size": 2}}}, "model.model_config.batch_size",
+     "train.batch_size"),
+    ({"model": {"model_config": {"num_layers": 4, "compute_dtype": "bfloat16"}}}, "model.model_config.compute_dtype",
+     "train.dtype"),
+    ({"runner_config": {"batch_size": 2, "epochs": 1}}, "runner_config", "train.batch_size and train.steps"),
+    ({"optimizer": {"type": "AdamW", "learning_rate": 1e-4}}, "optimizer", "train.lr and train.weight_decay"),
+])
+def test_a_mindformers_trainer_key_names_swapkits_own(caplog, section, path, key):
+    """A MindFormers file's ``seed: 42`` was only "ignored": swapkit train then trained with seed 0 and the
+    warning did not say which key it reads."""
+    raw = {"model": {"model_config": {"num_layers": 4}}, **section}
+    with caplog.at_level(logging.WARNING, logger="swapkit"):
+        load_config(raw)
+    assert caplog.messages == [f"{path} has no effect in PyTorch eager; accepted and ignored: swapkit train "
+                               f"reads {key} instead"]
+
+
 @pytest.mark.parametrize("parallel, expected", [
     ({"micro_batch_num": 4}, ["parallel_config.micro_batch_num: 4 has no effect with pipeline_stage 1 and "
                               "data_parallel 1 (one process, no pipeline); to split a step into micro-batches "

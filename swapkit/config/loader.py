@@ -56,9 +56,12 @@ def read_config(source: str | Path | Mapping[str, Any], overrides: Sequence[str]
 
 
 def warn_no_effect(config: Config) -> None:
-    """Report, once per load, the MindSpore-only keys that were accepted and ignored."""
+    """Report, once per load, the MindSpore-only keys that were accepted and ignored (naming swapkit's own key
+    where it has one: :data:`schema.SWAPKIT_KEYS`)."""
     for path in config.no_effect:
-        logger.warning("%s has no effect in PyTorch eager; accepted and ignored", path)
+        instead = schema.SWAPKIT_KEYS.get(path)
+        logger.warning("%s has no effect in PyTorch eager; accepted and ignored%s", path,
+                       f": swapkit train reads {instead} instead" if instead else "")
 
 
 def warn_written(config: Config) -> None:

@@ -50,6 +50,14 @@ TOP_NO_EFFECT = {
     "eval_step_interval": integer(-1), "eval_epoch_interval": integer(-1), "metric": anything,
 }
 
+#: MindFormers trainer keys that ``swapkit train`` has a key of its own for: a MindFormers file's ``seed: 42``
+#: is ignored, and the warning names the key that is read instead.
+SWAPKIT_KEYS = {
+    "seed": "train.seed", "model.model_config.batch_size": "train.batch_size",
+    "model.model_config.compute_dtype": "train.dtype", "runner_config": "train.batch_size and train.steps",
+    "optimizer": "train.lr and train.weight_decay", "lr_schedule": "train.lr",
+}
+
 MODEL_KEYS = {"model_config": Key(mapping, None)}
 MODEL_NO_EFFECT = {"arch": mapping}
 
