@@ -665,6 +665,22 @@ def test_an_override_of_one_list_item_is_refused_naming_the_list():
     assert config.recompute.select_recompute == {"w[13]": [0]}
 
 
+def test_an_override_of_one_list_item_by_a_dotted_index_is_refused_naming_the_list():
+    """``swap_config.layer_swap.0.backward_prefetch=3`` (an index as a dotted part) said only that the list
+    was expected to be a mapping; it gets the fix the ``[0]`` form gets."""
+    raw = with_sections(swap_config={"swap": True, "layer_swap": [{"backward_prefetch": 2, "layers": [0]}]})
+    (problem,) = problems_of(raw, overrides=["swap_config.layer_swap.0.backward_prefetch=3"])
+    assert problem == ("overrides[0]: got 'swap_config.layer_swap.0.backward_prefetch=3'; expected mapping keys "
+                       "only; swap_config.layer_swap is a list, and an override cannot set one of its items. Set the "
+                       "whole list: 'swap_config.layer_swap=[...]' (it is now [{'backward_prefetch': 2, 'layers': [0]}])")
+
+
+def test_spaces_around_the_dots_of_an_override_key_are_ignored():
+    """``--set ' swap_config . swap =true'`` wrote a key 'swap_config ' and blamed the file for it."""
+    config = load_config(MINIMAL, overrides=[" swap_config . swap =true"])
+    assert config.swap.swap is True
+
+
 def test_bad_overrides_are_collected_with_other_problems():
     problems = problems_of(with_sections(train={"lr": -1}), overrides=["nonsense", "train.steps=x"])
     assert problems[0].startswith("overrides[0]: got 'nonsense'")

@@ -148,7 +148,7 @@ _KEY_DOT = re.compile(r"(?<!\\)\.")
 
 def key_parts(key: str) -> list[str]:
     """The keys of an override's dotted path (Note [An op pattern in an override key])."""
-    return _KEY_DOT.split(key.strip())
+    return [part.strip() for part in _KEY_DOT.split(key.strip())]  # ' swap_config . swap' is swap_config.swap
 
 
 def apply_overrides(raw: Any, overrides: Sequence[str], problems: Problems) -> Any:
@@ -188,7 +188,7 @@ def _override_keys(overrides: Sequence[str]) -> list[tuple[str, str]]:
     for index, item in enumerate(overrides):
         key, sep, _ = item.partition("=")
         if sep and all(key_parts(key)):
-            keys.append((key.strip(), override_name(overrides, index, item)))
+            keys.append((".".join(key_parts(key)), override_name(overrides, index, item)))
     return keys
 
 
@@ -206,11 +206,14 @@ def _blamed(problem: Problem, written: list[tuple[str, str]]) -> Problem:
 # swapkit config in tiny.yaml: swap_config.layer_swap[0]: unknown key; did you mean 'layer_swap'?",
 # which reads as if ``layer_swap`` were missing. A part ``name[i]`` whose ``name`` holds a list is refused
 # naming the command line and how to set the whole list. Only then: a pattern key such as ``w[13]`` under
-# ``select_recompute`` (a mapping) is an ordinary key.
+# ``select_recompute`` (a mapping) is an ordinary key. So is a dotted index, ``layer_swap.0.backward_prefetch``:
+# any part below a key that holds a list.
 def _list_item_problem(node: dict, parts: list[str], depth: int, where: tuple, problems: Problems) -> bool:
     name, bracket, _ = parts[depth].partition("[")
-    if not bracket or parts[depth] in node or not isinstance(node.get(name), list):
+    below_a_list = depth < len(parts) - 1 and isinstance(node.get(parts[depth]), list)
+    if not below_a_list and (not bracket or parts[depth] in node or not isinstance(node.get(name), list)):
         return False
+    name = parts[depth] if below_a_list else name
     overrides, index, item = where
     dotted = ".".join(parts[:depth] + [name])
     cli = override_word(overrides) == "--set"
