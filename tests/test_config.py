@@ -681,6 +681,24 @@ def test_spaces_around_the_dots_of_an_override_key_are_ignored():
     assert config.swap.swap is True
 
 
+@pytest.mark.parametrize("sections, expected", [
+    ({"recompute_config": {"select_recompute": [r"feed_forward\.mul", "attention", r"feed_forward\.mul"]}},
+     r"recompute_config.select_recompute lists ['feed_forward\\.mul'] more than once (['feed_forward\\.mul', "
+     r"'attention', 'feed_forward\\.mul']); a pattern is recomputed once, the repeats do nothing: list each "
+     "pattern once"),
+    ({"swap_config": {"swap": True, "op_swap": [{"op_name": ["attention", "attention"], "backward_prefetch": 1,
+                                                  "layers": True}]}},
+     "swap_config.op_swap[0].op_name lists ['attention'] more than once (['attention', 'attention']); a pattern is "
+     "swapped once, the repeats do nothing: list each pattern once"),
+])
+def test_a_pattern_listed_twice_is_warned(caplog, sections, expected):
+    """As a module listed twice in recompute_modules and a layer listed twice in layers are."""
+    with caplog.at_level(logging.WARNING, logger="swapkit"):
+        config = load_config({"model": {"model_config": {"num_layers": 4}}, **sections})
+    assert config.warnings == (expected,)
+    assert caplog.messages == [expected]
+
+
 def test_bad_overrides_are_collected_with_other_problems():
     problems = problems_of(with_sections(train={"lr": -1}), overrides=["nonsense", "train.steps=x"])
     assert problems[0].startswith("overrides[0]: got 'nonsense'")

@@ -253,6 +253,16 @@ def few_patterns(count: int, value: Any, path: str, problems: Problems) -> bool:
     return False
 
 
+def repeated_patterns(path: str, names: Sequence[str], done: str) -> list[str]:
+    """A warning when ``names`` lists a pattern more than once: the repeat does nothing (``done``: what happens
+    to a pattern once, ``"recomputed"`` or ``"swapped"``)."""
+    repeated = list(dict.fromkeys(name for name in names if names.count(name) > 1))
+    if not repeated:
+        return []
+    return [f"{path} lists {repeated} more than once ({list(names)}); a pattern is {done} once, the repeats do "
+            "nothing: list each pattern once"]
+
+
 def pattern(value: Any, path: str, problems: Problems) -> Any:
     """An op pattern: components split on the two characters ``\\.``, each a valid regex.
 

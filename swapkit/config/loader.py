@@ -269,8 +269,8 @@ def _read_config(raw: Any, problems: Problems, name: str | None) -> Config:
         top["parallel_config"], "parallel_config", schema.PARALLEL_KEYS, problems, schema.PARALLEL_NO_EFFECT, notices))
     recompute = _read_recompute(top["recompute_config"], problems, notices)
     swap = _read_swap(top["swap_config"], problems, model)
-    warnings = (swap_warnings(top["swap_config"], swap) + megatron_warnings(recompute) + one_process_warnings(parallel)
-                + ignored_offset_warnings(model, parallel))
+    warnings = (swap_warnings(top["swap_config"], swap) + megatron_warnings(recompute) + select_warnings(recompute)
+                + one_process_warnings(parallel) + ignored_offset_warnings(model, parallel))
     _read_context(top["context"], problems, notices)  # before no_effect is frozen into the Config
     config = Config(
         model=model,
@@ -301,6 +301,18 @@ def one_process_warnings(parallel: ParallelConfig) -> list[str]:
     if isinstance(parallel.pipeline_schedule, str):
         out.append(f"parallel_config.pipeline_schedule: {parallel.pipeline_schedule} has no effect with "
                    "pipeline_stage 1 (no pipeline); drop it, or set pipeline_stage above 1")
+    return out
+
+
+def select_warnings(recompute: RecomputeConfig) -> list[str]:
+    """A pattern listed twice in a ``select_*`` list of names: the repeat does nothing."""
+    if not isinstance(recompute, MindFormersRecompute):
+        return []
+    out = []
+    for key in ("select_recompute", "select_comm_recompute"):
+        value = getattr(recompute, key)
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            out += F.repeated_patterns(f"recompute_config.{key}", value, "recomputed")
     return out
 
 

@@ -125,6 +125,8 @@ def swap_warnings(raw: Any, swap: SwapConfig) -> list[str]:
     for key in ("layer_swap", "op_swap"):
         out += _empty_entries(getattr(swap, key) or (), join("swap_config", key))
         out += _repeated_layers(getattr(swap, key) or (), join("swap_config", key))
+    for index, entry in enumerate(swap.op_swap or ()):
+        out += F.repeated_patterns(f"swap_config.op_swap[{index}].op_name", entry.op_names, "swapped")
     out += _overlaps(list(enumerate(swap.layer_swap or ())), "swap_config.layer_swap", "")
     grouped: dict[str, list[tuple[int, SwapEntry]]] = {}
     for index, entry in enumerate(swap.op_swap or ()):
