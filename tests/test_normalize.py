@@ -429,6 +429,14 @@ def test_a_quoted_count_or_boolean_says_to_unquote_it(key, value, path, fix, swa
     assert fix in message
 
 
+def test_a_select_key_that_is_not_text_is_named_as_a_key_not_a_list_index():
+    """``select_recompute: {1: true}`` was reported at ``select_recompute[1]``, which reads as a list index."""
+    message = error(recompute={"select_recompute": {1: True, "": True}})
+    assert "recompute_config.select_recompute.1: got 1; expected an op pattern" in message
+    assert "recompute_config.select_recompute.'': got ''; expected an op pattern" in message
+    assert "select_recompute[1]" not in message
+
+
 def test_swap_mode_exclude_written_as_indices_is_told_it_keeps_counts():
     """An exclude written as layer indices beside a swap-mode select dict was told to "set swap_config.swap:
     true", which it was: the fix must say that excludes keep counts and remove their pattern from every layer."""

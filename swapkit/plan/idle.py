@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from swapkit.config.errors import join, show
+from swapkit.config.errors import join, join_key, show
 from swapkit.config.types import MindFormersRecompute
 from swapkit.plan import patterns
 from swapkit.plan.layout import Layout
@@ -76,7 +76,7 @@ def idle_selects(rc: MindFormersRecompute, formative: Any, layers: tuple, layout
 def _written_patterns(value: Any, path: str) -> list[tuple[str, str, Any]]:
     """(pattern, key path, value written for it) of each pattern a select value names explicitly."""
     if isinstance(value, dict):
-        return [(key, join(path, key), counts) for key, counts in value.items()]
+        return [(key, join_key(path, key), counts) for key, counts in value.items()]
     if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) for v in value):
         return [(key, join(path, index), True) for index, key in enumerate(value)]
     return []

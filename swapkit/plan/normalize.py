@@ -13,7 +13,7 @@ from typing import Any, Callable, Mapping
 from swapkit.config import fields as F
 from swapkit.plan import patterns
 from swapkit.config.types import MindFormersRecompute, SwapConfig, SwapEntry
-from swapkit.config.errors import Problems, join
+from swapkit.config.errors import Problems, join, join_key
 from swapkit.plan.layout import Grid, Layout
 from swapkit.config.swap_entries import layer_indices
 
@@ -218,7 +218,7 @@ def normalize_select(
     default pattern.
     """
     if isinstance(value, dict):
-        items = [(key, v, join(path, key)) for key, v in value.items()]
+        items = [(key, v, join_key(path, key)) for key, v in value.items()]
     elif isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
         items = [(key, True, join(path, index)) for index, key in enumerate(value)]
     else:
