@@ -164,6 +164,29 @@ def test_mindspore_only_keys_load_and_are_listed(caplog):
     assert len(warnings) == len(NO_EFFECT_PATHS)
 
 
+def test_the_trainer_and_model_keys_of_mindformers_llama_family_files_load():
+    """DESIGN §2: a MindFormers file loads unchanged. MindFormers' own Llama-family training YAMLs (llama2,
+    llama3.1, mixtral, qwen2.5) carry these keys, and each was an unknown key: none of those files loaded."""
+    raw = {
+        "auto_tune": False, "filepath_prefix": "./autotune", "autotune_per_step": 10, "profile_communication": False,
+        "profile_memory": True, "profiler_level": 1, "remote_save_url": "obs://bucket", "eval_callbacks": [
+            {"type": "ObsMonitor"}], "ignore_data_skip": False, "load_ckpt_format": "safetensors", "use_legacy": True,
+        "transform_process_num": 1,
+        "parallel_config": {"pipeline_stage": 1, "seq_split_num": 1},
+        "model": {"model_config": {
+            "num_layers": 4, "emb_dropout_prob": 0.0, "rotary_pct": 1.0, "rotary_emb_base": 1000000,
+            "max_position_embedding": 131072, "initializer_range": 0.02, "compute_in_2d": True, "kv_channels": 128,
+            "tie_word_embeddings": False, "use_ring_attention": False, "use_attn_mask_compression": True,
+            "use_eod_attn_mask_compression": False, "residual_dtype": None, "attn_proj_has_bias": False,
+            "parallel_optimizer": False, "init_method_std": 0.01, "quant_config": None, "llm_backend": "",
+            "input_sliced_sig": False, "rmsnorm_compute_2d": False, "chunk_prefill": False,
+            "calculate_per_token_loss": False, "return_hidden_states": False, "moe_config": {"expert_num": 8}}},
+    }
+    config = load_config(raw)
+    assert "profile_memory" in config.no_effect and "model.model_config.rotary_emb_base" in config.no_effect
+    assert "parallel_config.seq_split_num" in config.no_effect
+
+
 @pytest.mark.parametrize("section, path, key", [
     ({"seed": 42}, "seed", "train.seed"),
     ({"model": {"model_config": {"num_layers": 4, "batch_size": 2}}}, "model.model_config.batch_size",
@@ -722,7 +745,7 @@ def test_unknown_top_level_key_lists_swapkits_sections_not_the_trainer_keys():
     """Before, the list began with 35 MindFormers trainer keys (auto_trans_ckpt, callbacks, ...)."""
     (message,) = problems_of({"foo": 1})
     assert message == ("foo: unknown key; known keys: context, model, parallel_config, recompute_config, runtime, "
-                       "swap_config, train (and 35 MindFormers keys accepted with no effect)")
+                       "swap_config, train (and 47 MindFormers keys accepted with no effect)")
     (message,) = problems_of({"optimzer": {}})
     assert message == "optimzer: unknown key; did you mean 'optimizer'?"  # still suggested
     (message,) = problems_of(with_sections(context={"zzz": 1}))
