@@ -55,7 +55,8 @@ def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argpa
     args, extra = parser.parse_known_args(argv)
     if extra:
         overrides = [item for item in extra if "=" in item and not item.startswith("-")]
-        fix = f"; to override a config value write {' '.join(f'--set {item}' for item in overrides)}" if overrides else ""
+        sets = " ".join(f"--set {item}" for item in overrides)
+        fix = f"; to override a config value write {sets}" if overrides else ""
         parser.error(f"unrecognized arguments: {' '.join(extra)}{fix}")
     return args
 

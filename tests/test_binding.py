@@ -288,8 +288,9 @@ def test_a_default_pattern_that_applies_to_no_layer_is_not_an_error():
     """Counts that select no layer turn the default patterns off (``select_recompute: [0]``): nothing was written
     that a model must have."""
     model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(2)])
-    swapkit.apply(model, {"model": {"model_config": {"num_layers": 2}},
-                          "recompute_config": {"select_recompute": [0], "select_comm_recompute": False}}, layers="").remove()
+    config = {"model": {"model_config": {"num_layers": 2}},
+              "recompute_config": {"select_recompute": [0], "select_comm_recompute": False}}
+    swapkit.apply(model, config, layers="").remove()
 
 
 def test_preset_on_the_builtin_model_names_the_written_pattern():

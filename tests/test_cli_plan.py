@@ -397,7 +397,8 @@ def test_an_exclude_is_logged_once_between_the_layout_and_the_formative_lines(ca
     status, _, err = run_main(capsys, "--log", config)
     assert status == 0
     lines = info_lines(err)
-    removal = r"The pattern feed_forward\.mul in select_recompute conflicts with select_recompute_exclude and will be removed."
+    removal = (r"The pattern feed_forward\.mul in select_recompute conflicts with select_recompute_exclude and will be "
+               "removed.")
     assert lines.count(removal) == 1
     assert lines.index("Interleave id list: [0, 0, 0, 0]") < lines.index(removal) < lines.index(
         r"Formative select_recompute: {'feed_forward\\.w1\\.activation\\.silu': [[4]]}")

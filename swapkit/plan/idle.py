@@ -38,7 +38,8 @@ def idle_excludes(rc: MindFormersRecompute, written: dict[str, Any], layers: tup
                   if any(not layer.full and selects(spec, layer.layer, layout, swap_mode) for layer in layers)]
         for key in excludes:
             if not any(patterns.same_scope(key, p) for p in active):
-                what = f"the patterns that do: {', '.join(active)}" if active else f"{kind} recomputes no layer that is not fully recomputed"
+                what = (f"the patterns that do: {', '.join(active)}" if active
+                        else f"{kind} recomputes no layer that is not fully recomputed")
                 out.append(f"{path}: {show(key)} removes no {kind} pattern that recomputes a layer ({what}): it does "
                            f"nothing. An exclude removes each {kind} pattern with as many dot-separated parts, each "
                            "part fullmatching the other's; fix the pattern, or remove it")

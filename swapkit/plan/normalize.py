@@ -112,7 +112,8 @@ def normalize_counts(value: Any, layout: Layout, path: str, problems: Problems,
         if all(isinstance(v, (list, tuple, bool)) for v in value):
             return _per_chunk(value, layout, path, problems)
     problems.bad(path, value, f"true/false, a list of per-stage counts (at most {layout.pipeline_stage}) or a "
-                 f"[{layout.pp_interleave_num}][{layout.pipeline_stage}] grid of per-chunk counts", F.quoted_hint(value))
+                 f"[{layout.pp_interleave_num}][{layout.pipeline_stage}] grid of per-chunk counts",
+                 F.quoted_hint(value))
     return None
 
 
