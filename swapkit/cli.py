@@ -29,7 +29,7 @@ logger = logging.getLogger("swapkit")
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
-    args = parser.parse_args(argv)
+    args = _parse(parser, argv)
     if hasattr(args, "overrides"):  # loader Note [Naming an override]
         args.overrides = CommandLineOverrides(args.overrides)
     _configure_logging(args.verbose)
@@ -47,6 +47,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as err:  # noqa: BLE001 - Note [No traceback]
         print(f"swapkit: {_failure(err, args.verbose)}", file=sys.stderr)
         return EXIT_FAILED
+
+
+def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """``parser.parse_args``; an override written without ``--set`` (``swapkit train cfg.yaml a.b=1``, as torchtune
+    and Hydra take one) is a usage error that names ``--set``, not only argparse's "unrecognized arguments"."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        overrides = [item for item in extra if "=" in item and not item.startswith("-")]
+        sets = " ".join(f"--set {item}" for item in overrides)
+        fix = f"; to override a config value write {sets}" if overrides else ""
+        parser.error(f"unrecognized arguments: {' '.join(extra)}{fix}")
+    return args
 
 
 def _blamed(err: ConfigError | BindError, overrides: Sequence[str]) -> ConfigError | BindError:

@@ -267,6 +267,32 @@ def test_unmatched_pattern_error_suggests_real_names(written, hint):
     assert hint in str(info.value)
 
 
+@pytest.mark.parametrize("sections, path, written", [
+    # full recompute wins on every layer: the select pattern applies to none, and its typo was never checked
+    ({"recompute_config": {"recompute": True, "select_recompute": {r"feed_forward\.w9": True}}},
+     r"recompute_config.select_recompute.feed_forward\.w9", r"feed_forward\.w9"),
+    ({"recompute_config": {"select_comm_recompute": {"atention_norm": [0]}}},  # a count of 0: no layer
+     "recompute_config.select_comm_recompute.atention_norm", "atention_norm"),
+    ({"swap_config": {"swap": False, "op_swap": [{"op_name": "atention", "backward_prefetch": 2, "layers": [0]}]}},
+     "swap_config.op_swap[0].op_name", "atention"),  # the swap section is validated even when swap is false
+])
+def test_a_written_pattern_is_checked_even_where_it_applies_to_no_layer(sections, path, written):
+    """DESIGN §3: a pattern that matches nothing in any bound layer is an error, whatever layers it applies to."""
+    with pytest.raises(swapkit.BindError) as info:
+        swapkit.apply(llama(), toy_config(4, **sections), layers="layers")
+    assert f"{path}: " in str(info.value)
+    assert f"pattern '{written}' matches no sub-module in any layer of LlamaModel.layers" in str(info.value)
+
+
+def test_a_default_pattern_that_applies_to_no_layer_is_not_an_error():
+    """Counts that select no layer turn the default patterns off (``select_recompute: [0]``): nothing was written
+    that a model must have."""
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(2)])
+    config = {"model": {"model_config": {"num_layers": 2}},
+              "recompute_config": {"select_recompute": [0], "select_comm_recompute": False}}
+    swapkit.apply(model, config, layers="").remove()
+
+
 def test_preset_on_the_builtin_model_names_the_written_pattern():
     """The llama preset turns the default swap op into HF Llama's self_attn, which the built-in model
     (MindFormers' names) does not have: the error says where 'self_attn' came from and what to do."""

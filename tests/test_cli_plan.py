@@ -386,3 +386,44 @@ def test_verbose_may_follow_the_command(argv, verbose):
     from swapkit.cli import _parser
 
     assert _parser().parse_args(argv).verbose is verbose
+
+
+def test_an_exclude_is_logged_once_between_the_layout_and_the_formative_lines(capsys, tmp_path):
+    """MindFormers' LayerSetting logs the removal once, after the layout lines and before "Formative ...";
+    it was logged by every normalization (load_config's check and build_plan's), before the layout."""
+    config = tmp_path / "exclude.yaml"
+    config.write_text("model: {model_config: {num_layers: 4}}\n"
+                      "recompute_config: {select_recompute: true, select_recompute_exclude: ['feed_forward\\.mul']}\n")
+    status, _, err = run_main(capsys, "--log", config)
+    assert status == 0
+    lines = info_lines(err)
+    removal = (r"The pattern feed_forward\.mul in select_recompute conflicts with select_recompute_exclude and will be "
+               "removed.")
+    assert lines.count(removal) == 1
+    assert lines.index("Interleave id list: [0, 0, 0, 0]") < lines.index(removal) < lines.index(
+        r"Formative select_recompute: {'feed_forward\\.w1\\.activation\\.silu': [[4]]}")
+
+
+@pytest.mark.parametrize("command", ["plan", "train"])
+def test_an_override_written_without_set_names_set(capsys, command):
+    """``swapkit train cfg.yaml swap_config.swap=false`` (torchtune's and Hydra's form) was argparse's bare
+    'unrecognized arguments'; the error now says how swapkit takes an override."""
+    with pytest.raises(SystemExit) as info:
+        main([command, str(CONFIGS / "tiny.yaml"), "swap_config.swap=false", "--bogus"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert ("unrecognized arguments: swap_config.swap=false --bogus; to override a config value write "
+            "--set swap_config.swap=false") in err
+
+
+def test_seed001s_w3_matmul_recomputes_nothing_and_says_so(capsys):
+    r"""Seed 001's ``'feed_forward\.w3\.matmul': [2,1,0,0,0]`` deals to layers 0, 4 and 24, which its
+    ``recompute: [[2,1,0,0,0],[1,0,0,0,0]]`` fully recomputes (full wins): the pattern does nothing, as the
+    summary shows (no "select recompute feed_forward\.w3\.matmul" line); MindFormers says nothing."""
+    status, out, err = run_main(capsys, CONFIGS / "seed001_recompute_pp.yaml")
+    assert status == 0
+    assert not any(r"feed_forward\.w3\.matmul" in line for line in out.splitlines())
+    assert [line for line in err.splitlines() if line.startswith("WARNING")] == [
+        r"WARNING - recompute_config.select_recompute.feed_forward\.w3\.matmul: every layer it selects [0, 4, 24] is "
+        "fully recomputed, and full recompute wins: it recomputes nothing; take those layers out of recompute where "
+        "this op alone should be recomputed, or remove the pattern"]

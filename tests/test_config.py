@@ -164,6 +164,48 @@ def test_mindspore_only_keys_load_and_are_listed(caplog):
     assert len(warnings) == len(NO_EFFECT_PATHS)
 
 
+def test_the_trainer_and_model_keys_of_mindformers_llama_family_files_load():
+    """DESIGN §2: a MindFormers file loads unchanged. MindFormers' own Llama-family training YAMLs (llama2,
+    llama3.1, mixtral, qwen2.5) carry these keys, and each was an unknown key: none of those files loaded."""
+    raw = {
+        "auto_tune": False, "filepath_prefix": "./autotune", "autotune_per_step": 10, "profile_communication": False,
+        "profile_memory": True, "profiler_level": 1, "remote_save_url": "obs://bucket", "eval_callbacks": [
+            {"type": "ObsMonitor"}], "ignore_data_skip": False, "load_ckpt_format": "safetensors", "use_legacy": True,
+        "transform_process_num": 1,
+        "parallel_config": {"pipeline_stage": 1, "seq_split_num": 1},
+        "model": {"model_config": {
+            "num_layers": 4, "emb_dropout_prob": 0.0, "rotary_pct": 1.0, "rotary_emb_base": 1000000,
+            "max_position_embedding": 131072, "initializer_range": 0.02, "compute_in_2d": True, "kv_channels": 128,
+            "tie_word_embeddings": False, "use_ring_attention": False, "use_attn_mask_compression": True,
+            "use_eod_attn_mask_compression": False, "residual_dtype": None, "attn_proj_has_bias": False,
+            "parallel_optimizer": False, "init_method_std": 0.01, "quant_config": None, "llm_backend": "",
+            "input_sliced_sig": False, "rmsnorm_compute_2d": False, "chunk_prefill": False,
+            "calculate_per_token_loss": False, "return_hidden_states": False, "moe_config": {"expert_num": 8}}},
+    }
+    config = load_config(raw)
+    assert "profile_memory" in config.no_effect and "model.model_config.rotary_emb_base" in config.no_effect
+    assert "parallel_config.seq_split_num" in config.no_effect
+
+
+@pytest.mark.parametrize("section, path, key", [
+    ({"seed": 42}, "seed", "train.seed"),
+    ({"model": {"model_config": {"num_layers": 4, "batch_size": 2}}}, "model.model_config.batch_size",
+     "train.batch_size"),
+    ({"model": {"model_config": {"num_layers": 4, "compute_dtype": "bfloat16"}}}, "model.model_config.compute_dtype",
+     "train.dtype"),
+    ({"runner_config": {"batch_size": 2, "epochs": 1}}, "runner_config", "train.batch_size and train.steps"),
+    ({"optimizer": {"type": "AdamW", "learning_rate": 1e-4}}, "optimizer", "train.lr and train.weight_decay"),
+])
+def test_a_mindformers_trainer_key_names_swapkits_own(caplog, section, path, key):
+    """A MindFormers file's ``seed: 42`` was only "ignored": swapkit train then trained with seed 0 and the
+    warning did not say which key it reads."""
+    raw = {"model": {"model_config": {"num_layers": 4}}, **section}
+    with caplog.at_level(logging.WARNING, logger="swapkit"):
+        load_config(raw)
+    assert caplog.messages == [f"{path} has no effect in PyTorch eager; accepted and ignored: swapkit train "
+                               f"reads {key} instead"]
+
+
 @pytest.mark.parametrize("parallel, expected", [
     ({"micro_batch_num": 4}, ["parallel_config.micro_batch_num: 4 has no effect with pipeline_stage 1 and "
                               "data_parallel 1 (one process, no pipeline); to split a step into micro-batches "
@@ -376,6 +418,52 @@ def test_yaml_tab_indentation_is_a_syntax_error(tmp_path):
         load_config(path)
 
 
+@pytest.mark.parametrize("text, fix", [
+    ("model:\n\tmodel_config: {}\n", "YAML syntax error at line 2, column 1: found character '\\t' that cannot "
+     "start any token. YAML indents with spaces: replace the tab with spaces"),
+    ("model: {model_config: {num_layers: 2}}\n---\ntrain: {}\n", "YAML syntax error at line 2, column 1: expected a "
+     "single document in the stream but found another document. A config is one YAML document: remove the '---' "
+     "line and merge the documents"),
+])
+def test_yaml_syntax_errors_say_the_fix(tmp_path, text, fix):
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, text))
+    assert [str(p) for p in info.value.problems] == [fix]
+
+
+def test_a_pattern_in_double_quotes_says_to_use_single_quotes(tmp_path):
+    """In YAML double quotes a backslash starts an escape, and MindFormers' patterns are full of them."""
+    path = write(tmp_path, 'model: {model_config: {num_layers: 2}}\nrecompute_config:\n  select_recompute:\n'
+                           '    "feed_forward\\.mul": true\n')
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert [str(p) for p in info.value.problems] == [
+        "YAML syntax error at line 4, column 19: found unknown escape character '.'. In double quotes a backslash "
+        "starts an escape: write an op pattern in single quotes ('feed_forward\\.mul') or unquoted"]
+
+
+def test_a_doubled_backslash_in_a_pattern_says_to_write_one(tmp_path):
+    """The log lines show patterns as Python's repr, which doubles the backslash; copied into single quotes,
+    the pattern's first component ended in a lone backslash: 'bad escape (end of pattern)'."""
+    path = write(tmp_path, "model: {model_config: {num_layers: 2}}\nrecompute_config:\n  select_recompute:\n"
+                           "    'feed_forward\\\\.mul': true\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    (problem,) = info.value.problems
+    assert str(problem).endswith(
+        "a backslash doubled as in the log lines (Python's repr doubles it): write one, feed_forward\\.mul")
+
+
+def test_two_merge_keys_in_one_mapping_are_a_duplicate_key(tmp_path):
+    """Two ``<<`` keys are a duplicate key like any other (PyYAML silently let the second one's values win)."""
+    path = write(tmp_path, "model:\n  model_config:\n    <<: {num_layers: 2}\n    <<: {num_layers: 3}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert [str(p) for p in info.value.problems] == [
+        "YAML error at line 4, column 5: duplicate key '<<' (first given at line 3); merge several mappings with "
+        "one key: <<: [*a, *b]"]
+
+
 @pytest.mark.parametrize("text", ["", "# only a comment\n", "---\n"])
 def test_empty_file(tmp_path, text):
     with pytest.raises(ConfigError) as info:
@@ -472,6 +560,20 @@ def test_overrides_are_yaml_values(tmp_path):
     assert config.parallel.pipeline_stage == 2
     assert config.train.lr == 0.001
     assert config.runtime.engine == "thread"
+
+
+def test_an_override_key_keeps_an_op_pattern_whole(tmp_path):
+    r"""``--set recompute_config.select_recompute.feed_forward\.mul=[1]`` split the pattern at its ``\.``
+    separator into the keys ``feed_forward\`` and ``mul``: a dot after a backslash is the pattern's, not a key path's."""
+    path = write(tmp_path, "model: {model_config: {num_layers: 3}}\nrecompute_config:\n  select_recompute:\n"
+                           "    'feed_forward\\.mul': true\n")
+    config = load_config(path, overrides=[r"recompute_config.select_recompute.feed_forward\.mul=[1]",
+                                          r"recompute_config.select_recompute.attention\.wq=[2]"])
+    assert config.recompute.select_recompute == {r"feed_forward\.mul": [1], r"attention\.wq": [2]}
+    problems = problems_of(MINIMAL, overrides=[r"recompute_config.select_recompute.feed_forward\.w9=x"])
+    assert problems == [r"recompute_config.select_recompute.feed_forward\.w9 (from overrides[0] "
+                        r"'recompute_config.select_recompute.feed_forward\\.w9=x'): got 'x'; expected true/false, "
+                        "a list of per-stage counts (at most 1) or a [1][1] grid of per-chunk counts"]
 
 
 def test_overrides_are_validated_like_the_file():
@@ -586,6 +688,40 @@ def test_an_override_of_one_list_item_is_refused_naming_the_list():
     assert config.recompute.select_recompute == {"w[13]": [0]}
 
 
+def test_an_override_of_one_list_item_by_a_dotted_index_is_refused_naming_the_list():
+    """``swap_config.layer_swap.0.backward_prefetch=3`` (an index as a dotted part) said only that the list
+    was expected to be a mapping; it gets the fix the ``[0]`` form gets."""
+    raw = with_sections(swap_config={"swap": True, "layer_swap": [{"backward_prefetch": 2, "layers": [0]}]})
+    (problem,) = problems_of(raw, overrides=["swap_config.layer_swap.0.backward_prefetch=3"])
+    assert problem == ("overrides[0]: got 'swap_config.layer_swap.0.backward_prefetch=3'; expected mapping keys "
+                       "only; swap_config.layer_swap is a list, and an override cannot set one of its items. Set the "
+                       "whole list: 'swap_config.layer_swap=[...]' (it is now [{'backward_prefetch': 2, 'layers': [0]}])")
+
+
+def test_spaces_around_the_dots_of_an_override_key_are_ignored():
+    """``--set ' swap_config . swap =true'`` wrote a key 'swap_config ' and blamed the file for it."""
+    config = load_config(MINIMAL, overrides=[" swap_config . swap =true"])
+    assert config.swap.swap is True
+
+
+@pytest.mark.parametrize("sections, expected", [
+    ({"recompute_config": {"select_recompute": [r"feed_forward\.mul", "attention", r"feed_forward\.mul"]}},
+     r"recompute_config.select_recompute lists ['feed_forward\\.mul'] more than once (['feed_forward\\.mul', "
+     r"'attention', 'feed_forward\\.mul']); a pattern is recomputed once, the repeats do nothing: list each "
+     "pattern once"),
+    ({"swap_config": {"swap": True, "op_swap": [{"op_name": ["attention", "attention"], "backward_prefetch": 1,
+                                                  "layers": True}]}},
+     "swap_config.op_swap[0].op_name lists ['attention'] more than once (['attention', 'attention']); a pattern is "
+     "swapped once, the repeats do nothing: list each pattern once"),
+])
+def test_a_pattern_listed_twice_is_warned(caplog, sections, expected):
+    """As a module listed twice in recompute_modules and a layer listed twice in layers are."""
+    with caplog.at_level(logging.WARNING, logger="swapkit"):
+        config = load_config({"model": {"model_config": {"num_layers": 4}}, **sections})
+    assert config.warnings == (expected,)
+    assert caplog.messages == [expected]
+
+
 def test_bad_overrides_are_collected_with_other_problems():
     problems = problems_of(with_sections(train={"lr": -1}), overrides=["nonsense", "train.steps=x"])
     assert problems[0].startswith("overrides[0]: got 'nonsense'")
@@ -609,7 +745,7 @@ def test_unknown_top_level_key_lists_swapkits_sections_not_the_trainer_keys():
     """Before, the list began with 35 MindFormers trainer keys (auto_trans_ckpt, callbacks, ...)."""
     (message,) = problems_of({"foo": 1})
     assert message == ("foo: unknown key; known keys: context, model, parallel_config, recompute_config, runtime, "
-                       "swap_config, train (and 35 MindFormers keys accepted with no effect)")
+                       "swap_config, train (and 47 MindFormers keys accepted with no effect)")
     (message,) = problems_of({"optimzer": {}})
     assert message == "optimzer: unknown key; did you mean 'optimizer'?"  # still suggested
     (message,) = problems_of(with_sections(context={"zzz": 1}))

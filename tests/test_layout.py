@@ -1,6 +1,8 @@
 """Layout rules (DESIGN §3): layers -> (pipeline stage, interleave chunk, position in chunk)."""
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from swapkit import ConfigError, load_config
@@ -127,6 +129,17 @@ def test_offset_ignored_without_pipeline_or_interleave(offset):
 def test_offset_ignored_through_load_config():
     config = load_config({"model": {"model_config": {"num_layers": 3, "offset": 5}}})
     assert config.model.offset == 5  # kept as written, ignored by the layout
+
+
+@pytest.mark.parametrize("offset, warned", [(5, True), ([[2]], True), (0, False), ([0], False)])
+def test_an_ignored_offset_is_warned(caplog, offset, warned):
+    """MindFormers ignores the offset with one stage and one chunk; a non-zero one then did nothing, silently."""
+    with caplog.at_level(logging.WARNING, logger="swapkit"):
+        load_config({"model": {"model_config": {"num_layers": 3, "offset": offset}}})
+    message = (f"model.model_config.offset: {offset} has no effect with pipeline_stage 1 and pp_interleave_num 1 "
+               "(one chunk holds every layer; ignored, as in MindFormers); remove it, or set pipeline_stage or "
+               "pp_interleave_num above 1")
+    assert (message in caplog.messages) is warned
 
 
 # ---------------------------------------------------------------- errors name model.model_config.offset

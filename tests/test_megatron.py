@@ -258,3 +258,29 @@ def test_the_keys_written_are_recorded_but_are_not_a_setting_a_checkpoint_compar
                           "recompute_config": {"recompute_granularity": "selective", "module_scopes": {"mlp": "x"}}})
     assert config.recompute.given == ("module_scopes", "recompute_granularity", "module_scopes.mlp")
     assert "given" not in config_record(config)["recompute_config"]
+
+
+def test_keys_left_unset_with_null_are_not_written():
+    """Seed 000's Llama3 recipe turns recompute off with ``recompute_granularity = None`` and
+    ``recompute_modules = None``: keys given as null (or false) are Megatron's defaults, not settings."""
+    plan = plan_of({"recompute_granularity": None, "recompute_modules": None, "recompute_method": None,
+                    "recompute_num_layers": None, "distribute_saved_activations": False})
+    assert plan.dialect == "megatron" and not any(layer.recomputes for layer in plan.layers)
+    plan = plan_of({"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 1,
+                    "recompute_modules": None})
+    assert full_layers(plan) == [0]
+
+
+def test_module_scopes_without_granularity_is_an_error():
+    err = error({"module_scopes": {"core_attn": "attention"}})
+    assert [p.path for p in err.problems] == ["recompute_config.module_scopes"]
+    assert "has no meaning without recompute_granularity" in str(err)
+
+
+def test_module_scopes_with_full_granularity_is_warned(caplog):
+    with caplog.at_level(logging.WARNING, logger="swapkit"):
+        plan = plan_of({"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 1,
+                        "module_scopes": {"core_attn": "attention"}})
+    assert full_layers(plan) == [0]
+    assert ("recompute_config.module_scopes maps recompute_modules to op scopes, which only "
+            "recompute_granularity: selective uses; it does nothing with full: remove it") in caplog.text

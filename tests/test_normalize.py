@@ -5,8 +5,6 @@ example, copied from the seed's log).
 """
 from __future__ import annotations
 
-import logging
-
 import pytest
 
 from swapkit import ConfigError, build_plan, load_config
@@ -285,16 +283,15 @@ def test_exclude_only_touches_its_own_setting():
     assert result.select_comm_recompute == {"attention": ((4,),)}
 
 
-def test_exclude_is_global_whatever_its_counts(caplog):
+def test_exclude_is_global_whatever_its_counts():
     # Deliberate (MindFormers' LayerSetting): an exclude removes the pattern for every layer, even
     # with counts that select no layer; excludes have no defaults and use count semantics.
-    with caplog.at_level(logging.INFO, logger="swapkit"):
-        result = formative(num_layers=4, stages=2, recompute={
-            "select_recompute": {"attention": True}, "select_recompute_exclude": {"attention": [0, 0]}})
+    result = formative(num_layers=4, stages=2, recompute={
+        "select_recompute": {"attention": True}, "select_recompute_exclude": {"attention": [0, 0]}})
     assert result.select_recompute == {}
     assert result.select_recompute_exclude == {"attention": ((0, 0),)}
-    assert ("The pattern attention in select_recompute conflicts with select_recompute_exclude and will be removed."
-            in caplog.messages)
+    assert result.log_lines(swap_on=False)[0] == (
+        "The pattern attention in select_recompute conflicts with select_recompute_exclude and will be removed.")
 
 
 def test_exclude_default_is_empty():
@@ -338,6 +335,32 @@ def test_an_exclude_that_removes_nothing_is_warned(recompute, swap, warning):
     """Note [Excludes that remove nothing]"""
     warnings = plan_warnings(recompute=recompute, swap=swap)
     assert warnings == (warning,), warnings
+
+
+@pytest.mark.parametrize("recompute, swap, warning", [
+    # full recompute wins on every layer the pattern selects (MindFormers files often carry both)
+    ({"recompute": True, "select_recompute": {"feed_forward": True}}, None,
+     "recompute_config.select_recompute.feed_forward: every layer it selects [0, 1, 2, 3] is fully recomputed, and "
+     "full recompute wins: it recomputes nothing; take those layers out of recompute where this op alone should be "
+     "recomputed, or remove the pattern"),
+    # counts that select no layer
+    ({"select_comm_recompute": [r"ffn_norm\.norm"], "select_recompute": {"attention": [0]}}, None,
+     "recompute_config.select_recompute.attention: its counts [0] select no layer: it recomputes nothing; give "
+     "the layers to recompute, or remove the pattern"),
+    # swap mode: an empty list of layer indices
+    ({"select_recompute": {"attention": [], "feed_forward": [2]}}, {"swap": True, "op_swap": []},
+     "recompute_config.select_recompute.attention: its layer indices [] select no layer: it recomputes nothing; "
+     "give the layers to recompute, or remove the pattern"),
+])
+def test_a_written_select_pattern_that_recomputes_nothing_is_warned(recompute, swap, warning):
+    """Note [Select patterns that recompute nothing]: the pattern was written, and does nothing."""
+    warnings = plan_warnings(recompute=recompute, swap=swap)
+    assert warnings == (warning,), warnings
+
+
+def test_default_select_patterns_that_recompute_nothing_are_not_warned():
+    """``select_recompute: false`` or counts of 0 turn the default patterns off: that is no mistake."""
+    assert plan_warnings(recompute={"recompute": True, "select_recompute": True, "select_comm_recompute": [0]}) == ()
 
 
 def test_an_exclude_written_as_true_or_counts_names_no_pattern():
@@ -385,6 +408,46 @@ def test_swap_mode_select_dict_and_defaults():
 def test_swap_mode_excludes_keep_count_semantics():
     result = formative(num_layers=4, recompute={"select_recompute_exclude": {"attention": [2]}}, swap=SWAP_ON)
     assert result.select_recompute_exclude == {"attention": ((2,),)}
+
+
+@pytest.mark.parametrize("key, value, path, fix, swap", [
+    ("recompute", "True", "recompute_config.recompute", "'True' is text because it is quoted; write true unquoted",
+     None),
+    ("recompute", "yes", "recompute_config.recompute", "'yes' is text because it is quoted; write true unquoted",
+     SWAP_ON),
+    ("select_recompute", {"feed_forward": "false"}, "recompute_config.select_recompute.feed_forward",
+     "'false' is text because it is quoted; write false unquoted", None),
+    ("recompute", ["1", 0], "recompute_config.recompute",
+     "'1' is text because it is quoted; write the number unquoted: 1", None),
+    ("recompute", ["1", 0], "recompute_config.recompute",
+     "'1' is text because it is quoted; write the number unquoted: 1", SWAP_ON),
+])
+def test_a_quoted_count_or_boolean_says_to_unquote_it(key, value, path, fix, swap):
+    """A boolean key given 'true' says to write true; a count value did not (bools given as strings)."""
+    message = error(num_layers=4, recompute={key: value}, swap=swap)
+    assert f"{path}: got " in message
+    assert fix in message
+
+
+def test_a_select_key_that_is_not_text_is_named_as_a_key_not_a_list_index():
+    """``select_recompute: {1: true}`` was reported at ``select_recompute[1]``, which reads as a list index."""
+    message = error(recompute={"select_recompute": {1: True, "": True}})
+    assert "recompute_config.select_recompute.1: got 1; expected an op pattern" in message
+    assert "recompute_config.select_recompute.'': got ''; expected an op pattern" in message
+    assert "select_recompute[1]" not in message
+
+
+def test_swap_mode_exclude_written_as_indices_is_told_it_keeps_counts():
+    """An exclude written as layer indices beside a swap-mode select dict was told to "set swap_config.swap:
+    true", which it was: the fix must say that excludes keep counts and remove their pattern from every layer."""
+    message = error(num_layers=4, recompute={"select_recompute": {"attention": [1]},
+                                             "select_recompute_exclude": {"attention": [1, 2]}}, swap=SWAP_ON)
+    assert "recompute_config.select_recompute_exclude.attention: got [1, 2]; expected at most pipeline_stage (1)" \
+        in message
+    assert "set swap_config.swap: true" not in message
+    assert ("It has 2; an exclude keeps per-stage counts with swap_config.swap: true (only recompute, "
+            "select_recompute and select_comm_recompute take layer indices) and removes its pattern from every "
+            "layer whatever its counts: write true") in message
 
 
 @pytest.mark.parametrize("key, value, path", [

@@ -122,7 +122,10 @@ def test_cli_trains_tiny_and_writes_metrics(tmp_path):
     ("train:\n  stpes: 3\n", [], "train.stpes: unknown key; did you mean 'steps'?"),
     ("", ["--steps", "0"], "--steps: got 0; expected an integer >= 1"),
     ("train:\n  resume: true\n", [], "train.resume: is true but train.save_dir is not set"),
-], ids=["unknown-key", "zero-steps", "resume-without-save-dir"])
+    # no folder to write to: the interval silently saved nothing
+    ("train:\n  save_interval: 5\n", [], "train.save_interval: is 5 but train.save_dir is not set, so no "
+     "checkpoint is written; set train.save_dir to the checkpoint folder, or remove save_interval"),
+], ids=["unknown-key", "zero-steps", "resume-without-save-dir", "save-interval-without-save-dir"])
 def test_bad_config_exits_2(tmp_path, capsys, text, args, message):
     bad = tmp_path / "bad.yaml"
     bad.write_text("model:\n  model_config:\n    num_layers: 2\n" + text)

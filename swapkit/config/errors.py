@@ -157,6 +157,12 @@ class Problems:
             raise ConfigError(self.items, source)
 
 
+def join_key(path: str, key: Any) -> str:
+    """``join`` for a mapping key written by the user: one that is not non-empty text is shown as YAML shows it
+    (``select_recompute.1``, ``select_recompute.''``), never as a list index (``[1]``)."""
+    return join(path, key if isinstance(key, str) and key else show(key))
+
+
 def join(path: str, key: Any) -> str:
     """``join('swap_config', 'op_swap')`` -> ``'swap_config.op_swap'``; ints become ``[i]``."""
     if isinstance(key, int):

@@ -106,6 +106,20 @@ def yaml11_hint(value: Any) -> str | None:
     return None
 
 
+_BOOLEAN_WORDS = {"true": "true", "yes": "true", "on": "true", "false": "false", "no": "false", "off": "false"}
+
+
+def quoted_hint(value: Any) -> str | None:
+    """The fix for a value (or a list item) that is a boolean or an integer in quotes, as text: ``'True'`` is
+    not ``true`` (a count or layer value that YAML read as text)."""
+    for item in value if isinstance(value, (list, tuple)) else [value]:
+        if isinstance(item, str) and item.strip().lower() in _BOOLEAN_WORDS:
+            return f"{item!r} is text because it is quoted; write {_BOOLEAN_WORDS[item.strip().lower()]} unquoted"
+        if isinstance(item, str) and re.fullmatch(r"[-+]?[0-9]+", item.strip()):
+            return f"{item!r} is text because it is quoted; write the number unquoted: {item.strip()}"
+    return None
+
+
 def _int_range(minimum: int | None, maximum: int | None, above: bool = False) -> str:
     """The range in words; a far-away upper bound (a size limit) is named only when it was exceeded."""
     if minimum is not None and maximum is not None and (above or maximum <= 100_000):
@@ -239,6 +253,16 @@ def few_patterns(count: int, value: Any, path: str, problems: Problems) -> bool:
     return False
 
 
+def repeated_patterns(path: str, names: Sequence[str], done: str) -> list[str]:
+    """A warning when ``names`` lists a pattern more than once: the repeat does nothing (``done``: what happens
+    to a pattern once, ``"recomputed"`` or ``"swapped"``)."""
+    repeated = list(dict.fromkeys(name for name in names if names.count(name) > 1))
+    if not repeated:
+        return []
+    return [f"{path} lists {repeated} more than once ({list(names)}); a pattern is {done} once, the repeats do "
+            "nothing: list each pattern once"]
+
+
 def pattern(value: Any, path: str, problems: Problems) -> Any:
     """An op pattern: components split on the two characters ``\\.``, each a valid regex.
 
@@ -256,9 +280,17 @@ def pattern(value: Any, path: str, problems: Problems) -> Any:
         error = _compile_error(component)
         if error:
             problems.bad(path, value, "a valid regular expression in every \\.-separated component",
-                         f"component {show(component)} does not compile: {error}")
+                         f"component {show(component)} does not compile: {error}{_doubled_backslash(value)}")
             return INVALID
     return value
+
+
+def _doubled_backslash(value: str) -> str:
+    """The fix for ``feed_forward\\\\.mul`` copied from a log line, where Python's repr doubles each backslash."""
+    if "\\\\." not in value:
+        return ""
+    return (f"; a backslash doubled as in the log lines (Python's repr doubles it): write one, "
+            f"{value.replace(chr(92) * 2, chr(92))}")
 
 
 def _length_fix(value: Any) -> str | None:

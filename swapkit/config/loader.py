@@ -9,6 +9,7 @@ layout (list lengths, negative counts, layer indices out of range, ...) are adde
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -55,9 +56,12 @@ def read_config(source: str | Path | Mapping[str, Any], overrides: Sequence[str]
 
 
 def warn_no_effect(config: Config) -> None:
-    """Report, once per load, the MindSpore-only keys that were accepted and ignored."""
+    """Report, once per load, the MindSpore-only keys that were accepted and ignored (naming swapkit's own key
+    where it has one: :data:`schema.SWAPKIT_KEYS`)."""
     for path in config.no_effect:
-        logger.warning("%s has no effect in PyTorch eager; accepted and ignored", path)
+        instead = schema.SWAPKIT_KEYS.get(path)
+        logger.warning("%s has no effect in PyTorch eager; accepted and ignored%s", path,
+                       f": swapkit train reads {instead} instead" if instead else "")
 
 
 def warn_written(config: Config) -> None:
@@ -134,11 +138,24 @@ def override_word(overrides: Sequence[str]) -> str:
     return "--set" if isinstance(overrides, CommandLineOverrides) else "override"
 
 
+# Note [An op pattern in an override key]
+# `--set recompute_config.select_recompute.feed_forward\.mul=[1]` names a select pattern, whose
+# components are separated by the two characters `\.`. Splitting the key at every dot made the keys
+# `feed_forward\` and `mul`, and the error blamed the file for a pattern that does not compile. A dot
+# after a backslash belongs to the pattern; only the other dots separate the key path.
+_KEY_DOT = re.compile(r"(?<!\\)\.")
+
+
+def key_parts(key: str) -> list[str]:
+    """The keys of an override's dotted path (Note [An op pattern in an override key])."""
+    return [part.strip() for part in _KEY_DOT.split(key.strip())]  # ' swap_config . swap' is swap_config.swap
+
+
 def apply_overrides(raw: Any, overrides: Sequence[str], problems: Problems) -> Any:
     """Apply ``--set a.b=value`` strings to the raw dict (the value is parsed as YAML)."""
     for index, item in enumerate(overrides):
         key, sep, text = item.partition("=")
-        parts = key.strip().split(".")
+        parts = key_parts(key)
         name = override_name(overrides, index)
         if not sep or not all(parts):
             problems.bad(name, item, "dotted.key=value, for example train.steps=5")
@@ -170,8 +187,8 @@ def _override_keys(overrides: Sequence[str]) -> list[tuple[str, str]]:
     keys = []
     for index, item in enumerate(overrides):
         key, sep, _ = item.partition("=")
-        if sep and all(key.strip().split(".")):
-            keys.append((key.strip(), override_name(overrides, index, item)))
+        if sep and all(key_parts(key)):
+            keys.append((".".join(key_parts(key)), override_name(overrides, index, item)))
     return keys
 
 
@@ -189,11 +206,14 @@ def _blamed(problem: Problem, written: list[tuple[str, str]]) -> Problem:
 # swapkit config in tiny.yaml: swap_config.layer_swap[0]: unknown key; did you mean 'layer_swap'?",
 # which reads as if ``layer_swap`` were missing. A part ``name[i]`` whose ``name`` holds a list is refused
 # naming the command line and how to set the whole list. Only then: a pattern key such as ``w[13]`` under
-# ``select_recompute`` (a mapping) is an ordinary key.
+# ``select_recompute`` (a mapping) is an ordinary key. So is a dotted index, ``layer_swap.0.backward_prefetch``:
+# any part below a key that holds a list.
 def _list_item_problem(node: dict, parts: list[str], depth: int, where: tuple, problems: Problems) -> bool:
     name, bracket, _ = parts[depth].partition("[")
-    if not bracket or parts[depth] in node or not isinstance(node.get(name), list):
+    below_a_list = depth < len(parts) - 1 and isinstance(node.get(parts[depth]), list)
+    if not below_a_list and (not bracket or parts[depth] in node or not isinstance(node.get(name), list)):
         return False
+    name = parts[depth] if below_a_list else name
     overrides, index, item = where
     dotted = ".".join(parts[:depth] + [name])
     cli = override_word(overrides) == "--set"
@@ -249,7 +269,8 @@ def _read_config(raw: Any, problems: Problems, name: str | None) -> Config:
         top["parallel_config"], "parallel_config", schema.PARALLEL_KEYS, problems, schema.PARALLEL_NO_EFFECT, notices))
     recompute = _read_recompute(top["recompute_config"], problems, notices)
     swap = _read_swap(top["swap_config"], problems, model)
-    warnings = swap_warnings(top["swap_config"], swap) + megatron_warnings(recompute) + one_process_warnings(parallel)
+    warnings = (swap_warnings(top["swap_config"], swap) + megatron_warnings(recompute) + select_warnings(recompute)
+                + one_process_warnings(parallel) + ignored_offset_warnings(model, parallel))
     _read_context(top["context"], problems, notices)  # before no_effect is frozen into the Config
     config = Config(
         model=model,
@@ -281,6 +302,35 @@ def one_process_warnings(parallel: ParallelConfig) -> list[str]:
         out.append(f"parallel_config.pipeline_schedule: {parallel.pipeline_schedule} has no effect with "
                    "pipeline_stage 1 (no pipeline); drop it, or set pipeline_stage above 1")
     return out
+
+
+def select_warnings(recompute: RecomputeConfig) -> list[str]:
+    """A pattern listed twice in a ``select_*`` list of names: the repeat does nothing."""
+    if not isinstance(recompute, MindFormersRecompute):
+        return []
+    out = []
+    for key in ("select_recompute", "select_comm_recompute"):
+        value = getattr(recompute, key)
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            out += F.repeated_patterns(f"recompute_config.{key}", value, "recomputed")
+    return out
+
+
+def ignored_offset_warnings(model: ModelConfig, parallel: ParallelConfig) -> list[str]:
+    """A non-zero ``offset`` with one stage and one chunk: the layout ignores it, as MindFormers master does
+    (DESIGN §3), so it does nothing. A malformed one is the layout's error."""
+    if not (parallel.pipeline_stage == 1 and model.pp_interleave_num == 1 and _nonzero(model.offset)):
+        return []
+    return [f"model.model_config.offset: {show(model.offset)} has no effect with pipeline_stage 1 and "
+            "pp_interleave_num 1 (one chunk holds every layer; ignored, as in MindFormers); remove it, or set "
+            "pipeline_stage or pp_interleave_num above 1"]
+
+
+def _nonzero(offset: Any) -> bool:
+    """Some integer of an offset (an int, a list or a grid of them) is not 0."""
+    if isinstance(offset, (list, tuple)):
+        return any(_nonzero(cell) for cell in offset)
+    return F.is_int(offset) and offset != 0
 
 
 def _read_model(raw: Any, problems: Problems, notices: list[str]) -> ModelConfig:

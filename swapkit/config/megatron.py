@@ -26,6 +26,7 @@ def read_megatron(values: dict, given: set[str], path: str, problems: Problems, 
     :func:`swapkit.plan.plan.build_plan` checks that (:func:`unmapped_modules`).
     """
     before = len(problems)
+    written = set_keys(values, given)
     granularity = values["recompute_granularity"]
     if values["recompute_activations"] is True:
         if granularity == "full":  # keep full, so that only the contradiction is reported
@@ -36,13 +37,14 @@ def read_megatron(values: dict, given: set[str], path: str, problems: Problems, 
     scopes = _module_scopes(values["module_scopes"], join(path, "module_scopes"), problems)
     modules = values["recompute_modules"]
     if granularity is None:
-        for key in ("recompute_method", "recompute_num_layers", "recompute_modules", "distribute_saved_activations"):
-            if key in given:
+        for key in ("recompute_method", "recompute_num_layers", "recompute_modules", "distribute_saved_activations",
+                    "module_scopes"):
+            if key in written:
                 problems.add(join(path, key), f"has no meaning without recompute_granularity; {GRANULARITY_FIX}")
     elif granularity == "selective":
-        modules = _check_selective(values, given, modules or ("core_attn",), path, problems)
+        modules = _check_selective(values, written, modules or ("core_attn",), path, problems)
     elif granularity == "full":
-        _check_full(values, given, path, problems)
+        _check_full(values, written, path, problems)
     distribute = values["distribute_saved_activations"]
     if distribute is True and granularity == "selective":
         problems.bad(join(path, "distribute_saved_activations"), True,
@@ -61,17 +63,40 @@ def read_megatron(values: dict, given: set[str], path: str, problems: Problems, 
     )
 
 
+# Note [A key given as null is not written]
+# Megatron's recompute keys default to None (distribute_saved_activations to False), and recipes turn
+# recompute off by writing those defaults out: seed 000's Llama3 recipe sets `recompute_granularity =
+# None` and `recompute_modules = None`. Such a key is not a setting, so the rules that refuse a key
+# without granularity, or one that the granularity does not take, look only at the keys written with
+# another value (the keys written at all are still recorded in `given`, for the errors that name them).
+def set_keys(values: dict, given: set[str]) -> set[str]:
+    """The keys of ``given`` written with a value other than their default (Note [A key given as null is not
+    written])."""
+    return {key for key in given if values.get(key) is not None and values.get(key) is not False}
+
+
 def megatron_warnings(recompute: Any) -> list[str]:
     """A module listed twice in ``recompute_modules``: the repeat does nothing (Megatron-Core checks
     only the names, so a typo'd copy of a line passes there silently too)."""
-    modules = recompute.recompute_modules if isinstance(recompute, MegatronRecompute) else None
-    if not isinstance(modules, tuple):  # None, or F.INVALID (already an error)
+    if not isinstance(recompute, MegatronRecompute):
         return []
+    out = _idle_module_scopes(recompute)
+    modules = recompute.recompute_modules
+    if not isinstance(modules, tuple):  # None, or F.INVALID (already an error)
+        return out
     repeated = sorted(m for m, count in Counter(modules).items() if count > 1)
     if not repeated:
-        return []
-    return [f"recompute_config.recompute_modules lists {repeated} more than once ({list(modules)}); a module is "
+        return out
+    return out + [f"recompute_config.recompute_modules lists {repeated} more than once ({list(modules)}); a module is "
             "recomputed once, the repeats do nothing: list each module once"]
+
+
+def _idle_module_scopes(recompute: MegatronRecompute) -> list[str]:
+    """``module_scopes`` with full granularity: only selective recompute reads it."""
+    if recompute.recompute_granularity != "full" or "module_scopes" not in recompute.given:
+        return []
+    return ["recompute_config.module_scopes maps recompute_modules to op scopes, which only recompute_granularity: "
+            "selective uses; it does nothing with full: remove it"]
 
 
 def _given(given: set[str], module_scopes: Any) -> tuple[str, ...]:
@@ -80,8 +105,8 @@ def _given(given: set[str], module_scopes: Any) -> tuple[str, ...]:
     return tuple(sorted(given)) + tuple(mapped)
 
 
-def _check_selective(values: dict, given: set[str], modules: Any, path: str, problems: Problems) -> Any:
-    if "recompute_method" in given and values["recompute_method"] is not None:
+def _check_selective(values: dict, written: set[str], modules: Any, path: str, problems: Problems) -> Any:
+    if "recompute_method" in written:
         problems.add(join(path, "recompute_method"), "is not supported with recompute_granularity: selective "
                      "(Megatron rule); remove it, or use recompute_granularity: full")
     if values["recompute_num_layers"] is not None:
@@ -104,14 +129,14 @@ def unmapped_modules(modules: Any, scopes: Any, path: str, problems: Problems, w
                      "model.model_config.preset to a model family that has it")
 
 
-def _check_full(values: dict, given: set[str], path: str, problems: Problems) -> None:
+def _check_full(values: dict, written: set[str], path: str, problems: Problems) -> None:
     if values["recompute_method"] is None:
         problems.add(join(path, "recompute_method"), "is required with recompute_granularity: full; "
                      "use uniform or block")
     if values["recompute_num_layers"] is None:
         problems.add(join(path, "recompute_num_layers"), "is required with recompute_granularity: full; "
                      "give the layers per checkpoint unit (uniform) or per stage (block)")
-    if "recompute_modules" in given:
+    if "recompute_modules" in written:
         problems.add(join(path, "recompute_modules"), "applies only to recompute_granularity: selective; remove it")
 
 

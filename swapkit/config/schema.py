@@ -48,6 +48,18 @@ TOP_NO_EFFECT = {
     "init_start_profile": boolean, "layer_scale": boolean, "layer_decay": number(0), "lr_scale": boolean,
     "lr_scale_factor": integer(1), "micro_batch_interleave_num": integer(1), "do_eval": boolean,
     "eval_step_interval": integer(-1), "eval_epoch_interval": integer(-1), "metric": anything,
+    # in MindFormers' own training YAMLs (llama2, llama3.1, mixtral, qwen2.5 ...): autotune, profiler, cloud, loading
+    "auto_tune": boolean, "filepath_prefix": string, "autotune_per_step": integer(1), "profile_communication": boolean,
+    "profile_memory": boolean, "profiler_level": integer(0), "remote_save_url": string, "eval_callbacks": anything,
+    "ignore_data_skip": boolean, "load_ckpt_format": string, "use_legacy": boolean, "transform_process_num": integer(1),
+}
+
+#: MindFormers trainer keys that ``swapkit train`` has a key of its own for: a MindFormers file's ``seed: 42``
+#: is ignored, and the warning names the key that is read instead.
+SWAPKIT_KEYS = {
+    "seed": "train.seed", "model.model_config.batch_size": "train.batch_size",
+    "model.model_config.compute_dtype": "train.dtype", "runner_config": "train.batch_size and train.steps",
+    "optimizer": "train.lr and train.weight_decay", "lr_schedule": "train.lr",
 }
 
 MODEL_KEYS = {"model_config": Key(mapping, None)}
@@ -84,6 +96,16 @@ MODEL_CONFIG_NO_EFFECT = {
     "top_k": integer(0), "top_p": number(0), "do_sample": boolean, "is_dynamic": boolean,
     "use_rope_slice": boolean, "fused_rms_norm": boolean, "block_size": integer(1),
     "num_blocks": integer(1), "qkv_has_bias": boolean, "user_pretrained": anything,
+    # the rest of LlamaConfig's arguments, and the extra ones the Llama-family research YAMLs pass to it
+    "max_position_embedding": optional(integer(1)), "residual_dtype": optional(string), "attn_proj_has_bias": boolean,
+    "parallel_config": optional(mapping), "moe_config": optional(mapping), "use_ring_attention": boolean,
+    "use_attn_mask_compression": boolean, "use_eod_attn_mask_compression": boolean, "parallel_optimizer": boolean,
+    "init_method_std": number(0), "quant_config": optional(mapping), "tie_word_embeddings": boolean,
+    "llm_backend": anything, "input_sliced_sig": boolean, "rmsnorm_compute_2d": boolean, "chunk_prefill": boolean,
+    "calculate_per_token_loss": boolean, "pipeline_stage": optional(mapping), "return_hidden_states": boolean,
+    "emb_dropout_prob": number(0, below=1), "rotary_pct": number(positive=True, maximum=1.0),
+    "rotary_emb_base": number(positive=True), "initializer_range": number(0), "compute_in_2d": boolean,
+    "kv_channels": integer(1),
 }
 
 PARALLEL_KEYS = {
@@ -96,7 +118,7 @@ PARALLEL_NO_EFFECT = {
     "model_parallel": integer(1), "context_parallel": integer(1),
     "expert_parallel": integer(1), "vocab_emb_dp": boolean,
     "use_seq_parallel": boolean, "gradient_aggregation_group": integer(1), "optimizer_shard": boolean,
-    "micro_batch_interleave_num": integer(1),
+    "micro_batch_interleave_num": integer(1), "seq_split_num": integer(1),
 }
 
 MINDFORMERS_RECOMPUTE_KEYS = frozenset({

@@ -57,7 +57,8 @@ def layer_indices(value: Any, path: str, problems: Problems, num_layers: int | N
         problems.bad(path, value, "a flat list of global layer indices; 2-D lists are not allowed here", fix)
         return F.INVALID
     if not isinstance(value, (list, tuple)) or not all(F.is_int(v) for v in value):
-        problems.bad(path, value, "true, false or a list of layer indices", fix)
+        quoted = F.quoted_hint(value)
+        problems.bad(path, value, "true, false or a list of layer indices", f"{quoted}; {fix}" if quoted else fix)
         return F.INVALID
     bad = [v for v in value if v < 0 or (num_layers is not None and v >= num_layers)]
     if bad:
@@ -124,6 +125,8 @@ def swap_warnings(raw: Any, swap: SwapConfig) -> list[str]:
     for key in ("layer_swap", "op_swap"):
         out += _empty_entries(getattr(swap, key) or (), join("swap_config", key))
         out += _repeated_layers(getattr(swap, key) or (), join("swap_config", key))
+    for index, entry in enumerate(swap.op_swap or ()):
+        out += F.repeated_patterns(f"swap_config.op_swap[{index}].op_name", entry.op_names, "swapped")
     out += _overlaps(list(enumerate(swap.layer_swap or ())), "swap_config.layer_swap", "")
     grouped: dict[str, list[tuple[int, SwapEntry]]] = {}
     for index, entry in enumerate(swap.op_swap or ()):

@@ -163,12 +163,25 @@ def _budget_error(node: yaml.Node, what: str) -> yaml.YAMLError:
     return yaml.constructor.ConstructorError(None, None, what, node.start_mark)
 
 
+#: Fixes for PyYAML problems whose text says what is wrong but not what to write (problem text -> fix).
+_SYNTAX_FIXES = {
+    "found character '\\t' that cannot start any token": "YAML indents with spaces: replace the tab with spaces",
+    "but found another document": "A config is one YAML document: remove the '---' line and merge the documents",
+    "found unknown escape character": ("In double quotes a backslash starts an escape: write an op pattern in "
+                                       "single quotes ('feed_forward\\.mul') or unquoted"),
+}
+
+
 def yaml_message(err: yaml.YAMLError) -> str:
     mark = getattr(err, "problem_mark", None)
     where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
     problem = getattr(err, "problem", None) or str(err)
+    context = getattr(err, "context", None)
+    if context and problem.startswith("but "):  # "but found another document" says nothing without its context
+        problem = f"{context} {problem}"
+    fix = next((f". {fix}" for text, fix in _SYNTAX_FIXES.items() if text in problem), "")
     kind = "YAML error" if isinstance(err, yaml.constructor.ConstructorError) else "YAML syntax error"
-    return clip(f"{kind}{where}: {problem}", 300)
+    return clip(f"{kind}{where}: {problem}{fix}", 300)
 
 
 class StrictLoader(yaml.SafeLoader):
@@ -196,9 +209,15 @@ class StrictLoader(yaml.SafeLoader):
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen: dict[Any, int] = {}
+        merged: int | None = None  # the line of the mapping's `<<` key
         for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":
-                continue  # `<<: *anchor` merges; keys given next to it may override the merged ones
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor` merges; keys beside it override
+                if merged is not None:  # PyYAML would let the second one's values win, silently
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key '<<' (first given at line {merged}); merge several mappings "
+                        "with one key: <<: [*a, *b]", key_node.start_mark)
+                merged = key_node.start_mark.line + 1
+                continue
             key = self.construct_object(key_node, deep=True)
             line = key_node.start_mark.line + 1
             try:

@@ -6,7 +6,6 @@ stage-agnostic instead: ``True`` or lists of global layer indices. Pure: no torc
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Callable, Mapping
@@ -14,11 +13,9 @@ from typing import Any, Callable, Mapping
 from swapkit.config import fields as F
 from swapkit.plan import patterns
 from swapkit.config.types import MindFormersRecompute, SwapConfig, SwapEntry
-from swapkit.config.errors import Problems, join
+from swapkit.config.errors import Problems, join, join_key
 from swapkit.plan.layout import Grid, Layout
 from swapkit.config.swap_entries import layer_indices
-
-logger = logging.getLogger(__name__)
 
 DEFAULT_SELECT = (r"feed_forward\.mul", r"feed_forward\.w1\.activation\.silu")
 DEFAULT_COMM = (r".*\.norm",)
@@ -60,6 +57,8 @@ class Formative:
     select_comm_recompute_exclude: Mapping[str, Spec]
     layer_swap: tuple[SwapRule, ...]
     op_swap: Mapping[str, tuple[SwapRule, ...]]
+    #: MindFormers' line for each select pattern an exclude removed (Note [Logging what an exclude removed])
+    removed: tuple[str, ...] = ()
 
     def to_json(self) -> dict:
         return {
@@ -74,7 +73,7 @@ class Formative:
 
     def log_lines(self, swap_on: bool) -> list[str]:
         data = self.to_json()
-        lines = [f"Formative layer_recompute: {data['layer_recompute']}"]
+        lines = list(self.removed) + [f"Formative layer_recompute: {data['layer_recompute']}"]
         lines += [f"Formative {key}: {data[key]}" for key in (
             "select_recompute", "select_comm_recompute", "select_recompute_exclude", "select_comm_recompute_exclude")]
         if swap_on:
@@ -93,28 +92,38 @@ def _plain(value: Any) -> Any:
 
 # ---------------------------------------------------------------- count values (stage mode)
 
-def normalize_counts(value: Any, layout: Layout, path: str, problems: Problems) -> Grid | None:
-    """One count value -> ``[V][P]`` grid of "first n layers of the chunk" counts."""
+#: The fix for a too-long exclude list in swap mode, where the swap-mode fix (turn swap on) does not apply.
+EXCLUDE_SWAP_FIX = ("an exclude keeps per-stage counts with swap_config.swap: true (only recompute, select_recompute "
+                    "and select_comm_recompute take layer indices) and removes its pattern from every layer whatever "
+                    "its counts: write true")
+
+
+def normalize_counts(value: Any, layout: Layout, path: str, problems: Problems,
+                     long_fix: str | None = None) -> Grid | None:
+    """One count value -> ``[V][P]`` grid of "first n layers of the chunk" counts; ``long_fix`` replaces the
+    fix for a per-stage list longer than ``pipeline_stage`` (which names swap mode)."""
     if isinstance(value, bool):
         return layout.layer_list if value else layout.zeros()
     if isinstance(value, (list, tuple)):
         if value and all(isinstance(v, str) for v in value):
             return layout.layer_list  # a list of op names as a count means "all layers"
         if all(F.is_int(v) or isinstance(v, bool) for v in value):
-            return _deal_per_stage(value, layout, path, problems)
+            return _deal_per_stage(value, layout, path, problems, long_fix)
         if all(isinstance(v, (list, tuple, bool)) for v in value):
             return _per_chunk(value, layout, path, problems)
     problems.bad(path, value, f"true/false, a list of per-stage counts (at most {layout.pipeline_stage}) or a "
-                 f"[{layout.pp_interleave_num}][{layout.pipeline_stage}] grid of per-chunk counts")
+                 f"[{layout.pp_interleave_num}][{layout.pipeline_stage}] grid of per-chunk counts",
+                 F.quoted_hint(value))
     return None
 
 
-def _deal_per_stage(value: Any, layout: Layout, path: str, problems: Problems) -> Grid | None:
+def _deal_per_stage(value: Any, layout: Layout, path: str, problems: Problems,
+                    long_fix: str | None = None) -> Grid | None:
     stages, chunks = layout.pipeline_stage, layout.pp_interleave_num
     if len(value) > stages:
-        problems.bad(path, value, f"at most pipeline_stage ({stages}) per-stage counts",
-                     f"it has {len(value)}; use one count per stage, or, if these are layer indices, set "
-                     "swap_config.swap: true (MindFormers reads the lists as global layer indices in swap mode)")
+        fix = long_fix or ("use one count per stage, or, if these are layer indices, set swap_config.swap: true "
+                           "(MindFormers reads the lists as global layer indices in swap mode)")
+        problems.bad(path, value, f"at most pipeline_stage ({stages}) per-stage counts", f"it has {len(value)}; {fix}")
         return None
     if _negative(value, path, problems):
         return None
@@ -210,7 +219,7 @@ def normalize_select(
     default pattern.
     """
     if isinstance(value, dict):
-        items = [(key, v, join(path, key)) for key, v in value.items()]
+        items = [(key, v, join_key(path, key)) for key, v in value.items()]
     elif isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
         items = [(key, True, join(path, index)) for index, key in enumerate(value)]
     else:
@@ -227,9 +236,19 @@ def normalize_select(
     return result if ok else None
 
 
-def exclude(select: dict[str, Spec], excludes: Mapping[str, Spec], name: str) -> dict[str, Spec]:
-    """Remove select patterns that an exclude pattern names (same scope, either-way fullmatch)."""
-    kept = dict(select)
+# Note [Logging what an exclude removed]
+# MindFormers' LayerSetting logs "The pattern ... conflicts with ..._exclude and will be removed." once,
+# after the layout lines and before the "Formative ..." lines. Normalization is pure and runs more than
+# once per config (load_config's check, build_plan, the readings of a list), so logging here printed the
+# line once per run and before the layout; the lines travel in Formative.removed instead and the plan's
+# log_lines() print them where MindFormers does.
+def exclude(select: dict[str, Spec], excludes: Mapping[str, Spec], name: str) -> tuple[dict[str, Spec], list[str]]:
+    """Remove select patterns that an exclude pattern names (same scope, either-way fullmatch).
+
+    Returns:
+        The kept patterns, and one MindFormers log line per removed one (Note [Logging what an exclude removed]).
+    """
+    kept, removed = dict(select), []
     for key in excludes:
         try:
             named = [p for p in kept if patterns.same_scope(key, p)]
@@ -237,17 +256,21 @@ def exclude(select: dict[str, Spec], excludes: Mapping[str, Spec], name: str) ->
             raise err.at(f"recompute_config.{name}_exclude") from None
         for pattern in named:
             del kept[pattern]
-            logger.info("The pattern %s in %s conflicts with %s_exclude and will be removed.", pattern, name, name)
-    return kept
+            removed.append(f"The pattern {pattern} in {name} conflicts with {name}_exclude and will be removed.")
+    return kept, removed
 
 
 def normalize_recompute(
     recompute: MindFormersRecompute, layout: Layout, swap_mode: bool, problems: Problems, excluded: bool = True
 ) -> dict[str, Any] | None:
-    """All five MindFormers recompute keys, normalized; ``None`` if any is invalid. ``excluded=False``
-    leaves the select patterns as written, before the excludes remove any."""
+    """All five MindFormers recompute keys, normalized, and ``removed`` (the log lines of the patterns the excludes
+    removed); ``None`` if any is invalid. ``excluded=False`` leaves the select patterns as written, before the
+    excludes remove any (and no ``removed``)."""
     def counts(value: Any, path: str) -> Spec | None:
         return normalize_counts(value, layout, path, problems)
+
+    def exclude_counts(value: Any, path: str) -> Spec | None:
+        return normalize_counts(value, layout, path, problems, EXCLUDE_SWAP_FIX if swap_mode else None)
 
     def indices(value: Any, path: str) -> Spec | None:
         return normalize_indices(value, path, problems)
@@ -261,7 +284,7 @@ def normalize_recompute(
     out = {"layer_recompute": spec(recompute.recompute, join(base, "recompute"))}
     for key, defaults, to_spec in (
         ("select_recompute", DEFAULT_SELECT, spec), ("select_comm_recompute", DEFAULT_COMM, spec),
-        ("select_recompute_exclude", (), counts), ("select_comm_recompute_exclude", (), counts),
+        ("select_recompute_exclude", (), exclude_counts), ("select_comm_recompute_exclude", (), exclude_counts),
     ):
         out[key] = normalize_select(getattr(recompute, key), defaults, to_spec, join(base, key), problems,
                                     dict_spec if to_spec is spec else None)
@@ -269,9 +292,10 @@ def normalize_recompute(
         return None
     if not excluded:
         return out
-    out["select_recompute"] = exclude(out["select_recompute"], out["select_recompute_exclude"], "select_recompute")
-    out["select_comm_recompute"] = exclude(
-        out["select_comm_recompute"], out["select_comm_recompute_exclude"], "select_comm_recompute")
+    out["removed"] = ()
+    for key in ("select_recompute", "select_comm_recompute"):
+        out[key], removed = exclude(out[key], out[f"{key}_exclude"], key)
+        out["removed"] += tuple(removed)
     return out
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from swapkit.config.errors import join, show
+from swapkit.config.errors import join, join_key, show
 from swapkit.config.types import Config, MegatronRecompute, SwapConfig
 from swapkit.plan.normalize import DEFAULT_COMM, DEFAULT_SELECT, DEFAULT_SWAP_OP
 
@@ -64,7 +64,7 @@ def find(origins: tuple[Origin, ...], kind: str, patterns: list[str]) -> Origin 
 def _select(value: Any, kind: str, defaults: tuple[str, ...]) -> list[Origin]:
     path = f"recompute_config.{kind}"
     if isinstance(value, dict):
-        return [Origin(kind, key, join(path, key)) for key in value]
+        return [Origin(kind, key, join_key(path, key)) for key in value]
     if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) for v in value):
         return [Origin(kind, key, join(path, index)) for index, key in enumerate(value)]
     if value is False:

@@ -15,6 +15,7 @@ from swapkit.config.megatron import unmapped_modules
 from swapkit.config.types import Config, MegatronRecompute, MindFormersRecompute, RuntimeConfig
 from swapkit.config.errors import Problems, show
 from swapkit.config.fields import INVALID
+from swapkit.plan.idle import idle_excludes, idle_selects, selects
 from swapkit.plan.layout import Layout, build_layout
 from swapkit.plan.megatron import describe, megatron_formative, megatron_layers
 from swapkit.plan.normalize import Formative, normalize_recompute, normalize_swap, swap_mode_warnings
@@ -201,40 +202,13 @@ def check_plan(config: Config, problems: Problems, preset: Preset | None = None,
     if isinstance(rc, MindFormersRecompute):
         written = normalize_recompute(rc, layout, config.swap.swap, Problems(), excluded=False)
         warnings += idle_excludes(rc, written, layers, layout, config.swap.swap) if written is not None else []
+        warnings += idle_selects(rc, formative, layers, layout, config.swap.swap)
     warnings += _idle_reentrant(rc, layers)
     if not any(layer.swaps for layer in layers):
         warnings += inactive_runtime(config.runtime)
     return Plan(layout, formative, layers, rc.dialect, config.swap.swap, rc.use_reentrant, config.runtime,
                 model.layers_path, describe(rc) if isinstance(rc, MegatronRecompute) else None,
                 preset.name if preset else None, tuple(notes), tuple(warnings), pattern_origins(config))
-
-
-# Note [Excludes that remove nothing]
-# MindFormers removes a select pattern that an exclude pattern names (same number of dot-separated
-# parts, each fullmatching the other's) and says nothing when an exclude names none, as when it is
-# misspelt, names a pattern of the other select key, or names one that recomputes nothing anyway
-# (its counts select no layer, or every layer it selects is fully recomputed: full wins). Each such
-# exclude does nothing, so each gets a WARNING naming it and the patterns that do recompute. An
-# exclude written as ``true`` or counts names no pattern at all: excludes have no default patterns
-# (DESIGN §2). ``use_reentrant: true`` where nothing is recomputed is the same kind of setting.
-def idle_excludes(rc: MindFormersRecompute, written: dict[str, Any], layers: tuple[LayerPlan, ...], layout: Layout,
-                  swap_mode: bool) -> list[str]:
-    """Note [Excludes that remove nothing]"""
-    out = []
-    for kind in ("select_recompute", "select_comm_recompute"):
-        path, selects, excludes = f"recompute_config.{kind}_exclude", written[kind], written[f"{kind}_exclude"]
-        if getattr(rc, f"{kind}_exclude") is not False and not excludes:
-            out.append(f"{path}: {show(getattr(rc, f'{kind}_exclude'))} names no pattern (an exclude has no default "
-                       "patterns): it does nothing; list the patterns to exclude, or remove it")
-        active = [p for p, spec in selects.items()
-                  if any(not layer.full and _selects(spec, layer.layer, layout, swap_mode) for layer in layers)]
-        for key in excludes:
-            if not any(patterns.same_scope(key, p) for p in active):
-                what = f"the patterns that do: {', '.join(active)}" if active else f"{kind} recomputes no layer that is not fully recomputed"
-                out.append(f"{path}: {show(key)} removes no {kind} pattern that recomputes a layer ({what}): it does "
-                           f"nothing. An exclude removes each {kind} pattern with as many dot-separated parts, each "
-                           "part fullmatching the other's; fix the pattern, or remove it")
-    return out
 
 
 def _idle_reentrant(rc: Any, layers: tuple[LayerPlan, ...]) -> list[str]:
@@ -318,7 +292,7 @@ def _layer_plan(i: int, layout: Layout, formative: Formative, megatron: Any, swa
         full, unit, select, comm = megatron.full, megatron.unit, megatron.select, ()
     else:
         def chosen(spec: Any) -> bool:
-            return _selects(spec, i, layout, swap_mode)
+            return selects(spec, i, layout, swap_mode)
 
         full = chosen(formative.layer_recompute)
         unit = (i, i) if full else None
@@ -335,14 +309,6 @@ def _layer_plan(i: int, layout: Layout, formative: Formative, megatron: Any, swa
     overridden = _overridden(full, select + comm, layer_swap, op_swap)
     return LayerPlan(i, layout.pp_ids[i], layout.interleave_ids[i], full, unit, select, comm, layer_swap, op_swap,
                      overridden)
-
-
-def _selects(spec: Any, layer: int, layout: Layout, swap_mode: bool) -> bool:
-    """Does a normalized spec pick ``layer``? Grids count from the start of each chunk."""
-    if swap_mode:
-        return spec is True or (not isinstance(spec, bool) and layer in spec)
-    chunk, stage = layout.interleave_ids[layer], layout.pp_ids[layer]
-    return layout.positions[layer] < spec[chunk][stage]
 
 
 def _overridden(full: bool, recomputed: tuple[str, ...], layer_swap: int | None,

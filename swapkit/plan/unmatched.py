@@ -73,6 +73,9 @@ def unmatched_problems(plan: Plan, trees: list[dict], model_name: str = "the mod
             continue
         message = _unmatched_error(kind, pattern, paths, model_name, preset, plan, trees)
         found.append(Problem(origin.path if origin else "", message))
+    for origin, pattern in _unapplied(plan, trees, preset):
+        found.append(Problem(origin.path, _unmatched_error(origin.kind, pattern, paths, model_name, preset, plan,
+                                                           trees)))
     return found + [Problem(origin.path, _default_error(origin, names, paths, model_name))
                     for origin, names in defaults.values()]
 
@@ -88,6 +91,29 @@ def _missing(plan: Plan, trees: list[dict]) -> dict[tuple[str, str], list[int]]:
                 if not patterns.resolve(tree, pattern):
                     missing.setdefault((kind, pattern), []).append(layer.layer)
     return missing
+
+
+# Note [Patterns that apply to no layer]
+# _missing checks the patterns the plan applies to some layer. A written pattern may apply to none: its
+# counts select no layer (`{atention_norm: [0]}`), full recompute wins on every layer it selects
+# (`recompute: true` beside a select dict, as MindFormers files often have), or it is an op_swap entry
+# while swap_config.swap is false (the section is validated even then, DESIGN §3). Its typo was never
+# checked, and surfaced only once another setting changed. Each pattern written in the config (not a
+# default one: `select_recompute: [0]` turns the defaults off, and names nothing the model must have)
+# that applies to no layer is checked against the layers too, translated by the preset as the plan
+# would; one the preset drops (its family has no such module) is left to the preset's own warning.
+def _unapplied(plan: Plan, trees: list[dict], preset: Preset | None) -> list[tuple[Origin, str]]:
+    """(origin, pattern as planned) of each written pattern that applies to no layer and matches in none
+    (Note [Patterns that apply to no layer])."""
+    applied = {p for layer in plan.layers for p in layer.select + layer.comm + tuple(p for p, _ in layer.op_swap)}
+    out = []
+    for origin in plan.origins:
+        real = preset.translate(origin.pattern)[0] if preset else (origin.pattern,)
+        if origin.default is not None or not real or any(p in applied for p in real):
+            continue
+        if not any(_matches_somewhere(p, trees) for p in real):
+            out.append((origin, real[0]))
+    return out
 
 
 def _matches_somewhere(pattern: str, trees: list[dict]) -> bool:

@@ -107,13 +107,18 @@ def resolve_device(config: Config, override: str | None = None) -> torch.device:
 
 
 def resolve_steps(config: Config, steps: int | None) -> int:
-    """``--steps`` or ``train.steps``, checked (and ``train.resume`` needs ``train.save_dir``)."""
+    """``--steps`` or ``train.steps``, checked (and ``train.resume`` and ``train.save_interval`` need
+    ``train.save_dir``)."""
     if steps is not None and not 1 <= steps <= LIMITS["steps"]:
         bound = ">= 1" if steps < 1 else f"<= {LIMITS['steps']:,}"
         raise ConfigError([Problem("--steps", f"got {show(steps)}; expected an integer {bound}")], config.source)
     if config.train.resume and not config.train.save_dir:
         raise ConfigError([Problem("train.resume", "is true but train.save_dir is not set; "
                                                    "set train.save_dir to the checkpoint folder")], config.source)
+    if config.train.save_interval is not None and not config.train.save_dir:
+        raise ConfigError([Problem("train.save_interval", f"is {config.train.save_interval} but train.save_dir is "
+                                   "not set, so no checkpoint is written; set train.save_dir to the checkpoint "
+                                   "folder, or remove save_interval")], config.source)
     return steps if steps is not None else config.train.steps
 
 
