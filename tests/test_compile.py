@@ -312,3 +312,28 @@ def test_a_region_holding_a_generator_runs_eagerly_under_compile():
     assert session.stats.recomputed_by_scope == {"layer 0": 1, "layer 1": 1, "layer 2": 1}
     for (name, p), q in zip(plain.named_parameters(), model.parameters()):
         assert torch.equal(p.grad, q.grad), name
+
+
+@pytest.mark.parametrize("variant", ["full_recompute", "select_recompute"])
+def test_whole_model_compile_never_recompiles_a_checkpoint_region(variant):
+    """swapkit.runtime.recompute Note [Checkpoint regions under torch.compile]: Dynamo compiled the
+    wrapper's ``Recompute._checkpoint`` as a frame guarded on the identity of the region's input tensor,
+    so every recomputed call (each layer, each step) recompiled it until ``recompile_limit`` (8), with a
+    warning; the region itself ran eagerly all along (torch.utils.checkpoint disables Dynamo inside)."""
+    from torch._dynamo.convert_frame import input_codes
+
+    from swapkit.runtime.recompute import Recompute
+
+    model = llama(cfg=CFG)
+    session = swapkit.apply(model, config(variant), layers="layers")
+    compiled_model = torch.compile(model, backend="eager")
+    batch = llama_batch(cfg=CFG)
+    with session:  # the first step compiles what it compiles
+        llama_step(compiled_model, batch)
+    for _ in range(2):  # config.patch, as above
+        with session, torch._dynamo.config.patch(error_on_recompile=True):
+            llama_step(compiled_model, batch)
+    assert Recompute._checkpoint.__code__ not in [code() for code in input_codes.seen]
+    regions = 1 if variant == "full_recompute" else 2  # the layer, or its silu and mul
+    assert sum(session.stats.recomputed_by_scope.values()) == regions * CFG.num_layers
+    session.remove()

@@ -532,8 +532,8 @@ def test_inference_mode_forwards_save_nothing_and_leave_no_step_open():
 
 @pytest.mark.parametrize("recompute", [None, {"recompute": [1]}, {"select_recompute": {"feed_forward": [0, 2]}}])
 def test_autocast_bfloat16_swap_is_bit_identical(recompute):
-    """Under CPU autocast the saved activations (and autocast's cached bf16 weight copies, which are no
-    parameters) are bfloat16; they move and come back bit for bit, with recompute replaying autocast."""
+    """Under CPU autocast the saved activations are bfloat16; they move and come back bit for bit, with
+    recompute replaying autocast (autocast's cached bf16 weight copies are kept: test_autocast.py)."""
     batch = llama_batch()
 
     def step(model):

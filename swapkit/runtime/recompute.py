@@ -91,6 +91,19 @@ compares its tensor inputs' version counters before and after the region's forwa
 once, naming the region and the fix. Reading a counter costs nothing next to a checkpoint call.
 A region that writes its input in place and saves nothing for backward would have worked; it
 is refused too (checkpointing it frees nothing).
+
+Note [Checkpoint regions under torch.compile]
+Dynamo puts a ``torch.utils.checkpoint`` call in a graph only when it can trace the whole region as
+one higher-order op; swapkit's region (version checks, the replay guard, ``call_region``) breaks the
+graph, and ``checkpoint`` then runs under ``torch._disable_dynamo``: the region's forward, and its
+re-run in backward, run eagerly, whether the whole model or the layer was compiled (a compiled HF
+Llama layer with full recompute captured no op). Dynamo still compiled the part of
+``Recompute._checkpoint`` before that graph break as a frame of its own, with a guard on the identity
+of the region's input tensor (``distinct_inputs`` looks tensors up by ``id``): every recomputed call,
+each layer and each step, missed the guard and recompiled it, until ``recompile_limit`` (8) with a
+warning, for graphs that were never run again. So ``_checkpoint`` is called through ``eager``: the
+graph break comes at its call, as before, and nothing in it is compiled. What runs compiled is
+unchanged: the code around the region (a layer's norm, its select-recomputed op's neighbours).
 """
 from __future__ import annotations
 
@@ -131,6 +144,7 @@ class Recompute:
         self._twice_warned = False  # Note [Two checkpoints of one layer]: one warning per session
         # swapkit.runtime.scope Note [Bookkeeping stays out of compiled graphs]
         self._counted = eager(self._count)
+        self._checkpointed = eager(self._checkpoint)  # Note [Checkpoint regions under torch.compile]
 
     def apply(self) -> None:
         for layer in self.binding.layers:
@@ -187,7 +201,7 @@ class Recompute:
                 self._check_hf_checkpoint(layer, label)
             args, kwargs = self._no_cache(cache, args, kwargs, label)
             state = capture(args, kwargs) if outputs else None
-            out, checked = self._checkpoint(replayable, args, kwargs, label, module, region)
+            out, checked = self._checkpointed(replayable, args, kwargs, label, module, region)
             if state is not None:
                 record(checked, args, kwargs, state, out, label)
             return out
@@ -236,7 +250,7 @@ class Recompute:
             for layer in layers:
                 self._check_hf_checkpoint(layer, label)
             clean_args, clean_kwargs = self._no_cache(cache, (h, *args), kwargs, label)
-            output, _ = self._checkpoint(replayable, clean_args, clean_kwargs, label, head, region)
+            output, _ = self._checkpointed(replayable, clean_args, clean_kwargs, label, head, region)
             called: list[int] = []  # this forward's pass-throughs: Note [Uniform units]
             state["output"], state["inputs"], state["called"] = output, (args, kwargs), called
             output.register_hook(_unit_complete(state, called, layers, label))

@@ -118,6 +118,7 @@ import torch
 
 from swapkit.config.types import RuntimeConfig
 from swapkit.engine import CopyEngine, HostPool
+from swapkit.runtime.autocast import autocast_cached
 from swapkit.runtime.batch import Batch
 from swapkit.runtime.ledger import SETTLE_TICKS, ByteLedger
 from swapkit.runtime.recipes import Recipe, RecomputableOutputs, RecomputedOutput
@@ -227,7 +228,7 @@ class Step:
             return self._recomputed_handle(tensor, recomputed, tick, frame, version)
         keeper = tensor.detach()  # Note [Version keepers] in swapkit.runtime.records
         record = self._swap_record(storage, key, nbytes, tick, frame, version, keeper) \
-            if frame is not None and frame.prefetch is not None else None
+            if frame is not None and frame.prefetch is not None and self._not_cached(tensor, key, nbytes) else None
         self.stats.saved_bytes += nbytes  # only the forward thread saves
         self.bytes_changed(nbytes)
         if not tick & _SETTLE_MASK:
@@ -263,6 +264,14 @@ class Step:
         else:
             record.more += (keeper,)
         return make_saved((keeper, version, self, tick, record, view_meta(tensor), frame))
+
+    def _not_cached(self, tensor: torch.Tensor, key: int, nbytes: int) -> bool:
+        """A swap candidate that autocast's cache does not hold (swapkit.runtime.autocast Note [Autocast's cached
+        casts]); one it holds is kept and counted, as a parameter is: no threshold would move it."""
+        if autocast_cached(tensor):
+            self._skip("autocast_cache", key, nbytes, None)
+            return False
+        return True
 
     def _is_parameter(self, tensor: torch.Tensor, key: int) -> bool:
         """Note [Parameters are recognised when saved]"""
