@@ -175,6 +175,28 @@ def test_a_later_forward_leaves_earlier_micro_steps_alone():
     assert session.stats == stats and session.micro_step_stats == per
 
 
+def test_gpipe_order_releases_the_last_forwards_tail_when_another_backward_begins():
+    """Note [Micro-step tails], GPipe's order by hand (F0 F1 F2 B0 B1 B2, torch's ScheduleGPipe runs its
+    backwards in forward order) at a distance longer than a micro-step's saves: every save is tail. Micro-step
+    2 was the last forward, but B0 and B1 run between its forward and its backward, so its tail must not stay
+    on the device through them (it stayed: only a new forward released tails), and the next step must still
+    offload it (it skipped: micro-step 2 counted as "backward directly after forward")."""
+    config, (chunk,) = tiny_stage(stage=1, swap_config={"swap": True, "layer_swap": [{"backward_prefetch": 1000,
+                                                                                       "layers": True}]},
+                                  runtime={"min_offload_bytes": 0})
+    session = swapkit.apply(chunk, config, layers="layers", stage=1)
+    install_engine(session, ReadyWhenDone())
+    for step in (1, 2):
+        _micro_batches_by_hand(session, chunk, 3, steps=1)
+        per = session.micro_step_stats
+        last = per[2].stats
+        assert last.skipped.get("tail", 0) == 0 and last.offloaded_bytes == per[1].stats.offloaded_bytes > 0, step
+        assert last.tail_bytes == 0 and last.prefetched_bytes == last.offloaded_bytes, step
+        assert per[0].stats.tail_bytes + per[0].stats.skipped.get("tail", 0) == per[1].stats.offloaded_bytes, step
+        assert session.stats.late_fetches == 0 and session.stats.resident_bytes == 0
+    session.remove()
+
+
 def test_a_stage_whose_swap_moves_nothing_warns_once(caplog):
     """overrides Note [Swaps that move nothing], in a pipeline stage's session: every candidate is under
     min_offload_bytes, so the micro-steps offload nothing; the stage warns once (not once per step)."""
