@@ -197,6 +197,40 @@ def test_gpipe_order_releases_the_last_forwards_tail_when_another_backward_begin
     session.remove()
 
 
+def _bypassed(module: torch.nn.Module, calls: list[int]) -> None:
+    """``module``'s forward under identity saved-tensor hooks for the call numbers in ``calls`` (counted from 0):
+    its saves then bypass the session (overrides Note [Swaps nobody reports]); the math is unchanged."""
+    forward, count = module.forward, iter(range(1 << 30))
+
+    def wrapped(*args, **kwargs):
+        if next(count) not in calls:
+            return forward(*args, **kwargs)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            return forward(*args, **kwargs)
+
+    module.forward = wrapped
+
+
+def test_a_stage_lists_each_unused_swap_once_and_only_if_no_micro_step_used_it():
+    """SwapStats.unused_swaps of an optimizer step: layer 4's attention bypasses the session in every micro-step,
+    layer 5's only in the first. The step lists layer 4's once (it listed it once per micro-step), and not
+    layer 5's, whose swap moved bytes in the other micro-steps (it was listed: "no effect")."""
+    config, (chunk,) = tiny_stage(stage=1, swap_config={
+        "swap": True, "op_swap": [{"op_name": "attention", "backward_prefetch": 1, "layers": [4, 5]}]},
+                                  runtime={"min_offload_bytes": 0})
+    _bypassed(chunk.layers[0].attention, list(range(6)))
+    _bypassed(chunk.layers[1].attention, [0, 3])  # the first micro-batch of each of the 2 steps
+    session = swapkit.apply(chunk, config, layers="layers", stage=1)
+    install_engine(session, ReadyWhenDone())
+    _micro_batches_by_hand(session, chunk, 3)
+    per = session.micro_step_stats
+    assert [m.stats.unused_swaps for m in per] == [["layer 4: attention", "layer 5: attention"],
+                                                   ["layer 4: attention"], ["layer 4: attention"]]
+    assert session.stats.offloaded_by_scope.keys() == {"layer 5: attention"}
+    assert session.stats.unused_swaps == ["layer 4: attention"]
+    session.remove()
+
+
 def test_a_stage_whose_swap_moves_nothing_warns_once(caplog):
     """overrides Note [Swaps that move nothing], in a pipeline stage's session: every candidate is under
     min_offload_bytes, so the micro-steps offload nothing; the stage warns once (not once per step)."""

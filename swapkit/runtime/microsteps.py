@@ -34,6 +34,13 @@ micro-step ``p`` expected to run backward next is treated as if its ticks contin
 tick 0: a record of ``p`` with horizon ``h`` is due once ``t <= h - p.clock``. So the first-needed
 records of ``p`` are on their way while ``m``'s last ``k`` ticks are computed. A wrong guess only
 brings bytes back early; correctness never depends on it (an unpack waits for its copy).
+
+Note [Unused swaps of an optimizer step]
+Each micro-step lists the swap scopes of the layers it ran that no save of its own forward reached
+(``SwapStats.unused_swaps``, swapkit.runtime.overrides Note [Swaps nobody reports]). The optimizer
+step's stats say which swaps had no effect in the step: a scope listed by some micro-step and
+reached by none, once. Concatenating the micro-steps' lists named a scope once per micro-batch, and
+named as "no effect" a scope that one micro-batch bypassed while the others swapped under it.
 """
 from __future__ import annotations
 
@@ -45,6 +52,7 @@ from typing import Any, Callable
 import torch
 
 from swapkit.runtime.ledger import ByteLedger
+from swapkit.runtime.overrides import scope_label
 from swapkit.runtime.records import Saved
 from swapkit.runtime.scope import Frame
 from swapkit.runtime.step import Step
@@ -220,10 +228,17 @@ class MicroSteps:
         total.host_pool_bytes = parts[-1].host_pool_bytes if parts else 0
         total.host_allocations = host_allocations - self._allocations_at_start
         total.micro_steps = len(parts)
+        total.unused_swaps = self._unused_swaps(parts)
         return total
 
+    def _unused_swaps(self, parts: list[SwapStats]) -> list[str]:
+        """Note [Unused swaps of an optimizer step]"""
+        reached = {scope_label(layer, path) for step in self.steps for layer, path in step.reached_swap_scopes()}
+        return list(dict.fromkeys(label for part in parts for label in part.unused_swaps if label not in reached))
 
-_NOT_SUMMED = {"step", "peak_device_bytes", "resident_bytes", "host_pool_bytes", "host_allocations", "micro_steps"}
+
+_NOT_SUMMED = {"step", "peak_device_bytes", "resident_bytes", "host_pool_bytes", "host_allocations", "micro_steps",
+               "unused_swaps"}
 
 
 def _add(total: SwapStats, part: SwapStats) -> None:
