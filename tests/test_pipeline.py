@@ -211,10 +211,10 @@ def _bypassed(module: torch.nn.Module, calls: list[int]) -> None:
     module.forward = wrapped
 
 
-def test_a_stage_lists_each_unused_swap_once_and_only_if_no_micro_step_used_it():
+def test_a_stage_lists_each_unused_swap_once_and_only_if_no_micro_step_used_it(caplog):
     """SwapStats.unused_swaps of an optimizer step: layer 4's attention bypasses the session in every micro-step,
     layer 5's only in the first. The step lists layer 4's once (it listed it once per micro-step), and not
-    layer 5's, whose swap moved bytes in the other micro-steps (it was listed: "no effect")."""
+    layer 5's, whose swap moved bytes in the other micro-steps (it was listed, and warned about: "no effect")."""
     config, (chunk,) = tiny_stage(stage=1, swap_config={
         "swap": True, "op_swap": [{"op_name": "attention", "backward_prefetch": 1, "layers": [4, 5]}]},
                                   runtime={"min_offload_bytes": 0})
@@ -222,7 +222,10 @@ def test_a_stage_lists_each_unused_swap_once_and_only_if_no_micro_step_used_it()
     _bypassed(chunk.layers[1].attention, [0, 3])  # the first micro-batch of each of the 2 steps
     session = swapkit.apply(chunk, config, layers="layers", stage=1)
     install_engine(session, ReadyWhenDone())
-    _micro_batches_by_hand(session, chunk, 3)
+    with caplog.at_level(logging.WARNING, logger="swapkit"):
+        _micro_batches_by_hand(session, chunk, 3)
+    unused = [m for m in caplog.messages if "saw no saved tensor" in m]
+    assert len(unused) == 1 and "layer 4: attention" in unused[0] and "layer 5" not in unused[0], unused
     per = session.micro_step_stats
     assert [m.stats.unused_swaps for m in per] == [["layer 4: attention", "layer 5: attention"],
                                                    ["layer 4: attention"], ["layer 4: attention"]]

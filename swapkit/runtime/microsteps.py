@@ -40,7 +40,9 @@ Each micro-step lists the swap scopes of the layers it ran that no save of its o
 (``SwapStats.unused_swaps``, swapkit.runtime.overrides Note [Swaps nobody reports]). The optimizer
 step's stats say which swaps had no effect in the step: a scope listed by some micro-step and
 reached by none, once. Concatenating the micro-steps' lists named a scope once per micro-batch, and
-named as "no effect" a scope that one micro-batch bypassed while the others swapped under it.
+named as "no effect" a scope that one micro-batch bypassed while the others swapped under it. The
+unused-swap WARNING follows the same rule (``StageSession._unused_swaps``); ``micro_step_stats`` keep
+each micro-step's own list.
 """
 from __future__ import annotations
 
@@ -231,9 +233,13 @@ class MicroSteps:
         total.unused_swaps = self._unused_swaps(parts)
         return total
 
+    def reached_swap_scopes(self) -> set[tuple[int, str]]:
+        """``(layer, op path)`` of each configured swap scope that a save of some micro-step reached."""
+        return {scope for step in self.steps for scope in step.reached_swap_scopes()}
+
     def _unused_swaps(self, parts: list[SwapStats]) -> list[str]:
         """Note [Unused swaps of an optimizer step]"""
-        reached = {scope_label(layer, path) for step in self.steps for layer, path in step.reached_swap_scopes()}
+        reached = {scope_label(layer, path) for layer, path in self.reached_swap_scopes()}
         return list(dict.fromkeys(label for part in parts for label in part.unused_swaps if label not in reached))
 
 
