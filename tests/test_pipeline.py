@@ -175,6 +175,65 @@ def test_a_later_forward_leaves_earlier_micro_steps_alone():
     assert session.stats == stats and session.micro_step_stats == per
 
 
+def test_gpipe_order_releases_the_last_forwards_tail_when_another_backward_begins():
+    """Note [Micro-step tails], GPipe's order by hand (F0 F1 F2 B0 B1 B2, torch's ScheduleGPipe runs its
+    backwards in forward order) at a distance longer than a micro-step's saves: every save is tail. Micro-step
+    2 was the last forward, but B0 and B1 run between its forward and its backward, so its tail must not stay
+    on the device through them (it stayed: only a new forward released tails), and the next step must still
+    offload it (it skipped: micro-step 2 counted as "backward directly after forward")."""
+    config, (chunk,) = tiny_stage(stage=1, swap_config={"swap": True, "layer_swap": [{"backward_prefetch": 1000,
+                                                                                       "layers": True}]},
+                                  runtime={"min_offload_bytes": 0})
+    session = swapkit.apply(chunk, config, layers="layers", stage=1)
+    install_engine(session, ReadyWhenDone())
+    for step in (1, 2):
+        _micro_batches_by_hand(session, chunk, 3, steps=1)
+        per = session.micro_step_stats
+        last = per[2].stats
+        assert last.skipped.get("tail", 0) == 0 and last.offloaded_bytes == per[1].stats.offloaded_bytes > 0, step
+        assert last.tail_bytes == 0 and last.prefetched_bytes == last.offloaded_bytes, step
+        assert per[0].stats.tail_bytes + per[0].stats.skipped.get("tail", 0) == per[1].stats.offloaded_bytes, step
+        assert session.stats.late_fetches == 0 and session.stats.resident_bytes == 0
+    session.remove()
+
+
+def _bypassed(module: torch.nn.Module, calls: list[int]) -> None:
+    """``module``'s forward under identity saved-tensor hooks for the call numbers in ``calls`` (counted from 0):
+    its saves then bypass the session (overrides Note [Swaps nobody reports]); the math is unchanged."""
+    forward, count = module.forward, iter(range(1 << 30))
+
+    def wrapped(*args, **kwargs):
+        if next(count) not in calls:
+            return forward(*args, **kwargs)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            return forward(*args, **kwargs)
+
+    module.forward = wrapped
+
+
+def test_a_stage_lists_each_unused_swap_once_and_only_if_no_micro_step_used_it(caplog):
+    """SwapStats.unused_swaps of an optimizer step: layer 4's attention bypasses the session in every micro-step,
+    layer 5's only in the first. The step lists layer 4's once (it listed it once per micro-step), and not
+    layer 5's, whose swap moved bytes in the other micro-steps (it was listed, and warned about: "no effect")."""
+    config, (chunk,) = tiny_stage(stage=1, swap_config={
+        "swap": True, "op_swap": [{"op_name": "attention", "backward_prefetch": 1, "layers": [4, 5]}]},
+                                  runtime={"min_offload_bytes": 0})
+    _bypassed(chunk.layers[0].attention, list(range(6)))
+    _bypassed(chunk.layers[1].attention, [0, 3])  # the first micro-batch of each of the 2 steps
+    session = swapkit.apply(chunk, config, layers="layers", stage=1)
+    install_engine(session, ReadyWhenDone())
+    with caplog.at_level(logging.WARNING, logger="swapkit"):
+        _micro_batches_by_hand(session, chunk, 3)
+    unused = [m for m in caplog.messages if "saw no saved tensor" in m]
+    assert len(unused) == 1 and "layer 4: attention" in unused[0] and "layer 5" not in unused[0], unused
+    per = session.micro_step_stats
+    assert [m.stats.unused_swaps for m in per] == [["layer 4: attention", "layer 5: attention"],
+                                                   ["layer 4: attention"], ["layer 4: attention"]]
+    assert session.stats.offloaded_by_scope.keys() == {"layer 5: attention"}
+    assert session.stats.unused_swaps == ["layer 4: attention"]
+    session.remove()
+
+
 def test_a_stage_whose_swap_moves_nothing_warns_once(caplog):
     """overrides Note [Swaps that move nothing], in a pipeline stage's session: every candidate is under
     min_offload_bytes, so the micro-steps offload nothing; the stage warns once (not once per step)."""
@@ -350,6 +409,45 @@ def test_fsdp2_inside_pipeline_stages_keeps_gradients_bit_identical(tmp_path):
                 assert all(torch.equal(before[n], after[n]) for n in before), reshard
             assert stats.micro_steps == 4 and stats.offloaded_bytes > 0
             assert stats.skipped["parameter"] > 0  # FSDP2's unsharded weights are recognised, never copied
+
+
+def _torch_schedule(run: StageRun, name: str, micro_batches: int) -> StageRun:
+    """``run`` driven by torch's schedule class ``name`` (one swapkit train does not offer) over its chunks."""
+    from torch.distributed import pipelining
+    from swapkit.distributed.pipeline import pipeline_stages
+    from swapkit.train.model import lm_loss
+
+    stages = pipeline_stages(run.chunks, run.rank, run.world, torch.device("cpu"))
+    run.schedule, run.micro_batches = getattr(pipelining, name)(stages, micro_batches, loss_fn=lm_loss), micro_batches
+    return run
+
+
+def _zero_bubble_and_looped_bfs(rank: int, world: int) -> dict:
+    out = {}
+    for name in ("ScheduleInterleavedZeroBubble", "ScheduleLoopedBFS"):
+        ref = _torch_schedule(StageRun(rank, world, "interleaved_1f1b", None), name, 3)
+        swap = _torch_schedule(StageRun(rank, world, "interleaved_1f1b", layer_swap_config("interleaved_1f1b", 2),
+                                        engine=ReadyWhenDone()), name, 3)
+        for number in (1, 2):
+            ref.step(number)
+            swap.step(number)
+            out[(name, number)] = (ref.grads(), swap.grads(), swap.session.stats, swap.session.micro_step_stats)
+    return out
+
+
+def test_zero_bubble_and_looped_bfs_keep_gradients_bit_identical(tmp_path):
+    """The README's other schedules, 3 micro-batches on 2 stages x 2 chunks: ZeroBubble splits each backward
+    into an input pass and a later weight pass (the saved tensors are unpacked twice), LoopedBFS runs backwards
+    newest first. Gradients equal the same pipeline without swapkit; every micro-step brings back what it
+    offloaded or used its tail in place. (LoopedBFS accumulates the micro-batches' gradients in reverse order,
+    so it is not bit-identical to one process accumulating them in order; that is torch's order, not swapkit.)"""
+    for result in spawn(_zero_bubble_and_looped_bfs, 2, tmp_path):
+        for (name, number), (ref, got, stats, per) in result.items():
+            assert ref.keys() == got.keys() and ref, name
+            assert all(torch.equal(ref[n], got[n]) for n in ref), (name, number)
+            assert stats.micro_steps == 6 and stats.offloaded_bytes > 0 and stats.resident_bytes == 0, name
+            assert all(m.stats.prefetched_bytes + m.stats.tail_bytes == m.stats.offloaded_bytes for m in per), name
+            assert stats.late_fetches == 0, name
 
 
 def _micro_batches_by_hand(session, chunk, count: int, steps: int = 2) -> None:

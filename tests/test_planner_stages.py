@@ -76,8 +76,9 @@ def _run(rank: int, world: int, schedule: str, planned: dict) -> dict:
         peaks.append(run.session.stats.peak_device_bytes)
     group = run.session._group
     forwards = [("F", m.micro_batch) for m in run.session.micro_step_stats]
+    direct = {step.key[1] for step in group.steps if step.direct}
     return {"keep": keep.session.stats.peak_device_bytes, "peaks": peaks, "backward": list(group.backward_order),
-            "forwards": forwards, "late": run.session.stats.late_fetches}
+            "forwards": forwards, "late": run.session.stats.late_fetches, "direct": direct}
 
 
 def test_each_stage_peak_in_the_real_pipeline_is_the_prediction_and_fits(ran):
@@ -100,9 +101,12 @@ def test_schedule_order_and_direct_micro_batches_are_what_torch_runs(measured, r
         actions = schedule_actions(schedule, 2, stage, MICRO_BATCHES)
         assert [a for a in actions if a[0] == "F"] == rank["forwards"]
         assert [("B", m) for _, m in rank["backward"]] == [a for a in actions if a[0] == "B"]
+        assert direct_micro_batches(actions) == rank["direct"]  # the stage session's own
+    # 1F1B: each backward's micro-batch is the oldest waiting one, whose tail every forward open kept
     assert direct_micro_batches(schedule_actions("1f1b", 2, 1, 4)) == {0, 1, 2, 3}
-    assert direct_micro_batches(schedule_actions("1f1b", 2, 0, 4)) == {3}
-    assert direct_micro_batches(schedule_actions("gpipe", 2, 0, 4)) == {3}
+    assert direct_micro_batches(schedule_actions("1f1b", 2, 0, 4)) == {0, 1, 2, 3}
+    # GPipe: F1..F3 release the tails of m1, m2; B0 the tail of m3, whose backward runs last
+    assert direct_micro_batches(schedule_actions("gpipe", 2, 0, 4)) == {0}
 
 
 def test_the_plan_is_one_config_with_global_indices_and_a_stage_column(ran):
@@ -310,16 +314,17 @@ def test_on_the_last_1f1b_stage_each_micro_batch_is_a_single_step():
 
 
 def test_waiting_micro_batches_release_their_tails_except_the_next_one():
-    """GPipe, k=1, 4 saves: each forward ends holding its last storage (its tail). A new forward
-    releases the tails of the waiting micro-steps but the oldest (it runs backward next), so B0 holds
-    m0's tail, m3's tail and the storage it fetches: 3 storages (4 forwards' tails would be 5).
-    m0..m2 offload 4 storages each, m3 (its backward directly follows its forward) 3; m0 fetches 3
-    (its tail never left), m1 and m2 fetch 4, m3 3: 29 copies. In the first step m3 offloads its tail too."""
+    """GPipe, k=1, 4 saves: each forward ends holding its last storage (its tail). A new forward, and
+    a backward's begin, release the tails of the waiting micro-steps but the oldest (it runs backward
+    next), so B0 holds m0's tail and the storage it fetches, not m3's (its backward runs last). The
+    peak, 3 storages, is F3's: m0's tail and m3's two newest saves (4 forwards' tails would be 5).
+    m0 (its tail never left the device) offloads 3 storages and fetches 3; m1..m3 offload and fetch
+    4 each: 30 copies. In the first step m0 offloads its tail too: 31."""
     predicted = simulate_stage(_step(), swap_k1, FAST, StageSchedule("gpipe", 2, 0, 4))
     assert predicted.peak_device_bytes == 3 * N
-    assert predicted.copies == 29 and predicted.moved_bytes_per_step == 29 * N
+    assert predicted.copies == 30 and predicted.moved_bytes_per_step == 30 * N
     first_step = simulate_stage(_step(), swap_k1, FAST, StageSchedule("gpipe", 2, 0, 4, skip_tail_offload=False))
-    assert first_step.copies == 30 and first_step.peak_device_bytes == 3 * N
+    assert first_step.copies == 31 and first_step.peak_device_bytes == 3 * N
 
 
 @pytest.mark.parametrize("schedule,stage,regions", [("gpipe", 0, 16), ("1f1b", 0, 8), ("1f1b", 1, 4)])
@@ -340,20 +345,21 @@ def refused(schedule: str, stages: int, stage: int, micro_batches: int, cap: int
 
 def test_a_capped_stage_pool_refuses_whichever_micro_batch_asks_when_it_is_full():
     """swapkit.plan.hostpool Note [The host pool in a pipeline stage]. GPipe under a cap of 10 regions:
-    m0 and m1 fit (8), m2's last two saves and m3's three swaps (its tail stays, m3's backward follows
-    its forward) are refused. 1F1B under 6: m1's last two do not fit beside m0's four, m2's four fit
-    once B0 gave m0's back, and m3 finds two of its three."""
+    m0 (its tail stays, it runs backward first) offloads 3, m1 4, m2 its first 3 and m3 none of its four
+    (B0 releases m3's tail: its backward runs last). 1F1B under 5: each micro-batch's tail stays (each runs
+    backward next), so each offloads 3; m1's last does not fit beside m0's three, m2's three fit once B0
+    gave m0's back, and m3's last does not fit beside m2's."""
     found, use = refused("gpipe", 2, 0, 4, 10 * N)
-    assert found == {2: [2, 3], 3: [0, 1, 2]}
+    assert found == {2: [3], 3: [0, 1, 2, 3]}
     assert (use.refused_bytes, use.pool_bytes) == (5 * N, 10 * N)
-    found, use = refused("1f1b", 2, 0, 4, 6 * N)
-    assert found == {1: [2, 3], 3: [2]}
-    assert (use.refused_bytes, use.pool_bytes) == (3 * N, 6 * N)
-    predicted = simulate_stage(_step(), swap_k1, FAST, StageSchedule("1f1b", 2, 0, 4), host=HostModel(max_bytes=6 * N))
-    assert (predicted.host_cap_bytes, predicted.host_pool_bytes) == (3 * N, 6 * N)
-    # a refused storage is neither offloaded nor fetched; m1's refused save 3 is in its tail, which never left
-    # the device (m1 ran backward next): it was offloaded, not fetched. So m1 copies 3 fewer, m3 2 fewer.
-    assert predicted.copies == 27 - 3 - 2
+    found, use = refused("1f1b", 2, 0, 4, 5 * N)
+    assert found == {1: [2], 3: [2]}
+    assert (use.refused_bytes, use.pool_bytes) == (2 * N, 5 * N)
+    predicted = simulate_stage(_step(), swap_k1, FAST, StageSchedule("1f1b", 2, 0, 4), host=HostModel(max_bytes=5 * N))
+    assert (predicted.host_cap_bytes, predicted.host_pool_bytes) == (2 * N, 5 * N)
+    # a refused storage is neither offloaded nor fetched: of the 24 copies (3 out and 3 back per micro-batch,
+    # the tails never leave the device), m1 and m3 copy 2 fewer each
+    assert predicted.copies == 24 - 2 - 2
 
 
 def test_one_budget_per_stage(measured):

@@ -59,11 +59,12 @@ later forwards'. The replay follows the runtime's micro-step rules:
   forward ends is flushed, not discarded (``MicroSteps.forward_ended``): it asks too;
 - a backward gives back its own micro-step's regions in backward's order; before them, if the
   micro-step expected next (the oldest waiting) had its tail released when a later forward opened
-  (``swapkit.runtime.microsteps`` Note [Micro-step tails]), the regions of its batches that hold a
-  save of the tail: this backward prefetches those ahead (Note [Looking ahead into the next
-  micro-step]), and a batch's region goes back at its prefetch;
-- from the second optimizer step on, the micro-steps whose backward directly followed their forward
-  do not offload their tail (``runtime.skip_tail_offload``), the others still do.
+  or an earlier backward began (``swapkit.runtime.microsteps`` Note [Micro-step tails]), the regions
+  of its batches that hold a save of the tail: this backward prefetches those ahead (Note [Looking
+  ahead into the next micro-step]), and a batch's region goes back at its prefetch;
+- from the second optimizer step on, the micro-steps whose tail was still on the device when their
+  backward began (``swapkit.plan.stages.direct_micro_batches``) do not offload their tail
+  (``runtime.skip_tail_offload``), the others still do.
 Each micro-batch gets its own refused storages (the same trace replayed, different decisions), and
 the stage's ``host_cap_bytes`` is their sum. Where it is approximate, beyond the single step's
 points: within one backward the look-ahead's regions come back interleaved with the backward's own,
@@ -317,6 +318,8 @@ def _stage_step(step: FlatStep, swap_k, scope_of, min_offload_bytes: int, host: 
         else:
             batcher = batchers[m]
             waiting.remove(batcher)
+            for other in waiting[1:]:  # a backward's begin releases them too (GPipe's last forward)
+                other.tail_released = True
             if waiting and waiting[0].tail_released:
                 waiting[0].give_back(ledger, ahead_only=True)  # prefetched ahead by this backward
             batcher.give_back(ledger)

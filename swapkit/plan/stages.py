@@ -11,13 +11,14 @@ micro-batches (:func:`schedule_actions`, as torch's ``ScheduleGPipe`` and ``Sche
 GPipe runs every forward, then every backward (``M`` in flight); 1F1B runs ``min(M, P - s)``
 forwards, then alternates backward and forward (``P - s`` in flight). Each micro-step follows the
 single-step replay's rules (``swapkit.plan.simulate`` Note [Cost model]) and the micro-step rules:
-- A new forward's first save releases the tail of every micro-step still waiting for its backward
-  except the one expected to run backward next (the oldest: GPipe and 1F1B run backwards in
-  forward order), each record once its copy is seen finished; waiting micro-steps release due
-  records at every later forward save (``swapkit.runtime.microsteps`` Note [Micro-step tails]).
-- The tail of a micro-step is offloaded, except on a micro-step whose backward directly followed
-  its forward in the previous optimizer step (``runtime.skip_tail_offload``): the replay predicts a
-  steady step (the second on), where those skip it.
+- A new forward's first save, and a backward's begin, release the tail of every micro-step still
+  waiting for its backward except the one expected to run backward next (the oldest: GPipe and
+  1F1B run backwards in forward order), each record once its copy is seen finished; waiting
+  micro-steps release due records at every later forward save (``swapkit.runtime.microsteps``
+  Note [Micro-step tails]). GPipe's last forward so releases its tail when the first backward begins.
+- The tail of a micro-step is offloaded, except on a micro-step whose tail was still on the device
+  when its backward began in the previous optimizer step (``runtime.skip_tail_offload``): the
+  replay predicts a steady step (the second on), where those skip it.
 - When a backward begins, its micro-step's unreleased records stay on the device (no round trip);
   at each unpack of tick ``t`` it fetches its own released records with horizon ``>= t`` and those
   of the micro-step expected next with horizon ``>= t + its forward length`` (Note [Looking ahead
@@ -79,14 +80,24 @@ def schedule_actions(schedule: str, stages: int, stage: int, micro_batches: int)
 
 
 def direct_micro_batches(actions: tuple[tuple[str, int], ...]) -> frozenset[int]:
-    """Micro-batches whose backward begins while their forward is the last one opened (they skip
-    offloading their tail from the second optimizer step on: Note [Stage peak model])."""
-    direct, last = set(), None
+    """Micro-batches whose tail is still on the device when their backward begins: no forward open or
+    backward begin released it, as each releases the tails of the waiting micro-batches but the oldest.
+    They skip offloading their tail from the second optimizer step on (Note [Stage peak model]).
+
+    Example:
+        >>> sorted(direct_micro_batches(schedule_actions("gpipe", 2, 0, 3)))
+        [0]
+    """
+    direct, released, waiting = set(), set(), []
     for kind, m in actions:
         if kind == "F":
-            last = m
-        elif m == last:
+            released.update(waiting[1:])
+            waiting.append(m)
+            continue
+        waiting.remove(m)
+        if m not in released:
             direct.add(m)
+        released.update(waiting[1:])
     return frozenset(direct)
 
 
@@ -229,6 +240,8 @@ def _stage_replay(step: FlatStep, swap_k, links: Links, actions: tuple[tuple[str
         else:
             waiting.remove(micro[m])
             micro[m].begin_backward()
+            for other in waiting[1:]:  # the oldest runs backward next: it keeps its tail
+                other.release_tail()
             micro[m].backward_events(waiting[0] if waiting else None)
     return group, micro
 

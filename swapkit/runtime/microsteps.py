@@ -16,14 +16,17 @@ step's ``peak_device_bytes`` (the bytes resident across all live micro-steps at 
 Note [Micro-step tails]
 In a single step the last ``k`` ticks of forward stay on the device because backward starts right
 after them (``swapkit.runtime.step.Note [The last k ticks stay on the device]``). In a pipeline that
-is only true of a micro-step whose backward directly follows its own forward. So when a new forward
-opens, every earlier micro-step still waiting for its backward releases its tail (each record once
-its copy has finished; waiting ones are polled at every later save), except the one expected to run
-backward next, whose tail is about to be used. "Expected next" is the order the previous optimizer
-step ran its backwards in (schedules repeat themselves), or the oldest waiting micro-step in the
-first step (GPipe and 1F1B run backwards in forward order). Skipping the offload of the tail
-(``runtime.skip_tail_offload``) is applied only to micro-steps whose backward directly followed
-their forward in the previous optimizer step, with that micro-step's own forward length.
+is only true of a micro-step whose backward is the next one to run. So when a new forward opens, and
+when a backward begins, every micro-step still waiting for its backward releases its tail (each
+record once its copy has finished; waiting ones are polled at every later save), except the one
+expected to run backward next, whose tail is about to be used. The backward's begin matters for the
+last forward of GPipe, which torch runs backward last: no forward opens after it, and before, its
+tail stayed on the device through every other micro-batch's backward. "Expected next" is the order
+the previous optimizer step ran its backwards in (schedules repeat themselves), or the oldest waiting
+micro-step in the first step (GPipe and 1F1B run backwards in forward order). Skipping the offload
+of the tail (``runtime.skip_tail_offload``) is applied only to micro-steps whose tail was still on
+the device when their backward began in the previous optimizer step (``direct``), with that
+micro-step's own forward length; being the last forward opened is not enough (GPipe's last one).
 
 Note [Looking ahead into the next micro-step]
 Backward of micro-step ``m`` at its tick ``t`` prefetches its own records due by ``t``; the
@@ -31,6 +34,15 @@ micro-step ``p`` expected to run backward next is treated as if its ticks contin
 tick 0: a record of ``p`` with horizon ``h`` is due once ``t <= h - p.clock``. So the first-needed
 records of ``p`` are on their way while ``m``'s last ``k`` ticks are computed. A wrong guess only
 brings bytes back early; correctness never depends on it (an unpack waits for its copy).
+
+Note [Unused swaps of an optimizer step]
+Each micro-step lists the swap scopes of the layers it ran that no save of its own forward reached
+(``SwapStats.unused_swaps``, swapkit.runtime.overrides Note [Swaps nobody reports]). The optimizer
+step's stats say which swaps had no effect in the step: a scope listed by some micro-step and
+reached by none, once. Concatenating the micro-steps' lists named a scope once per micro-batch, and
+named as "no effect" a scope that one micro-batch bypassed while the others swapped under it. The
+unused-swap WARNING follows the same rule (``StageSession._unused_swaps``); ``micro_step_stats`` keep
+each micro-step's own list.
 """
 from __future__ import annotations
 
@@ -42,6 +54,7 @@ from typing import Any, Callable
 import torch
 
 from swapkit.runtime.ledger import ByteLedger
+from swapkit.runtime.overrides import scope_label
 from swapkit.runtime.records import Saved
 from swapkit.runtime.scope import Frame
 from swapkit.runtime.step import Step
@@ -129,10 +142,7 @@ class MicroSteps:
         """A new forward of ``chunk`` saved its first tensor: open its micro-step."""
         key = (chunk, self._opened[chunk])
         self._opened[chunk] += 1
-        expected = self.expected_next()
-        for waiting in self._waiting():
-            if waiting is not expected and not waiting.tail_released:  # Note [Micro-step tails]
-                waiting.release_tail()
+        self._release_tails()
         if self._last_opened is not None:  # its graph may have died since its forward ended (eval-like forwards)
             self._last_opened.settle()
         step = make(key, self._tails.get(key))
@@ -154,8 +164,17 @@ class MicroSteps:
 
     def backward_began(self, step: Step) -> None:
         assert isinstance(step, MicroStep)
-        step.direct = step is self._last_opened
+        step.direct = not step.tail_released  # its tail was used where it was (Note [Micro-step tails])
         self.backward_order.append(step.key)
+        self._release_tails()
+
+    def _release_tails(self) -> None:
+        """A forward opened or a backward began: every waiting micro-step but the one expected to run
+        backward next releases its tail (Note [Micro-step tails])."""
+        expected = self.expected_next()
+        for waiting in self._waiting():
+            if waiting is not expected and not waiting.tail_released:
+                waiting.release_tail()
 
     def look_ahead(self, step: MicroStep, tick: int) -> None:
         """Note [Looking ahead into the next micro-step]"""
@@ -211,10 +230,21 @@ class MicroSteps:
         total.host_pool_bytes = parts[-1].host_pool_bytes if parts else 0
         total.host_allocations = host_allocations - self._allocations_at_start
         total.micro_steps = len(parts)
+        total.unused_swaps = self._unused_swaps(parts)
         return total
 
+    def reached_swap_scopes(self) -> set[tuple[int, str]]:
+        """``(layer, op path)`` of each configured swap scope that a save of some micro-step reached."""
+        return {scope for step in self.steps for scope in step.reached_swap_scopes()}
 
-_NOT_SUMMED = {"step", "peak_device_bytes", "resident_bytes", "host_pool_bytes", "host_allocations", "micro_steps"}
+    def _unused_swaps(self, parts: list[SwapStats]) -> list[str]:
+        """Note [Unused swaps of an optimizer step]"""
+        reached = {scope_label(layer, path) for layer, path in self.reached_swap_scopes()}
+        return list(dict.fromkeys(label for part in parts for label in part.unused_swaps if label not in reached))
+
+
+_NOT_SUMMED = {"step", "peak_device_bytes", "resident_bytes", "host_pool_bytes", "host_allocations", "micro_steps",
+               "unused_swaps"}
 
 
 def _add(total: SwapStats, part: SwapStats) -> None:

@@ -322,7 +322,7 @@ class SwapSession:
         reported once per session)."""
         layers: dict[tuple[str, str | None], list[int]] = {}
         fixes: dict[str | None, str] = {}
-        for layer, path, cause in step.unused_swaps():
+        for layer, path, cause in self._unused_swaps(step):
             if (layer, path) not in self._reported:
                 self._reported.add((layer, path))
                 shared = self._positions_sharing(layer)
@@ -338,6 +338,10 @@ class SwapSession:
             logger.warning(unused_message(sorted(where), path, cause, self._step_number(step), fixes.get(cause)))
         if self._offloaded(step):  # else the step-wide idle warning names the threshold
             self._report_small(step)
+
+    def _unused_swaps(self, step: Step) -> list[tuple[int, str, str | None]]:
+        """The swap scopes the unused-swap warning names for ``step``: :meth:`Step.unused_swaps`."""
+        return step.unused_swaps()
 
     def _step_number(self, step: Step) -> int:
         """The step a warning names: the training step (a stage session's is its optimizer step's)."""

@@ -166,6 +166,13 @@ class StageSession(SwapSession):
         if exc_type is not None:
             group.close(aborted=True)
 
+    def _unused_swaps(self, step: Step) -> list[tuple[int, str, str | None]]:
+        """``step``'s unused swap scopes that no micro-step of its optimizer step reached: the warning says
+        "no effect" of the optimizer step (swapkit.runtime.microsteps Note [Unused swaps of an optimizer step])."""
+        assert isinstance(step, MicroStep)
+        reached = step.group.reached_swap_scopes()
+        return [(layer, path, cause) for layer, path, cause in step.unused_swaps() if (layer, path) not in reached]
+
     def _step_number(self, step: Step) -> int:
         """The optimizer step (the ``with`` block), as the idle warning names it, not the micro-step's count."""
         assert isinstance(step, MicroStep)

@@ -451,6 +451,10 @@ class Step:
         return [(layer, path, self._entered.get((layer, path), NOT_ENTERED)) for layer, path in self.swap_scopes
                 if (layer in ran or not ran) and (layer, path) not in self._seen]
 
+    def reached_swap_scopes(self) -> set[tuple[int, str]]:
+        """``(layer, op path)`` of each configured swap scope that some forward save of this step reached."""
+        return {scope for scope in self.swap_scopes if scope in self._seen}
+
     def layers_ran(self) -> bool:
         """Whether a bound layer's hooks ran in this step's forward or an earlier one of its block."""
         return self.layers_ran_before or bool(self._seen or self._entered)
