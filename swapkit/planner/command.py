@@ -149,15 +149,28 @@ def budget_check(plan: BudgetPlan, summary: Mapping[str, Any]) -> dict[str, Any]
         summary: the run's summary (``swapkit.train.summary.summarize``).
 
     Returns:
-        A copy of ``summary``, with ``budget_check`` when a step ran.
+        A copy of ``summary``, with ``budget_check`` when a step ran under the plan, or
+        ``budget_unmeasured_after`` (the checkpoint's step) when a resume left none to run
+        (Note [No step under the plan]).
     """
     if "peak_device_bytes" not in summary:  # no step ran: nothing was measured
         return dict(summary)
+    cover = summary.get("figures_steps")
+    if cover is not None and not cover["since_resume"]:  # Note [No step under the plan]
+        return {**summary, "budget_unmeasured_after": cover["last"]}
     rows = budget_rows(plan.document, summary)
     for row in rows:
         if row["over_budget"]:
             logger.warning(overrun_message(row, rows))
     return {**summary, "budget_check": rows}
+
+
+# Note [No step under the plan]
+# A resume from a checkpoint at the last step runs no step (swapkit.train.checkpoint Note [Nothing to
+# run]); the summary's figures are then the checkpoint's steps', which ran before the resume under
+# another config, maybe not the plan. Checking them against the budget reported "OVER BUDGET" and
+# warned that the plan did not hold, for a plan that never ran. The summary says instead that no
+# step ran under the plan.
 
 
 def budget_rows(document: Mapping[str, Any], summary: Mapping[str, Any]) -> list[dict[str, Any]]:

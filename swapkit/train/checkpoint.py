@@ -174,3 +174,24 @@ def restore(run: RunState, path: Path, state: dict[str, Any]) -> None:
     run.step, run.records = state["step"], list(state["records"])
     run.resumed_from, run.resumed_step = str(path), state["step"]
     logger.info("resumed from %s at step %d", path, run.step)
+    _warn_nothing_to_run(run, path)
+
+
+def _warn_nothing_to_run(run: RunState, path: Path) -> None:
+    """A checkpoint at or past the step the run stops at leaves no step to run (Note [Nothing to run])."""
+    if run.step >= run.total_steps:
+        logger.warning("train.resume: %s is at step %d, and this run is to stop at step %d (--steps or train.steps): "
+                       "no step runs; set a higher --steps or train.steps to train further", path, run.step,
+                       run.total_steps)
+
+
+def ran_since_resume(run: RunState) -> bool:
+    """A step ran in this process (after the resume, if any), so there is something new to save.
+
+    Note [Nothing to run]
+    A resume from step k with ``steps <= k`` runs no step. It used to finish without a word (the summary,
+    from the checkpoint's records, looked like a finished run) and then save ``step_k.pt`` again, over
+    the checkpoint, with the resuming config as its record: a checkpoint written with one swap config
+    then claimed another. Now the resume warns, and the end of the run saves only when a step ran.
+    """
+    return run.step > run.resumed_step

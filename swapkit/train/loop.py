@@ -26,7 +26,7 @@ from swapkit.config.errors import ConfigError, Problem, clip, show
 from swapkit.config.schema import LIMITS
 from swapkit.config.types import Config
 from swapkit.load import load_config
-from swapkit.train.checkpoint import checkpoint_due, resume, save_checkpoint
+from swapkit.train.checkpoint import checkpoint_due, ran_since_resume, resume, save_checkpoint
 from swapkit.train.collector import collector_schedule
 from swapkit.train.budget import check_memory
 from swapkit.train.data import SyntheticTokens
@@ -287,6 +287,6 @@ def _close(run: RunState, status: str) -> None:
     """Remove the session, then save and write what the run has (also after Ctrl-C)."""
     run.session.remove()
     run.status = status
-    if status == "completed" and run.config.train.save_dir and run.records:
-        save_checkpoint(run)
+    if status == "completed" and run.config.train.save_dir and run.records and ran_since_resume(run):
+        save_checkpoint(run)  # Note [Nothing to run] in swapkit.train.checkpoint
     write_metrics(run)

@@ -146,6 +146,9 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         rows.append(("data-parallel replicas", f"{summary['data_parallel']}; the bytes, peaks and late fetches above "
                                                "are replica 0's (every replica runs the same shapes)"))
     rows += [line for row in summary.get("budget_check", ()) for line in _budget_rows(row)]
+    if "budget_unmeasured_after" in summary:  # swapkit.planner.command Note [No step under the plan]
+        rows.append(("--budget", f"no step ran under the plan (the run resumed at step "
+                                 f"{summary['budget_unmeasured_after']}): its peak was not measured"))
     width = max(len(name) for name, _ in rows)
     return "\n".join(["swapkit train summary"] + [f"  {name.ljust(width)}  {value}" for name, value in rows])
 
