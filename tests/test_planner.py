@@ -210,6 +210,19 @@ def test_train_budget_checks_steps_before_measuring(config_file, capsys, monkeyp
     assert "--steps: got 0; expected an integer >= 1" in capsys.readouterr().err
 
 
+def test_train_budget_refuses_a_used_save_dir_before_measuring(config_file, tmp_path, capsys, monkeypatch):
+    """A fresh run over an earlier run's checkpoints is refused (checkpoint Note [A fresh run in a used
+    save_dir]); with --budget only after the measurement runs."""
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("measured before checking train.save_dir")
+
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "step_0000003.pt").write_bytes(b"an earlier run")
+    monkeypatch.setattr("swapkit.planner.command.measure", no_measuring)
+    assert main(["train", str(config_file), "--budget", "1MiB", "--set", f"train.save_dir={tmp_path / 'ckpt'}"]) == 2
+    assert "train.save_dir (from --set train.save_dir=" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, message", [
     (["plan", "--budget", "1MiB", "--layers", "model.layers"],
      "--layers: got 'model.layers'; the built-in model keeps its layers in 'layers': drop --layers, or add --model"),

@@ -69,6 +69,32 @@ def checkpoint_steps(save_dir: str | Path) -> list[tuple[int, Path]]:
     return sorted(found, reverse=True)
 
 
+def earlier_run_problems(save_dir: str | Path | None, resume: bool) -> list[Problem]:
+    """A run that starts anew (``resume: false``) in a ``save_dir`` holding checkpoints: a problem
+    (Note [A fresh run in a used save_dir]); empty otherwise.
+
+    Note [A fresh run in a used save_dir]
+    Checkpoints are named by step alone. A run that starts from step 0 in a folder holding another
+    run's checkpoints wrote over those of its own steps (that run's step_1 was lost without a word)
+    and left the newer ones beside its own, so a later ``resume: true`` continued the other run from
+    its newest step and dropped this one's work, also without a word. As with Hugging Face's
+    ``overwrite_output_dir``, starting anew over checkpoints is refused before the first step; either
+    layout counts (``step_<n>.pt`` of one process, ``rankNNN/step_<n>.pt`` of several ranks).
+    """
+    if resume or not save_dir or not Path(save_dir).is_dir():
+        return []
+    found = [path for _, path in checkpoint_steps(save_dir)] + sorted(Path(save_dir).glob("rank[0-9]*/step_*.pt"))
+    found = [path for path in found if CHECKPOINT_NAME.fullmatch(path.name) and path.is_file()]
+    if not found:
+        return []
+    newest = max(found, key=lambda path: int(CHECKPOINT_NAME.fullmatch(path.name).group(1)))
+    return [Problem("train.save_dir", f"got {clip(str(save_dir), 200)}, which holds {len(found)} checkpoint(s) of an "
+                    f"earlier run (the newest: {clip(str(newest), 200)}); with train.resume: false this run starts "
+                    "from step 0, would write over those of its own steps and leave the newer ones for a later "
+                    "resume to continue. Set train.resume: true to continue that run, or choose another "
+                    "train.save_dir (or remove those checkpoints to start anew there)")]
+
+
 def latest_checkpoint(save_dir: str | Path) -> Path | None:
     """The checkpoint with the highest step number in ``save_dir``, or ``None``."""
     paths = checkpoints(save_dir)

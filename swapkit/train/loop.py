@@ -26,7 +26,7 @@ from swapkit.config.errors import ConfigError, Problem, clip, show
 from swapkit.config.schema import LIMITS
 from swapkit.config.types import Config
 from swapkit.load import load_config
-from swapkit.train.checkpoint import checkpoint_due, ran_since_resume, resume, save_checkpoint
+from swapkit.train.checkpoint import checkpoint_due, earlier_run_problems, ran_since_resume, resume, save_checkpoint
 from swapkit.train.collector import collector_schedule
 from swapkit.train.budget import check_memory
 from swapkit.train.data import SyntheticTokens
@@ -55,7 +55,8 @@ def train(config: Config | Mapping[str, Any] | str | Path, steps: int | None = N
 
     Raises:
         ConfigError: invalid config, ``cuda`` without CUDA, ``resume`` without ``save_dir``, an output path
-            that cannot be written, sizes that cannot fit in memory, a checkpoint of another model or data.
+            that cannot be written, a fresh run in a ``save_dir`` holding checkpoints, sizes that cannot fit
+            in memory, a checkpoint of another model or data.
         RunFailed: a NaN or infinite loss (naming the step), a file that could not be written (disk full),
             a model that could not be allocated.
         KeyboardInterrupt: after removing the session and writing the metrics so far.
@@ -162,6 +163,7 @@ def preflight(config: Config, device: torch.device, metrics_out: str | Path | No
         ConfigError: every problem found.
     """
     problems = engine_problems(config, device) + builtin_layers_problems(config)
+    problems += earlier_run_problems(config.train.save_dir, config.train.resume)
     if metrics_out is not None:
         check_output_file(Path(metrics_out), "--metrics-out", problems, config.source)
     if config.train.save_dir:
