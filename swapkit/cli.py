@@ -234,7 +234,8 @@ def _check_builtin_patterns(args: argparse.Namespace, config: Config) -> None:
 
 
 def run_budget_plan(args: argparse.Namespace) -> int:
-    """``swapkit plan --budget``: the report (or JSON) on stdout, the YAML to --out or stdout."""
+    """``swapkit plan --budget``: the report (or JSON) on stdout, the YAML to --out; without --out the
+    report as YAML comments above the YAML, so stdout is one document that loads."""
     from swapkit.plan.planner import BudgetError
     from swapkit.planner.command import budget_plan, write
 
@@ -250,10 +251,11 @@ def run_budget_plan(args: argparse.Namespace) -> int:
     write(plan, args.out)
     if args.json:
         print(json.dumps(plan.document, indent=2))
+    elif args.out is None:  # one YAML document: `> planned.yaml` writes a config that loads
+        print("\n".join(f"# {line}".rstrip() for line in plan.report.splitlines()))
+        print(plan.yaml())
     else:
         print(plan.report)
-        if args.out is None:
-            print(plan.yaml())
     return EXIT_OK
 
 

@@ -118,6 +118,23 @@ def test_budget_below_the_minimum_exits_2_with_the_reachable_minimum(config_file
     assert plan_budget(planner, lowest).predicted.peak_device_bytes <= lowest
 
 
+def test_plan_budget_without_out_prints_one_yaml_document(config_file, capsys, monkeypatch):
+    """Without --out the report table and then the YAML went to stdout: `swapkit plan CONFIG --budget SIZE >
+    planned.yaml` wrote a file that failed to load ("YAML syntax error at line 4"). The report lines are
+    now YAML comments above the planned config."""
+    from swapkit.planner import command
+
+    raw = yaml.safe_load(config_file.read_text())
+    report = "layer  decision  saved MiB\n0      recompute     0.075\npredicted: peak_device_bytes 71044 (keep all: 1)"
+    monkeypatch.setattr(command, "budget_plan", lambda *args, **kwargs: command.BudgetPlan(raw, None, report, {}))
+    assert main(["plan", str(config_file), "--budget", "1MiB"]) == 0
+    out = capsys.readouterr().out
+    assert "# predicted: peak_device_bytes 71044 (keep all: 1)\n" in out, out
+    written = config_file.with_name("redirected.yaml")
+    written.write_text(out, encoding="utf-8")
+    assert yaml.safe_load(out) == raw and load_config(written).model.num_layers == 3
+
+
 def test_plan_writes_yaml_that_loads_and_train_budget_trains_it(config_file, planner, tmp_path, capsys):
     budget = planner.predict((KEEP,) * 3).peak_device_bytes // 2
     out = tmp_path / "planned.yaml"
