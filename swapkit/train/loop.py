@@ -34,7 +34,7 @@ from swapkit.train.errors import RunFailed
 from swapkit.train.files import check_output_file, prepare_output_dir, raise_problems
 from swapkit.train.model import LlamaModel, build_model, lm_loss
 from swapkit.train.state import RunState, TrainResult
-from swapkit.train.summary import human_bytes, step_record, summarize, write_metrics
+from swapkit.train.summary import human_bytes, step_record, summarize, write_metrics, write_metrics_due
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,8 @@ def train(config: Config | Mapping[str, Any] | str | Path, steps: int | None = N
         config: a :class:`Config`, a dict in the YAML layout, or a YAML path.
         steps: total number of optimizer steps (overrides ``train.steps``).
         device: ``"cpu"`` or ``"cuda"`` (overrides ``train.device``).
-        metrics_out: JSON file rewritten after every step (Note [Memory figures] for its meaning).
+        metrics_out: JSON file rewritten after steps as time allows and at the end (Note [Metrics writes];
+            Note [Memory figures] for its meaning).
         progress: show a tqdm bar on stderr (only when it is a terminal).
 
     Returns:
@@ -233,7 +234,7 @@ def drive(run: RunState, progress: bool, train_step: Callable[[int], dict[str, A
             if record is not None:
                 run.records.append(record)
                 report(run, record, bar, bar_off)
-                write_metrics(run)
+                write_metrics_due(run)  # Note [Metrics writes] in swapkit.train.summary
             if checkpoint_due(run):
                 save_checkpoint(run)
 
