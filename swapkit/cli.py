@@ -356,7 +356,8 @@ def _train_stoppable(config: Config, args: argparse.Namespace, plan: BudgetPlan 
             print(f"swapkit: {err}", file=sys.stderr)
             return EXIT_FAILED
     if result is not None:  # under torchrun only rank 0 has the result
-        print(format_summary(result.summary if plan is None else _budget_checked(plan, result.summary)))
+        print(format_summary(result.summary if plan is None else _budget_checked(plan, result.summary,
+                                                                                 args.metrics_out)))
     return EXIT_OK
 
 
@@ -370,10 +371,12 @@ def _start_rank_server(config: Config, args: argparse.Namespace) -> None:
         start_method("cpu", warn=False)  # launch asks again, and warns if the server cannot start
 
 
-def _budget_checked(plan: BudgetPlan, summary: dict[str, Any]) -> dict[str, Any]:
-    from swapkit.planner.command import budget_check
+def _budget_checked(plan: BudgetPlan, summary: dict[str, Any], metrics_out: str | None) -> dict[str, Any]:
+    from swapkit.planner.command import budget_check, record_budget_check
 
-    return budget_check(plan, summary)  # swapkit.planner.command Note [Measured peak over budget]
+    checked = budget_check(plan, summary)  # swapkit.planner.command Note [Measured peak over budget]
+    record_budget_check(metrics_out, checked)  # the metrics file says it too, not only the printed summary
+    return checked
 
 
 def run_budget_train(args: argparse.Namespace) -> int:

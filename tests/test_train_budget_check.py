@@ -6,6 +6,7 @@ that mispredicts: it returns the config unchanged with a budget the run cannot m
 real measured peaks are checked against it."""
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -109,3 +110,17 @@ def test_a_resume_that_runs_no_step_measures_nothing_against_the_budget(capsys, 
     assert "no step runs" in err
     assert re.search(r"\n  --budget +no step ran under the plan \(the run resumed at step 1\): its peak was not "
                      r"measured\n", out), out
+
+
+def test_the_metrics_file_records_the_budget_check(capsys, mispredicting_planner, tmp_path):
+    """The check against --budget was only printed: the --metrics-out file's summary had no budget, no
+    prediction and no verdict, so a script reading it could not tell whether the plan held."""
+    mispredicting_planner("tiny.yaml", single_document(KIB, KIB))
+    metrics = tmp_path / "metrics.json"
+    assert main(["train", str(CONFIGS / "tiny.yaml"), "--budget", "1KiB", "--steps", "1", "--no-progress",
+                 "--metrics-out", str(metrics)]) == 0
+    summary = json.loads(metrics.read_text())["summary"]
+    (row,) = summary["budget_check"]
+    assert row["budget_bytes"] == KIB and row["predicted_peak_bytes"] == KIB and row["over_budget"] is True
+    assert row["measured_peak_bytes"] == summary["peak_device_bytes"] > KIB
+    assert "OVER BUDGET" in capsys.readouterr().out

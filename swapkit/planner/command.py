@@ -12,6 +12,7 @@ row of the summary, not a failed run (exit status 0).
 """
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,7 @@ from swapkit.plan.planner import Planned
 from swapkit.plan.size import parse_size
 from swapkit.planner.run import measure, plan_for_budget
 from swapkit.planner.sources import source_from_spec
-from swapkit.train.files import raise_problems
+from swapkit.train.files import atomic_write, raise_problems
 from swapkit.train.loop import builtin_layers_problems
 from swapkit.train.summary import human_bytes
 
@@ -163,6 +164,21 @@ def budget_check(plan: BudgetPlan, summary: Mapping[str, Any]) -> dict[str, Any]
         if row["over_budget"]:
             logger.warning(overrun_message(row, rows))
     return {**summary, "budget_check": rows}
+
+
+def record_budget_check(metrics_out: str | Path | None, summary: Mapping[str, Any]) -> None:
+    """Put the checked ``summary`` (:func:`budget_check`) in the run's ``--metrics-out`` file.
+
+    The run wrote the file before its peaks could be checked against the budget; without this the
+    check was only printed, and a script reading the file could not tell whether the plan held.
+    """
+    if metrics_out is None:
+        return
+    path = Path(metrics_out)
+    document = json.loads(path.read_text(encoding="utf-8"))
+    document["summary"] = dict(summary)
+    text = (json.dumps(document, indent=2) + "\n").encode("utf-8")
+    atomic_write(path, lambda file: file.write(text))
 
 
 # Note [No step under the plan]
