@@ -276,10 +276,10 @@ def _check_outputs(paths: dict[str, str | None], config: str) -> None:
 
 def _check_before_planning(args: argparse.Namespace) -> None:
     """``swapkit train --budget``: what training would refuse (``--steps``, ``--metrics-out``, ``train.resume``
-    without ``train.save_dir``, a fresh run over an earlier run's checkpoints) is refused before the
-    measurement runs, not after them."""
+    without ``train.save_dir``, a fresh run over an earlier run's checkpoints, a resume from a checkpoint
+    of another model or data) is refused before the measurement runs, not after them."""
     from swapkit.load import validated_config
-    from swapkit.train.checkpoint import earlier_run_problems
+    from swapkit.train.checkpoint import check_resume_early, earlier_run_problems
     from swapkit.train.files import raise_problems
     from swapkit.train.loop import resolve_steps
 
@@ -287,6 +287,8 @@ def _check_before_planning(args: argparse.Namespace) -> None:
     config = validated_config(args.config, args.overrides)  # its warnings: when budget_plan loads it
     resolve_steps(config, args.steps)
     raise_problems(earlier_run_problems(config.train.save_dir, config.train.resume), config.source)
+    with quieter("swapkit.train.checkpoint", logging.ERROR):  # the resume itself warns about broken files
+        check_resume_early(config)
 
 
 def _plan_model(args: argparse.Namespace, config: Config) -> tuple[Any, Plan]:

@@ -240,6 +240,23 @@ def test_train_budget_refuses_a_used_save_dir_before_measuring(config_file, tmp_
     assert "train.save_dir (from --set train.save_dir=" in capsys.readouterr().err
 
 
+def test_train_budget_refuses_a_checkpoint_of_another_model_before_measuring(config_file, tmp_path, capsys,
+                                                                           monkeypatch):
+    """A resume from a checkpoint of another model size was refused only after the measurement runs."""
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("measured before checking the checkpoint")
+
+    save = ["--set", f"train.save_dir={tmp_path / 'ckpt'}"]
+    assert main(["train", str(config_file), "--steps", "1", "--no-progress", *save]) == 0
+    capsys.readouterr()
+    monkeypatch.setattr("swapkit.planner.command.measure", no_measuring)
+    assert main(["train", str(config_file), "--budget", "1MiB", *save, "--set", "train.resume=true",
+                 "--set", "model.model_config.hidden_size=64"]) == 2
+    err = capsys.readouterr().err
+    assert "model.model_config.hidden_size (from --set model.model_config.hidden_size=64): 32 -> 64 (changed since " \
+           "step_0000001.pt was saved)" in err, err
+
+
 @pytest.mark.parametrize("argv, message", [
     (["plan", "--budget", "1MiB", "--layers", "model.layers"],
      "--layers: got 'model.layers'; the built-in model keeps its layers in 'layers': drop --layers, or add --model"),

@@ -25,7 +25,8 @@ import torch
 
 from swapkit.config.errors import ConfigError, Problem, clip
 from swapkit.train.files import atomic_write
-from swapkit.train.resume_check import apply_resume_config, config_record
+from swapkit.config.types import Config
+from swapkit.train.resume_check import apply_resume_config, check_resume_fits, config_record
 from swapkit.train.state import RunState
 
 logger = logging.getLogger(__name__)
@@ -177,6 +178,23 @@ def no_checkpoint(save_dir: str | Path, others: list[Path], layout: str) -> None
                                    f"{layout}; resume with the parallel_config it was saved with, or set "
                                    "train.resume: false or another train.save_dir to start anew")])
     logger.warning("train.resume: no checkpoint in %s; starting from step 0", save_dir)
+
+
+def check_resume_early(config: Config) -> None:
+    """What the resume of one process would refuse, checked before the first step is near
+    (``swapkit train --budget``, before measuring): no valid checkpoint, or the newest valid one
+    written for another model or data. It logs what the resume will log again (a broken file
+    skipped): the CLI holds this module's logger quieter around it.
+
+    Raises:
+        ConfigError: as :func:`resume` and :func:`restore` would.
+    """
+    save_dir = config.train.save_dir
+    if not (config.train.resume and save_dir and Path(save_dir).is_dir()):
+        return
+    found = load_newest_valid(save_dir, torch.device("cpu"))
+    if found is not None:
+        check_resume_fits(config, found[1].get("config"), found[0])
 
 
 def restore(run: RunState, path: Path, state: dict[str, Any]) -> None:
