@@ -199,13 +199,25 @@ def _matched_trees(args: argparse.Namespace, config: Config, model: Any, plan: P
     from swapkit.plan.report import unmatched_problems
     from swapkit.runtime.binding import bind, module_tree
 
-    binding = bind(model, plan, getattr(args, "layers", None))
+    binding = bind(model, plan, _layers_path(args, config))
     trees = [module_tree(layer.module) for layer in binding.layers]
     problems = Problems()
     problems.items = unmatched_problems(plan, trees, f"{type(model).__name__}.{binding.layers_path}")
     blame_overrides(problems, args.overrides)  # Note [Blame the command line]
     problems.raise_if_any(config.source)
     return trees
+
+
+def _layers_path(args: argparse.Namespace, config: Config) -> str | None:
+    """``--layers``; for the built-in model without it, the container ``swapkit train`` binds (auto-detection
+    finds no container of *repeated* layers in a one-layer model; swapkit.train.loop Note [Layer paths of
+    the built-in model])."""
+    from swapkit.train.loop import BUILTIN_LAYERS
+
+    layers = getattr(args, "layers", None)
+    if layers is None and getattr(args, "model", None) is None and config.model.layers_path is None:
+        return BUILTIN_LAYERS
+    return layers
 
 
 def _check_patterns(args: argparse.Namespace) -> None:
