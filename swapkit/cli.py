@@ -211,13 +211,25 @@ def _matched_trees(args: argparse.Namespace, config: Config, model: Any, plan: P
     from swapkit.plan.report import unmatched_problems
     from swapkit.runtime.binding import bind, module_tree
 
-    binding = bind(model, plan, getattr(args, "layers", None))
+    binding = bind(model, plan, _layers_path(args, config))
     trees = [module_tree(layer.module) for layer in binding.layers]
     problems = Problems()
     problems.items = unmatched_problems(plan, trees, f"{type(model).__name__}.{binding.layers_path}")
     blame_overrides(problems, args.overrides)  # Note [Blame the command line]
     problems.raise_if_any(config.source)
     return trees
+
+
+def _layers_path(args: argparse.Namespace, config: Config) -> str | None:
+    """``--layers``; for the built-in model without it, the container ``swapkit train`` binds (auto-detection
+    finds no container of *repeated* layers in a one-layer model; swapkit.train.loop Note [Layer paths of
+    the built-in model])."""
+    from swapkit.train.loop import BUILTIN_LAYERS
+
+    layers = getattr(args, "layers", None)
+    if layers is None and getattr(args, "model", None) is None and config.model.layers_path is None:
+        return BUILTIN_LAYERS
+    return layers
 
 
 def _check_patterns(args: argparse.Namespace) -> None:
@@ -246,7 +258,8 @@ def _check_builtin_patterns(args: argparse.Namespace, config: Config) -> None:
 
 
 def run_budget_plan(args: argparse.Namespace) -> int:
-    """``swapkit plan --budget``: the report (or JSON) on stdout, the YAML to --out or stdout."""
+    """``swapkit plan --budget``: the report (or JSON) on stdout, the YAML to --out; without --out the
+    report as YAML comments above the YAML, so stdout is one document that loads."""
     from swapkit.plan.planner import BudgetError
     from swapkit.planner.command import budget_plan, write
 
@@ -262,10 +275,11 @@ def run_budget_plan(args: argparse.Namespace) -> int:
     write(plan, args.out)
     if args.json:
         print(json.dumps(plan.document, indent=2))
+    elif args.out is None:  # one YAML document: `> planned.yaml` writes a config that loads
+        print("\n".join(f"# {line}".rstrip() for line in plan.report.splitlines()))
+        print(plan.yaml())
     else:
         print(plan.report)
-        if args.out is None:
-            print(plan.yaml())
     return EXIT_OK
 
 
@@ -286,12 +300,19 @@ def _check_outputs(paths: dict[str, str | None], config: str) -> None:
 
 def _check_before_planning(args: argparse.Namespace) -> None:
     """``swapkit train --budget``: what training would refuse (``--steps``, ``--metrics-out``, ``train.resume``
-    without ``train.save_dir``) is refused before the measurement runs, not after them."""
+    without ``train.save_dir``, a fresh run over an earlier run's checkpoints, a resume from a checkpoint
+    of another model or data) is refused before the measurement runs, not after them."""
     from swapkit.load import validated_config
+    from swapkit.train.checkpoint import check_resume_early, earlier_run_problems
+    from swapkit.train.files import raise_problems
     from swapkit.train.loop import resolve_steps
 
     _check_outputs({"--metrics-out": args.metrics_out}, args.config)
-    resolve_steps(validated_config(args.config, args.overrides), args.steps)  # warnings: when budget_plan loads it
+    config = validated_config(args.config, args.overrides)  # its warnings: when budget_plan loads it
+    resolve_steps(config, args.steps)
+    raise_problems(earlier_run_problems(config.train.save_dir, config.train.resume), config.source)
+    with quieter("swapkit.train.checkpoint", logging.ERROR):  # the resume itself warns about broken files
+        check_resume_early(config)
 
 
 def _plan_model(args: argparse.Namespace, config: Config) -> tuple[Any, Plan]:
@@ -361,7 +382,8 @@ def _train_stoppable(config: Config, args: argparse.Namespace, plan: BudgetPlan 
             print(f"swapkit: {err}", file=sys.stderr)
             return EXIT_FAILED
     if result is not None:  # under torchrun only rank 0 has the result
-        print(format_summary(result.summary if plan is None else _budget_checked(plan, result.summary)))
+        print(format_summary(result.summary if plan is None else _budget_checked(plan, result.summary,
+                                                                                 args.metrics_out)))
     return EXIT_OK
 
 
@@ -375,10 +397,12 @@ def _start_rank_server(config: Config, args: argparse.Namespace) -> None:
         start_method("cpu", warn=False)  # launch asks again, and warns if the server cannot start
 
 
-def _budget_checked(plan: BudgetPlan, summary: dict[str, Any]) -> dict[str, Any]:
-    from swapkit.planner.command import budget_check
+def _budget_checked(plan: BudgetPlan, summary: dict[str, Any], metrics_out: str | None) -> dict[str, Any]:
+    from swapkit.planner.command import budget_check, record_budget_check
 
-    return budget_check(plan, summary)  # swapkit.planner.command Note [Measured peak over budget]
+    checked = budget_check(plan, summary)  # swapkit.planner.command Note [Measured peak over budget]
+    record_budget_check(metrics_out, checked)  # the metrics file says it too, not only the printed summary
+    return checked
 
 
 def run_budget_train(args: argparse.Namespace) -> int:

@@ -427,3 +427,25 @@ def test_seed001s_w3_matmul_recomputes_nothing_and_says_so(capsys):
         r"WARNING - recompute_config.select_recompute.feed_forward\.w3\.matmul: every layer it selects [0, 4, 24] is "
         "fully recomputed, and full recompute wins: it recomputes nothing; take those layers out of recompute where "
         "this op alone should be recomputed, or remove the pattern"]
+
+
+def test_a_one_layer_built_in_model_plans_as_it_trains(capsys, tmp_path, monkeypatch):
+    """`swapkit train` binds the built-in model's `layers`, but `swapkit plan` (and --budget, before it
+    measures) auto-detected the container, which one layer is not ("no ... repeated layers in LlamaModel;
+    pass layers='path.to.layers'"): a config that trains could not be planned."""
+    from swapkit.planner import command
+
+    path = tmp_path / "one.yaml"
+    path.write_text("model:\n  model_config: {num_layers: 1, hidden_size: 32, num_heads: 4, intermediate_size: 64,"
+                    " vocab_size: 64, seq_length: 16}\nswap_config: {swap: true, layer_swap: "
+                    "[{backward_prefetch: 1, layers: [0]}]}\n", encoding="utf-8")
+    status, out, err = run_main(capsys, path, "--json")
+    assert status == 0, err
+    assert json.loads(out)["layers"][0]["layer_swap"] == 1
+
+    def measured(*args, **kwargs):
+        raise RuntimeError("measuring")  # reached: the input's patterns were checked against the model
+
+    monkeypatch.setattr(command, "measure", measured)
+    status, _, err = run_main(capsys, path, "--budget", "1MiB")
+    assert status == 1 and "failed: RuntimeError: measuring" in err, err

@@ -88,6 +88,20 @@ def test_pp2_checkpoint_resume_per_rank(pp2, tmp_path):
     torch.testing.assert_close(losses(resumed), single_process_losses("pp2.yaml", 3), rtol=1e-5, atol=0)
 
 
+def test_pp2_resume_with_no_step_to_run_leaves_every_ranks_checkpoint_as_it_was(pp2, tmp_path, capfd):
+    """Each rank saved its step again at the end of a resume that ran no step, with the resuming config
+    as the record (swapkit.train.checkpoint Note [Nothing to run])."""
+    tmp, _ = pp2
+    folder = tmp_path / "ckpt"
+    shutil.copytree(tmp / "ckpt", folder)
+    before = {path: path.read_bytes() for path in folder.rglob("step_*.pt")}
+    code, _ = run_cli("pp2.yaml", tmp_path, "again", "--steps", "2", "--set", f"train.save_dir={folder}",
+                      "--set", "train.resume=true", "--set", "swap_config.swap=false")
+    assert code == 0
+    assert "is at step 2, and this run is to stop at step 2" in capfd.readouterr().err
+    assert {path: path.read_bytes() for path in folder.rglob("step_*.pt")} == before
+
+
 def test_a_failing_rank_stops_every_rank_with_its_error(pp2, tmp_path, capsys):
     tmp, _ = pp2
     folder = tmp_path / "ckpt"

@@ -118,6 +118,23 @@ def test_budget_below_the_minimum_exits_2_with_the_reachable_minimum(config_file
     assert plan_budget(planner, lowest).predicted.peak_device_bytes <= lowest
 
 
+def test_plan_budget_without_out_prints_one_yaml_document(config_file, capsys, monkeypatch):
+    """Without --out the report table and then the YAML went to stdout: `swapkit plan CONFIG --budget SIZE >
+    planned.yaml` wrote a file that failed to load ("YAML syntax error at line 4"). The report lines are
+    now YAML comments above the planned config."""
+    from swapkit.planner import command
+
+    raw = yaml.safe_load(config_file.read_text())
+    report = "layer  decision  saved MiB\n0      recompute     0.075\npredicted: peak_device_bytes 71044 (keep all: 1)"
+    monkeypatch.setattr(command, "budget_plan", lambda *args, **kwargs: command.BudgetPlan(raw, None, report, {}))
+    assert main(["plan", str(config_file), "--budget", "1MiB"]) == 0
+    out = capsys.readouterr().out
+    assert "# predicted: peak_device_bytes 71044 (keep all: 1)\n" in out, out
+    written = config_file.with_name("redirected.yaml")
+    written.write_text(out, encoding="utf-8")
+    assert yaml.safe_load(out) == raw and load_config(written).model.num_layers == 3
+
+
 def test_plan_writes_yaml_that_loads_and_train_budget_trains_it(config_file, planner, tmp_path, capsys):
     budget = planner.predict((KEEP,) * 3).peak_device_bytes // 2
     out = tmp_path / "planned.yaml"
@@ -208,6 +225,36 @@ def test_train_budget_checks_steps_before_measuring(config_file, capsys, monkeyp
     monkeypatch.setattr("swapkit.planner.command.measure", no_measuring)
     assert main(["train", str(config_file), "--budget", "1MiB", "--steps", "0"]) == 2
     assert "--steps: got 0; expected an integer >= 1" in capsys.readouterr().err
+
+
+def test_train_budget_refuses_a_used_save_dir_before_measuring(config_file, tmp_path, capsys, monkeypatch):
+    """A fresh run over an earlier run's checkpoints is refused (checkpoint Note [A fresh run in a used
+    save_dir]); with --budget only after the measurement runs."""
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("measured before checking train.save_dir")
+
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "step_0000003.pt").write_bytes(b"an earlier run")
+    monkeypatch.setattr("swapkit.planner.command.measure", no_measuring)
+    assert main(["train", str(config_file), "--budget", "1MiB", "--set", f"train.save_dir={tmp_path / 'ckpt'}"]) == 2
+    assert "train.save_dir (from --set train.save_dir=" in capsys.readouterr().err
+
+
+def test_train_budget_refuses_a_checkpoint_of_another_model_before_measuring(config_file, tmp_path, capsys,
+                                                                           monkeypatch):
+    """A resume from a checkpoint of another model size was refused only after the measurement runs."""
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("measured before checking the checkpoint")
+
+    save = ["--set", f"train.save_dir={tmp_path / 'ckpt'}"]
+    assert main(["train", str(config_file), "--steps", "1", "--no-progress", *save]) == 0
+    capsys.readouterr()
+    monkeypatch.setattr("swapkit.planner.command.measure", no_measuring)
+    assert main(["train", str(config_file), "--budget", "1MiB", *save, "--set", "train.resume=true",
+                 "--set", "model.model_config.hidden_size=64"]) == 2
+    err = capsys.readouterr().err
+    assert "model.model_config.hidden_size (from --set model.model_config.hidden_size=64): 32 -> 64 (changed since " \
+           "step_0000001.pt was saved)" in err, err
 
 
 @pytest.mark.parametrize("argv, message", [

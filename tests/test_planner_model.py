@@ -293,3 +293,14 @@ def test_sizes_beyond_one_exbibyte_are_refused_before_float_arithmetic():
     for text in ("1048577TiB", "9" * 400):  # float('9' * 400) is inf: int() of it raised OverflowError
         with pytest.raises(ConfigError, match=r"--budget: got .*expected at most 1 EiB"):
             parse_size(text)
+
+
+def test_a_size_of_thousands_of_digits_is_a_clean_error_not_a_crash():
+    """'9' * 5000 raised ValueError (Python's 4300-digit int limit) from Fraction: `swapkit plan --budget`
+    exited 1 with "failed: ValueError: Exceeds the limit", not 2 naming --budget; the message quoted all
+    5000 characters."""
+    for text in ("9" * 5000, "0." + "0" * 5000 + "1", "1" * 5000 + "MiB"):
+        with pytest.raises(ConfigError, match=r"--budget: got '.*\([0-9,]+ more characters\); "
+                                              r"expected at most 1 EiB .* 40 digits") as info:
+            parse_size(text)
+        assert len(str(info.value)) < 600

@@ -62,3 +62,18 @@ def test_a_run_that_did_not_resume_covers_every_step_and_adds_no_row(tmp_path):
     summary = train(config(tmp_path, SWAP), steps=2, progress=False).summary
     assert "figures_steps" not in summary
     assert "figures below" not in format_summary(summary)
+
+
+def test_a_resume_past_the_steps_to_run_warns_and_leaves_the_checkpoint_as_it_was(tmp_path, caplog):
+    """A checkpoint at step 4 resumed with steps=2 ran nothing without a word, and the end of the run saved
+    the checkpoint again: step_0000004.pt then held the resuming config (here swap off), not its own."""
+    train(config(tmp_path, SWAP), steps=4, progress=False)
+    saved = tmp_path / "ckpt" / "step_0000004.pt"
+    before = saved.read_bytes()
+    again = train(config(tmp_path, resume=True), steps=2, progress=False)
+    assert again.summary["steps"] == 4 and again.summary["figures_steps"]["since_resume"] is False
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any(f"train.resume: {saved} is at step 4, and this run is to stop at step 2 (--steps or train.steps): "
+               "no step runs; set a higher --steps or train.steps to train further" in m for m in warnings), warnings
+    assert saved.read_bytes() == before  # not saved again with the resuming config
+    assert sorted(p.name for p in saved.parent.iterdir()) == ["step_0000004.pt"]

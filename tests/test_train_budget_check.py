@@ -6,6 +6,8 @@ that mispredicts: it returns the config unchanged with a budget the run cannot m
 real measured peaks are checked against it."""
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import pytest
@@ -87,3 +89,38 @@ def test_pipeline_stage_over_budget_names_the_stage(capsys, mispredicting_planne
     assert "add swap or recompute to stage 0's layers" in err
     assert "--budget stage 0: measured peak / budget / predicted" in out and ": OVER BUDGET" in out, out
     assert "--budget stage 1: measured peak / budget / predicted" in out and ": within budget" in out
+
+
+def test_a_resume_that_runs_no_step_measures_nothing_against_the_budget(capsys, monkeypatch, tmp_path):
+    """A resume from a checkpoint at the last step ran no step under the plan, yet the checkpoint's own
+    steps (another config's) were checked against the budget: a false 'OVER BUDGET' and a WARNING
+    that 'the plan did not hold', for a plan that never ran."""
+    save = ["--set", f"train.save_dir={tmp_path}"]
+    assert main(["train", str(CONFIGS / "tiny.yaml"), "--steps", "1", "--no-progress", *save]) == 0
+    capsys.readouterr()
+    raw = yaml.safe_load((CONFIGS / "tiny.yaml").read_text())
+    raw["train"].update(save_dir=str(tmp_path), resume=True)  # as the planned config carries the --set values
+    monkeypatch.setattr(command, "budget_plan",
+                        lambda *args, **kwargs: BudgetPlan(raw, None, "report", single_document(KIB, KIB)))
+    status = main(["train", str(CONFIGS / "tiny.yaml"), "--budget", "1KiB", "--steps", "1", "--no-progress",
+                   *save, "--set", "train.resume=true"])
+    out, err = capsys.readouterr()
+    assert status == 0
+    assert "OVER BUDGET" not in out and "the plan did not hold" not in err, (out, err)
+    assert "no step runs" in err
+    assert re.search(r"\n  --budget +no step ran under the plan \(the run resumed at step 1\): its peak was not "
+                     r"measured\n", out), out
+
+
+def test_the_metrics_file_records_the_budget_check(capsys, mispredicting_planner, tmp_path):
+    """The check against --budget was only printed: the --metrics-out file's summary had no budget, no
+    prediction and no verdict, so a script reading it could not tell whether the plan held."""
+    mispredicting_planner("tiny.yaml", single_document(KIB, KIB))
+    metrics = tmp_path / "metrics.json"
+    assert main(["train", str(CONFIGS / "tiny.yaml"), "--budget", "1KiB", "--steps", "1", "--no-progress",
+                 "--metrics-out", str(metrics)]) == 0
+    summary = json.loads(metrics.read_text())["summary"]
+    (row,) = summary["budget_check"]
+    assert row["budget_bytes"] == KIB and row["predicted_peak_bytes"] == KIB and row["over_budget"] is True
+    assert row["measured_peak_bytes"] == summary["peak_device_bytes"] > KIB
+    assert "OVER BUDGET" in capsys.readouterr().out

@@ -59,7 +59,7 @@ from swapkit.distributed.pipeline import (
 )
 from swapkit.distributed.resume import resume_every_rank
 from swapkit.plan.plan import Plan
-from swapkit.train.checkpoint import save_checkpoint
+from swapkit.train.checkpoint import ran_since_resume, save_checkpoint
 from swapkit.train.data import SyntheticTokens
 from swapkit.train.files import prepare_output_dir, raise_problems
 from swapkit.train.loop import check_finite, drive, environment
@@ -250,6 +250,6 @@ def _close(part: RankRun, status: str) -> None:
     if run.session is not None:
         run.session.remove()
     run.status = status
-    if status == "completed" and run.config.train.save_dir and run.step:
-        save_checkpoint(run)
+    if status == "completed" and run.config.train.save_dir and run.step and ran_since_resume(run):
+        save_checkpoint(run)  # Note [Nothing to run] in swapkit.train.checkpoint
     write_metrics(run)

@@ -12,6 +12,7 @@ row of the summary, not a failed run (exit status 0).
 """
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,7 @@ from swapkit.plan.planner import Planned
 from swapkit.plan.size import parse_size
 from swapkit.planner.run import measure, plan_for_budget
 from swapkit.planner.sources import source_from_spec
-from swapkit.train.files import raise_problems
+from swapkit.train.files import atomic_write, raise_problems
 from swapkit.train.loop import builtin_layers_problems
 from swapkit.train.summary import human_bytes
 
@@ -149,15 +150,43 @@ def budget_check(plan: BudgetPlan, summary: Mapping[str, Any]) -> dict[str, Any]
         summary: the run's summary (``swapkit.train.summary.summarize``).
 
     Returns:
-        A copy of ``summary``, with ``budget_check`` when a step ran.
+        A copy of ``summary``, with ``budget_check`` when a step ran under the plan, or
+        ``budget_unmeasured_after`` (the checkpoint's step) when a resume left none to run
+        (Note [No step under the plan]).
     """
     if "peak_device_bytes" not in summary:  # no step ran: nothing was measured
         return dict(summary)
+    cover = summary.get("figures_steps")
+    if cover is not None and not cover["since_resume"]:  # Note [No step under the plan]
+        return {**summary, "budget_unmeasured_after": cover["last"]}
     rows = budget_rows(plan.document, summary)
     for row in rows:
         if row["over_budget"]:
             logger.warning(overrun_message(row, rows))
     return {**summary, "budget_check": rows}
+
+
+def record_budget_check(metrics_out: str | Path | None, summary: Mapping[str, Any]) -> None:
+    """Put the checked ``summary`` (:func:`budget_check`) in the run's ``--metrics-out`` file.
+
+    The run wrote the file before its peaks could be checked against the budget; without this the
+    check was only printed, and a script reading the file could not tell whether the plan held.
+    """
+    if metrics_out is None:
+        return
+    path = Path(metrics_out)
+    document = json.loads(path.read_text(encoding="utf-8"))
+    document["summary"] = dict(summary)
+    text = (json.dumps(document, indent=2) + "\n").encode("utf-8")
+    atomic_write(path, lambda file: file.write(text))
+
+
+# Note [No step under the plan]
+# A resume from a checkpoint at the last step runs no step (swapkit.train.checkpoint Note [Nothing to
+# run]); the summary's figures are then the checkpoint's steps', which ran before the resume under
+# another config, maybe not the plan. Checking them against the budget reported "OVER BUDGET" and
+# warned that the plan did not hold, for a plan that never ran. The summary says instead that no
+# step ran under the plan.
 
 
 def budget_rows(document: Mapping[str, Any], summary: Mapping[str, Any]) -> list[dict[str, Any]]:

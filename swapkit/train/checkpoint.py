@@ -25,7 +25,8 @@ import torch
 
 from swapkit.config.errors import ConfigError, Problem, clip
 from swapkit.train.files import atomic_write
-from swapkit.train.resume_check import apply_resume_config, config_record
+from swapkit.config.types import Config
+from swapkit.train.resume_check import apply_resume_config, check_resume_fits, config_record
 from swapkit.train.state import RunState
 
 logger = logging.getLogger(__name__)
@@ -67,6 +68,32 @@ def checkpoint_steps(save_dir: str | Path) -> list[tuple[int, Path]]:
         if match and path.is_file():
             found.append((int(match.group(1)), path))
     return sorted(found, reverse=True)
+
+
+def earlier_run_problems(save_dir: str | Path | None, resume: bool) -> list[Problem]:
+    """A run that starts anew (``resume: false``) in a ``save_dir`` holding checkpoints: a problem
+    (Note [A fresh run in a used save_dir]); empty otherwise.
+
+    Note [A fresh run in a used save_dir]
+    Checkpoints are named by step alone. A run that starts from step 0 in a folder holding another
+    run's checkpoints wrote over those of its own steps (that run's step_1 was lost without a word)
+    and left the newer ones beside its own, so a later ``resume: true`` continued the other run from
+    its newest step and dropped this one's work, also without a word. As with Hugging Face's
+    ``overwrite_output_dir``, starting anew over checkpoints is refused before the first step; either
+    layout counts (``step_<n>.pt`` of one process, ``rankNNN/step_<n>.pt`` of several ranks).
+    """
+    if resume or not save_dir or not Path(save_dir).is_dir():
+        return []
+    found = [path for _, path in checkpoint_steps(save_dir)] + sorted(Path(save_dir).glob("rank[0-9]*/step_*.pt"))
+    found = [path for path in found if CHECKPOINT_NAME.fullmatch(path.name) and path.is_file()]
+    if not found:
+        return []
+    newest = max(found, key=lambda path: int(CHECKPOINT_NAME.fullmatch(path.name).group(1)))
+    return [Problem("train.save_dir", f"got {clip(str(save_dir), 200)}, which holds {len(found)} checkpoint(s) of an "
+                    f"earlier run (the newest: {clip(str(newest), 200)}); with train.resume: false this run starts "
+                    "from step 0, would write over those of its own steps and leave the newer ones for a later "
+                    "resume to continue. Set train.resume: true to continue that run, or choose another "
+                    "train.save_dir (or remove those checkpoints to start anew there)")]
 
 
 def latest_checkpoint(save_dir: str | Path) -> Path | None:
@@ -153,6 +180,23 @@ def no_checkpoint(save_dir: str | Path, others: list[Path], layout: str) -> None
     logger.warning("train.resume: no checkpoint in %s; starting from step 0", save_dir)
 
 
+def check_resume_early(config: Config) -> None:
+    """What the resume of one process would refuse, checked before the first step is near
+    (``swapkit train --budget``, before measuring): no valid checkpoint, or the newest valid one
+    written for another model or data. It logs what the resume will log again (a broken file
+    skipped): the CLI holds this module's logger quieter around it.
+
+    Raises:
+        ConfigError: as :func:`resume` and :func:`restore` would.
+    """
+    save_dir = config.train.save_dir
+    if not (config.train.resume and save_dir and Path(save_dir).is_dir()):
+        return
+    found = load_newest_valid(save_dir, torch.device("cpu"))
+    if found is not None:
+        check_resume_fits(config, found[1].get("config"), found[0])
+
+
 def restore(run: RunState, path: Path, state: dict[str, Any]) -> None:
     """Continue from the checkpoint ``state`` loaded from ``path`` (Note [Exact resume]).
 
@@ -174,3 +218,24 @@ def restore(run: RunState, path: Path, state: dict[str, Any]) -> None:
     run.step, run.records = state["step"], list(state["records"])
     run.resumed_from, run.resumed_step = str(path), state["step"]
     logger.info("resumed from %s at step %d", path, run.step)
+    _warn_nothing_to_run(run, path)
+
+
+def _warn_nothing_to_run(run: RunState, path: Path) -> None:
+    """A checkpoint at or past the step the run stops at leaves no step to run (Note [Nothing to run])."""
+    if run.step >= run.total_steps:
+        logger.warning("train.resume: %s is at step %d, and this run is to stop at step %d (--steps or train.steps): "
+                       "no step runs; set a higher --steps or train.steps to train further", path, run.step,
+                       run.total_steps)
+
+
+def ran_since_resume(run: RunState) -> bool:
+    """A step ran in this process (after the resume, if any), so there is something new to save.
+
+    Note [Nothing to run]
+    A resume from step k with ``steps <= k`` runs no step. It used to finish without a word (the summary,
+    from the checkpoint's records, looked like a finished run) and then save ``step_k.pt`` again, over
+    the checkpoint, with the resuming config as its record: a checkpoint written with one swap config
+    then claimed another. Now the resume warns, and the end of the run saves only when a step ran.
+    """
+    return run.step > run.resumed_step

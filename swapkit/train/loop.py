@@ -26,7 +26,7 @@ from swapkit.config.errors import ConfigError, Problem, clip, show
 from swapkit.config.schema import LIMITS
 from swapkit.config.types import Config
 from swapkit.load import load_config
-from swapkit.train.checkpoint import checkpoint_due, resume, save_checkpoint
+from swapkit.train.checkpoint import checkpoint_due, earlier_run_problems, ran_since_resume, resume, save_checkpoint
 from swapkit.train.collector import collector_schedule
 from swapkit.train.budget import check_memory
 from swapkit.train.data import SyntheticTokens
@@ -34,7 +34,7 @@ from swapkit.train.errors import RunFailed
 from swapkit.train.files import check_output_file, prepare_output_dir, raise_problems
 from swapkit.train.model import LlamaModel, build_model, lm_loss
 from swapkit.train.state import RunState, TrainResult
-from swapkit.train.summary import human_bytes, step_record, summarize, write_metrics
+from swapkit.train.summary import human_bytes, step_record, summarize, write_metrics, write_metrics_due
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,8 @@ def train(config: Config | Mapping[str, Any] | str | Path, steps: int | None = N
         config: a :class:`Config`, a dict in the YAML layout, or a YAML path.
         steps: total number of optimizer steps (overrides ``train.steps``).
         device: ``"cpu"`` or ``"cuda"`` (overrides ``train.device``).
-        metrics_out: JSON file rewritten after every step (Note [Memory figures] for its meaning).
+        metrics_out: JSON file rewritten after steps as time allows and at the end (Note [Metrics writes];
+            Note [Memory figures] for its meaning).
         progress: show a tqdm bar on stderr (only when it is a terminal).
 
     Returns:
@@ -55,7 +56,8 @@ def train(config: Config | Mapping[str, Any] | str | Path, steps: int | None = N
 
     Raises:
         ConfigError: invalid config, ``cuda`` without CUDA, ``resume`` without ``save_dir``, an output path
-            that cannot be written, sizes that cannot fit in memory, a checkpoint of another model or data.
+            that cannot be written, a fresh run in a ``save_dir`` holding checkpoints, sizes that cannot fit
+            in memory, a checkpoint of another model or data.
         RunFailed: a NaN or infinite loss (naming the step), a file that could not be written (disk full),
             a model that could not be allocated.
         KeyboardInterrupt: after removing the session and writing the metrics so far.
@@ -167,6 +169,7 @@ def preflight(config: Config, device: torch.device, metrics_out: str | Path | No
         ConfigError: every problem found.
     """
     problems = engine_problems(config, device) + builtin_layers_problems(config)
+    problems += earlier_run_problems(config.train.save_dir, config.train.resume)
     if metrics_out is not None:
         check_output_file(Path(metrics_out), "--metrics-out", problems, config.source)
     if config.train.save_dir:
@@ -236,7 +239,7 @@ def drive(run: RunState, progress: bool, train_step: Callable[[int], dict[str, A
             if record is not None:
                 run.records.append(record)
                 report(run, record, bar, bar_off)
-                write_metrics(run)
+                write_metrics_due(run)  # Note [Metrics writes] in swapkit.train.summary
             if checkpoint_due(run):
                 save_checkpoint(run)
 
@@ -292,6 +295,6 @@ def _close(run: RunState, status: str) -> None:
     """Remove the session, then save and write what the run has (also after Ctrl-C)."""
     run.session.remove()
     run.status = status
-    if status == "completed" and run.config.train.save_dir and run.records:
-        save_checkpoint(run)
+    if status == "completed" and run.config.train.save_dir and run.records and ran_since_resume(run):
+        save_checkpoint(run)  # Note [Nothing to run] in swapkit.train.checkpoint
     write_metrics(run)

@@ -75,7 +75,31 @@ def apply_resume_config(config: Config, stored: Any, path: Path) -> list[str]:
         logger.warning("train.resume: %s holds no config (written by an older swapkit); differences in the "
                        "model or data cannot be checked", path)
         return [f"{path.name} holds no config: differences were not checked"]
-    changes = differences(_as_run(_flat(stored)), _as_run(_flat(config_record(config))))
+    changes = _changes(config, stored)
+    _raise_if_math_changed(config, changes, path)
+    notes = [_note(key, old, new) for key, old, new in changes]
+    for note in notes:
+        logger.info("train.resume: %s", note)
+    _warn_flipped_swap(config, _flat(stored).get("swap_config.swap"), path)
+    return notes
+
+
+def check_resume_fits(config: Config, stored: Any, path: Path) -> None:
+    """The refusal of :func:`apply_resume_config` alone, logging nothing: ``swapkit train --budget``
+    checks it before measuring (a checkpoint with no config is left to the resume's warning).
+
+    Raises:
+        ConfigError: the model or the data changed; every difference is listed.
+    """
+    if isinstance(stored, Mapping):
+        _raise_if_math_changed(config, _changes(config, stored), path)
+
+
+def _changes(config: Config, stored: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
+    return differences(_as_run(_flat(stored)), _as_run(_flat(config_record(config))))
+
+
+def _raise_if_math_changed(config: Config, changes: list[tuple[str, Any, Any]], path: Path) -> None:
     fatal = [Problem(key, f"{show(old)} -> {show(new)} (changed since {path.name} was saved)")
              for key, old, new in changes if _changes_math(key)]
     if fatal:
@@ -84,11 +108,6 @@ def apply_resume_config(config: Config, stored: Any, path: Path) -> list[str]:
         head = Problem("train.resume", f"{path} does not fit {parts[0]}: {parts[1]} changed since it was saved. "
                                        "Restore the old values, or start a new run in another train.save_dir")
         raise ConfigError([head, *fatal], config.source)
-    notes = [_note(key, old, new) for key, old, new in changes]
-    for note in notes:
-        logger.info("train.resume: %s", note)
-    _warn_flipped_swap(config, _flat(stored).get("swap_config.swap"), path)
-    return notes
 
 
 def _warn_flipped_swap(config: Config, stored_swap: Any, path: Path) -> None:

@@ -41,3 +41,5 @@ class RunState:
     resumed_from: str | None = None  # the checkpoint this run continued from
     resumed_step: int = 0  # its step: records up to it ran before the resume (summary Note [Figures after a resume])
     resume_notes: list[str] = field(default_factory=list)  # what changed since it (Note [Resume differences])
+    metrics_written_at: float = float("-inf")  # perf_counter() after the last metrics write (Note [Metrics writes])
+    metrics_write_seconds: float = 0.0  # how long that write took
