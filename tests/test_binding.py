@@ -399,6 +399,37 @@ def test_an_op_swap_at_an_earlier_position_of_a_shared_module_is_not_called_idle
     session.remove()
 
 
+class _BlockWithIdentity(Block):
+    """A Block with an op scope that saves nothing (``skip``)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__(dim)
+        self.skip = nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.skip(super().forward(x))
+
+
+def test_an_unused_op_swap_at_a_shared_modules_earlier_position_keeps_its_own_cause(caplog):
+    """swapkit.runtime.overrides Note [Swaps nobody reports]: an op swap at an earlier position of a shared module
+    is not shadowed by the last position (its op frame is pushed inside every call), so when it sees no tensor the
+    cause is its own (nothing inside saved one), not the shared module, whose fix (the same swap everywhere)
+    would change nothing."""
+    model = ToyNet(layers=1, block=_BlockWithIdentity)
+    model.layers = nn.ModuleList([model.layers[0]] * 3)
+    caplog.set_level(logging.WARNING, logger="swapkit")
+    config = toy_config(3, swap_config={"swap": True, "op_swap": [{"layers": [1], "op_name": "skip",
+                                                                   "backward_prefetch": 1}]},
+                        runtime={"min_offload_bytes": 0})
+    session = swapkit.apply(model, config)
+    with session:
+        model(torch.randn(4, 16)).sum().backward()
+    (unused,) = [m for m in caplog.messages if "saw no saved tensor" in m]
+    assert unused.startswith("swapkit: op swap at layer 1: skip saw no saved tensor in step 1: nothing inside it")
+    assert "several positions" not in unused and "Configure the same swap" not in unused
+    session.remove()
+
+
 def test_a_swap_on_every_position_of_a_shared_module_is_not_reported_unused(caplog):
     """Note [One module at several layer positions]: with the same swap at every position (the advice of
     the warning above), every call's saves land in the last position's frame and are swapped; the earlier
