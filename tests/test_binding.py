@@ -369,13 +369,65 @@ def test_a_swap_at_an_earlier_position_of_a_shared_module_names_the_shared_modul
         model(torch.randn(4, 16)).sum().backward()
     assert session.stats.offloaded_bytes == 0
     (bound,) = [m for m in caplog.messages if "several positions" in m and "Block object" in m]
-    assert "the swap configured for layer 2 (none: the swap configured for layer 1 has no effect)" in bound
+    assert "the swap configured for layer 2 (none: the layer swap configured for layer 1 has no effect)" in bound
     (unused,) = [m for m in caplog.messages if "saw no saved tensor" in m]
     assert unused.startswith("swapkit: layer swap at layer 1 saw no saved tensor in step 1: its layer is one module "
                              "object with layers 0, 1, 2 (a module at several positions), so every call of it saves "
                              "under the swap settings of layer 2")
     assert "Configure the same swap for every position of the shared module" in unused
     assert "checkpoint" not in unused
+
+
+def test_an_op_swap_at_an_earlier_position_of_a_shared_module_is_not_called_idle(caplog):
+    """Note [One module at several layer positions]: an op swap at an earlier position of a shared module pushes
+    its op frame inside every call (no later position configures that op), so it swaps on every call. Only an
+    earlier position's layer swap is shadowed by the last position's layer frame; the binding warning said the
+    op swap "has no effect" while it offloaded under 'layer 1: act'."""
+    model = ToyNet(layers=1)
+    model.layers = nn.ModuleList([model.layers[0]] * 3)
+    caplog.set_level(logging.WARNING, logger="swapkit")
+    config = toy_config(3, swap_config={"swap": True, "op_swap": [{"layers": [1], "op_name": "act",
+                                                                   "backward_prefetch": 1}]},
+                        runtime={"min_offload_bytes": 0})
+    session = swapkit.apply(model, config)
+    with session:
+        model(torch.randn(4, 16)).sum().backward()
+    assert session.stats.offloaded_by_scope.get("layer 1: act", 0) > 0
+    (bound,) = [m for m in caplog.messages if "several positions" in m and "Block object" in m]
+    assert "no effect" not in bound
+    assert not [m for m in caplog.messages if "saw no saved tensor" in m]
+    session.remove()
+
+
+class _BlockWithIdentity(Block):
+    """A Block with an op scope that saves nothing (``skip``)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__(dim)
+        self.skip = nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.skip(super().forward(x))
+
+
+def test_an_unused_op_swap_at_a_shared_modules_earlier_position_keeps_its_own_cause(caplog):
+    """swapkit.runtime.overrides Note [Swaps nobody reports]: an op swap at an earlier position of a shared module
+    is not shadowed by the last position (its op frame is pushed inside every call), so when it sees no tensor the
+    cause is its own (nothing inside saved one), not the shared module, whose fix (the same swap everywhere)
+    would change nothing."""
+    model = ToyNet(layers=1, block=_BlockWithIdentity)
+    model.layers = nn.ModuleList([model.layers[0]] * 3)
+    caplog.set_level(logging.WARNING, logger="swapkit")
+    config = toy_config(3, swap_config={"swap": True, "op_swap": [{"layers": [1], "op_name": "skip",
+                                                                   "backward_prefetch": 1}]},
+                        runtime={"min_offload_bytes": 0})
+    session = swapkit.apply(model, config)
+    with session:
+        model(torch.randn(4, 16)).sum().backward()
+    (unused,) = [m for m in caplog.messages if "saw no saved tensor" in m]
+    assert unused.startswith("swapkit: op swap at layer 1: skip saw no saved tensor in step 1: nothing inside it")
+    assert "several positions" not in unused and "Configure the same swap" not in unused
+    session.remove()
 
 
 def test_a_swap_on_every_position_of_a_shared_module_is_not_reported_unused(caplog):

@@ -6,6 +6,7 @@ The multi-process tests run GPipe, 1F1B and Interleaved1F1B with 4 micro-batches
 from __future__ import annotations
 
 import logging
+import threading
 
 import pytest
 import torch
@@ -194,6 +195,38 @@ def test_gpipe_order_releases_the_last_forwards_tail_when_another_backward_begin
         assert last.tail_bytes == 0 and last.prefetched_bytes == last.offloaded_bytes, step
         assert per[0].stats.tail_bytes + per[0].stats.skipped.get("tail", 0) == per[1].stats.offloaded_bytes, step
         assert session.stats.late_fetches == 0 and session.stats.resident_bytes == 0
+    session.remove()
+
+
+def test_a_tail_release_waits_for_the_micro_steps_lock_and_spares_one_whose_backward_began():
+    """Note [Micro-step tails] and swapkit.runtime.records Note [Unpacks from several threads]: a backward's
+    begin releases other micro-steps' tails on its autograd thread. One of them may be beginning its own
+    backward on another thread (one backward over several micro-batches, CPU and CUDA nodes): that begin holds
+    its step's lock. The release waits for the lock and then leaves the step alone; it ran at once, beside the
+    begin that drops the same records' host copies."""
+    config, (chunk,) = tiny_stage(stage=1, swap_config={"swap": True, "layer_swap": [{"backward_prefetch": 1000,
+                                                                                       "layers": True}]},
+                                  runtime={"min_offload_bytes": 0})
+    session = swapkit.apply(chunk, config, layers="layers", stage=1)
+    install_engine(session, ReadyWhenDone())
+    xs = [torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    with session:
+        losses = [_forward(chunk, x) for x in xs]
+        last = session._group.steps[1]  # F1 kept m0's tail (it runs backward next) and m1's is its own
+        assert not last.tail_released and last.stats.offloaded_bytes > 0
+        other_thread = threading.Thread(target=last.release_tail)
+        with last.lock:  # as its own backward's begin on another autograd thread holds it
+            other_thread.start()
+            other_thread.join(timeout=0.2)
+            assert other_thread.is_alive() and last.stats.released_bytes == 0  # it waits
+            last._begin_backward()
+        other_thread.join()
+        assert not last.tail_released and last.stats.released_bytes == 0
+        for loss in reversed(losses):
+            loss.backward()
+    stats = session.micro_step_stats[1].stats
+    assert stats.tail_bytes == stats.offloaded_bytes and stats.prefetched_bytes == 0
+    assert session.stats.late_fetches == 0 and session.stats.resident_bytes == 0
     session.remove()
 
 

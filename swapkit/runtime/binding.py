@@ -154,7 +154,7 @@ def _warn_shared(owner: str, bound: list[BoundLayer], positions: dict[int, list[
     plans = {layer.index: layer for layer in bound}
     for shared in (p for p in positions.values() if len(p) > 1):
         last = plans[shared[-1]]
-        none = "" if last.plan.swaps else _idle_swaps([plans[i] for i in shared[:-1]])
+        none = "" if last.plan.layer_swap is not None else _idle_swaps([plans[i] for i in shared[:-1]])
         logger.warning("swapkit: layers %s of %s are one %s object (a module at several positions): swapkit's "
                        "hooks and wrappers belong to the module, so every call of it gets the swap configured for "
                        "layer %d%s and the recompute "
@@ -164,13 +164,16 @@ def _warn_shared(owner: str, bound: list[BoundLayer], positions: dict[int, list[
 
 
 def _idle_swaps(earlier: list[BoundLayer]) -> str:
-    """``" (none: the swaps configured for layers 0, 1 have no effect)"`` where the last position configures no
-    swap, or nothing if these earlier positions configure none either."""
-    idle = [layer.index for layer in earlier if layer.plan.swaps]
+    """``" (none: the layer swaps configured for layers 0, 1 have no effect)"`` where the last position configures
+    no layer swap, or nothing if these earlier positions configure none either. Only a layer swap is shadowed by
+    the last position's layer frame; an earlier position's op swap pushes its own frame inside every call and
+    swaps there, unless a later position configures the same op (``swapkit.runtime.scope`` Note [A shared
+    module's swap scope])."""
+    idle = [layer.index for layer in earlier if layer.plan.layer_swap is not None]
     if not idle:
         return ""
     many = len(idle) > 1
-    return (f" (none: the swap{'s' if many else ''} configured for layer{'s' if many else ''} "
+    return (f" (none: the layer swap{'s' if many else ''} configured for layer{'s' if many else ''} "
             f"{', '.join(map(str, idle))} {'have' if many else 'has'} no effect)")
 
 

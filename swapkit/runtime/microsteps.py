@@ -28,6 +28,16 @@ of the tail (``runtime.skip_tail_offload``) is applied only to micro-steps whose
 the device when their backward began in the previous optimizer step (``direct``), with that
 micro-step's own forward length; being the last forward opened is not enough (GPipe's last one).
 
+Note [Tail releases from an autograd thread]
+A backward's begin releases the other micro-steps' tails on the autograd thread that unpacked its
+first tensor, under its own step's lock. One of those micro-steps may be beginning its backward on
+another autograd thread at the same time (one backward over several micro-batches, with CPU and CUDA
+nodes), dropping the host copies of the same records the release would free
+(``swapkit.runtime.step`` Note [The last k ticks stay on the device]). So a release takes the
+micro-step's lock (swapkit.runtime.records Note [Unpacks from several threads]) and does nothing once
+that micro-step's backward began. No two begins wait for each other: each marks its own step begun
+before it lists the waiting ones, so of two concurrent begins at most one finds the other waiting.
+
 Note [Looking ahead into the next micro-step]
 Backward of micro-step ``m`` at its tick ``t`` prefetches its own records due by ``t``; the
 micro-step ``p`` expected to run backward next is treated as if its ticks continued below ``m``'s
@@ -80,9 +90,15 @@ class MicroStep(Step):
         return super().save(tensor, frame)
 
     def release_tail(self) -> None:
-        """Every record is due now; each is released once its copy finished (Note [Micro-step tails])."""
-        self.tail_released = True
-        self._advance(sys.maxsize)
+        """Every record is due now; each is released once its copy finished (Note [Micro-step tails]).
+
+        Under this micro-step's lock, and not once its backward began (Note [Tail releases from an autograd
+        thread])."""
+        with self.lock:
+            if self.backward_started:
+                return
+            self.tail_released = True
+            self._advance(sys.maxsize)
 
     def poll(self) -> None:
         """Release the due records whose copies have finished since the last look."""

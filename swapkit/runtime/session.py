@@ -326,7 +326,9 @@ class SwapSession:
             if (layer, path) not in self._reported:
                 self._reported.add((layer, path))
                 shared = self._positions_sharing(layer)
-                if cause in (None, NOT_ENTERED) and shared[-1] != layer:  # binding Note [One module at several ...]
+                # binding Note [One module at several layer positions]: the last position's layer frame shadows an
+                # earlier layer swap; an earlier op swap pushes a frame of its own in every call
+                if not path and cause in (None, NOT_ENTERED) and shared[-1] != layer:
                     cause = shared_cause(shared)
                     fixes[cause] = SHARED_FIX
                 elif cause is None and self._frozen(layer, path):
