@@ -6,19 +6,25 @@ Inside ``torch.autocast`` an op that runs in lower precision casts its float32 a
 autocast block exits: every use in the forward reuses one bf16/fp16 copy of each weight. Linear layers
 save that copy (``weight.t()`` of it) for backward. Swapping it copied it to the host and dropped the
 session's reference, but the cache still held it until the autocast block ended, at the end of the
-forward: no device byte was freed while the forward ran, the stats counted it offloaded and released,
-``peak_device_bytes`` left it out, and backward copied it back for nothing (39% of a layer swap's
-bytes on a tiny HF Llama under bf16 autocast; a 7B Llama layer's bf16 weights are 400 MB). So a new
-storage saved in a swap scope is kept, and counted in ``stats.skipped["autocast_cache"]``, when it
-is such a copy: its tensor (or the base of its view) has dtype autocast's lower-precision dtype, was
-made by a copy (``ToCopyBackward0``) straight from a float32 leaf that requires grad and is not a view
-(what ``cached_cast`` in ``aten/src/ATen/autocast_mode.cpp`` caches), while an autocast block is open
-with its cache enabled and that dtype for the tensor's device. The test costs attribute reads on swap candidates only (never on a
+forward: no device byte was freed while the forward ran, yet the stats counted it offloaded and
+released and ``peak_device_bytes`` left it out. Where backward runs inside the same block (``swapkit
+train``'s step) the copy then came back for nothing. Where the block wraps only the forward (the
+usual use, HF's Trainer) the block's end frees the swapped copy until its prefetch: device bytes
+saved only after the forward's end, where the cache held every copy at once, so the peak stays
+where it was and the copies travel both ways for it (39% of a layer swap's bytes on a tiny HF Llama
+under bf16 autocast; a 7B Llama layer's bf16 weights are 400 MB). So a new storage saved in a swap scope
+is kept, and counted in ``stats.skipped["autocast_cache"]``, when it is such a copy: its tensor (or the
+base of its view) has dtype autocast's lower-precision dtype, was made by a copy (``ToCopyBackward0``)
+straight from a float32 leaf that requires grad and is not a view (what ``cached_cast`` in
+``aten/src/ATen/autocast_mode.cpp`` caches), while an autocast block is open with its cache enabled and
+that dtype for the tensor's device. The test costs attribute reads on swap candidates only (never on a
 keep-only session). A copy the user made explicitly with ``weight.to(torch.bfloat16)`` inside autocast
 looks the same and is kept too: a missed swap, never a wrong gradient. Autocast entered around each
-layer separately (its cache then dies with each block) makes the same copies kept, as if cached.
-Casts autocast does not cache (of frozen weights, of activations) die with the saved graph and are
-swapped as any activation.
+layer separately (its cache then dies with each block) makes the same copies kept, as if cached. Casts
+autocast does not cache (of frozen weights, of activations) die with the saved graph and are swapped as
+any activation. A cast autocast first made under ``no_grad`` inside the block is cached without a
+``grad_fn``; reused with grad later, it is not recognised and is swapped as before: bytes moved for
+nothing, never a wrong gradient.
 """
 from __future__ import annotations
 
