@@ -353,7 +353,8 @@ def test_one_module_at_several_layer_positions_is_warned(caplog):
         {"backward_prefetch": 1, "layers": [0]}]}))
     (message,) = [m for m in caplog.messages if "several positions" in m]
     assert message.startswith("swapkit: layers 0, 2 of ToyNet are one Block object (a module at several positions)")
-    assert "the swap configured for layer 2" in message
+    assert ("gets the layer swap configured for layer 2 (none: the layer swap configured for layer 0 has no effect), "
+            "and the op swaps and the recompute configured for any of these layers") in message
 
 
 def test_a_swap_at_an_earlier_position_of_a_shared_module_names_the_shared_module(caplog):
@@ -369,7 +370,7 @@ def test_a_swap_at_an_earlier_position_of_a_shared_module_names_the_shared_modul
         model(torch.randn(4, 16)).sum().backward()
     assert session.stats.offloaded_bytes == 0
     (bound,) = [m for m in caplog.messages if "several positions" in m and "Block object" in m]
-    assert "the swap configured for layer 2 (none: the layer swap configured for layer 1 has no effect)" in bound
+    assert "the layer swap configured for layer 2 (none: the layer swap configured for layer 1 has no effect)" in bound
     (unused,) = [m for m in caplog.messages if "saw no saved tensor" in m]
     assert unused.startswith("swapkit: layer swap at layer 1 saw no saved tensor in step 1: its layer is one module "
                              "object with layers 0, 1, 2 (a module at several positions), so every call of it saves "

@@ -156,9 +156,9 @@ def _warn_shared(owner: str, bound: list[BoundLayer], positions: dict[int, list[
         last = plans[shared[-1]]
         none = "" if last.plan.layer_swap is not None else _idle_swaps([plans[i] for i in shared[:-1]])
         logger.warning("swapkit: layers %s of %s are one %s object (a module at several positions): swapkit's "
-                       "hooks and wrappers belong to the module, so every call of it gets the swap configured for "
-                       "layer %d%s and the recompute "
-                       "configured for any of these layers; give these layers the same settings "
+                       "hooks and wrappers belong to the module, so every call of it gets the layer swap configured "
+                       "for layer %d%s, and the op swaps and the recompute configured for any of these layers; give "
+                       "these layers the same settings "
                        "(Note [One module at several layer positions])", ", ".join(map(str, shared)), owner,
                        type(last.module).__name__, last.index, none)
 
