@@ -445,11 +445,16 @@ class Step:
         if self.clock == 0:
             return [(layer, path, OTHER_HOOKS) for layer, path in self.swap_scopes
                     if self._entered.get((layer, path)) == OTHER_HOOKS]
-        ran = {layer for layer, _ in self._seen} | {layer for layer, _ in self._entered}
-        if not ran and self.layers_ran_before:  # overrides Note [Swaps nobody reports]: the rest of a forward
+        if self.rest_of_forward():  # overrides Note [Swaps nobody reports]
             return []
+        ran = {layer for layer, _ in self._seen} | {layer for layer, _ in self._entered}
         return [(layer, path, self._entered.get((layer, path), NOT_ENTERED)) for layer, path in self.swap_scopes
                 if (layer in ran or not ran) and (layer, path) not in self._seen]
+
+    def rest_of_forward(self) -> bool:
+        """Did this step run no bound layer while an earlier step of its ``with`` block did (a gradient penalty
+        after ``torch.autograd.grad``)? swapkit.runtime.session Note [The rest of a forward]"""
+        return self.layers_ran_before and not (self._seen or self._entered)
 
     def reached_swap_scopes(self) -> set[tuple[int, str]]:
         """``(layer, op path)`` of each configured swap scope that some forward save of this step reached."""
