@@ -37,3 +37,29 @@ def test_a_gradient_penalty_keeps_the_step_that_ran_the_layers_in_stats():
     assert stats.ticks == expected.ticks and stats.offloaded_bytes == expected.offloaded_bytes > 0
     assert stats.skipped.get("tail") == expected.skipped.get("tail") > 0  # the learnt length is the forward's
     assert stats.released_bytes == stats.prefetched_bytes == expected.released_bytes
+
+
+def test_the_backward_of_one_forward_leaves_a_later_forwards_swaps_on_the_host():
+    """Note [A backward prefetches its own forward's records]: two forwards in one block, then one backward each.
+    The first backward brings back the first forward's swaps only; the second forward's stay on the host until
+    its own backward, which prefetches them in time (before, the first backward's first unpack brought every
+    record of the second forward back to the device at once)."""
+    model, reference = ToyNet(layers=4), ToyNet(layers=4)
+    reference.load_state_dict(model.state_dict())
+    session = synced_session(model, toy_config(4, **layer_swap(1)))
+    x1, x2 = torch.randn(4, 16), torch.randn(4, 16)
+    with session:
+        a, b = model(x1).sum(), model(x2).sum()
+        a.backward()
+        step = session._step
+        after_a = step.stats.prefetched_bytes, step.device_bytes
+        b.backward()
+    reference(x1).sum().backward()
+    reference(x2).sum().backward()
+    assert_grads_equal(grads(model), grads(reference))
+    stats = session.stats
+    rows = 4 * 16 * 4  # bytes of one [4, 16] float32 activation
+    assert after_a[0] == 5 * rows  # forward a's input and its 4 layer outputs, not forward b's
+    assert stats.released_bytes == 9 * rows  # b's last output, in the step's tail, never left the device
+    assert after_a[1] == rows  # b's tail; b's 4 released records are still on the host
+    assert stats.prefetched_bytes == stats.released_bytes and stats.late_fetches == 0

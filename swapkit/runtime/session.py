@@ -225,7 +225,7 @@ class SwapSession:
         if keeper._version != version:
             raise _modified_error(saved)
         if step is not None and step.watch_unpacks:
-            step.unpacked(tick)
+            step.unpacked(tick, record)
         if record is None or not record.released:  # a kept record is never released
             tensor = keeper
         else:
