@@ -76,6 +76,8 @@ Key = tuple[int, int]  # (chunk index in the stage, micro-batch ordinal of that 
 class MicroStep(Step):
     """One forward of one chunk for one micro-batch, and its backward (Note [Micro-steps are independent clocks])."""
 
+    sets_aside = False  # one forward (swapkit.runtime.step Note [A backward prefetches its own forward's records])
+
     def __init__(self, group: "MicroSteps", key: Key, number: int, *step_args: Any,
                  swap_scopes: tuple[tuple[int, str], ...] = ()) -> None:
         """``step_args``: :class:`Step`'s engine, pool, runtime, parameter storages and tail length."""
@@ -104,8 +106,8 @@ class MicroStep(Step):
         """Release the due records whose copies have finished since the last look."""
         self._advance(-1)
 
-    def unpacked(self, tick: int) -> None:
-        super().unpacked(tick)
+    def unpacked(self, tick: int, record: Any = None) -> None:
+        super().unpacked(tick, record)
         self.group.look_ahead(self, tick)
 
     def _prefetches_done(self) -> None:

@@ -33,6 +33,19 @@ per session when that happens, saying to run the forwards that are backpropagate
 one ``with`` block, where they share one step and its prefetches. Keeping a step open until a later
 one instead would hold a dropped graph's host regions for that long, or cost every save a check.
 
+Note [The rest of a forward]
+A pack that arrives after the step's backward began opens a new step: the next micro-batch's forward.
+A gradient penalty does that too, with no new micro-batch: ``torch.autograd.grad(out, x,
+create_graph=True)`` begins the step's backward, then ``g.square()`` saves ``g`` outside the layers,
+and ``(out + penalty).backward()`` begins the backward of that small step. Its stats (a tick or two,
+nothing offloaded) would become the session's, and its length the forward length that the next
+step's tail skip learns (Note [The last k ticks stay on the device] in ``swapkit.runtime.step``): the
+next forward's tail would be offloaded and brought straight back, every step. So a step that runs no
+bound layer while an earlier step of its ``with`` block did (``Step.rest_of_forward``) is the rest of
+that forward: its backward's beginning changes neither the session's stats nor the learnt length,
+and reports nothing (overrides Note [Swaps nobody reports] uses the same test). Its saves stay as
+they are (kept or not: it has no swap scope) and its gradients are exact either way.
+
 Note [A training forward outside the with block]
 The saved-tensor hooks are installed only inside ``with session:``; a forward that runs outside it
 (the block forgotten, or put around the optimizer step only) saves its tensors as plain autograd
@@ -212,7 +225,7 @@ class SwapSession:
         if keeper._version != version:
             raise _modified_error(saved)
         if step is not None and step.watch_unpacks:
-            step.unpacked(tick)
+            step.unpacked(tick, record)
         if record is None or not record.released:  # a kept record is never released
             tensor = keeper
         else:
@@ -278,6 +291,8 @@ class SwapSession:
         return self._step
 
     def _backward_began(self, step: Step) -> None:
+        if step.rest_of_forward():  # Note [The rest of a forward]
+            return
         self._forward_ticks = step.clock
         self._last = step
         self._report_unused(step)

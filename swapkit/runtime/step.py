@@ -38,6 +38,25 @@ that tail (``runtime.skip_tail_offload``): a save at tick ``t`` with distance ``
 forward is longer: LayerDrop, an MoE routing more experts, two forwards before one backward) and is
 offloaded as in the first step; skipping it too would keep everything past the old length.
 
+Note [A backward prefetches its own forward's records]
+The prefetch queue pops every record whose horizon is at or above the tick unpacked, which is right
+for the backward of the whole step: it reads its ticks downwards from the top, so whatever lies above
+was needed already. Two forwards in one block, then one backward each (``a.backward()`` then
+``b.backward()``), break that: the first backward starts at the top of forward ``a``, below every
+tick of forward ``b``, and brought all of ``b``'s swapped storages back to the device at once, where
+they waited through ``a``'s backward: no swap for ``b`` at all. No record a backward reads has a
+horizon above the highest tick it has read plus the step's longest swap distance, or above the
+horizon of a record it has read (the *reach*): autograd reads a graph from its highest sequence
+number down, the saves of one node in save order, and a storage saved again later (``x`` and
+``x.t()`` saved by one node) is read first at its earlier tick. So a record popped above the reach belongs to
+another forward (or to a part of this one no backward reads): it is set aside, held weakly, and
+pushed back on the queue once an unpack raises the reach over its horizon: the next saves of the
+same node, or ``b``'s backward, which prefetches it in time. The reach only rises (a nested graph
+task of reentrant checkpointing returns to its outer task at a lower tick). A record both forwards
+saved (a storage both read) is set aside too and fetched when ``a`` first reads it (a late fetch,
+still exact). A micro-step is one forward and other micro-steps' look-ahead pops its queue, so it sets
+nothing aside (``swapkit.runtime.microsteps``).
+
 Note [Parameters are recognised when saved]
 Parameter storages are never swapped (DESIGN §4). The set the session builds from
 ``model.parameters()`` and ``model.buffers()`` when a step starts is not enough under FSDP2:
@@ -146,6 +165,9 @@ _copy_order = operator.attrgetter("batch.issued", "offset")
 class Step:
     """Per-step state. Created by :class:`swapkit.runtime.session.SwapSession`."""
 
+    #: records due above the reach wait for a backward that reads that high (Note [A backward prefetches ...])
+    sets_aside = True
+
     def __init__(self, number: int, engine: CopyEngine, pool: HostPool, runtime: RuntimeConfig,
                  param_storages: set[int], tail_ticks: int | None,
                  on_backward: Callable[["Step"], None], swap_scopes: tuple[tuple[int, str], ...] = ()) -> None:
@@ -174,6 +196,10 @@ class Step:
         self._pending: deque[SwapRecord] = deque()  # due, copy unfinished, in copy order (Note [Releases ...])
         self._prefetch: TickQueue[SwapRecord] = TickQueue(_horizon, descending=True, weak=True)  # Note [The
         # prefetch queue holds its records weakly] in swapkit.runtime.schedule
+        self._longest = 0  # the longest swap distance of the step's records
+        self._reach = -1  # the highest tick unpacked plus _longest: no record above it is prefetched (Note [A
+        # backward prefetches its own forward's records])
+        self._beyond: list[weakref.ref] = []  # records due but above the reach, for a later backward
         self._timings: list[Any] = []
         self.empties: dict[torch.dtype, torch.Tensor] = {}  # swapkit.runtime.records.view_on
         self._allocations_at_start = pool.allocations
@@ -314,6 +340,8 @@ class Step:
         if batch is None or not batch.fits(frame, nbytes, self.runtime.offload_batch_bytes, producer):
             batch = self._open_batch(frame, producer)
         record = SwapRecord(self, nbytes, version, frame, tick, batch, storage, keeper)
+        if frame.prefetch > self._longest:
+            self._longest = frame.prefetch
         self.stats.offloaded_tensors += 1
         self.stats.offloaded_bytes += nbytes
         self.stats.offloaded_by_scope[frame.label] += nbytes
@@ -445,11 +473,16 @@ class Step:
         if self.clock == 0:
             return [(layer, path, OTHER_HOOKS) for layer, path in self.swap_scopes
                     if self._entered.get((layer, path)) == OTHER_HOOKS]
-        ran = {layer for layer, _ in self._seen} | {layer for layer, _ in self._entered}
-        if not ran and self.layers_ran_before:  # overrides Note [Swaps nobody reports]: the rest of a forward
+        if self.rest_of_forward():  # overrides Note [Swaps nobody reports]
             return []
+        ran = {layer for layer, _ in self._seen} | {layer for layer, _ in self._entered}
         return [(layer, path, self._entered.get((layer, path), NOT_ENTERED)) for layer, path in self.swap_scopes
                 if (layer in ran or not ran) and (layer, path) not in self._seen]
+
+    def rest_of_forward(self) -> bool:
+        """Did this step run no bound layer while an earlier step of its ``with`` block did (a gradient penalty
+        after ``torch.autograd.grad``)? swapkit.runtime.session Note [The rest of a forward]"""
+        return self.layers_ran_before and not (self._seen or self._entered)
 
     def reached_swap_scopes(self) -> set[tuple[int, str]]:
         """``(layer, op path)`` of each configured swap scope that some forward save of this step reached."""
@@ -467,17 +500,36 @@ class Step:
 
     # ------------------------------------------------------------------ backward
 
-    def unpacked(self, tick: int) -> None:
-        """Backward unpacked a tensor saved at ``tick``: prefetch every record due by then. Once
-        nothing is left to prefetch, ``watch_unpacks`` turns off and the session stops calling."""
+    def unpacked(self, tick: int, record: Any = None) -> None:
+        """Backward unpacked a tensor saved at ``tick`` (its storage's ``record``, if any): prefetch every record
+        due by then. Once nothing is left to prefetch, ``watch_unpacks`` turns off and the session stops calling."""
         with self.lock:
             if not self.backward_started and torch._C._current_graph_task_id() != -1:
                 self._begin_backward()
+            if self.sets_aside:
+                top = record.horizon if type(record) is SwapRecord and record.horizon > tick + self._longest \
+                    else tick + self._longest  # a storage saved again later reaches its last save
+                if top > self._reach:
+                    self._reach_up(top)
             due = self._prefetch.pop_due(tick)
             for record in due:
-                record.fetch(tick)
-            if not due and self.backward_started and not (self._scheduled and self._prefetch):
+                if record.horizon <= self._reach or not self.sets_aside:
+                    record.fetch(tick)
+                else:  # Note [A backward prefetches its own forward's records]
+                    self._beyond.append(weakref.ref(record))
+            if not due and self.backward_started and not (self._scheduled and (self._prefetch or self._beyond)):
                 self._prefetches_done()  # asked only when nothing was due (Note [The cost of a save])
+
+    def _reach_up(self, reach: int) -> None:
+        """An unpack above every tick read so far: fetch the records set aside that are now within reach
+        (Note [A backward prefetches its own forward's records])."""
+        self._reach = reach
+        if self._beyond:
+            records = [record for record in (ref() for ref in self._beyond) if record is not None]
+            self._beyond = [weakref.ref(record) for record in records if record.horizon > reach]
+            for record in records:
+                if record.horizon <= reach:
+                    self._prefetch.push(record)  # popped when an unpack comes due for it
 
     def _prefetches_done(self) -> None:
         """Only backward pops the prefetch queue and nothing pushes to it any more: an empty queue
@@ -525,6 +577,7 @@ class Step:
         self._batch = None  # an open batch's sources go with it; its records keep it for their lifetime
         self._release.drain()
         self._prefetch.drain()
+        self._beyond.clear()
         self._pending.clear()
         self._index.clear()
         self._recomputable.clear()
