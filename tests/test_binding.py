@@ -379,20 +379,26 @@ def test_a_swap_at_an_earlier_position_of_a_shared_module_names_the_shared_modul
     assert "checkpoint" not in unused
 
 
-def test_an_op_swap_at_an_earlier_position_of_a_shared_module_is_not_called_idle(caplog):
-    """Note [One module at several layer positions]: an op swap at an earlier position of a shared module pushes
-    its op frame inside every call (no later position configures that op), so it swaps on every call. Only an
-    earlier position's layer swap is shadowed by the last position's layer frame; the binding warning said the
-    op swap "has no effect" while it offloaded under 'layer 1: act'."""
-    model = ToyNet(layers=1)
+def op_swap_at_a_middle_position(op_name: str, block: type = Block) -> swapkit.SwapSession:
+    """One ``block`` at layer positions 0-2, an op swap of ``op_name`` at layer 1 only: its session after one step."""
+    model = ToyNet(layers=1, block=block)
     model.layers = nn.ModuleList([model.layers[0]] * 3)
-    caplog.set_level(logging.WARNING, logger="swapkit")
-    config = toy_config(3, swap_config={"swap": True, "op_swap": [{"layers": [1], "op_name": "act",
+    config = toy_config(3, swap_config={"swap": True, "op_swap": [{"layers": [1], "op_name": op_name,
                                                                    "backward_prefetch": 1}]},
                         runtime={"min_offload_bytes": 0})
     session = swapkit.apply(model, config)
     with session:
         model(torch.randn(4, 16)).sum().backward()
+    return session
+
+
+def test_an_op_swap_at_an_earlier_position_of_a_shared_module_is_not_called_idle(caplog):
+    """Note [One module at several layer positions]: an op swap at an earlier position of a shared module pushes
+    its op frame inside every call (no later position configures that op), so it swaps on every call. Only an
+    earlier position's layer swap is shadowed by the last position's layer frame; the binding warning said the
+    op swap "has no effect" while it offloaded under 'layer 1: act'."""
+    caplog.set_level(logging.WARNING, logger="swapkit")
+    session = op_swap_at_a_middle_position("act")
     assert session.stats.offloaded_by_scope.get("layer 1: act", 0) > 0
     (bound,) = [m for m in caplog.messages if "several positions" in m and "Block object" in m]
     assert "no effect" not in bound
@@ -416,15 +422,8 @@ def test_an_unused_op_swap_at_a_shared_modules_earlier_position_keeps_its_own_ca
     is not shadowed by the last position (its op frame is pushed inside every call), so when it sees no tensor the
     cause is its own (nothing inside saved one), not the shared module, whose fix (the same swap everywhere)
     would change nothing."""
-    model = ToyNet(layers=1, block=_BlockWithIdentity)
-    model.layers = nn.ModuleList([model.layers[0]] * 3)
     caplog.set_level(logging.WARNING, logger="swapkit")
-    config = toy_config(3, swap_config={"swap": True, "op_swap": [{"layers": [1], "op_name": "skip",
-                                                                   "backward_prefetch": 1}]},
-                        runtime={"min_offload_bytes": 0})
-    session = swapkit.apply(model, config)
-    with session:
-        model(torch.randn(4, 16)).sum().backward()
+    session = op_swap_at_a_middle_position("skip", _BlockWithIdentity)
     (unused,) = [m for m in caplog.messages if "saw no saved tensor" in m]
     assert unused.startswith("swapkit: op swap at layer 1: skip saw no saved tensor in step 1: nothing inside it")
     assert "several positions" not in unused and "Configure the same swap" not in unused

@@ -110,6 +110,17 @@ def tiny_stage(schedule: str = "1f1b", stage: int = 1, **sections):
     return config, build_stage_chunks(swapkit.load_config(config).model, plan, stage, seed=1)
 
 
+def swapped_stage(prefetch: int):
+    """Stage 1's chunk with every layer swapped at distance ``prefetch`` (no size threshold), its session on an
+    engine whose ``ready`` waits for the copy (releases exactly at their horizon): ``(session, chunk)``."""
+    config, (chunk,) = tiny_stage(stage=1, swap_config={"swap": True, "layer_swap": [{"backward_prefetch": prefetch,
+                                                                                       "layers": True}]},
+                                  runtime={"min_offload_bytes": 0})
+    session = swapkit.apply(chunk, config, layers="layers", stage=1)
+    install_engine(session, ReadyWhenDone())
+    return session, chunk
+
+
 def test_stage_layers_follow_the_mindformers_layout():
     plan = swapkit.build_plan(swapkit.load_config({
         "model": {"model_config": {"num_layers": 10, "pp_interleave_num": 2, "offset": [[0, 1], [1, 0]]}},
@@ -152,11 +163,7 @@ def _forward(chunk, x):
 
 def test_a_later_forward_leaves_earlier_micro_steps_alone():
     """F0 F1 B0 B1 by hand: each forward is a micro-step; the no-grad pass opens none; bytes add up."""
-    config, (chunk,) = tiny_stage(stage=1, swap_config={"swap": True, "layer_swap": [{"backward_prefetch": 2,
-                                                                                       "layers": True}]},
-                                  runtime={"min_offload_bytes": 0})
-    session = swapkit.apply(chunk, config, layers="layers", stage=1)
-    install_engine(session, ReadyWhenDone())
+    session, chunk = swapped_stage(2)
     xs = [torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(i)) for i in range(2)]
     with session:
         with torch.no_grad():
@@ -182,11 +189,7 @@ def test_gpipe_order_releases_the_last_forwards_tail_when_another_backward_begin
     2 was the last forward, but B0 and B1 run between its forward and its backward, so its tail must not stay
     on the device through them (it stayed: only a new forward released tails), and the next step must still
     offload it (it skipped: micro-step 2 counted as "backward directly after forward")."""
-    config, (chunk,) = tiny_stage(stage=1, swap_config={"swap": True, "layer_swap": [{"backward_prefetch": 1000,
-                                                                                       "layers": True}]},
-                                  runtime={"min_offload_bytes": 0})
-    session = swapkit.apply(chunk, config, layers="layers", stage=1)
-    install_engine(session, ReadyWhenDone())
+    session, chunk = swapped_stage(1000)
     for step in (1, 2):
         _micro_batches_by_hand(session, chunk, 3, steps=1)
         per = session.micro_step_stats
@@ -204,11 +207,7 @@ def test_a_tail_release_waits_for_the_micro_steps_lock_and_spares_one_whose_back
     backward on another thread (one backward over several micro-batches, CPU and CUDA nodes): that begin holds
     its step's lock. The release waits for the lock and then leaves the step alone; it ran at once, beside the
     begin that drops the same records' host copies."""
-    config, (chunk,) = tiny_stage(stage=1, swap_config={"swap": True, "layer_swap": [{"backward_prefetch": 1000,
-                                                                                       "layers": True}]},
-                                  runtime={"min_offload_bytes": 0})
-    session = swapkit.apply(chunk, config, layers="layers", stage=1)
-    install_engine(session, ReadyWhenDone())
+    session, chunk = swapped_stage(1000)
     xs = [torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(i)) for i in range(2)]
     with session:
         losses = [_forward(chunk, x) for x in xs]
