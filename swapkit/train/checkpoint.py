@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 from swapkit.config.errors import ConfigError, Problem, clip
-from swapkit.train.files import atomic_write
 from swapkit.config.types import Config
+from swapkit.train.files import atomic_write
 from swapkit.train.resume_check import apply_resume_config, check_resume_fits, config_record
 from swapkit.train.state import RunState
 
