@@ -632,3 +632,14 @@ def test_pipeline_time_ratio_pairs_each_repetition_with_keeps():
     keep = NS(session=NS(stats=stats), grads=lambda: [], name="keep", times=[1.0, 2.0, 4.0])
     swap = NS(session=NS(stats=stats), grads=lambda: [], name="swap", times=[2.0, 2.2, 8.0])  # 2.0, 1.1, 2.0
     assert pipeline.row(0, "1f1b", swap, keep)["time_ratio"] == pytest.approx(2.0)  # medians: 2.2 / 2.0
+
+
+def test_planned_vs_fastest_pairs_the_interleaved_steps():
+    """It divided the two medians although both ran in the same interleaved rounds."""
+    frontier = bench_module("planner_frontier")
+    planned = {"step_seconds": 2.2, "step_times_s": [2.0, 2.2, 8.0], "peak_device_bytes": 1}
+    fixed = {"step_seconds": 2.0, "step_times_s": [1.0, 2.0, 4.0], "peak_device_bytes": 1}  # same-round 2.0, 1.1, 2.0
+    plan = {"label": "planned 0.5", "budget": 10, "predicted": {"peak_device_bytes": 1, "step_seconds": 1.0}}
+    row = frontier._compare(plan, {"planned 0.5": planned, "swap layer": fixed})
+    assert row["fastest_fixed"] == "swap layer" and row["planned_vs_fastest"] == pytest.approx(2.0)
+    assert frontier.paired_ratio({"step_seconds": 2.2}, fixed) == pytest.approx(1.1)  # older rows: medians
