@@ -606,7 +606,8 @@ def report_lines(result: dict[str, Any]) -> list[str]:
     load = micro["load_average"]
     usable = env.get("usable_cpus", env["cpu_count"])
     pinned = f" (the process may run on {usable} of them)" if usable != env["cpu_count"] else ""
-    lines = [*warning_lines(result.get("warnings", [])), f"# Per-saved-tensor overhead ({env['date']}, torch {env['torch']}, {env['cpu_count']} cores{pinned}, "
+    lines = [*warning_lines(result.get("warnings", [])),
+             f"# Per-saved-tensor overhead ({env['date']}, torch {env['torch']}, {env['cpu_count']} cores{pinned}, "
              f"{env['torch_threads']} torch threads, {env['device']}"
              f"{'' if env.get('gc', True) else ', cyclic GC disabled'})", "",
              f"{micro['saved_tensors_per_step']} saved tensors of {micro['tensor_bytes']} bytes per step, "

@@ -149,7 +149,8 @@ def worker(rank: int, store: str, model: dict, reps: int, out: str, start: RankS
 
 def markdown(rows: list[dict], env: dict) -> str:
     warnings = load_warning(env["cpu_count"], env.get("load_average_at_start"), env.get("load_average_at_end"))
-    lines = [*warning_lines(warnings), f"# Pipeline benchmark ({env['world_size']} gloo ranks, {MICRO_BATCHES} micro-batches, "
+    lines = [*warning_lines(warnings),
+             f"# Pipeline benchmark ({env['world_size']} gloo ranks, {MICRO_BATCHES} micro-batches, "
              f"torch {env['torch']}, {env['platform']}, {env['cpu_count']} CPUs)", "",
              "| schedule | variant | stage | peak saved bytes | vs keep | moved | late | step ms | time vs keep "
              "| grads |", "|---|---|---|---|---|---|---|---|---|---|"]
