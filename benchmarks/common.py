@@ -204,5 +204,35 @@ def nvidia_driver() -> str | None:
     return out.strip().splitlines()[0] if out.strip() else None
 
 
+# Note [Loaded machines]
+# Every benchmark that times something reads the load average before and after measuring and, when
+# either read is above the core count, says so on stderr, in its JSON (``warnings``) and at the top of
+# its Markdown. swap_vs_recompute.py and planner_frontier.py did; host_pool.py (its µs per acquire +
+# release), microbench.py and pipeline.py (step times, time ratios) recorded the load or nothing, and
+# host_pool's committed result was measured at load 4.48 on 2 cores without a mark.
+
+
+def load_warning(cores: int | None, *loads: Any) -> list[str]:
+    """The loaded-machine warning of every benchmark: a load average above the core count.
+
+    Args:
+        cores: ``os.cpu_count()`` of the machine measured (``None`` counts as 1).
+        *loads: ``os.getloadavg()`` tuples read around the measurement; ``None`` where one was not read.
+
+    Returns:
+        One warning, or none when no 1/5/15-minute load average read went above ``cores``.
+    """
+    peak = max((max(load) for load in loads if load), default=0.0)
+    if peak <= (cores or 1):
+        return []
+    return [f"the machine was loaded (load average up to {peak:.2f} on {cores or 1} cores): other processes shared "
+            "the cores, so step times are noisy; rerun on an idle machine"]
+
+
+def warning_lines(warnings: list[str]) -> list[str]:
+    """The Markdown marks for ``warnings`` at the top of a report, then a blank line (none when there are none)."""
+    return [*(f"> **WARNING:** {w}" for w in warnings), ""] if warnings else []
+
+
 def load_average_text(values: Any) -> str:
     return "—" if values is None else "/".join(f"{x:.2f}" for x in values)

@@ -133,7 +133,7 @@ import swapkit
 from swapkit.engine import ThreadCopyEngine
 from swapkit.runtime.records import checksum
 
-from common import output_dir, positive_int, synchronize
+from common import load_warning, output_dir, positive_int, synchronize, warning_lines
 
 
 class TinyChain(nn.Module):
@@ -573,6 +573,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         gc.enable()
     result = {"env": _env(args), "microbench": micro}
+    result["warnings"] = load_warning(result["env"]["cpu_count"], micro["load_average"]["before"],
+                                      micro["load_average"]["after"])  # Note [Loaded machines] in common.py
+    for warning in result["warnings"]:
+        print(f"WARNING: {warning}", file=sys.stderr)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.isolated:
         with tempfile.TemporaryDirectory() as scratch:
@@ -602,7 +606,8 @@ def report_lines(result: dict[str, Any]) -> list[str]:
     load = micro["load_average"]
     usable = env.get("usable_cpus", env["cpu_count"])
     pinned = f" (the process may run on {usable} of them)" if usable != env["cpu_count"] else ""
-    lines = [f"# Per-saved-tensor overhead ({env['date']}, torch {env['torch']}, {env['cpu_count']} cores{pinned}, "
+    lines = [*warning_lines(result.get("warnings", [])),
+             f"# Per-saved-tensor overhead ({env['date']}, torch {env['torch']}, {env['cpu_count']} cores{pinned}, "
              f"{env['torch_threads']} torch threads, {env['device']}"
              f"{'' if env.get('gc', True) else ', cyclic GC disabled'})", "",
              f"{micro['saved_tensors_per_step']} saved tensors of {micro['tensor_bytes']} bytes per step, "

@@ -4,7 +4,9 @@ Each rank builds its stage of the built-in model (``swapkit.distributed.pipeline
 per variant, each with a swapkit session on its chunk: ``keep`` (no swap, no recompute: the session
 only accounts), ``swap`` (layer swap of every layer) and ``recompute`` (every layer fully
 recomputed). The variants' optimizer-free steps are interleaved, in a rotating order, on each
-schedule, so load drifts hit all of them alike; medians are reported. Gradients are
+schedule, so load drifts hit all of them alike; medians are reported, and a time ratio is the median
+over repetitions of (variant step / keep's step of the same repetition), as in swap_vs_recompute.py
+(Note [Pairwise ratios] in measure.py; it was a ratio of two medians). Gradients are
 compared with ``keep``'s: ``torch.equal`` for swap, ``assert_close`` for recompute. Memory is the
 session's accounting of device-resident saved bytes per stage (on CPU not the RSS).
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import statistics
 import sys
@@ -41,7 +44,7 @@ from swapkit.distributed.pipeline import build_stage_chunks, make_schedule, pipe
 from swapkit.distributed.rank_start import RankStart, start_method
 from swapkit.train.model import lm_loss
 
-from common import output_dir, positive_int
+from common import load_warning, output_dir, positive_int, warning_lines
 
 DEFAULT_OUT = Path("bench-out/pipeline")  # git-ignored; benchmarks/results only with an explicit --out
 MODEL = {"num_layers": 8, "hidden_size": 128, "num_heads": 4, "intermediate_size": 352, "vocab_size": 256,
@@ -125,7 +128,7 @@ def row(rank: int, schedule: str, variant: Variant, keep: Variant) -> dict:
             "memory_ratio": stats.peak_device_bytes / base.peak_device_bytes,
             "moved_bytes": stats.offloaded_bytes + stats.prefetched_bytes, "late_fetches": stats.late_fetches,
             "micro_steps": stats.micro_steps, "step_time_median_s": statistics.median(variant.times),
-            "time_ratio": statistics.median(variant.times) / statistics.median(keep.times),
+            "time_ratio": statistics.median(v / k for v, k in zip(variant.times, keep.times)),
             "grads_equal": all(torch.equal(a, b) for a, b in pairs), "grads_close": close}
 
 
@@ -145,7 +148,9 @@ def worker(rank: int, store: str, model: dict, reps: int, out: str, start: RankS
 
 
 def markdown(rows: list[dict], env: dict) -> str:
-    lines = [f"# Pipeline benchmark ({env['world_size']} gloo ranks, {MICRO_BATCHES} micro-batches, "
+    warnings = load_warning(env["cpu_count"], env.get("load_average_at_start"), env.get("load_average_at_end"))
+    lines = [*warning_lines(warnings),
+             f"# Pipeline benchmark ({env['world_size']} gloo ranks, {MICRO_BATCHES} micro-batches, "
              f"torch {env['torch']}, {env['platform']}, {env['cpu_count']} CPUs)", "",
              "| schedule | variant | stage | peak saved bytes | vs keep | moved | late | step ms | time vs keep "
              "| grads |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -160,17 +165,23 @@ def markdown(rows: list[dict], env: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     model, reps = (QUICK_MODEL, args.reps or 2) if args.quick else (MODEL, args.reps or 10)
+    load_at_start = os.getloadavg()
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "rows.json"
         mp.start_processes(worker, args=(str(Path(folder) / "store"), model, reps, str(out), RankStart()), nprocs=2,
                            join=True, start_method=start_method("cpu"))  # Note [Benchmark ranks end without ...]
         rows = json.loads(out.read_text())
     env = {"torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
-           "cpu_count": __import__("os").cpu_count(), "world_size": 2, "model_config": model, "reps": reps,
+           "cpu_count": os.cpu_count(), "load_average_at_start": load_at_start, "load_average_at_end": os.getloadavg(),
+           "world_size": 2, "model_config": model, "reps": reps,
            "micro_batches": MICRO_BATCHES, "micro_batch_size": MICRO_BATCH_SIZE, "backward_prefetch": PREFETCH,
            "memory": "swap session accounting of device-resident saved bytes (CPU: not RSS)"}
+    warnings = load_warning(env["cpu_count"], load_at_start, env["load_average_at_end"])  # Note [Loaded machines]
+    for warning in warnings:
+        print(f"WARNING: {warning}", file=sys.stderr)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "pipeline.json").write_text(json.dumps({"env": env, "rows": rows}, indent=2) + "\n")
+    (args.out / "pipeline.json").write_text(json.dumps({"env": env, "rows": rows, "warnings": warnings}, indent=2)
+                                            + "\n")
     (args.out / "pipeline.md").write_text(markdown(rows, env))
     print(markdown(rows, env))
     return 0

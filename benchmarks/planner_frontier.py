@@ -110,8 +110,16 @@ def run_interleaved(configs: dict[str, dict], reps: int, warmup: int) -> dict[st
     finally:
         for run in runs.values():
             run.session.remove()
-    return {name: {"step_seconds": statistics.median(times[name]), "peak_device_bytes": max(peaks[name]),
-                   "moved_bytes": None} for name in runs}
+    return {name: {"step_seconds": statistics.median(times[name]), "step_times_s": times[name],
+                   "peak_device_bytes": max(peaks[name]), "moved_bytes": None} for name in runs}
+
+
+def paired_ratio(got: dict[str, Any], other: dict[str, Any]) -> float:
+    """Median over steps of (``got``'s step / ``other``'s step of the same round), Note [Pairwise ratios] in
+    measure.py; rows without per-step times (results from before they were kept) fall back to the medians."""
+    if "step_times_s" not in got or "step_times_s" not in other:
+        return got["step_seconds"] / other["step_seconds"]
+    return statistics.median(a / b for a, b in zip(got["step_times_s"], other["step_times_s"]))
 
 
 def one_link(name: str, link: dict, model: dict, batch: int, reps: int, warmup: int,
@@ -161,7 +169,7 @@ def _compare(plan: dict[str, Any], rows: dict[str, dict[str, Any]]) -> dict[str,
             "peak_ratio": got["peak_device_bytes"] / predicted["peak_device_bytes"],
             "time_ratio": got["step_seconds"] / predicted["step_seconds"],
             "fastest_fixed": fastest, "fastest_fixed_seconds": fitting[fastest]["step_seconds"] if fastest else None,
-            "planned_vs_fastest": got["step_seconds"] / fitting[fastest]["step_seconds"] if fastest else None}
+            "planned_vs_fastest": paired_ratio(got, fitting[fastest]) if fastest else None}
 
 
 def markdown(results: dict[str, Any]) -> str:

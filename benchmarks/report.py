@@ -10,7 +10,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 
-from common import counted, hardware_line  # noqa: E402
+from common import counted, hardware_line, load_warning  # noqa: E402
 from variants import ACCOUNTING, BASELINE, FULL_RECOMPUTE, LAYER_SWAP  # noqa: E402
 
 MIB = 2**20
@@ -99,12 +99,9 @@ def hygiene_warnings(env: dict[str, Any], rows: list[dict[str, Any]], link: dict
     """Reasons to distrust this run: a loaded machine, a variant that adds work measured faster, or a
     sweep link sized from a contended forward (Note [A link calibrated under contention])."""
     warnings = _link_warning(rows, link)
-    cores = env["cpu_count"] or 1
-    loads = [max(env["load_average_at_start"]), max(env.get("load_average_at_end") or (0,))]
-    if max(loads) > cores:
-        warnings.append(f"the machine was loaded (load average up to {max(loads):.2f} on {cores} cores): other "
-                        "processes shared the cores, so step times are noisy; rerun on an idle machine")
-    else:
+    loaded = load_warning(env["cpu_count"], env["load_average_at_start"], env.get("load_average_at_end"))
+    warnings += loaded
+    if not loaded:
         warnings += _off_core_warning(env, rows)
     faster = [r for r in rows if r["name"] not in (BASELINE, ACCOUNTING) and r["time_ratio"] is not None
               and r["time_ratio"] < 1]

@@ -571,3 +571,75 @@ def test_planner_stages_trains_a_recompute_only_plan_without_its_idle_runtime_se
     assert build_plan(load_config(stages.trained_config(recompute_only))).warnings == ()
     swapping = planned_config(raw, (Choice("swap", ("",), 1), KEEP, KEEP, KEEP))
     assert stages.trained_config(swapping)["runtime"] == {"min_offload_bytes": 0}
+
+
+def test_load_warning_names_the_highest_load_read_above_the_core_count():
+    """Note [Loaded machines] in benchmarks/common.py"""
+    common = bench_module("common")
+    assert common.load_warning(2, (1.0, 2.0, 1.5), None) == []  # at the core count is not loaded
+    assert common.load_warning(2, (1.0, 1.0, 1.0), (0.5, 4.48, 3.0)) == [
+        "the machine was loaded (load average up to 4.48 on 2 cores): other processes shared the cores, so step "
+        "times are noisy; rerun on an idle machine"]
+    assert common.warning_lines([]) == [] and common.warning_lines(["x"]) == ["> **WARNING:** x", ""]
+
+
+def test_host_pool_marks_a_run_on_a_loaded_machine(tmp_path, monkeypatch, capsys, swapkit_log_level):
+    """Its committed result was measured at load 4.48 on 2 cores with no mark; its µs column is a timing."""
+    host_pool = bench_module("host_pool")
+    monkeypatch.setattr(os, "getloadavg", lambda: (float(os.cpu_count() + 1),) * 3)
+    assert host_pool.main(["--quick", "--steps", "1", "--out", str(tmp_path)]) == 0
+    warnings = json.loads((tmp_path / "host_pool.json").read_text())["warnings"]
+    assert len(warnings) == 1 and warnings[0].startswith("the machine was loaded")
+    assert (tmp_path / "host_pool.md").read_text().count(f"> **WARNING:** {warnings[0]}") == 1
+    assert f"WARNING: {warnings[0]}" in capsys.readouterr().err
+
+
+def test_pipeline_report_records_the_load_and_marks_a_loaded_machine():
+    """It recorded no load average at all, though it reports step times and time ratios."""
+    pipeline = bench_module("pipeline")
+    env = {"world_size": 2, "torch": "t", "platform": "p", "cpu_count": 2, "load_average_at_start": (3.0, 1.0, 1.0),
+           "load_average_at_end": (1.0, 1.0, 1.0)}
+    assert pipeline.markdown([], env).startswith("> **WARNING:** the machine was loaded (load average up to 3.00")
+    quiet = {**env, "load_average_at_start": (1.0, 1.0, 1.0)}
+    assert "WARNING" not in pipeline.markdown([], quiet)
+
+
+def test_microbench_marks_a_run_on_a_loaded_machine(tmp_path, monkeypatch, capsys):
+    """It recorded the load average but never warned."""
+    microbench = bench_module("microbench")
+    monkeypatch.setattr(os, "getloadavg", lambda: (float(os.cpu_count() + 1),) * 3)
+    assert microbench.main(["--length", "20", "--reps", "1", "--ways", "keep", "--out", str(tmp_path)]) == 0
+    warnings = json.loads((tmp_path / "overhead.json").read_text())["warnings"]
+    assert len(warnings) == 1 and warnings[0].startswith("the machine was loaded")
+    assert (tmp_path / "overhead.md").read_text().startswith(f"> **WARNING:** {warnings[0]}")
+    assert f"WARNING: {warnings[0]}" in capsys.readouterr().err
+
+
+def test_the_time_ratio_is_the_median_of_same_repetition_ratios_not_a_ratio_of_medians():
+    """Note [Pairwise ratios] in benchmarks/measure.py, on numbers where the two differ."""
+    from types import SimpleNamespace as NS
+    measure = bench_module("measure")
+    baseline = NS(samples=[NS(seconds=s) for s in (1.0, 2.0, 4.0)])
+    variant = NS(samples=[NS(seconds=s) for s in (2.0, 2.2, 8.0)])  # per repetition 2.0, 1.1, 2.0
+    assert measure.pairwise_ratio(variant, baseline) == pytest.approx(2.0)  # the ratio of medians: 2.2 / 2.0
+
+
+def test_pipeline_time_ratio_pairs_each_repetition_with_keeps():
+    """It divided the two medians; the other benchmarks take the median of same-repetition ratios."""
+    from types import SimpleNamespace as NS
+    pipeline = bench_module("pipeline")
+    stats = NS(peak_device_bytes=1, offloaded_bytes=0, prefetched_bytes=0, late_fetches=0, micro_steps=4)
+    keep = NS(session=NS(stats=stats), grads=lambda: [], name="keep", times=[1.0, 2.0, 4.0])
+    swap = NS(session=NS(stats=stats), grads=lambda: [], name="swap", times=[2.0, 2.2, 8.0])  # 2.0, 1.1, 2.0
+    assert pipeline.row(0, "1f1b", swap, keep)["time_ratio"] == pytest.approx(2.0)  # medians: 2.2 / 2.0
+
+
+def test_planned_vs_fastest_pairs_the_interleaved_steps():
+    """It divided the two medians although both ran in the same interleaved rounds."""
+    frontier = bench_module("planner_frontier")
+    planned = {"step_seconds": 2.2, "step_times_s": [2.0, 2.2, 8.0], "peak_device_bytes": 1}
+    fixed = {"step_seconds": 2.0, "step_times_s": [1.0, 2.0, 4.0], "peak_device_bytes": 1}  # same-round 2.0, 1.1, 2.0
+    plan = {"label": "planned 0.5", "budget": 10, "predicted": {"peak_device_bytes": 1, "step_seconds": 1.0}}
+    row = frontier._compare(plan, {"planned 0.5": planned, "swap layer": fixed})
+    assert row["fastest_fixed"] == "swap layer" and row["planned_vs_fastest"] == pytest.approx(2.0)
+    assert frontier.paired_ratio({"step_seconds": 2.2}, fixed) == pytest.approx(1.1)  # older rows: medians
