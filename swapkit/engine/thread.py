@@ -10,6 +10,14 @@ A graph can outlive its session: ``session.remove()`` (which closes the engine) 
 forward's graph still waits for its backward. That backward still needs its prefetches. A closed
 engine therefore runs each new copy inline on the caller's thread instead of starting a new
 worker: no thread outlives ``close``, and the late backward is still correct.
+
+Note [A copy queued while the engine closes]
+``_submit`` reads ``_worker`` without a lock, so another thread's ``close`` can stop the worker
+between that read and the put: the job lands behind the stop sentinel, no worker ever runs it, and
+whoever waits for it waits forever. So such a job is *stranded*, not lost: ``close`` runs what is
+left in the queue after joining the worker, and ``_submit`` does the same when it sees the engine
+closed after its put. One of the two always sees the job (``_closed`` is set before the worker is
+told to stop), and ``_stranded_lock`` keeps the stranded jobs in queue order, each run once.
 """
 from __future__ import annotations
 
@@ -116,6 +124,7 @@ class ThreadCopyEngine:
         self._queue_lock = threading.Lock()
         self._group: tuple[int, list[Callable[[], None]]] | None = None  # Note [Grouped copies]
         self._latency_paid = False  # read and written by whichever thread runs a job
+        self._stranded_lock = threading.Lock()  # Note [A copy queued while the engine closes]
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)
@@ -258,6 +267,7 @@ class ThreadCopyEngine:
             self._jobs.put(None)
             worker.join()
             self._closing.clear()
+        self._run_stranded()
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         self._link_delay(src.numel())
@@ -289,7 +299,21 @@ class ThreadCopyEngine:
         with self._queue_lock:  # the last copy queued is the last one in the queue (ThreadFence)
             self._last = copy
             self._jobs.put(item)
+        if self._closed:  # Note [A copy queued while the engine closes]
+            self._run_stranded()
         return copy
+
+    def _run_stranded(self) -> None:
+        """Run, here and in order, the jobs queued behind a stopped worker (Note [A copy queued while the
+        engine closes])."""
+        with self._stranded_lock:
+            while True:
+                try:
+                    item = self._jobs.get_nowait()
+                except queue.Empty:
+                    return
+                if item is not None:
+                    self._finish(*item)
 
     def _ensure_worker(self) -> bool:
         """Start the worker if needed; False once the engine is closed."""
@@ -314,13 +338,16 @@ class ThreadCopyEngine:
             item = self._jobs.get()
             if item is None:
                 return
-            job, copy = item
-            self._execute(job, copy)
-            del item, job  # the copy's source and target must not outlive it here
-            if self._waiting:
-                with self._finished:
-                    self._finished.notify_all()
-            del copy
+            self._finish(*item)
+            del item  # the copy's source and target must not outlive it here
+
+    def _finish(self, job: Callable[[], None], copy: ThreadCopy) -> None:
+        """Run a queued job and wake whoever waits for a copy."""
+        self._execute(job, copy)
+        del job
+        if self._waiting:
+            with self._finished:
+                self._finished.notify_all()
 
 
 def _run_all(jobs: list[Callable[[], None]]) -> Callable[[], None]:
