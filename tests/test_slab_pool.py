@@ -535,3 +535,26 @@ def test_the_ledger_replays_dropped_slabs_as_the_pool_drops_them():
         if region is not None:
             pool.release(region)
             ledger.release(block)
+
+
+# ---------------------------------------------------------------- public API misuse
+
+@pytest.mark.parametrize("cap", [-1, "1GiB", 2.5, True])
+def test_a_bad_cap_is_refused_when_the_pool_is_made(cap):
+    with pytest.raises(ValueError, match=rf"max_bytes: got {cap!r}; expected None or a whole number"):
+        _heap_pool(cap)
+
+
+def test_a_part_of_a_buffer_is_not_taken_for_the_buffer():
+    pool = _heap_pool()
+    buffer = pool.acquire(1000)
+    with pytest.raises(ValueError, match="a buffer of 500 bytes .* not handed out"):
+        pool.release(buffer[:500])  # same address, fewer bytes: not what acquire handed out
+    pool.release(buffer)
+    assert pool.free_bytes == pool.total_bytes
+
+
+@pytest.mark.parametrize("options", [{"latency_s": True}, {"bandwidth_gbps": True}])
+def test_a_bool_is_no_link_setting(options):
+    with pytest.raises(ValueError, match="got True; expected"):
+        ThreadCopyEngine(**options)

@@ -361,10 +361,11 @@ def _run_all(jobs: list[Callable[[], None]]) -> Callable[[], None]:
 def _checked_link(latency_s: float, bandwidth_gbps: float | None) -> tuple[float, float | None]:
     """The emulated link's options, refused when they would hang (1e9 s) or overflow (1e-300 GB/s)."""
     high = ThreadCopyEngine.MAX_LATENCY_S
-    if not (isinstance(latency_s, (int, float)) and 0 <= latency_s <= high):
+    if isinstance(latency_s, bool) or not (isinstance(latency_s, (int, float)) and 0 <= latency_s <= high):
         raise ValueError(f"thread engine latency_s: got {latency_s!r}; expected a number from 0 to {high} seconds")
     low, top = ThreadCopyEngine.BANDWIDTH_GBPS
-    if bandwidth_gbps is not None and not (isinstance(bandwidth_gbps, (int, float)) and low <= bandwidth_gbps <= top):
+    if bandwidth_gbps is not None and (isinstance(bandwidth_gbps, bool) or not (
+            isinstance(bandwidth_gbps, (int, float)) and low <= bandwidth_gbps <= top)):
         raise ValueError(f"thread engine bandwidth_gbps: got {bandwidth_gbps!r}; expected null or a number "
                          f"from {low:g} to {top:g} GB/s")
     return float(latency_s), None if bandwidth_gbps is None else float(bandwidth_gbps)
