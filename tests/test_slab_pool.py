@@ -16,7 +16,8 @@ from swapkit.engine import HostPool, ThreadCopyEngine, make_pool
 from swapkit.engine.pinned import PAGE, pinned_host_memory
 from swapkit.engine.slabs import (EXACT, EXACT_FROM, LARGEST_SLAB, SHARED, SMALLEST_SLAB, SlabAllocator, SlabLedger,
                                   next_slab_bytes, round_up, slab_kind)
-from tests.toys import GatedEngine, bench_module, install_engine, layer_swap, llama, llama_batch, llama_step, toy_config
+from tests.toys import (GatedEngine, ToyNet, bench_module, install_engine, layer_swap, llama, llama_batch, llama_step,
+                        toy_config)
 
 MiB = 1 << 20
 
@@ -558,3 +559,27 @@ def test_a_part_of_a_buffer_is_not_taken_for_the_buffer():
 def test_a_bool_is_no_link_setting(options):
     with pytest.raises(ValueError, match="got True; expected"):
         ThreadCopyEngine(**options)
+
+
+# ---------------------------------------------------------------- copy failures
+
+class _FailsEveryCopy(ThreadCopyEngine):
+    def _copy_region(self, region, sources, where=""):
+        raise MemoryError("host copy failed")
+
+
+def test_failed_steps_give_their_host_regions_back():
+    model = ToyNet(layers=4)
+    session = swapkit.apply(model, toy_config(4, **layer_swap(1, offload_batch_bytes=0)), layers="layers")
+    install_engine(session, _FailsEveryCopy())
+
+    def failing_step() -> None:
+        with pytest.raises(MemoryError, match="host copy failed"):
+            with session:
+                model(torch.randn(4, 16)).sum().backward()
+
+    for _ in range(3):
+        failing_step()
+        gc.collect()
+        assert session.pool.free_bytes == session.pool.total_bytes, "a failed copy's error kept its records alive"
+    session.remove()

@@ -26,6 +26,7 @@ import queue
 import sys
 import threading
 import time
+from copy import copy as shallow_copy
 from typing import Callable
 
 import torch
@@ -243,7 +244,7 @@ class ThreadCopyEngine:
         """Raise a copy's error; once raised it is no longer pending for ``synchronize``."""
         if self._error is error:
             self._error = None
-        raise error
+        raise _reported(error)
 
     def synchronize(self) -> None:
         """Wait for every queued copy; raise the first copy that failed since the last call."""
@@ -348,6 +349,27 @@ class ThreadCopyEngine:
         if self._waiting:
             with self._finished:
                 self._finished.notify_all()
+
+
+# Note [A reported copy error holds no frames]
+# A failed copy's error stays on its ThreadCopy, which its batch holds, which its records hold. Raising
+# that very object would append the frames it passes through (an unpack hook, the backward) to its
+# ``__traceback__``, and those frames hold tensors whose autograd graph holds the records: a cycle
+# through C++ autograd nodes the cyclic collector cannot see, so every failed step kept its records,
+# and the pool its host regions, forever. Each report therefore raises a copy of the error (same type,
+# arguments and worker-side traceback, chained to the original's cause): the frames go on the copy,
+# which the caller owns and drops. An error that cannot be copied is raised as it is.
+
+
+def _reported(error: BaseException) -> BaseException:
+    """A copy of a stored copy error to raise (Note [A reported copy error holds no frames])."""
+    try:
+        raised = shallow_copy(error)
+    except Exception:  # noqa: BLE001 - an exotic constructor: raise the original
+        return error
+    raised.__cause__, raised.__context__ = error.__cause__, error.__context__
+    raised.__suppress_context__ = error.__suppress_context__
+    return raised.with_traceback(error.__traceback__)
 
 
 def _run_all(jobs: list[Callable[[], None]]) -> Callable[[], None]:
