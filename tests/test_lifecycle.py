@@ -181,6 +181,37 @@ def test_remove_while_a_graph_is_pending_leaks_no_thread_and_backward_still_work
     assert copy_threads() == before
 
 
+class _ClosesOnEntry:
+    """The engine's queue lock, but the first entry closes the engine first: a copy submitted from
+    another thread while ``session.remove()`` closes the engine, at the worst moment."""
+
+    def __init__(self, engine: ThreadCopyEngine) -> None:
+        self.engine, self.lock, self.closed = engine, engine._queue_lock, False
+
+    def __enter__(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.engine.close()
+        self.lock.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.lock.release()
+
+
+def test_a_copy_queued_while_the_engine_closes_still_runs():
+    engine = ThreadCopyEngine()
+    engine.synchronize()
+    engine.wait(engine.offload(torch.zeros(8, dtype=torch.uint8), torch.empty(8, dtype=torch.uint8)))
+    engine._queue_lock = _ClosesOnEntry(engine)
+    src, dst = torch.arange(8, dtype=torch.uint8), torch.zeros(8, dtype=torch.uint8)
+    copy = engine.offload(src, dst)  # the worker stops between its check and its put
+    waiter = threading.Thread(target=engine.wait, args=(copy,), daemon=True)
+    waiter.start()
+    waiter.join(2.0)
+    assert not waiter.is_alive(), "wait hangs: the copy was queued behind the stopped worker"
+    assert copy.done and torch.equal(dst, src)
+
+
 def test_stats_after_remove_are_the_last_steps_pool_included():
     """remove() empties the host pool; the stats of the last step still report the bytes it held."""
     model = ToyNet(layers=3)

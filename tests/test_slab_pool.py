@@ -14,9 +14,10 @@ import torch
 import swapkit
 from swapkit.engine import HostPool, ThreadCopyEngine, make_pool
 from swapkit.engine.pinned import PAGE, pinned_host_memory
-from swapkit.engine.slabs import (EXACT, EXACT_FROM, LARGEST_SLAB, SHARED, SMALLEST_SLAB, SlabAllocator,
+from swapkit.engine.slabs import (EXACT, EXACT_FROM, LARGEST_SLAB, SHARED, SMALLEST_SLAB, SlabAllocator, SlabLedger,
                                   next_slab_bytes, round_up, slab_kind)
-from tests.toys import GatedEngine, bench_module, install_engine, layer_swap, llama, llama_batch, llama_step, toy_config
+from tests.toys import (GatedEngine, ToyNet, bench_module, install_engine, layer_swap, llama, llama_batch, llama_step,
+                        toy_config)
 
 MiB = 1 << 20
 
@@ -501,3 +502,84 @@ def test_host_pool_benchmark_records_exact_bytes_and_no_growth(tmp_path):
         assert row["data_bytes"] <= pool["held_bytes"] < row["power_of_two"]["held_bytes"]
         assert row["power_of_two"]["measured"] is False  # modelled on CPU, and the report says so
     assert rows["Llama-3-8B layer"]["slab_pool_ratio"] == 1.0  # every activation has an exact slab
+
+
+# ---------------------------------------------------------------- growing shapes
+
+def _heap_pool(cap=None):
+    return HostPool(lambda n: torch.empty(n, dtype=torch.uint8), cap)
+
+
+def test_a_growing_shape_does_not_keep_every_outgrown_slab():
+    pool = _heap_pool()
+    for i in range(10):  # one live region per step, a longer sequence every step
+        pool.release(pool.acquire(EXACT_FROM + i * 64 * 1024))
+    assert pool.total_bytes == EXACT_FROM + 9 * 64 * 1024  # only the slab the last region fits in
+    assert pool.allocations == 10
+
+
+def test_the_cap_drops_free_slabs_before_refusing_a_region():
+    pool = _heap_pool(cap=EXACT_FROM + 8192)
+    for n in (EXACT_FROM, EXACT_FROM + 4096, EXACT_FROM + 8192):  # each fits the cap alone; nothing else is held
+        region = pool.acquire(n)
+        assert region is not None, f"{n} bytes refused with every slab free"
+        pool.release(region)
+    assert pool.total_bytes == EXACT_FROM + 8192
+
+
+def test_the_ledger_replays_dropped_slabs_as_the_pool_drops_them():
+    pool, ledger = _heap_pool(cap=EXACT_FROM + 8192), SlabLedger(max_bytes=EXACT_FROM + 8192)
+    for n in (EXACT_FROM, EXACT_FROM + 8192, 300, EXACT_FROM + 4096, 5000):
+        region, block = pool.acquire(n), ledger.acquire(n)
+        assert (region is None) == (block is None)
+        assert pool.total_bytes == ledger.held_bytes
+        if region is not None:
+            pool.release(region)
+            ledger.release(block)
+
+
+# ---------------------------------------------------------------- public API misuse
+
+@pytest.mark.parametrize("cap", [-1, "1GiB", 2.5, True])
+def test_a_bad_cap_is_refused_when_the_pool_is_made(cap):
+    with pytest.raises(ValueError, match=rf"max_bytes: got {cap!r}; expected None or a whole number"):
+        _heap_pool(cap)
+
+
+def test_a_part_of_a_buffer_is_not_taken_for_the_buffer():
+    pool = _heap_pool()
+    buffer = pool.acquire(1000)
+    with pytest.raises(ValueError, match="a buffer of 500 bytes .* not handed out"):
+        pool.release(buffer[:500])  # same address, fewer bytes: not what acquire handed out
+    pool.release(buffer)
+    assert pool.free_bytes == pool.total_bytes
+
+
+@pytest.mark.parametrize("options", [{"latency_s": True}, {"bandwidth_gbps": True}])
+def test_a_bool_is_no_link_setting(options):
+    with pytest.raises(ValueError, match="got True; expected"):
+        ThreadCopyEngine(**options)
+
+
+# ---------------------------------------------------------------- copy failures
+
+class _FailsEveryCopy(ThreadCopyEngine):
+    def _copy_region(self, region, sources, where=""):
+        raise MemoryError("host copy failed")
+
+
+def test_failed_steps_give_their_host_regions_back():
+    model = ToyNet(layers=4)
+    session = swapkit.apply(model, toy_config(4, **layer_swap(1, offload_batch_bytes=0)), layers="layers")
+    install_engine(session, _FailsEveryCopy())
+
+    def failing_step() -> None:
+        with pytest.raises(MemoryError, match="host copy failed"):
+            with session:
+                model(torch.randn(4, 16)).sum().backward()
+
+    for _ in range(3):
+        failing_step()
+        gc.collect()
+        assert session.pool.free_bytes == session.pool.total_bytes, "a failed copy's error kept its records alive"
+    session.remove()

@@ -85,7 +85,7 @@ class HostPool:
                  fence: Callable[[], Fence | None] | None = None, granule: int = 1,
                  alignment: int = ALIGNMENT) -> None:
         self._allocate, self._fence, self._granule = allocate, fence, granule
-        self.max_bytes = max_bytes
+        self.max_bytes = _checked_cap(max_bytes)
         self._slabs = SlabAllocator(alignment)
         self._memory: dict[int, torch.Tensor] = {}  # slab id -> its bytes (dropped by ``clear``)
         self._live: dict[int, tuple[Block, torch.Tensor]] = {}  # data_ptr -> a buffer handed out
@@ -161,6 +161,8 @@ class HostPool:
 
     def _give_back(self, buffer: torch.Tensor) -> None:
         entry = self._live.pop(buffer.data_ptr(), None)
+        if entry is not None and entry[1].numel() != buffer.numel():  # a part of a buffer, at its start
+            self._live[buffer.data_ptr()], entry = entry, None
         if entry is None:
             raise ValueError(f"swapkit host pool: a buffer of {buffer.numel()} bytes at {buffer.data_ptr():#x} "
                              "was not handed out by this pool, or was given back twice")
@@ -208,7 +210,10 @@ class HostPool:
         self._kept_bytes = 0
 
     def _grow(self, nbytes: int, kind: int) -> Block | None:
-        """Open a slab sized by :func:`~swapkit.engine.slabs.next_slab_bytes` and allocate from it."""
+        """Drop the outgrown free slabs of ``kind``, open one sized by :func:`~swapkit.engine.slabs.next_slab_bytes`
+        and allocate from it (Note [Slab sizes] in ``swapkit.engine.slabs``)."""
+        for slab in self._slabs.drop_free_slabs(kind):
+            del self._memory[slab]  # wholly free: no view handed out, no copy in flight (Note [Slab lifetimes])
         size = next_slab_bytes(nbytes, self._slabs.held_bytes, self.max_bytes, self._granule)
         if size is None:
             return None
@@ -238,3 +243,11 @@ class HostPool:
         self._slabs.free(block)  # cleared: the slab goes once all of it is back
         if self._slabs.is_free(block.slab):
             self._slabs.remove_slab(block.slab)
+
+
+def _checked_cap(max_bytes: int | None) -> int | None:
+    """``max_bytes`` as given, refused unless ``None`` or a whole number of bytes >= 0."""
+    if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0):
+        raise ValueError(f"swapkit host pool max_bytes: got {max_bytes!r}; expected None or a whole number of "
+                         "bytes >= 0 (runtime.max_host_bytes)")
+    return max_bytes

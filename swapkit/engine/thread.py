@@ -10,6 +10,14 @@ A graph can outlive its session: ``session.remove()`` (which closes the engine) 
 forward's graph still waits for its backward. That backward still needs its prefetches. A closed
 engine therefore runs each new copy inline on the caller's thread instead of starting a new
 worker: no thread outlives ``close``, and the late backward is still correct.
+
+Note [A copy queued while the engine closes]
+``_submit`` reads ``_worker`` without a lock, so another thread's ``close`` can stop the worker
+between that read and the put: the job lands behind the stop sentinel, no worker ever runs it, and
+whoever waits for it waits forever. So such a job is *stranded*, not lost: ``close`` runs what is
+left in the queue after joining the worker, and ``_submit`` does the same when it sees the engine
+closed after its put. One of the two always sees the job (``_closed`` is set before the worker is
+told to stop), and ``_stranded_lock`` keeps the stranded jobs in queue order, each run once.
 """
 from __future__ import annotations
 
@@ -18,6 +26,7 @@ import queue
 import sys
 import threading
 import time
+from copy import copy as shallow_copy
 from typing import Callable
 
 import torch
@@ -116,6 +125,7 @@ class ThreadCopyEngine:
         self._queue_lock = threading.Lock()
         self._group: tuple[int, list[Callable[[], None]]] | None = None  # Note [Grouped copies]
         self._latency_paid = False  # read and written by whichever thread runs a job
+        self._stranded_lock = threading.Lock()  # Note [A copy queued while the engine closes]
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)
@@ -234,7 +244,7 @@ class ThreadCopyEngine:
         """Raise a copy's error; once raised it is no longer pending for ``synchronize``."""
         if self._error is error:
             self._error = None
-        raise error
+        raise _reported(error)
 
     def synchronize(self) -> None:
         """Wait for every queued copy; raise the first copy that failed since the last call."""
@@ -258,6 +268,7 @@ class ThreadCopyEngine:
             self._jobs.put(None)
             worker.join()
             self._closing.clear()
+        self._run_stranded()
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         self._link_delay(src.numel())
@@ -289,7 +300,21 @@ class ThreadCopyEngine:
         with self._queue_lock:  # the last copy queued is the last one in the queue (ThreadFence)
             self._last = copy
             self._jobs.put(item)
+        if self._closed:  # Note [A copy queued while the engine closes]
+            self._run_stranded()
         return copy
+
+    def _run_stranded(self) -> None:
+        """Run, here and in order, the jobs queued behind a stopped worker (Note [A copy queued while the
+        engine closes])."""
+        with self._stranded_lock:
+            while True:
+                try:
+                    item = self._jobs.get_nowait()
+                except queue.Empty:
+                    return
+                if item is not None:
+                    self._finish(*item)
 
     def _ensure_worker(self) -> bool:
         """Start the worker if needed; False once the engine is closed."""
@@ -314,13 +339,37 @@ class ThreadCopyEngine:
             item = self._jobs.get()
             if item is None:
                 return
-            job, copy = item
-            self._execute(job, copy)
-            del item, job  # the copy's source and target must not outlive it here
-            if self._waiting:
-                with self._finished:
-                    self._finished.notify_all()
-            del copy
+            self._finish(*item)
+            del item  # the copy's source and target must not outlive it here
+
+    def _finish(self, job: Callable[[], None], copy: ThreadCopy) -> None:
+        """Run a queued job and wake whoever waits for a copy."""
+        self._execute(job, copy)
+        del job
+        if self._waiting:
+            with self._finished:
+                self._finished.notify_all()
+
+
+# Note [A reported copy error holds no frames]
+# A failed copy's error stays on its ThreadCopy, which its batch holds, which its records hold. Raising
+# that very object would append the frames it passes through (an unpack hook, the backward) to its
+# ``__traceback__``, and those frames hold tensors whose autograd graph holds the records: a cycle
+# through C++ autograd nodes the cyclic collector cannot see, so every failed step kept its records,
+# and the pool its host regions, forever. Each report therefore raises a copy of the error (same type,
+# arguments and worker-side traceback, chained to the original's cause): the frames go on the copy,
+# which the caller owns and drops. An error that cannot be copied is raised as it is.
+
+
+def _reported(error: BaseException) -> BaseException:
+    """A copy of a stored copy error to raise (Note [A reported copy error holds no frames])."""
+    try:
+        raised = shallow_copy(error)
+    except Exception:  # noqa: BLE001 - an exotic constructor: raise the original
+        return error
+    raised.__cause__, raised.__context__ = error.__cause__, error.__context__
+    raised.__suppress_context__ = error.__suppress_context__
+    return raised.with_traceback(error.__traceback__)
 
 
 def _run_all(jobs: list[Callable[[], None]]) -> Callable[[], None]:
@@ -334,10 +383,11 @@ def _run_all(jobs: list[Callable[[], None]]) -> Callable[[], None]:
 def _checked_link(latency_s: float, bandwidth_gbps: float | None) -> tuple[float, float | None]:
     """The emulated link's options, refused when they would hang (1e9 s) or overflow (1e-300 GB/s)."""
     high = ThreadCopyEngine.MAX_LATENCY_S
-    if not (isinstance(latency_s, (int, float)) and 0 <= latency_s <= high):
+    if isinstance(latency_s, bool) or not (isinstance(latency_s, (int, float)) and 0 <= latency_s <= high):
         raise ValueError(f"thread engine latency_s: got {latency_s!r}; expected a number from 0 to {high} seconds")
     low, top = ThreadCopyEngine.BANDWIDTH_GBPS
-    if bandwidth_gbps is not None and not (isinstance(bandwidth_gbps, (int, float)) and low <= bandwidth_gbps <= top):
+    if bandwidth_gbps is not None and (isinstance(bandwidth_gbps, bool) or not (
+            isinstance(bandwidth_gbps, (int, float)) and low <= bandwidth_gbps <= top)):
         raise ValueError(f"thread engine bandwidth_gbps: got {bandwidth_gbps!r}; expected null or a number "
                          f"from {low:g} to {top:g} GB/s")
     return float(latency_s), None if bandwidth_gbps is None else float(bandwidth_gbps)
