@@ -210,10 +210,7 @@ class HostPool:
         self._kept_bytes = 0
 
     def _grow(self, nbytes: int, kind: int) -> Block | None:
-        """Drop the outgrown free slabs of ``kind``, open one sized by :func:`~swapkit.engine.slabs.next_slab_bytes`
-        and allocate from it (Note [Slab sizes] in ``swapkit.engine.slabs``)."""
-        for slab in self._slabs.drop_free_slabs(kind):
-            del self._memory[slab]  # wholly free: no view handed out, no copy in flight (Note [Slab lifetimes])
+        """Open a slab sized by :func:`~swapkit.engine.slabs.next_slab_bytes` and allocate from it."""
         size = next_slab_bytes(nbytes, self._slabs.held_bytes, self.max_bytes, self._granule)
         if size is None:
             return None

@@ -14,13 +14,7 @@ one's slab, which would make that one open a new slab next step). Smaller reques
 the pool holds, from ``smallest`` (1 MiB) up to ``largest`` (64 MiB), so their tails stay small next
 to the total, and one registration serves many of them. Under ``max_host_bytes`` a shared slab that
 would cross the cap is replaced by one of exactly the request, so the cap refuses only what cannot
-fit at all.
-A slab of the request's kind that is wholly free when a new slab must open is dropped first: nothing
-of that kind fitted, so it is too small for the request (a shape that grew: a longer sequence), and
-keeping every outgrown slab would let the pool grow with each new shape and make the cap refuse a
-region while every byte it holds is free. In steady state no slab opens, so none is dropped; shapes
-that go up and down settle on the slabs of the largest ones, which serve the smaller ones too.
-(Measured with ``benchmarks/host_pool.py``: doubling slabs instead held 1.39x the data
+fit at all. (Measured with ``benchmarks/host_pool.py``: doubling slabs instead held 1.39x the data
 of the benchmark model's saved storages; this policy holds 1.01x, power-of-two blocks 1.22x.)
 """
 from __future__ import annotations
@@ -167,13 +161,6 @@ class SlabAllocator:
         self.held_bytes -= nbytes
         return nbytes
 
-    def drop_free_slabs(self, kind: int) -> list[int]:
-        """Forget every wholly free slab of ``kind`` (Note [Slab sizes]); returns their ids."""
-        dropped = [slab for slab in self.sizes if self.kinds[slab] == kind and self.is_free(slab)]
-        for slab in dropped:
-            self.remove_slab(slab)
-        return dropped
-
     def free_ranges(self) -> list[tuple[int, int, int]]:
         """Every free range as (slab, start, end), sorted: what the tests inspect."""
         return sorted((slab, start, start + length) for _, length, slab, start in self._by_length)
@@ -199,8 +186,7 @@ class SlabLedger:
 
     It takes the same steps as the pool: a freed range is kept whole for its exact size (Note [Same-size
     reuse] in ``swapkit.engine.pool``); a request no kept range serves merges them back and takes the
-    best fit in a slab of its kind, else drops the wholly free slabs of that kind and opens one sized by
-    :func:`next_slab_bytes`, else (at the cap)
+    best fit in a slab of its kind, else opens a slab sized by :func:`next_slab_bytes`, else (at the cap)
     takes room in a slab of the other kind. Unlike the pool it has no fences: a range given back is free
     at once (the replay gives ranges back only where their copies have finished).
 
@@ -250,7 +236,6 @@ class SlabLedger:
         self._kept.clear()
 
     def _grow(self, nbytes: int, kind: int) -> Block | None:
-        self.slabs.drop_free_slabs(kind)  # outgrown (Note [Slab sizes])
         size = next_slab_bytes(nbytes, self.slabs.held_bytes, self.max_bytes, self.granule)
         if size is None:
             return None
