@@ -343,9 +343,11 @@ BAD_ARGUMENTS = [  # each was a traceback after minutes of work (ZeroDivisionErr
 ]
 
 
-@pytest.fixture()
+@pytest.fixture(autouse=True)
 def swapkit_log_level():
-    """A benchmark's main() quiets the swapkit logger for its run; later tests need it back."""
+    """A benchmark's main() quiets the swapkit logger for its run; later tests need it back. Used by every test
+    here: one that called microbench.main without it left the logger at ERROR, and a later file's caplog of
+    swapkit's warnings (tests/test_checkpoint_safety.py) saw none."""
     logger = logging.getLogger("swapkit")
     level = logger.level
     yield
