@@ -134,17 +134,26 @@ PyObject* pack(PyObject* self, PyObject* object) {
   END_HANDLE_TH_ERRORS
 }
 
-PyObject* unpack(PyObject*, PyObject* object) {
-  HANDLE_TH_ERRORS
-  if (Py_TYPE(object) != &HandleType) {
-    PyErr_SetString(PyExc_TypeError, "native_save: not a handle of its pack hook");
+// Both unpack hooks' checks: ``object`` is a handle of ``type`` (one that ``hook`` made) and its keeper was not
+// written in place since the save. The handle, or null with the Python error set.
+template <typename H>
+H* checked_handle(PyObject* object, PyTypeObject* type, const char* hook) {
+  if (Py_TYPE(object) != type) {
+    PyErr_Format(PyExc_TypeError, "native_save: not a handle of its %s", hook);
     return nullptr;
   }
-  auto* handle = reinterpret_cast<Handle*>(object);
+  auto* handle = reinterpret_cast<H*>(object);
   if (THPVariable_Unpack(handle->keeper)._version() != handle->version) {
     PyErr_SetString(PyExc_RuntimeError, "native_save: a saved tensor was modified in place");
     return nullptr;
   }
+  return handle;
+}
+
+PyObject* unpack(PyObject*, PyObject* object) {
+  HANDLE_TH_ERRORS
+  auto* handle = checked_handle<Handle>(object, &HandleType, "pack hook");
+  if (handle == nullptr) return nullptr;
   Py_INCREF(handle->keeper);
   return handle->keeper;
   END_HANDLE_TH_ERRORS
@@ -337,15 +346,8 @@ PyObject* swap_pack(PyObject* self, PyObject* object) {
 
 PyObject* swap_unpack(PyObject*, PyObject* object) {
   HANDLE_TH_ERRORS
-  if (Py_TYPE(object) != &SwapHandleType) {
-    PyErr_SetString(PyExc_TypeError, "native_save: not a handle of its swap pack hook");
-    return nullptr;
-  }
-  auto* handle = reinterpret_cast<SwapHandle*>(object);
-  if (THPVariable_Unpack(handle->keeper)._version() != handle->version) {
-    PyErr_SetString(PyExc_RuntimeError, "native_save: a saved tensor was modified in place");
-    return nullptr;
-  }
+  auto* handle = checked_handle<SwapHandle>(object, &SwapHandleType, "swap pack hook");
+  if (handle == nullptr) return nullptr;
   if (handle->record == nullptr || !handle->record->batch->region.defined()) {  // kept, or never copied
     Py_INCREF(handle->keeper);
     return handle->keeper;
