@@ -15,7 +15,9 @@ keepers]), and do nothing else. Two more ways take (d) apart (Note [Taking the s
 cyclic garbage collector off during the step, (h) as (d) with every copy run on the thread that queues
 it (CPU only). (i) bounds what a keep could cost without swapkit's Python (Note [What a save path in C
 would still pay]), and (j) what a coalesced swap could (Note [What a swap in C would still pay]); (k) and
-(l) do the same work in C++, as a torch extension would (Note [What a save path in C++ pays]).
+(l) do the same work in C++, as a torch extension would (Note [What a save path in C++ pays]). (m) is (c)
+with ``runtime.native_save: true``: swapkit's own C++ hooks serve the plain keeps (``swapkit.runtime.native``
+Note [The native save path]).
 
 Note [What a save path in C would still pay]
 Way (i) is a pair of plain hooks that make the torch calls and the allocations a keep needs and
@@ -131,6 +133,7 @@ from torch import nn
 
 import swapkit
 from swapkit.engine import ThreadCopyEngine
+from swapkit.runtime.native import NativeBuildError, native_module
 from swapkit.runtime.records import checksum
 
 from common import load_warning, output_dir, positive_int, synchronize, warning_lines
@@ -159,8 +162,9 @@ class TinyModel(nn.Module):
         return self.layers[0](x * self.weight).sum()
 
 
-def _session(model: nn.Module, swap: bool, coalesce: bool = True) -> swapkit.SwapSession:
-    runtime = {"min_offload_bytes": 0, **({} if coalesce else {"offload_batch_bytes": 0})}
+def _session(model: nn.Module, swap: bool, coalesce: bool = True, native: bool = False) -> swapkit.SwapSession:
+    runtime = {"min_offload_bytes": 0, **({} if coalesce else {"offload_batch_bytes": 0}),
+               **({"native_save": True} if native else {})}
     config: dict[str, Any] = {"model": {"model_config": {"num_layers": 1}}, "runtime": runtime}
     if swap:
         config["swap_config"] = {"swap": True, "layer_swap": [{"backward_prefetch": 8, "layers": True}]}
@@ -249,6 +253,16 @@ def _built_native_save(ways: Iterable[str]) -> Any:
         print(f"microbench: ways {', '.join(ways)} left out: their C++ build failed: {lines[-1][:300]}",
               file=sys.stderr)
         return None
+
+
+def _native_session_builds() -> bool:
+    """Can way (m) run? If not, say on stderr why it is left out (``swapkit.runtime.native``)."""
+    try:
+        native_module()
+    except NativeBuildError as err:
+        print(f"microbench: way keep_session_native left out: {err}", file=sys.stderr)
+        return False
+    return True
 
 
 def _keep_native_hooks(module: Any) -> Callable[[], ContextManager]:
@@ -413,7 +427,7 @@ class CollectorClock:
 
 
 WAYS = ("none", "identity", "keep", "swap", "swap_per_tensor", "floor", "swap_no_gc", "swap_inline", "keep_calls",
-        "swap_calls", "keep_native", "swap_native")
+        "swap_calls", "keep_native", "swap_native", "keep_session_native")
 
 
 def run(device: torch.device, length: int, reps: int, width: int = 16, ways: tuple[str, ...] = WAYS) -> dict[str, Any]:
@@ -432,7 +446,10 @@ def run(device: torch.device, length: int, reps: int, width: int = 16, ways: tup
             models.pop(name)
     makers = {"keep": lambda m: _session(m, False), "swap": lambda m: _session(m, True),
               "swap_per_tensor": lambda m: _session(m, True, coalesce=False),
-              "swap_no_gc": lambda m: _session(m, True), "swap_inline": lambda m: _session(m, True)}
+              "swap_no_gc": lambda m: _session(m, True), "swap_inline": lambda m: _session(m, True),
+              "keep_session_native": lambda m: _session(m, False, native=True)}
+    if "keep_session_native" in models and not _native_session_builds():
+        models.pop("keep_session_native")
     sessions = {name: make(models[name]) for name, make in makers.items() if name in models}
     contexts = {"none": contextlib.nullcontext, "identity": _identity_hooks, "floor": _floor_hooks,
                 "keep_calls": _keep_calls_hooks, "swap_calls": _swap_calls_hooks,
@@ -654,7 +671,8 @@ LABELS = {"none": "(a) no hooks", "identity": "(b) identity saved_tensors_hooks"
           "keep_calls": "(i) a keep's torch calls and allocations alone, no swapkit frames",
           "keep_native": "(k) a keep's bookkeeping in C++ (a torch extension), no Python per save",
           "swap_native": "(l) a coalesced swap's bookkeeping and copies in C++, no Python per save",
-          "swap_calls": "(j) a coalesced swap's torch calls and allocations alone, no swapkit frames"}
+          "swap_calls": "(j) a coalesced swap's torch calls and allocations alone, no swapkit frames",
+          "keep_session_native": "(m) as (c), runtime.native_save: true (swapkit's C++ hooks)"}
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from swapkit.plan.presets import preset_for_model_type
 from swapkit.runtime.resolve import model_type, resolve_plan
 from swapkit.runtime.scope import ScopeTracker
 from swapkit.runtime.detach import applied, carries_swapkit, mark, shallow_copy_message
+from swapkit.runtime.native import native_module
 from swapkit.runtime.session import SwapSession
 from swapkit.runtime.stage_binding import as_chunks, bind_stage, check_layout_across_ranks
 from swapkit.runtime.stage_session import StageSession
@@ -94,9 +95,24 @@ def apply(model: nn.Module | Sequence[nn.Module], config: Config | Plan | Mappin
         micro_batch_num = loaded.parallel.micro_batch_num if loaded is not None else None
         session = StageSession(chunks, stage, binding.model, binding, plan, tracker, recompute,
                                micro_batch_num=micro_batch_num)
+    _check_native(plan, session)
     for chunk in chunks:  # set last: swapkit.runtime.detach Note [Copies and pickles of a model ...]
         mark(chunk, session)
     return session
+
+
+def _check_native(plan: Plan, session: SwapSession) -> None:
+    """``runtime.native_save``: build the C++ hooks now, so that a missing compiler fails here rather than at
+    the first step; on a pipeline stage say that it does nothing (swapkit.runtime.native Note [The native save
+    path])."""
+    if not plan.runtime.native_save:
+        return
+    if not session.native_supported:
+        logger.warning("swapkit: runtime.native_save: true has no effect on a pipeline stage: its saves open "
+                       "micro-steps, which only the Python hooks handle (Note [The native save path] in "
+                       "swapkit.runtime.native); set it to false for stages")
+        return
+    native_module()
 
 
 def _refuse_shared_layers(binding: Any, owner: str) -> None:

@@ -18,7 +18,7 @@ import swapkit
 from swapkit.runtime import dynamo as dynamo_module
 from swapkit.runtime import session as session_module
 from swapkit.runtime.overrides import NOT_ENTERED
-from tests.toys import SMALL, ReadyWhenDone, grads, install_engine, llama, llama_batch, llama_step
+from tests.toys import SMALL, ReadyWhenDone, grads, install_engine, llama, llama_batch, llama_step, require_native
 
 CFG = dataclasses.replace(SMALL, num_layers=2)
 VARIANTS = {
@@ -28,6 +28,7 @@ VARIANTS = {
     "select_recompute": {"recompute_config": {"select_recompute": True}},
     "full_recompute": {"recompute_config": {"recompute": True}},
 }
+KEEP_ONLY = {"keep_only": {}}  # not in VARIANTS: the tests of those check what swaps and recomputes did
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -73,6 +74,8 @@ def reference_grads(backend: str) -> tuple[list[torch.Tensor], dict]:
 
 
 def config(variant: str) -> dict:
+    if variant in KEEP_ONLY:
+        return {"model": {"model_config": {"num_layers": CFG.num_layers}}, "runtime": {}}
     return {"model": {"model_config": {"num_layers": CFG.num_layers}},
             "runtime": {"min_offload_bytes": 0, "skip_tail_offload": False}, **VARIANTS[variant]}
 
@@ -168,11 +171,16 @@ def test_inductor_on_cuda_swap_is_exact_given_the_same_graphs(variant):
     assert all(torch.equal(got[name], ref[name]) for name in got), "gradients differ"
 
 
-def whole_model_run(variant: str | None, backend: str, step_compiled: bool) -> tuple[list, dict, object]:
-    """``torch.compile`` of the whole model (or of the whole training step, backward included)."""
+def whole_model_run(variant: str | None, backend: str, step_compiled: bool,
+                    native: bool = False) -> tuple[list, dict, object]:
+    """``torch.compile`` of the whole model (or of the whole training step, backward included); ``native``:
+    ``runtime.native_save``."""
     torch._dynamo.reset()
     model = llama(cfg=CFG)
-    session = None if variant is None else swapkit.apply(model, config(variant), layers="layers")
+    settings = config(variant) if variant is not None else None
+    if native:
+        settings["runtime"] = {**settings["runtime"], "native_save": True}
+    session = None if variant is None else swapkit.apply(model, settings, layers="layers")
     if session is not None:
         install_engine(session, ReadyWhenDone())
     step = torch.compile(llama_step, backend=backend) if step_compiled else llama_step
@@ -204,6 +212,23 @@ def test_whole_model_compile_runs_the_session_hooks_eagerly(variant, step_compil
         assert stats.prefetched_bytes == stats.offloaded_bytes > 0
     if variant == "select_recompute":
         assert stats.recomputed_output_bytes > 0 and stats.output_recomputes == 2 * CFG.num_layers
+
+
+@pytest.mark.parametrize("variant,step_compiled", [("keep_only", False), ("keep_only", True), ("layer_swap", True)])
+def test_whole_model_compile_with_the_native_hooks(variant, step_compiled):
+    """swapkit.runtime.native Note [The native save path]: the C++ hooks are builtins, which Dynamo never traces;
+    the Python hooks behind them stay marked. The same bits as without swapkit, and the C++ served saves."""
+    require_native()
+    ref_losses, ref_grads = whole_model_reference(step_compiled)
+    losses, got, session = whole_model_run(variant, "aot_eager", step_compiled, native=True)
+    assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
+    assert all(torch.equal(got[name], ref_grads[name]) for name in got), "gradients differ"
+    packs, unpacks = session.native_counts
+    assert packs > 0 and unpacks > 0
+    if variant == "layer_swap":
+        assert session.stats.prefetched_bytes == session.stats.offloaded_bytes > 0
+    with session:
+        assert session_module.active_session() is session
 
 
 def test_whole_model_compile_with_the_disable_wrappers_of_an_older_torch(monkeypatch):

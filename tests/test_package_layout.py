@@ -191,3 +191,16 @@ def test_only_integrations_import_transformers():
 
     users = sorted(name for name, path in all_modules().items() if imports_transformers(path))
     assert users == ["swapkit.integrations.transformers"]
+
+
+def test_the_native_hooks_source_ships_in_the_package():
+    """``runtime.native_save`` builds ``native_save.cpp`` from the installed package (swapkit.runtime.native): a wheel
+    without it would fail at the first apply. The package data must name it."""
+    import fnmatch
+    import tomllib
+
+    from swapkit.runtime.native import SOURCE
+
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    assert SOURCE.is_file() and SOURCE.parent == PACKAGE / "runtime"
+    assert any(fnmatch.fnmatch(SOURCE.name, pattern) for pattern in data["swapkit.runtime"])

@@ -6,6 +6,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -148,6 +149,18 @@ class FailsOnSecondCopy(ThreadCopyEngine):
         if self.offloads == 2:
             return self._submit(lambda: (_ for _ in ()).throw(MemoryError("host copy failed")))
         return super().offload(src, dst)
+
+
+def require_native():
+    """swapkit's C++ hooks (``runtime.native_save``), built; a skip only where this machine has no C++ compiler
+    or ninja, a failed build fails the test."""
+    import shutil
+
+    from swapkit.runtime import native
+
+    if not any(shutil.which(name) for name in ("c++", "g++", "clang++")) or not shutil.which("ninja"):
+        pytest.skip("runtime.native_save needs a C++ compiler and ninja (torch.utils.cpp_extension)")
+    return native.native_module()
 
 
 def bench_module(name: str):

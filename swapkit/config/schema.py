@@ -161,6 +161,7 @@ RUNTIME_KEYS = {
     "skip_tail_offload": Key(boolean, True),
     "verify": Key(boolean, False),
     "offload_batch_bytes": Key(F.byte_count(0), 16 << 20),
+    "native_save": Key(boolean, False),
 }
 ENGINE_OPTION_KEYS = {
     "latency_s": Key(number(0, maximum=LIMITS["latency_s"]), 0.0),

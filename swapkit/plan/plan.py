@@ -220,12 +220,13 @@ def _idle_reentrant(rc: Any, layers: tuple[LayerPlan, ...]) -> list[str]:
 
 
 def inactive_runtime(runtime: RuntimeConfig) -> list[str]:
-    """Every ``runtime`` key tunes swapping (its engine, host pool, batches and checks): set to other than
-    its default where the plan swaps nothing, each does nothing. A default written out is not told apart
-    from one left out, and says nothing either way."""
+    """Every ``runtime`` key but ``native_save`` tunes swapping (its engine, host pool, batches and checks):
+    set to other than its default where the plan swaps nothing, each does nothing. ``native_save`` serves a
+    keep-only session's saves too (swapkit.runtime.native Note [The native save path]). A default written
+    out is not told apart from one left out, and says nothing either way."""
     return [f"runtime.{name}: {show(value)} has no effect: swap_config swaps nothing on this model; set "
             f"swap_config.swap: true with a layer_swap or op_swap, or drop runtime.{name}"
-            for name, value in _changed(runtime, RuntimeConfig())]
+            for name, value in _changed(runtime, RuntimeConfig()) if name != "native_save"]
 
 
 def _changed(settings: Any, defaults: Any, prefix: str = "") -> list[tuple[str, Any]]:

@@ -170,8 +170,9 @@ class RecomputedOutput:
 
 
 class RecomputableOutputs:
-    """The outputs of a step's selected scopes that a later save may stand in for, by storage: ``id(storage)``
-    -> a weak reference to the storage (a recycled id is caught) and its :class:`RecomputedOutput`."""
+    """The outputs of a step's selected scopes that a later save may stand in for, by storage: its key
+    (:func:`~swapkit.runtime.records.storage_key`) -> a weak reference to the storage (a recycled key is
+    caught) and its :class:`RecomputedOutput`."""
 
     __slots__ = ("device", "entries")
 
@@ -186,7 +187,7 @@ class RecomputableOutputs:
             if not is_plain(output):
                 continue
             storage = output.untyped_storage()
-            key = id(storage)
+            key = storage._cdata  # records.storage_key
             if key in inputs or key in parameters or output.device != self.device or not storage.nbytes():
                 continue  # an input passed through, or nothing to free
             entry = RecomputedOutput(recipe, index, output._version, storage.nbytes())

@@ -146,12 +146,13 @@ make_saved = functools.partial(tuple.__new__, Saved)
 class KeptRecord(list):
     """A storage that stays on the device; exists for storage de-duplication and accounting.
 
-    ``KeptRecord((step, nbytes, version, storage))``, read by name. Most saves of a step that keeps are
+    ``KeptRecord((step, nbytes, version, keeper))``, read by name. Most saves of a step that keeps are
     each a new storage, so a record is built at nearly every save: as a list it is built by one C call,
     where a class's ``__init__`` costs a Python frame (``swapkit.runtime.step`` Note [The cost of a save];
     :class:`Saved` is a tuple for the same reason, but a tuple takes no weak reference, which the
-    step's storage index holds). It holds its storage: that adds no lifetime, since every handle of
-    the record holds a keeper of the same storage."""
+    step's storage index holds). It holds its first save's keeper, and so its storage: that adds no
+    lifetime, since every handle of the record holds a keeper of the same storage. While it lives, no
+    other storage can have its index key (:func:`storage_key`)."""
 
     __slots__ = ("__weakref__",)
     __eq__, __ne__, __hash__ = object.__eq__, object.__ne__, object.__hash__  # a record is equal only to itself
@@ -163,7 +164,7 @@ class KeptRecord(list):
 
     def storage(self) -> torch.UntypedStorage:
         """The storage this record stands for (``SwapRecord.storage`` is a weak reference)."""
-        return self[3]
+        return self[3].untyped_storage()
 
     def __del__(self) -> None:  # Note [Record lifetime]
         self[0].bytes_changed(-self[1])
@@ -368,6 +369,15 @@ def view_on(storage: torch.UntypedStorage, at: int, meta: tuple,
     if neg:
         out = torch._neg_view(out)
     return out.conj() if conj else out
+
+
+def storage_key(tensor: torch.Tensor) -> int:
+    """The key of ``tensor``'s storage in a step's storage index: the address of its ``StorageImpl``
+    (``UntypedStorage._cdata``), which the native save path reads without making the Python storage
+    object (``swapkit.runtime.native`` Note [The native save path]). Unique among live storages; a
+    record that does not keep its storage alive checks identity too (``swapkit.runtime.step`` Note [The
+    cost of a save])."""
+    return tensor.untyped_storage()._cdata
 
 
 def is_plain(tensor: torch.Tensor) -> bool:

@@ -71,12 +71,13 @@ from swapkit.plan.plan import Plan, swap_counts
 from swapkit.runtime.detach import unmark
 from swapkit.runtime.dynamo import out_of_dynamo
 from swapkit.runtime.kv_cache import swap_cache_warning
+from swapkit.runtime.native import native_hooks
 from swapkit.runtime.overrides import (FROZEN, HF_CHECKPOINT, NO_GRAD, NOT_ENTERED, OTHER_HOOKS, SHARED_FIX,
                                        distance_key, entry_cause, idle_message, shared_cause, small_message,
                                        unused_message)
 from swapkit.runtime.recipes import PackedInput, Recipe, tensor_leaves
 from swapkit.runtime.recompute import Recompute
-from swapkit.runtime.records import Saved, SwapRecord, is_plain, make_saved
+from swapkit.runtime.records import Saved, SwapRecord, is_plain, make_saved, storage_key
 from swapkit.runtime.region_inputs import aliased_elements, substituted
 from swapkit.runtime.scope import Frame, ScopeTracker
 from swapkit.runtime.stats import SwapStats
@@ -109,6 +110,7 @@ class SwapSession:
         self._forward_ticks: int | None = None  # forward length of the last step, for the tail
         self._hooks: Any = None
         self._hook_pair: tuple[Any, Any] | None = None  # swapkit.runtime.dynamo Note [Saved-tensor hooks ...]
+        self._native: tuple[Any, Any, Any] | None = None  # C++ (pack, unpack, saver): Note [The native save path]
         self._removed = False
         self._final_stats: SwapStats | None = None  # what stats said when remove() ran
         self._entry_lock = threading.Lock()
@@ -143,7 +145,7 @@ class SwapSession:
             self._ensure_engine()
             self._start_step()
             self.tracker.reset()
-            self._hook_pair = out_of_dynamo(self._pack, self._unpack)
+            self._hook_pair = self._hooks_to_install()
             hooks = torch.autograd.graph.saved_tensors_hooks(*self._hook_pair)  # Note [Saved-tensor hooks ...]
             hooks.__enter__()
             self._hooks = hooks
@@ -151,6 +153,25 @@ class SwapSession:
             self._owner = None
             raise
         return self
+
+    #: pipeline stages keep the Python hooks (swapkit.runtime.native Note [The native save path])
+    native_supported = True
+
+    def _hooks_to_install(self) -> tuple[Any, Any]:
+        """The Python hooks, marked for Dynamo to skip, or the C++ hooks that fall back to them
+        (``runtime.native_save``: swapkit.runtime.native Note [The native save path])."""
+        pair = out_of_dynamo(self._pack, self._unpack)
+        if not (self.plan.runtime.native_save and self.native_supported):
+            return pair
+        if self._native is None:
+            self._native = native_hooks(self)
+        return self._native[:2]
+
+    @property
+    def native_counts(self) -> tuple[int, int] | None:
+        """``(saves, unpacks)`` the C++ hooks served so far (``None``: they are not installed): Note [The
+        native save path] in swapkit.runtime.native."""
+        return self._native[2].counts() if self._native is not None else None
 
     def _claim(self) -> None:
         """Note [One session per thread, one thread per session]"""
@@ -178,6 +199,8 @@ class SwapSession:
     def _leave(self, exc_type: Any) -> None:
         hooks, self._hooks = self._hooks, None
         hooks.__exit__(None, None, None)
+        if self._native is not None:
+            self._native[2].forget_step()  # the session keeps its step; the hooks need none outside the block
         self.tracker.reset()
         step = self._step
         if exc_type is None and step.clock == 0 and step.unused_swaps():
@@ -267,7 +290,7 @@ class SwapSession:
             found = aliased_elements(value, lambda tensor: id(tensor) if id(tensor) in packed else None)
             return substituted(value, {key: packed[i] for key, i in found.items()}, copies) if found else value
 
-        inputs = {id(v.untyped_storage()) for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)
+        inputs = {storage_key(v) for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)
                   and is_plain(v)}
         packed_args, packed_kwargs = tuple(pack(a) for a in args), {k: pack(v) for k, v in kwargs.items()}
         packed_args = tuple(pack_aliases(a) for a in packed_args)  # after every top-level tensor was packed
@@ -284,7 +307,7 @@ class SwapSession:
         if previous is not None:
             previous.close(superseded=True)
         self._steps += 1
-        params = {id(t.untyped_storage()) for t in chain(self.model.parameters(), self.model.buffers())}
+        params = {storage_key(t) for t in chain(self.model.parameters(), self.model.buffers())}
         self._step = Step(self._steps, self.engine, self.pool, self.plan.runtime, params, self._forward_ticks,
                           self._backward_began, tuple(self.tracker.swap_scopes))
         self._step.layers_ran_before = continued and previous.layers_ran()  # overrides Note [Swaps nobody reports]
@@ -466,6 +489,8 @@ def active_session() -> SwapSession | None:
     top = torch._C._autograd._top_saved_tensors_default_hooks(False)
     pack = getattr(top[0], "__wrapped__", top[0]) if top else None  # a torch.compiler.disable wrapper or not
     owner = getattr(pack, "__self__", None)
+    if not isinstance(owner, SwapSession):
+        owner = getattr(owner, "session", None)  # the C++ hooks' Saver (swapkit.runtime.native)
     return owner if isinstance(owner, SwapSession) else None
 
 

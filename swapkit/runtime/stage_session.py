@@ -45,7 +45,7 @@ from swapkit.runtime.binding import container_label
 from swapkit.runtime.detach import AttachedHook, unmark
 from swapkit.runtime.microsteps import Key, MicroStep, MicroSteps, MicroStepStats
 from swapkit.runtime.overrides import entry_cause
-from swapkit.runtime.records import Saved, make_saved
+from swapkit.runtime.records import Saved, make_saved, storage_key
 from swapkit.runtime.scope import Frame
 from swapkit.runtime.session import SwapSession
 from swapkit.runtime.stats import SwapStats
@@ -63,6 +63,8 @@ class StageSession(SwapSession):
         ...     schedule.step(x) if rank == 0 else schedule.step(target=y, losses=losses)
         >>> session.stats.micro_steps, session.stats.peak_device_bytes  # doctest: +SKIP
     """
+
+    native_supported = False  # saves open micro-steps: swapkit.runtime.native Note [The native save path]
 
     def __init__(self, chunks: list[nn.Module], stage: int, *args: Any, micro_batch_num: int | None = None) -> None:
         """``args``: :class:`SwapSession`'s; ``micro_batch_num``: the config's, compared with what ran
@@ -137,7 +139,7 @@ class StageSession(SwapSession):
 
     def _new_micro_step(self, key: Key, tail_ticks: int | None) -> MicroStep:
         self._steps += 1
-        params = {id(t.untyped_storage()) for t in chain(self.model.parameters(), self.model.buffers())}
+        params = {storage_key(t) for t in chain(self.model.parameters(), self.model.buffers())}
         return MicroStep(self._group, key, self._steps, self.engine, self.pool, self.plan.runtime, params,
                          tail_ticks, swap_scopes=tuple(self.tracker.swap_scopes))
 

@@ -77,10 +77,12 @@ attribute read there. What keeps them lean, each giving the same guarantee as th
 - ``save`` makes one index lookup; a storage already recorded in this step costs a detach and a
   handle, and everything else a new storage needs (parameter, device and recompute checks, the
   record, the accounting) happens once, in ``_first_save``;
-- the storage index maps ``id(storage)`` to one weak reference to the record; the record knows its
-  storage (a :class:`KeptRecord` holds it, which adds no lifetime because each of its handles holds a
-  keeper of that storage; a :class:`SwapRecord` holds a weak reference), so a recycled id is still
-  caught by ``record.storage() is storage``; a kept record is a list, built without a Python frame;
+- the storage index maps the storage's key (its ``StorageImpl`` address,
+  :func:`~swapkit.runtime.records.storage_key`) to one weak reference to the record; a
+  :class:`KeptRecord` holds its first keeper, and so its storage (which adds no lifetime because each
+  of its handles holds a keeper of that storage): while it lives no other storage has its key. A
+  :class:`SwapRecord` lets its storage go at the release and holds a weak reference, so a recycled key
+  is caught by ``record.storage() is storage``; a kept record is a list, built without a Python frame;
 - ``isinstance(t, nn.Parameter)`` runs the metaclass hook (a failing ``getattr`` on the tensor); a plain
   ``torch.Tensor`` that is not a view and has no attributes is no parameter, and the others are asked
   :func:`~swapkit.runtime.records.is_parameter`, which answers from ``type`` and ``__dict__``;
@@ -182,7 +184,7 @@ class Step:
         self.superseded = False  # closed because the session started the next step (session Note [A backward ...])
         self.layers_ran_before = False  # an earlier step of this `with` block ran bound layers (unused_swaps)
         self.watch_unpacks = True  # the session calls unpacked() (Note [The cost of a save])
-        self._index: dict[int, weakref.ref] = {}  # id(storage) -> its record (Note [The cost of a save])
+        self._index: dict[int, weakref.ref] = {}  # storage_key -> its record (Note [The cost of a save])
         self._batch: Batch | None = None  # the open batch (swapkit.runtime.batch Note [Coalesced copies])
         self._producer = engine.producer  # swapkit.runtime.batch Note [A batch has one producer]
         self._release_queued = engine.stream_ordered_release  # Note [Stream-ordered release]
@@ -229,10 +231,10 @@ class Step:
                 or tensor.is_nested or tensor.is_quantized:  # not swapkit.runtime.records.is_plain: inlined
             return make_saved((tensor.detach(), tensor._version, self, tick, None, None, frame))
         storage = tensor.untyped_storage()
-        key, version = id(storage), tensor._version
+        key, version = storage._cdata, tensor._version  # records.storage_key, inlined
         found = self._index.get(key)
         record = found() if found is not None else None
-        if record is None or record.storage() is not storage or record.version != version:
+        if record is None or record.version != version or (record.swapped and record.storage() is not storage):
             return self._first_save(tensor, storage, key, tick, frame, version)  # new, recycled id, or overwritten
         if not record.swapped:
             return make_saved((tensor.detach(), version, self, tick, record, None, frame))
@@ -260,7 +262,7 @@ class Step:
         if not tick & _SETTLE_MASK:
             self.settle()  # bounds the unsettled changes (swapkit.runtime.ledger)
         if record is None:
-            record = KeptRecord((self, nbytes, version, storage))
+            record = KeptRecord((self, nbytes, version, keeper))
             self._index[key] = weakref.ref(record)  # Note [The cost of a save]
             return make_saved((keeper, version, self, tick, record, None, frame))
         self._index[key] = weakref.ref(record)

@@ -1,0 +1,91 @@
+"""The native save path: a session's saved-tensor hooks in C++ (``runtime.native_save: true``).
+
+Note [The native save path]
+A session's pack and unpack hooks run once per saved tensor, and most saves of a step are plain
+keeps: a new storage outside every swap scope, or a storage the step already keeps. In Python
+each costs the hook frames and the torch calls through Python objects (making the storage's Python
+object, ``id``, ``nbytes``): a keep-only session measured about 3.7x the identity hooks per saved
+tensor on a 2-core CPU (``benchmarks/results/overhead``). With ``runtime.native_save`` the session
+installs two C functions instead (``native_save.cpp``, built on first use by
+``torch.utils.cpp_extension``, cached in ``TORCH_EXTENSIONS_DIR``). They serve exactly two cases,
+doing what the Python does, on the same objects:
+- a save that ``Step.save`` would keep with a new :class:`~swapkit.runtime.records.KeptRecord`: a plain
+  ``torch.Tensor`` (no parameter, not a view, no attributes, a storage with bytes on the step's device,
+  no recomputable output registered) outside a swap scope or in the frame of the previous save, while
+  the step runs its forward with no swap record queued and no observer: the step's clock ticks, the
+  stats and the device-bytes ledger count the storage, and the index gets a weak reference to a
+  ``KeptRecord`` as the Python builds it;
+- a save that ``Step.save`` keeps without a record, outside a swap scope: a parameter's storage (one
+  the step already knows as a parameter's), an empty storage, one on another device;
+- a save of a storage whose live ``KeptRecord`` the step has, at the same version: a handle of it;
+- an unpack of such a handle (or of one without a record) whose keeper was not written in place, once
+  the step stopped watching unpacks (``swapkit.runtime.step`` Note [The cost of a save]) and with no
+  observer: the keeper.
+Everything else (parameters, views, swap candidates, swapped records, backward's packs, micro-steps,
+the first unpacks of a backward, a modified keeper's error) goes to the session's own Python hooks,
+unchanged. Neither path knows which one made a handle or a record, so mixing them changes nothing:
+the storage index is keyed by the ``StorageImpl`` address (:func:`~swapkit.runtime.records.storage_key`)
+that both can read, and a ``KeptRecord`` holds its first keeper, not the Python storage object, which
+the C++ never makes. ``SwapSession.native_counts`` says how many saves and unpacks the C++ served.
+
+The C functions are builtins: Dynamo never traces them (no Python frame); the Python hooks they fall
+back to are marked to skip as before (``swapkit.runtime.dynamo`` Note [Saved-tensor hooks stay out of
+Dynamo]). Pipeline stages keep the Python hooks: a stage's saves open micro-steps
+(``swapkit.runtime.stage_session``), which the C++ does not know.
+"""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+from swapkit.runtime.ledger import SETTLE_TICKS
+from swapkit.runtime.records import KeptRecord, Saved
+from swapkit.runtime.step import Step
+
+SOURCE = Path(__file__).with_name("native_save.cpp")
+NAME = "swapkit_native_save"
+
+_lock = threading.Lock()
+_built: list[Any] = []  # the module, or the error its build raised: one build per process
+
+
+class NativeBuildError(RuntimeError):
+    """``runtime.native_save: true``, and the C++ hooks could not be built or loaded."""
+
+
+def native_module() -> Any:
+    """The built extension (Note [The native save path]); built once per process, its failure remembered.
+
+    Raises:
+        NativeBuildError: no C++ compiler, ninja or torch headers, or the build failed; says which and the fix.
+    """
+    with _lock:
+        if not _built:
+            _built.append(_build())
+        found = _built[0]
+    if isinstance(found, NativeBuildError):
+        raise found
+    return found
+
+
+def _build() -> Any:
+    try:
+        from torch.utils.cpp_extension import load
+
+        return load(name=NAME, sources=[str(SOURCE)], extra_cflags=["-O2"])
+    except Exception as err:  # noqa: BLE001 - the build's own errors are many kinds; each is reported as one
+        lines = str(err).strip().splitlines() or [type(err).__name__]
+        return NativeBuildError(
+            f"runtime.native_save: true, but swapkit's C++ save hooks ({SOURCE.name}) could not be built: "
+            f"{lines[-1][:400]}. They need a C++ compiler, ninja (pip install ninja) and torch's headers, as any "
+            "torch.utils.cpp_extension build does; install those, or set runtime.native_save: false (the Python "
+            "hooks do the same work, slower per saved tensor)")
+
+
+def native_hooks(session: Any) -> tuple[Any, Any, Any]:
+    """``(pack, unpack, saver)`` for ``session``, falling back to its Python ``_pack`` and ``_unpack``
+    (Note [The native save path])."""
+    module = native_module()
+    return module.make_hooks(session, session.tracker, session._pack, session._unpack, Saved, KeptRecord, Step,
+                             SETTLE_TICKS)

@@ -1,0 +1,453 @@
+// swapkit's saved-tensor hooks in C++: the keep path of swapkit.runtime.step.Step.save and of the session's
+// unpack, for the saves that need nothing else (Note [The native save path] in swapkit.runtime.native).
+//
+// A Saver stands for one SwapSession. Its pack and unpack are C functions bound to it, installed as the
+// session's saved-tensor hooks. Each save or unpack that is not a plain keep goes to the session's own
+// Python hooks (``slow_pack``, ``slow_unpack``), unchanged; a plain keep does here what the Python does, on
+// the same objects: the step's clock, storage index, stats and device-bytes ledger, the same Saved handle
+// and KeptRecord. Neither path knows which one made a handle or a record.
+#include <torch/extension.h>
+#include <torch/csrc/Device.h>
+#include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+namespace {
+
+// Interned attribute names, read once per call where needed.
+struct Names {
+  PyObject *step, *backward_started, *scheduled, *last_frame, *current, *observer, *clock, *watch_unpacks,
+      *saved_bytes, *prefetch, *entries, *settle, *index, *param_storages, *stats, *bytes_changed,
+      *recomputable, *device;
+};
+Names names;
+
+struct Saver {
+  PyObject_HEAD
+  PyObject* session;  // the SwapSession (its _step, observer)
+  PyObject* tracker;  // its ScopeTracker (current)
+  PyObject* slow_pack;  // the session's Python hooks
+  PyObject* slow_unpack;
+  PyTypeObject* saved_type;  // swapkit.runtime.records.Saved
+  PyTypeObject* kept_type;  // swapkit.runtime.records.KeptRecord
+  PyTypeObject* step_type;  // swapkit.runtime.step.Step: a subclass (a micro-step) saves its own way
+  // What the cached step holds, read once per step (refresh): the step itself is compared by identity.
+  PyObject* step;
+  PyObject* index;  // step._index: storage key -> weakref to its record
+  PyObject* params;  // step.param_storages
+  PyObject* stats;  // step.stats
+  PyObject* changed;  // step.bytes_changed
+  PyObject* recomputable;  // step._recomputable
+  int device_type, device_index;  // step.device
+  int64_t settle_mask;
+  int64_t packs, unpacks;  // saves and unpacks served here, not by the Python hooks
+};
+
+PyTypeObject SaverType = {PyVarObject_HEAD_INIT(nullptr, 0) "swapkit_native_save.Saver"};
+
+// A new reference to attribute ``name`` of ``object``, or null with the error set.
+inline PyObject* attr(PyObject* object, PyObject* name) { return PyObject_GetAttr(object, name); }
+
+// 1: the attribute is true, 0: false, -1: error.
+inline int truth(PyObject* object, PyObject* name) {
+  PyObject* value = attr(object, name);
+  if (value == nullptr) return -1;
+  int result = PyObject_IsTrue(value);
+  Py_DECREF(value);
+  return result;
+}
+
+void clear_step(Saver* saver) {
+  Py_CLEAR(saver->step);
+  Py_CLEAR(saver->index);
+  Py_CLEAR(saver->params);
+  Py_CLEAR(saver->stats);
+  Py_CLEAR(saver->changed);
+  Py_CLEAR(saver->recomputable);
+}
+
+// Read what a fast save needs of ``step`` once; false with the error set.
+bool refresh(Saver* saver, PyObject* step) {
+  clear_step(saver);
+  PyObject* device = attr(step, names.device);
+  if (device == nullptr) return false;
+  if (!THPDevice_Check(device)) {
+    Py_DECREF(device);
+    PyErr_SetString(PyExc_TypeError, "swapkit native save: step.device is not a torch.device");
+    return false;
+  }
+  const at::Device& value = reinterpret_cast<THPDevice*>(device)->device;
+  saver->device_type = static_cast<int>(value.type());
+  saver->device_index = value.index();
+  Py_DECREF(device);
+  saver->index = attr(step, names.index);
+  saver->params = saver->index ? attr(step, names.param_storages) : nullptr;
+  saver->stats = saver->params ? attr(step, names.stats) : nullptr;
+  saver->changed = saver->stats ? attr(step, names.bytes_changed) : nullptr;
+  saver->recomputable = saver->changed ? attr(step, names.recomputable) : nullptr;
+  if (saver->recomputable == nullptr || !PyDict_CheckExact(saver->index) || !PyAnySet_Check(saver->params)) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "swapkit native save: the step's index is no dict");
+    clear_step(saver);
+    return false;
+  }
+  Py_INCREF(step);
+  saver->step = step;
+  return true;
+}
+
+// The step's clock: the tick of this save, and the clock moved past it. -1 with the error set.
+int64_t tick(PyObject* step) {
+  PyObject* clock = attr(step, names.clock);
+  if (clock == nullptr) return -1;
+  int64_t value = PyLong_AsLongLong(clock);
+  Py_DECREF(clock);
+  if (value == -1 && PyErr_Occurred()) return -1;
+  PyObject* next = PyLong_FromLongLong(value + 1);
+  if (next == nullptr) return -1;
+  int failed = PyObject_SetAttr(step, names.clock, next);
+  Py_DECREF(next);
+  return failed ? -1 : value;
+}
+
+// A Saved handle (keeper, version, step, tick, record, None, frame): the Python make_saved, without its call.
+// Steals ``keeper``; null with the error set.
+PyObject* saved(Saver* saver, PyObject* keeper, int64_t version, PyObject* step, int64_t at, PyObject* record,
+                PyObject* frame) {
+  PyObject* handle = saver->saved_type->tp_alloc(saver->saved_type, 7);
+  PyObject* version_object = handle ? PyLong_FromLongLong(version) : nullptr;
+  PyObject* tick_object = version_object ? PyLong_FromLongLong(at) : nullptr;
+  if (tick_object == nullptr) {
+    Py_XDECREF(version_object);
+    Py_XDECREF(handle);
+    Py_DECREF(keeper);
+    return nullptr;
+  }
+  PyObject* items[7] = {keeper, version_object, step, tick_object, record, Py_None, frame};
+  for (int i : {2, 4, 5, 6}) Py_INCREF(items[i]);
+  for (int i = 0; i < 7; i++) PyTuple_SET_ITEM(handle, i, items[i]);
+  return handle;
+}
+
+// ``stats.saved_bytes += nbytes``; false with the error set.
+bool count_saved(PyObject* stats, int64_t nbytes) {
+  PyObject* before = attr(stats, names.saved_bytes);
+  if (before == nullptr) return false;
+  PyObject* amount = PyLong_FromLongLong(nbytes);
+  PyObject* after = amount ? PyNumber_Add(before, amount) : nullptr;
+  Py_DECREF(before);
+  Py_XDECREF(amount);
+  if (after == nullptr) return false;
+  int failed = PyObject_SetAttr(stats, names.saved_bytes, after);
+  Py_DECREF(after);
+  return !failed;
+}
+
+// ``changed(nbytes)`` (the step's ledger) and, every SETTLE_TICKS ticks, ``step.settle()``.
+bool account(Saver* saver, PyObject* step, int64_t nbytes, int64_t at) {
+  PyObject* amount = PyLong_FromLongLong(nbytes);
+  PyObject* result = amount ? PyObject_CallOneArg(saver->changed, amount) : nullptr;
+  Py_XDECREF(amount);
+  if (result == nullptr) return false;
+  Py_DECREF(result);
+  if (at & saver->settle_mask) return true;
+  result = PyObject_CallMethodNoArgs(step, names.settle);
+  Py_XDECREF(result);
+  return result != nullptr;
+}
+
+// 1: the save is a plain keep this path can serve; 0: the Python hooks serve it; -1: error. Every test
+// Step.save and SwapSession._pack make before a keep: not in backward, the session's step running its
+// forward with no swap scheduled, the frame the previous save had, no observer.
+int fast_state(Saver* saver, PyObject* step, PyObject* frame) {
+  if (Py_TYPE(step) != saver->step_type) return 0;
+  int test = truth(step, names.backward_started);
+  if (test != 0) return test < 0 ? -1 : 0;
+  test = truth(step, names.scheduled);
+  if (test != 0) return test < 0 ? -1 : 0;
+  PyObject* last = attr(step, names.last_frame);
+  if (last == nullptr) return -1;
+  Py_DECREF(last);  // compared by identity: the step holds it
+  if (last != frame) return 0;
+  PyObject* observer = attr(saver->session, names.observer);
+  if (observer == nullptr) return -1;
+  Py_DECREF(observer);
+  return observer == Py_None ? 1 : 0;
+}
+
+// What Step._first_save does with a storage the step has no live record of, where the C++ can do the same.
+enum FirstSave { kPython = 0, kKeepRecord = 1, kKeepBare = 2 };
+
+// kKeepRecord: kept with a new KeptRecord; kKeepBare: kept without a record, outside a swap scope (a
+// parameter's storage, an empty one, one on another device: _not_candidate does nothing there); kPython:
+// the Python decides (a swap scope, a possible parameter, a recomputable output). -1: error.
+int first_save(Saver* saver, PyObject* object, const at::Tensor& tensor, PyObject* key, PyObject* frame) {
+  if (frame != Py_None) {
+    PyObject* prefetch = attr(frame, names.prefetch);  // a swap scope's: its saves are counted in Python
+    if (prefetch == nullptr) return -1;
+    Py_DECREF(prefetch);
+    if (prefetch != Py_None) return kPython;
+  }
+  int parameter = PySet_Contains(saver->params, key);
+  if (parameter != 0) return parameter < 0 ? -1 : kKeepBare;
+  if (Py_TYPE(object) != reinterpret_cast<PyTypeObject*>(THPVariableClass) || tensor.is_view()) return kPython;
+  PyObject** dict = _PyObject_GetDictPtr(object);  // attributes: the Python's parameter test
+  if (dict != nullptr && *dict != nullptr && PyDict_GET_SIZE(*dict) > 0) return kPython;
+  const at::Device device = tensor.device();
+  if (tensor.storage().nbytes() == 0 || static_cast<int>(device.type()) != saver->device_type ||
+      device.index() != saver->device_index)
+    return kKeepBare;
+  int recomputable = truth(saver->recomputable, names.entries);
+  if (recomputable != 0) return recomputable < 0 ? -1 : kPython;
+  return kKeepRecord;
+}
+
+// A save of a storage whose KeptRecord ``record`` the step has (the same version), or (``record`` None) one
+// kept without a record: a handle of it.
+PyObject* keep_again(Saver* saver, const at::Tensor& tensor, int64_t version, PyObject* step, PyObject* record,
+                     PyObject* frame) {
+  int64_t at = tick(step);
+  if (at < 0) return nullptr;
+  return saved(saver, THPVariable_Wrap(tensor.detach()), version, step, at, record, frame);
+}
+
+// A new storage kept: Step._first_save's keep, on the same objects.
+PyObject* keep_new(Saver* saver, const at::Tensor& tensor, int64_t version, PyObject* step, PyObject* key,
+                   PyObject* frame) {
+  int64_t at = tick(step);
+  if (at < 0) return nullptr;
+  int64_t nbytes = static_cast<int64_t>(tensor.storage().nbytes());
+  PyObject* keeper = THPVariable_Wrap(tensor.detach());  // Note [Version keepers] in swapkit.runtime.records
+  if (keeper == nullptr) return nullptr;
+  if (!count_saved(saver->stats, nbytes) || !account(saver, step, nbytes, at)) {
+    Py_DECREF(keeper);
+    return nullptr;
+  }
+  PyObject* fields = Py_BuildValue("(OLLO)", step, static_cast<long long>(nbytes), static_cast<long long>(version),
+                                   keeper);
+  PyObject* record = fields ? PyObject_CallOneArg(reinterpret_cast<PyObject*>(saver->kept_type), fields) : nullptr;
+  Py_XDECREF(fields);
+  PyObject* ref = record ? PyWeakref_NewRef(record, nullptr) : nullptr;
+  if (ref == nullptr || PyDict_SetItem(saver->index, key, ref) < 0) {
+    Py_XDECREF(ref);
+    Py_XDECREF(record);
+    Py_DECREF(keeper);
+    return nullptr;
+  }
+  Py_DECREF(ref);
+  PyObject* handle = saved(saver, keeper, version, step, at, record, frame);
+  Py_DECREF(record);  // the handle holds it, as the index's weak reference expects
+  return handle;
+}
+
+// The fast save, or null with no error set when the Python hooks must serve it.
+PyObject* fast_pack(Saver* saver, PyObject* object, PyObject* step, PyObject* frame) {
+  const at::Tensor& tensor = THPVariable_Unpack(object);
+  if (!tensor.has_storage() || tensor.layout() != c10::kStrided || tensor.is_nested() || tensor.is_quantized())
+    return nullptr;
+  int state = fast_state(saver, step, frame);
+  if (state <= 0) return nullptr;
+  if (step != saver->step && !refresh(saver, step)) return nullptr;
+  PyObject* key = PyLong_FromVoidPtr(tensor.storage().unsafeGetStorageImpl());  // swapkit.runtime.records.storage_key
+  if (key == nullptr) return nullptr;
+  int64_t version = static_cast<int64_t>(tensor._version());
+  PyObject* result = nullptr;
+  PyObject* ref = PyDict_GetItemWithError(saver->index, key);  // borrowed
+  PyObject* record = ref != nullptr ? PyWeakref_GetObject(ref) : nullptr;  // borrowed; None once dead
+  if (record != nullptr && record != Py_None) {
+    if (Py_TYPE(record) == saver->kept_type && PyList_GET_SIZE(record) == 4) {
+      int64_t kept = PyLong_AsLongLong(PyList_GET_ITEM(record, 2));
+      if (kept == version) {
+        Py_INCREF(record);  // alive for the call: the wrap may run the collector
+        result = keep_again(saver, tensor, version, step, record, frame);
+        Py_DECREF(record);
+      }
+    }
+  } else if (!PyErr_Occurred()) {  // a new storage, or a dead record's key reused: Step.save's first save
+    int first = first_save(saver, object, tensor, key, frame);
+    if (first == kKeepRecord) result = keep_new(saver, tensor, version, step, key, frame);
+    if (first == kKeepBare) result = keep_again(saver, tensor, version, step, Py_None, frame);
+  }
+  Py_DECREF(key);
+  return result;
+}
+
+PyObject* pack(PyObject* self, PyObject* object) {
+  HANDLE_TH_ERRORS
+  auto* saver = reinterpret_cast<Saver*>(self);
+  if (torch::autograd::get_current_graph_task_id() == -1 && THPVariable_CheckExact(object)) {
+    PyObject* step = attr(saver->session, names.step);
+    PyObject* frame = step ? attr(saver->tracker, names.current) : nullptr;
+    PyObject* result = frame ? fast_pack(saver, object, step, frame) : nullptr;
+    Py_XDECREF(step);
+    Py_XDECREF(frame);
+    if (result != nullptr) {
+      saver->packs++;
+      return result;
+    }
+    if (PyErr_Occurred()) return nullptr;
+  }
+  return PyObject_CallOneArg(saver->slow_pack, object);
+  END_HANDLE_TH_ERRORS
+}
+
+// 1: ``handle`` is a kept save's whose keeper can be handed back as it is (SwapSession._unpack's tests);
+// 0: the Python hook decides; -1: error.
+int plain_unpack(Saver* saver, PyObject* handle) {
+  if (Py_TYPE(handle) != saver->saved_type || PyTuple_GET_SIZE(handle) != 7) return 0;
+  PyObject* keeper = PyTuple_GET_ITEM(handle, 0);
+  PyObject* step = PyTuple_GET_ITEM(handle, 2);
+  PyObject* record = PyTuple_GET_ITEM(handle, 4);
+  if (!THPVariable_Check(keeper) || (record != Py_None && Py_TYPE(record) != saver->kept_type)) return 0;
+  int64_t version = PyLong_AsLongLong(PyTuple_GET_ITEM(handle, 1));
+  if (version == -1 && PyErr_Occurred()) return -1;
+  if (static_cast<int64_t>(THPVariable_Unpack(keeper)._version()) != version) return 0;  // the Python raises
+  if (step == Py_None) return 1;
+  int watched = truth(step, names.watch_unpacks);
+  if (watched != 0) return watched < 0 ? -1 : 0;
+  PyObject* observer = attr(saver->session, names.observer);
+  if (observer == nullptr) return -1;
+  Py_DECREF(observer);
+  return observer == Py_None ? 1 : 0;
+}
+
+PyObject* unpack(PyObject* self, PyObject* handle) {
+  HANDLE_TH_ERRORS
+  auto* saver = reinterpret_cast<Saver*>(self);
+  int plain = plain_unpack(saver, handle);
+  if (plain < 0) return nullptr;
+  if (plain == 0) return PyObject_CallOneArg(saver->slow_unpack, handle);
+  saver->unpacks++;
+  PyObject* keeper = PyTuple_GET_ITEM(handle, 0);
+  Py_INCREF(keeper);
+  return keeper;
+  END_HANDLE_TH_ERRORS
+}
+
+PyMethodDef pack_def = {"pack", pack, METH_O, "swapkit's pack hook (Note [The native save path])"};
+PyMethodDef unpack_def = {"unpack", unpack, METH_O, "swapkit's unpack hook (Note [The native save path])"};
+
+int Saver_traverse(PyObject* self, visitproc visit, void* arg) {
+  auto* saver = reinterpret_cast<Saver*>(self);
+  Py_VISIT(saver->session);
+  Py_VISIT(saver->tracker);
+  Py_VISIT(saver->slow_pack);
+  Py_VISIT(saver->slow_unpack);
+  Py_VISIT(saver->saved_type);
+  Py_VISIT(saver->kept_type);
+  Py_VISIT(saver->step_type);
+  Py_VISIT(saver->step);
+  Py_VISIT(saver->index);
+  Py_VISIT(saver->params);
+  Py_VISIT(saver->stats);
+  Py_VISIT(saver->changed);
+  Py_VISIT(saver->recomputable);
+  return 0;
+}
+
+int Saver_clear(PyObject* self) {
+  auto* saver = reinterpret_cast<Saver*>(self);
+  Py_CLEAR(saver->session);
+  Py_CLEAR(saver->tracker);
+  Py_CLEAR(saver->slow_pack);
+  Py_CLEAR(saver->slow_unpack);
+  Py_CLEAR(saver->saved_type);
+  Py_CLEAR(saver->kept_type);
+  Py_CLEAR(saver->step_type);
+  clear_step(saver);
+  return 0;
+}
+
+void Saver_dealloc(PyObject* self) {
+  PyObject_GC_UnTrack(self);
+  Saver_clear(self);
+  Py_TYPE(self)->tp_free(self);
+}
+
+PyObject* Saver_counts(PyObject* self, PyObject*) {
+  auto* saver = reinterpret_cast<Saver*>(self);
+  return Py_BuildValue("(LL)", static_cast<long long>(saver->packs), static_cast<long long>(saver->unpacks));
+}
+
+PyObject* Saver_forget_step(PyObject* self, PyObject*) {
+  clear_step(reinterpret_cast<Saver*>(self));
+  Py_RETURN_NONE;
+}
+
+PyObject* Saver_session(PyObject* self, void*) {
+  PyObject* session = reinterpret_cast<Saver*>(self)->session;
+  if (session == nullptr) Py_RETURN_NONE;
+  Py_INCREF(session);
+  return session;
+}
+
+PyGetSetDef saver_getset[] = {
+    {"session", Saver_session, nullptr, "the SwapSession whose hooks these are", nullptr},
+    {nullptr, nullptr, nullptr, nullptr, nullptr}};
+
+PyMethodDef saver_methods[] = {
+    {"counts", Saver_counts, METH_NOARGS, "(packs, unpacks) served in C++"},
+    {"forget_step", Saver_forget_step, METH_NOARGS, "drop the references to the cached step"},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyObject* intern(const char* name) {
+  PyObject* value = PyUnicode_InternFromString(name);
+  if (value == nullptr) throw py::error_already_set();
+  return value;
+}
+
+void ready_types() {
+  if (SaverType.tp_flags & Py_TPFLAGS_READY) return;
+  names = Names{intern("_step"), intern("backward_started"), intern("_scheduled"), intern("_last_frame"),
+                intern("current"), intern("observer"), intern("clock"), intern("watch_unpacks"),
+                intern("saved_bytes"), intern("prefetch"), intern("entries"), intern("settle"), intern("_index"),
+                intern("param_storages"), intern("stats"), intern("bytes_changed"), intern("_recomputable"),
+                intern("device")};
+  SaverType.tp_basicsize = sizeof(Saver);
+  SaverType.tp_dealloc = Saver_dealloc;
+  SaverType.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC;
+  SaverType.tp_traverse = Saver_traverse;
+  SaverType.tp_clear = Saver_clear;
+  SaverType.tp_free = PyObject_GC_Del;
+  SaverType.tp_methods = saver_methods;
+  SaverType.tp_getset = saver_getset;
+  if (PyType_Ready(&SaverType) < 0) throw py::error_already_set();
+}
+
+// The pack and unpack hooks of ``session`` (Note [The native save path]) and the Saver they are bound to.
+py::tuple make_hooks(py::object session, py::object tracker, py::object slow_pack, py::object slow_unpack,
+                     py::object saved_type, py::object kept_type, py::object step_type, int64_t settle_ticks) {
+  ready_types();
+  if (!PyType_Check(saved_type.ptr()) || !PyType_Check(kept_type.ptr()) || !PyType_Check(step_type.ptr()) ||
+      !PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(saved_type.ptr()), &PyTuple_Type) ||
+      !PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(kept_type.ptr()), &PyList_Type))
+    throw py::type_error("swapkit native save: Saved must be a tuple type and KeptRecord a list type");
+  if (settle_ticks <= 0 || (settle_ticks & (settle_ticks - 1)))
+    throw py::value_error("swapkit native save: settle_ticks must be a power of two");
+  auto* saver = PyObject_GC_New(Saver, &SaverType);
+  if (saver == nullptr) throw py::error_already_set();
+  PyObject* held[7] = {session.ptr(), tracker.ptr(), slow_pack.ptr(), slow_unpack.ptr(), saved_type.ptr(),
+                       kept_type.ptr(), step_type.ptr()};
+  for (PyObject* object : held) Py_INCREF(object);
+  saver->session = held[0];
+  saver->tracker = held[1];
+  saver->slow_pack = held[2];
+  saver->slow_unpack = held[3];
+  saver->saved_type = reinterpret_cast<PyTypeObject*>(held[4]);
+  saver->kept_type = reinterpret_cast<PyTypeObject*>(held[5]);
+  saver->step_type = reinterpret_cast<PyTypeObject*>(held[6]);
+  saver->step = saver->index = saver->params = saver->stats = saver->changed = saver->recomputable = nullptr;
+  saver->device_type = saver->device_index = 0;
+  saver->settle_mask = settle_ticks - 1;
+  saver->packs = saver->unpacks = 0;
+  PyObject_GC_Track(reinterpret_cast<PyObject*>(saver));
+  auto owner = py::reinterpret_steal<py::object>(reinterpret_cast<PyObject*>(saver));
+  auto pack_hook = py::reinterpret_steal<py::object>(PyCFunction_New(&pack_def, owner.ptr()));
+  auto unpack_hook = py::reinterpret_steal<py::object>(PyCFunction_New(&unpack_def, owner.ptr()));
+  if (!pack_hook || !unpack_hook) throw py::error_already_set();
+  return py::make_tuple(pack_hook, unpack_hook, owner);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("make_hooks", &make_hooks, "the session's native pack and unpack hooks and their Saver");
+}

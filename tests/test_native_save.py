@@ -1,0 +1,241 @@
+"""``runtime.native_save``: the session's hooks in C++ (swapkit.runtime.native Note [The native save path]).
+
+Every test compares a native session with a Python one on the same model and batch: bit-identical losses and
+gradients, the same stats, and the C++ having served saves and unpacks (``native_counts``)."""
+from __future__ import annotations
+
+import gc
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import swapkit
+from swapkit.runtime import native
+from swapkit.runtime.records import KeptRecord, Saved
+from tests.toys import (
+    ToyNet, assert_grads_equal, grads, layer_swap, llama, llama_batch, llama_step, require_native, synced_session,
+    toy_config,
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    return require_native()
+
+
+def native_config(config: dict, on: bool = True) -> dict:
+    return {**config, "runtime": {**config.get("runtime", {}), "native_save": on}}
+
+
+def run_both(make_model, config: dict, step, steps: int = 2):
+    """(losses, grads, stats, native_counts) per step of a Python session, then of a native one."""
+    out = []
+    for on in (False, True):
+        model = make_model()
+        session = synced_session(model, native_config(config, on))
+        runs = []
+        for _ in range(steps):
+            model.zero_grad()
+            with session:
+                loss = step(model)
+            runs.append((loss, grads(model), session.stats))
+        out.append((runs, session.native_counts))
+        session.remove()
+    return out
+
+
+def assert_same_runs(python, native_run):
+    for (loss_a, grads_a, stats_a), (loss_b, grads_b, stats_b) in zip(python[0], native_run[0], strict=True):
+        assert torch.equal(loss_a, loss_b)
+        assert_grads_equal(grads_a, grads_b)
+        assert stats_a == stats_b
+
+
+CONFIGS = {
+    "keep_only": {},
+    "layer_swap": layer_swap(1),
+    "op_swap": {"swap_config": {"swap": True, "op_swap": [{"op_name": "attention", "backward_prefetch": 2,
+                                                            "layers": [1, 2]}]},
+                "runtime": {"min_offload_bytes": 0}},
+    "recompute_and_swap": {"recompute_config": {"recompute": [0]},
+                           **layer_swap(2, layers=[2, 3])},
+    "select_recompute": {"recompute_config": {"select_recompute": {r"feed_forward\.w1": True}}},
+}
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_native_hooks_give_the_python_hooks_results_bit_for_bit(name):
+    batch = llama_batch(0)
+    python, native_run = run_both(llama, toy_config(4, **CONFIGS[name]), lambda m: llama_step(m, batch))
+    assert python[1] is None
+    packs, unpacks = native_run[1]
+    assert packs > 0 and unpacks > 0  # the C++ served saves and unpacks, not only the Python behind it
+    assert_same_runs(python, native_run)
+
+
+def test_a_keep_only_step_is_served_almost_wholly_in_cpp():
+    """A keep-only model of plain ops: every save but each step's first (a new frame: the Python sees it) and
+    the parameters' is served in C++; every unpack but each backward's first (the step still watches)."""
+    model = ToyNet(layers=3)
+    session = synced_session(model, native_config(toy_config(3)))
+    x = torch.randn(8, 16)
+    with session:
+        model(x).sum().backward()
+    stats = session.stats
+    packs, unpacks = session.native_counts
+    assert stats.ticks == 8  # the ToyNet saves of test_session.test_exact_stats_on_toy_model
+    assert packs >= 8 - 2 - 3  # two weight saves and at most one first save per layer frame go to the Python
+    assert unpacks >= 8 - 1 - 2
+    assert stats.saved_bytes == 4 * 8 * 16 * 4 and stats.resident_bytes == 0
+
+
+def test_an_in_place_write_after_a_native_save_raises_the_sessions_error():
+    model = ToyNet(layers=2)
+    session = synced_session(model, native_config(toy_config(2)))
+    x = torch.randn(8, 16)
+    with session:
+        y = model(x)
+        h = y.exp()  # saves its output natively: the frame is the one of the previous save (outside the layers)
+        z = (h * 2).sum()
+        h.add_(1)
+        with pytest.raises(RuntimeError, match="modified by an in-place operation after it was saved"):
+            z.backward()
+    assert session.native_counts[0] > 0
+
+
+def test_views_and_shared_storages_share_one_kept_record():
+    """Saves of one storage (a tensor and its views) find the record the first save made, in C++ or Python."""
+    seen = []
+
+    class Views(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Identity()])
+
+        def forward(self, x):
+            h = self.layers[0](x).sin()  # saves x
+            a = h.exp()  # saves exp's output
+            b = h[1:].cos() + h.t()[0].sin().sum()  # saves two views of h
+            return a.sum() + b.sum() + h.sin().sum()  # h again
+
+    for on in (False, True):
+        torch.manual_seed(0)
+        model = Views()
+        session = synced_session(model, native_config(toy_config(1), on))
+        x = torch.randn(6, 6, requires_grad=True)
+        with session:
+            model(x).backward()
+        seen.append((x.grad.clone(), session.stats))
+        session.remove()
+    assert torch.equal(seen[0][0], seen[1][0])
+    assert seen[0][1] == seen[1][1]
+    assert seen[1][1].saved_bytes == 3 * 36 * 4  # x, h, exp(h): h's views add no bytes
+
+
+def test_packs_in_backward_and_double_backward_go_to_the_python_hooks():
+    """Double backward: backward's own saves (graph task running) are not the C++'s; the results are exact."""
+    results = []
+    for on in (False, True):
+        model = ToyNet(layers=2)
+        torch.manual_seed(0)
+        for p in model.parameters():
+            nn.init.normal_(p)
+        session = synced_session(model, native_config(toy_config(2), on))
+        x = torch.randn(8, 16, requires_grad=True)
+        with session:
+            out = model(x).tanh().sum()
+            (gx,) = torch.autograd.grad(out, x, create_graph=True)
+            gx.pow(2).sum().backward()
+        results.append((x.grad.clone(), grads(model)))
+        session.remove()
+    assert torch.equal(results[0][0], results[1][0])
+    assert_grads_equal(results[0][1], results[1][1])
+
+
+def test_many_native_steps_leave_no_record_or_handle_behind():
+    model = ToyNet(layers=3)
+    session = synced_session(model, native_config(toy_config(3, **layer_swap(1, layers=[1]))))
+    x = torch.randn(8, 16)
+
+    def alive() -> int:
+        gc.collect()
+        return sum(type(o) in (KeptRecord, Saved) for o in gc.get_objects())
+
+    for _ in range(3):
+        with session:
+            model(x).sum().backward()
+    before = alive()
+    for _ in range(50):
+        with session:
+            model(x).sum().backward()
+    assert alive() == before == 0
+    assert session.stats.resident_bytes == 0 and session.stats.peak_device_bytes > 0
+    packs, unpacks = session.native_counts
+    assert packs > 50 and unpacks > 50
+    session.remove()
+
+
+def test_a_storage_kept_in_cpp_is_found_by_a_later_python_save():
+    """A storage first saved outside every swap scope (kept, in C++) and then inside a swap scope is the kept
+    record's, as in the Python: it does not move."""
+    results = []
+    for on in (False, True):
+        torch.manual_seed(0)
+        model = ToyNet(layers=2)
+        session = synced_session(model, native_config(toy_config(2, **layer_swap(1, layers=[1])), on))
+        x = torch.randn(8, 16, requires_grad=True)
+        with session:
+            h = x.sin()  # x saved outside the layers: kept
+            model.layers[0](x)  # x's storage again, in layer 0 (kept, no swap there)
+            out = model(h).sum() + x.cos().sum()
+            out.backward()
+        results.append((x.grad.clone(), session.stats, session.native_counts))
+        session.remove()
+    assert torch.equal(results[0][0], results[1][0])
+    assert results[0][1] == results[1][1]
+    assert results[1][2][0] > 0
+
+
+def test_the_config_key_is_checked():
+    with pytest.raises(swapkit.ConfigError, match="runtime.native_save"):
+        swapkit.load_config(native_config(toy_config(1), "yes"))
+
+
+def test_a_failed_build_is_an_error_at_apply_naming_the_key_and_the_fix(monkeypatch):
+    monkeypatch.setattr(native, "_built", [])
+    monkeypatch.setattr(native, "_build", lambda: native.NativeBuildError(
+        "runtime.native_save: true, but swapkit's C++ save hooks (native_save.cpp) could not be built: "
+        "c++: command not found. ..."))
+    with pytest.raises(native.NativeBuildError, match="runtime.native_save: true.*c\\+\\+: command not found"):
+        swapkit.apply(ToyNet(layers=1), native_config(toy_config(1)), layers="layers")
+
+
+def test_the_build_error_says_what_to_install_and_how_to_turn_it_off(monkeypatch):
+    import torch.utils.cpp_extension as cpp_extension
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Error building extension 'swapkit_native_save'\nc++: command not found")
+
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    err = native._build()
+    assert isinstance(err, native.NativeBuildError)
+    assert "c++: command not found" in str(err)
+    assert "ninja" in str(err) and "runtime.native_save: false" in str(err)
+
+
+def test_a_keep_only_config_with_native_save_is_not_called_idle(caplog):
+    with caplog.at_level(logging.WARNING):
+        config = swapkit.load_config(native_config(toy_config(1)))
+        swapkit.apply(ToyNet(layers=1), config, layers="layers").remove()
+    assert "native_save" not in caplog.text
+
+
+def test_the_session_is_found_behind_the_native_hooks():
+    model = ToyNet(layers=1)
+    session = synced_session(model, native_config(toy_config(1)))
+    with session:
+        assert swapkit.runtime.session.active_session() is session
+    assert swapkit.runtime.session.active_session() is None
+    session.remove()
