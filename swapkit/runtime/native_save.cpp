@@ -209,6 +209,29 @@ PyObject* keep_again(Saver* saver, const at::Tensor& tensor, int64_t version, Py
   return saved(saver, THPVariable_Wrap(tensor.detach()), version, step, at, record, frame);
 }
 
+// ``KeptRecord((step, nbytes, version, keeper))`` without the call: KeptRecord is a list subclass with no
+// ``__init__`` of its own, so an empty instance filled with the four items is what the call makes. A new
+// reference, or null with the error set.
+PyObject* kept_record(PyTypeObject* type, PyObject* step, int64_t nbytes, int64_t version, PyObject* keeper) {
+  PyObject* items[4] = {step, PyLong_FromLongLong(nbytes), PyLong_FromLongLong(version), keeper};
+  PyObject** storage = items[1] && items[2] ? PyMem_New(PyObject*, 4) : nullptr;
+  PyObject* record = storage ? type->tp_alloc(type, 0) : nullptr;
+  if (record == nullptr) {
+    PyMem_Free(storage);
+    Py_XDECREF(items[1]);
+    Py_XDECREF(items[2]);
+    return PyErr_Occurred() ? nullptr : PyErr_NoMemory();
+  }
+  Py_INCREF(step);
+  Py_INCREF(keeper);
+  for (int i = 0; i < 4; i++) storage[i] = items[i];
+  auto* list = reinterpret_cast<PyListObject*>(record);
+  list->ob_item = storage;
+  list->allocated = 4;
+  Py_SET_SIZE(list, 4);
+  return record;
+}
+
 // A new storage kept: Step._first_save's keep, on the same objects.
 PyObject* keep_new(Saver* saver, const at::Tensor& tensor, int64_t version, PyObject* step, PyObject* key,
                    PyObject* frame) {
@@ -221,10 +244,7 @@ PyObject* keep_new(Saver* saver, const at::Tensor& tensor, int64_t version, PyOb
     Py_DECREF(keeper);
     return nullptr;
   }
-  PyObject* fields = Py_BuildValue("(OLLO)", step, static_cast<long long>(nbytes), static_cast<long long>(version),
-                                   keeper);
-  PyObject* record = fields ? PyObject_CallOneArg(reinterpret_cast<PyObject*>(saver->kept_type), fields) : nullptr;
-  Py_XDECREF(fields);
+  PyObject* record = kept_record(saver->kept_type, step, nbytes, version, keeper);
   PyObject* ref = record ? PyWeakref_NewRef(record, nullptr) : nullptr;
   if (ref == nullptr || PyDict_SetItem(saver->index, key, ref) < 0) {
     Py_XDECREF(ref);
@@ -420,6 +440,9 @@ py::tuple make_hooks(py::object session, py::object tracker, py::object slow_pac
       !PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(saved_type.ptr()), &PyTuple_Type) ||
       !PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(kept_type.ptr()), &PyList_Type))
     throw py::type_error("swapkit native save: Saved must be a tuple type and KeptRecord a list type");
+  auto* kept = reinterpret_cast<PyTypeObject*>(kept_type.ptr());
+  if (kept->tp_init != PyList_Type.tp_init || kept->tp_new != PyList_Type.tp_new)
+    throw py::type_error("swapkit native save: KeptRecord must not define __new__ or __init__ (kept_record)");
   if (settle_ticks <= 0 || (settle_ticks & (settle_ticks - 1)))
     throw py::value_error("swapkit native save: settle_ticks must be a power of two");
   auto* saver = PyObject_GC_New(Saver, &SaverType);
