@@ -137,7 +137,8 @@ def test_an_offload_waits_for_its_producer_then_records_and_copies_on_the_side_s
     assert fake.kinds() == ["wait_stream", "record_stream", "copy", "record"]
     wait, record_stream, copied, recorded = fake.log
     assert wait[1:] == (engine.stream, fake.default)  # the batch's producer, not the stream current at the flush
-    assert record_stream[2] is engine.stream and copied[3] is engine.stream and copied[4] and recorded[2] is engine.stream
+    assert record_stream[2] is engine.stream and copied[3] is engine.stream and recorded[2] is engine.stream
+    assert copied[4]  # non_blocking: the host side is pinned
     assert fake.current is mine  # the caller's stream again
     assert torch.equal(region[:8], src)
     fake.log.clear()
@@ -172,8 +173,8 @@ def test_a_prefetch_target_is_made_on_the_compute_stream_and_each_reader_joins_o
 @pytest.mark.parametrize("done_at_record", [False, True], ids=["gpu_behind", "copies_done"])
 @pytest.mark.parametrize("verify", [False, True], ids=["", "verify"])
 @pytest.mark.parametrize("batch_bytes", [0, 1 << 20], ids=["per_storage", "coalesced"])
-def test_a_session_on_the_cuda_engine_is_bit_identical_and_leaves_nothing_in_flight(fake, monkeypatch,
-                                                                                    done_at_record, verify, batch_bytes):
+def test_a_session_on_the_cuda_engine_is_bit_identical_and_leaves_nothing_in_flight(
+        fake, monkeypatch, done_at_record, verify, batch_bytes):
     monkeypatch.setattr(FakeEvent, "done_at_record", done_at_record)
     engine = fake.engine()
     monkeypatch.setattr(session_module, "make_engine", lambda runtime, device: engine)

@@ -322,8 +322,9 @@ class CudaCopyEngine:
         self.current = CurrentStream(self.device)
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
-        """A pinned slab of exactly ``nbytes`` rounded to a page, registered on this engine's device (Notes
-        [Pinned memory without power-of-two rounding], [Pinning on the engine's device] in ``swapkit.engine.pinned``)."""
+        """A pinned slab of exactly ``nbytes`` rounded to a page, registered on this engine's device
+        (``swapkit.engine.pinned`` Notes [Pinned memory without power-of-two rounding], [Pinning on the
+        engine's device])."""
         return device_pinned_memory(nbytes, self.device.index)
 
     def fence(self) -> CudaFence | None:
