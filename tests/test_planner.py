@@ -319,6 +319,28 @@ def test_an_output_onto_the_planned_config_is_refused_and_leaves_it_intact(confi
     assert config_file.read_text() == before
 
 
+def test_the_link_is_measured_with_an_engine_whose_slabs_are_whole_pages():
+    """The CUDA engine's ``host_buffer`` rounds a slab up to a page; ``measure_link`` copied its ``nbytes``
+    source into the whole slab, which fails for a largest storage (above 64 KiB) that is no whole number of
+    pages (a GPT-2 vocabulary's fp32 logits at sequence length 1000)."""
+    from swapkit.engine import ThreadCopyEngine
+    from swapkit.engine.slabs import round_up
+    from swapkit.planner.link import measure_link
+
+    class PagedSlabs(ThreadCopyEngine):
+        host_granule = 4096
+
+        def host_buffer(self, nbytes: int) -> torch.Tensor:
+            return torch.empty(round_up(nbytes, self.host_granule), dtype=torch.uint8)
+
+    engine = PagedSlabs("cpu")
+    try:
+        links = measure_link(engine, 100_000, repeats=1)
+    finally:
+        engine.close()
+    assert links.d2h.bytes_per_s > 0 and links.h2d.bytes_per_s > 0
+
+
 @pytest.mark.cuda
 def test_cuda_link_is_measured_per_direction():
     import torch

@@ -429,6 +429,44 @@ def test_pinned_memory_registration_failure_is_a_clear_error():
     assert cuda.unregistered == []  # nothing was registered, so nothing is unregistered
 
 
+def test_pinned_memory_is_registered_and_unregistered_on_the_engines_device(monkeypatch):
+    """Note [Pinning on the engine's device]: with the current device 0, a slab for ``cuda:1`` is registered
+    and unregistered while device 1 is current (on device 0 the runtime would start a context there), and
+    the current device is 0 again after each call."""
+    from types import SimpleNamespace
+
+    from swapkit.engine.cuda import CudaCopyEngine
+
+    current, calls = [0], []
+
+    class FakeDevice:
+        def __init__(self, index):
+            self.index, self.previous = index, None
+
+        def __enter__(self):
+            self.previous, current[0] = current[0], (current[0] if self.index is None else self.index)
+
+        def __exit__(self, *exc):
+            current[0] = self.previous
+
+    class FakeCudart:
+        def cudaHostRegister(self, address, nbytes, flags):
+            calls.append(("register", current[0], nbytes, flags))
+            return 0
+
+        def cudaHostUnregister(self, address):
+            calls.append(("unregister", current[0]))
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "device", FakeDevice)
+    monkeypatch.setattr(torch.cuda, "cudart", FakeCudart)
+    memory = CudaCopyEngine.host_buffer(SimpleNamespace(device=torch.device("cuda", 1)), PAGE + 1)
+    assert calls == [("register", 1, 2 * PAGE, 1)] and current == [0]  # portable, on device 1
+    del memory
+    gc.collect()
+    assert calls[1:] == [("unregister", 1)] and current == [0]
+
+
 def test_pool_of_registered_slabs_counts_the_registered_bytes():
     cuda = FakeCuda()
     pool = HostPool(lambda n: pinned_host_memory(n, cuda.register, cuda.unregister), granule=PAGE)

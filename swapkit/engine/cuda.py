@@ -142,7 +142,7 @@ from typing import Any
 import torch
 
 from swapkit.engine.base import Source, region_pairs
-from swapkit.engine.pinned import PAGE, pinned_host_memory
+from swapkit.engine.pinned import PAGE, device_pinned_memory
 
 
 class CudaCopy:
@@ -322,9 +322,10 @@ class CudaCopyEngine:
         self.current = CurrentStream(self.device)
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
-        """A pinned slab of exactly ``nbytes`` rounded to a page (Note [Pinned memory without
-        power-of-two rounding] in ``swapkit.engine.pinned``)."""
-        return pinned_host_memory(nbytes)
+        """A pinned slab of exactly ``nbytes`` rounded to a page, registered on this engine's device
+        (``swapkit.engine.pinned`` Notes [Pinned memory without power-of-two rounding], [Pinning on the
+        engine's device])."""
+        return device_pinned_memory(nbytes, self.device.index)
 
     def fence(self) -> CudaFence | None:
         last = self.inflight.last  # no lock: Note [No lock a finalizer waits on]

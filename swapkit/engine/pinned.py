@@ -21,9 +21,23 @@ A registered page costs what ``cudaHostAlloc``'s does, and registration runs onc
 are parameters, so everything but the CUDA calls is tested on CPU. A failed registration raises,
 but also stays recorded as the thread's CUDA last error: ``torch.cuda.cudart()`` has no
 ``cudaGetLastError`` to reset it (README, Limitations).
+
+Note [Pinning on the engine's device]
+``cudaHostRegister`` and ``cudaHostUnregister`` run in the context of the calling thread's current
+device, and create that device's primary context if it has none. The pool opens slabs on the forward
+thread and a slab is unregistered on whatever thread drops its last view, whose current device need
+not be the model's: a model on ``cuda:1`` in a process that never called ``torch.cuda.set_device`` (the
+current device is still 0) started a context on GPU 0 at its first slab -- a few hundred MiB of GPU 0
+per process, so with one process per GPU every rank put one there (pytorch/pytorch#21081, which
+PyTorch's own pinned allocator avoids by switching to a device that has a context). So both calls run
+under ``torch.cuda.device`` of the engine's device (:func:`device_pinned_memory`), whose context exists
+since the model lives there; ``torch.cuda.device`` switches back without creating the previous device's
+context. The pages are registered ``cudaHostRegisterPortable``, pinned for every context, so which
+device registers them changes nothing else.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import mmap
 from typing import Callable
@@ -46,17 +60,29 @@ class PinnedMapping(mmap.mmap):
 
     def __del__(self) -> None:
         if self.unregister is not None:
-            status = self.unregister(self.address)
+            try:
+                status = self.unregister(self.address)
+            except Exception as err:  # noqa: BLE001 - the device switch, at interpreter exit (CUDA or torch gone)
+                status = err
             if status:  # at interpreter exit CUDA may be gone already; nothing is left to leak
                 logger.debug("cudaHostUnregister(%#x) returned %s", self.address, status)
 
 
-def _cuda_register(address: int, nbytes: int) -> int:
-    return int(torch.cuda.cudart().cudaHostRegister(address, nbytes, _PORTABLE))
+def _cuda_register(address: int, nbytes: int, device: int | None = None) -> int:
+    with torch.cuda.device(device):  # Note [Pinning on the engine's device]; None: the current device
+        return int(torch.cuda.cudart().cudaHostRegister(address, nbytes, _PORTABLE))
 
 
-def _cuda_unregister(address: int) -> int:
-    return int(torch.cuda.cudart().cudaHostUnregister(address))
+def _cuda_unregister(address: int, device: int | None = None) -> int:
+    with torch.cuda.device(device):  # Note [Pinning on the engine's device]
+        return int(torch.cuda.cudart().cudaHostUnregister(address))
+
+
+def device_pinned_memory(nbytes: int, device: int) -> torch.Tensor:
+    """:func:`pinned_host_memory` registered and unregistered on CUDA device ``device`` (Note [Pinning on
+    the engine's device])."""
+    return pinned_host_memory(nbytes, functools.partial(_cuda_register, device=device),
+                              functools.partial(_cuda_unregister, device=device))
 
 
 def pinned_host_memory(nbytes: int, register: Callable[[int, int], int] = _cuda_register,
