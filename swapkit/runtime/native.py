@@ -7,23 +7,24 @@ each costs the hook frames and the torch calls through Python objects (making th
 object, ``id``, ``nbytes``): a keep-only session measured about 3.7x the identity hooks per saved
 tensor on a 2-core CPU (``benchmarks/results/overhead``). With ``runtime.native_save`` the session
 installs two C functions instead (``native_save.cpp``, built on first use by
-``torch.utils.cpp_extension``, cached in ``TORCH_EXTENSIONS_DIR``). They serve exactly two cases,
-doing what the Python does, on the same objects:
-- a save that ``Step.save`` would keep with a new :class:`~swapkit.runtime.records.KeptRecord`: a plain
-  ``torch.Tensor`` (no parameter, not a view, no attributes, a storage with bytes on the step's device,
-  no recomputable output registered) outside a swap scope or in the frame of the previous save, while
-  the step runs its forward with no swap record queued and no observer: the step's clock ticks, the
-  stats and the device-bytes ledger count the storage, and the index gets a weak reference to a
-  ``KeptRecord`` as the Python builds it;
-- a save that ``Step.save`` keeps without a record, outside a swap scope: a parameter's storage (one
-  the step already knows as a parameter's), an empty storage, one on another device;
-- a save of a storage whose live ``KeptRecord`` the step has, at the same version: a handle of it;
-- an unpack of such a handle (or of one without a record) whose keeper was not written in place, once
-  the step stopped watching unpacks (``swapkit.runtime.step`` Note [The cost of a save]) and with no
-  observer: the keeper.
-Everything else (parameters, views, swap candidates, swapped records, backward's packs, micro-steps,
-the first unpacks of a backward, a modified keeper's error) goes to the session's own Python hooks,
-unchanged. Neither path knows which one made a handle or a record, so mixing them changes nothing:
+``torch.utils.cpp_extension``, cached in ``TORCH_EXTENSIONS_DIR``). A save reaches them while the step
+runs its forward with no swap record queued, no observer, and in the frame of the previous save, which
+is no swap scope. Of those saves they serve, doing what the Python does on the same objects:
+- a new storage that ``Step.save`` would keep with a new :class:`~swapkit.runtime.records.KeptRecord`: a
+  plain ``torch.Tensor`` (not a view, no attributes, a storage with bytes on the step's device, no
+  recomputable output registered): the step's clock ticks, the stats and the device-bytes ledger count
+  the storage, and the index gets a weak reference to a :class:`NativeKeptRecord`, a ``KeptRecord``
+  whose finalizer (which takes its bytes off the ledger) is C, not a Python frame;
+- a new storage that ``Step.save`` keeps without a record: one the step knows as a parameter's, an
+  empty storage, one on another device;
+- a storage whose live ``KeptRecord`` the step has, at the same version: a handle of that record.
+They also serve an unpack of a handle with a kept record (or none) whose keeper was not written in
+place, once the step stopped watching unpacks (``swapkit.runtime.step`` Note [The cost of a save])
+and with no observer: the keeper.
+Everything else (a parameter the step does not know yet, views and tensors with attributes of a new
+storage, swap scopes, swapped records, recomputable outputs, backward's packs, micro-steps, the first
+unpacks of a backward, a modified keeper's error) goes to the session's own Python hooks, unchanged.
+Neither path knows which one made a handle or a record, so mixing them changes nothing:
 the storage index is keyed by the ``StorageImpl`` address (:func:`~swapkit.runtime.records.storage_key`)
 that both can read, and a ``KeptRecord`` holds its first keeper, not the Python storage object, which
 the C++ never makes. ``SwapSession.native_counts`` says how many saves and unpacks the C++ served.
@@ -54,6 +55,13 @@ class NativeBuildError(RuntimeError):
     """``runtime.native_save: true``, and the C++ hooks could not be built or loaded."""
 
 
+class NativeKeptRecord(KeptRecord):
+    """A :class:`~swapkit.runtime.records.KeptRecord` the C++ hooks made: the same record, whose ``__del__``
+    (set when the module is built, Note [The native save path]) is C, with no Python frame."""
+
+    __slots__ = ()
+
+
 def native_module() -> Any:
     """The built extension (Note [The native save path]); built once per process, its failure remembered.
 
@@ -73,7 +81,9 @@ def _build() -> Any:
     try:
         from torch.utils.cpp_extension import load
 
-        return load(name=NAME, sources=[str(SOURCE)], extra_cflags=["-O2"])
+        module = load(name=NAME, sources=[str(SOURCE)], extra_cflags=["-O2"])
+        NativeKeptRecord.__del__ = module.kept_finalizer(NativeKeptRecord)
+        return module
     except Exception as err:  # noqa: BLE001 - the build's own errors are many kinds; each is reported as one
         lines = str(err).strip().splitlines() or [type(err).__name__]
         return NativeBuildError(
@@ -87,5 +97,5 @@ def native_hooks(session: Any) -> tuple[Any, Any, Any]:
     """``(pack, unpack, saver)`` for ``session``, falling back to its Python ``_pack`` and ``_unpack``
     (Note [The native save path])."""
     module = native_module()
-    return module.make_hooks(session, session.tracker, session._pack, session._unpack, Saved, KeptRecord, Step,
-                             SETTLE_TICKS)
+    return module.make_hooks(session, session.tracker, session._pack, session._unpack, Saved, NativeKeptRecord,
+                             Step, SETTLE_TICKS)

@@ -28,7 +28,7 @@ struct Saver {
   PyObject* slow_pack;  // the session's Python hooks
   PyObject* slow_unpack;
   PyTypeObject* saved_type;  // swapkit.runtime.records.Saved
-  PyTypeObject* kept_type;  // swapkit.runtime.records.KeptRecord
+  PyTypeObject* kept_type;  // swapkit.runtime.native.NativeKeptRecord: made here; its base, KeptRecord, by the Python
   PyTypeObject* step_type;  // swapkit.runtime.step.Step: a subclass (a micro-step) saves its own way
   // What the cached step holds, read once per step (refresh): the step itself is compared by identity.
   PyObject* step;
@@ -43,6 +43,12 @@ struct Saver {
 };
 
 PyTypeObject SaverType = {PyVarObject_HEAD_INIT(nullptr, 0) "swapkit_native_save.Saver"};
+
+// A kept record, made here or by the Python (exactly those types: a swap record is neither).
+inline bool kept(Saver* saver, PyObject* record) {
+  PyTypeObject* type = Py_TYPE(record);
+  return type == saver->kept_type || type == saver->kept_type->tp_base;
+}
 
 // A new reference to attribute ``name`` of ``object``, or null with the error set.
 inline PyObject* attr(PyObject* object, PyObject* name) { return PyObject_GetAttr(object, name); }
@@ -273,7 +279,7 @@ PyObject* fast_pack(Saver* saver, PyObject* object, PyObject* step, PyObject* fr
   PyObject* ref = PyDict_GetItemWithError(saver->index, key);  // borrowed
   PyObject* record = ref != nullptr ? PyWeakref_GetObject(ref) : nullptr;  // borrowed; None once dead
   if (record != nullptr && record != Py_None) {
-    if (Py_TYPE(record) == saver->kept_type && PyList_GET_SIZE(record) == 4) {
+    if (kept(saver, record) && PyList_GET_SIZE(record) == 4) {
       int64_t kept = PyLong_AsLongLong(PyList_GET_ITEM(record, 2));
       if (kept == version) {
         Py_INCREF(record);  // alive for the call: the wrap may run the collector
@@ -316,7 +322,7 @@ int plain_unpack(Saver* saver, PyObject* handle) {
   PyObject* keeper = PyTuple_GET_ITEM(handle, 0);
   PyObject* step = PyTuple_GET_ITEM(handle, 2);
   PyObject* record = PyTuple_GET_ITEM(handle, 4);
-  if (!THPVariable_Check(keeper) || (record != Py_None && Py_TYPE(record) != saver->kept_type)) return 0;
+  if (!THPVariable_Check(keeper) || (record != Py_None && !kept(saver, record))) return 0;
   int64_t version = PyLong_AsLongLong(PyTuple_GET_ITEM(handle, 1));
   if (version == -1 && PyErr_Occurred()) return -1;
   if (static_cast<int64_t>(THPVariable_Unpack(keeper)._version()) != version) return 0;  // the Python raises
@@ -471,6 +477,38 @@ py::tuple make_hooks(py::object session, py::object tracker, py::object slow_pac
 
 }  // namespace
 
+// KeptRecord.__del__ (swapkit.runtime.records Note [Record lifetime]) in C, for the records made here:
+// ``self[0].bytes_changed(-self[1])`` without a Python frame.
+PyObject* release_kept(PyObject* self, PyObject*) {
+  if (!PyList_Check(self) || PyList_GET_SIZE(self) < 2) Py_RETURN_NONE;
+  PyObject* step = PyList_GET_ITEM(self, 0);
+  PyObject* nbytes = PyList_GET_ITEM(self, 1);
+  Py_INCREF(step);
+  Py_INCREF(nbytes);
+  PyObject* changed = PyObject_GetAttr(step, names.bytes_changed);
+  PyObject* amount = changed ? PyNumber_Negative(nbytes) : nullptr;
+  PyObject* result = amount ? PyObject_CallOneArg(changed, amount) : nullptr;
+  Py_XDECREF(amount);
+  Py_XDECREF(changed);
+  Py_DECREF(nbytes);
+  Py_DECREF(step);
+  return result;
+}
+
+PyMethodDef release_def = {"__del__", release_kept, METH_NOARGS,
+                           "KeptRecord.__del__ in C (Note [Record lifetime] in swapkit.runtime.records)"};
+
+// The ``__del__`` method of ``type`` (a KeptRecord subclass): release_kept.
+py::object kept_finalizer(py::object type) {
+  ready_types();
+  if (!PyType_Check(type.ptr()) || !PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(type.ptr()), &PyList_Type))
+    throw py::type_error("swapkit native save: the record type must be a list type");
+  PyObject* method = PyDescr_NewMethod(reinterpret_cast<PyTypeObject*>(type.ptr()), &release_def);
+  if (method == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(method);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("make_hooks", &make_hooks, "the session's native pack and unpack hooks and their Saver");
+  m.def("kept_finalizer", &kept_finalizer, "KeptRecord.__del__ in C, as a method of the given record type");
 }
