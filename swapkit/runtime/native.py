@@ -29,9 +29,10 @@ the storage index is keyed by the ``StorageImpl`` address (:func:`~swapkit.runti
 that both can read, and a ``KeptRecord`` holds its first keeper, not the Python storage object, which
 the C++ never makes. ``SwapSession.native_counts`` says how many saves and unpacks the C++ served.
 
-The C functions are builtins: Dynamo never traces them (no Python frame); the Python hooks they fall
-back to are marked to skip as before (``swapkit.runtime.dynamo`` Note [Saved-tensor hooks stay out of
-Dynamo]). Pipeline stages keep the Python hooks: a stage's saves open micro-steps
+The C functions are builtins: Dynamo never traces them (no Python frame); the Python they call, the
+hooks they fall back to and ``Step.settle`` (at a keep's tick 0, every ``SETTLE_TICKS``), is what
+``swapkit.runtime.dynamo`` keeps out of Dynamo as before: marked, or on an older torch its
+``torch.compiler.disable`` wrappers (Note [Saved-tensor hooks stay out of Dynamo]). Pipeline stages keep the Python hooks: a stage's saves open micro-steps
 (``swapkit.runtime.stage_session``), which the C++ does not know.
 """
 from __future__ import annotations
@@ -40,6 +41,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from swapkit.runtime.dynamo import kept_out_of_dynamo
 from swapkit.runtime.ledger import SETTLE_TICKS
 from swapkit.runtime.records import KeptRecord, Saved
 from swapkit.runtime.step import Step
@@ -93,9 +95,10 @@ def _build() -> Any:
             "hooks do the same work, slower per saved tensor)")
 
 
-def native_hooks(session: Any) -> tuple[Any, Any, Any]:
-    """``(pack, unpack, saver)`` for ``session``, falling back to its Python ``_pack`` and ``_unpack``
-    (Note [The native save path])."""
+def native_hooks(session: Any, pack: Any, unpack: Any) -> tuple[Any, Any, Any]:
+    """``(pack, unpack, saver)`` for ``session``, falling back to its Python hooks ``pack`` and ``unpack`` as
+    :func:`~swapkit.runtime.dynamo.out_of_dynamo` returned them (Note [The native save path]); the step's
+    ``settle``, which the C++ calls, is kept out of Dynamo the same way."""
     module = native_module()
-    return module.make_hooks(session, session.tracker, session._pack, session._unpack, Saved, NativeKeptRecord,
-                             Step, SETTLE_TICKS)
+    return module.make_hooks(session, session.tracker, pack, unpack, kept_out_of_dynamo(Step.settle), Saved,
+                             NativeKeptRecord, Step, SETTLE_TICKS)
