@@ -10,6 +10,7 @@
 #include <torch/csrc/Device.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/utils/object_ptr.h>
 
 namespace {
 
@@ -275,27 +276,28 @@ PyObject* fast_pack(Saver* saver, PyObject* object, PyObject* step, PyObject* fr
   int state = fast_state(saver, step, frame);
   if (state <= 0) return nullptr;
   if (step != saver->step && !refresh(saver, step)) return nullptr;
-  PyObject* key = PyLong_FromVoidPtr(tensor.storage().unsafeGetStorageImpl());  // swapkit.runtime.records.storage_key
-  if (key == nullptr) return nullptr;
+  // swapkit.runtime.records.storage_key; owned, as the records below, so that a C++ error (a dispatch mode
+  // refusing a keeper's detach) drops them on its way to HANDLE_TH_ERRORS
+  THPObjectPtr key(PyLong_FromVoidPtr(tensor.storage().unsafeGetStorageImpl()));
+  if (!key) return nullptr;
   int64_t version = static_cast<int64_t>(tensor._version());
   PyObject* result = nullptr;
-  PyObject* ref = PyDict_GetItemWithError(saver->index, key);  // borrowed
+  PyObject* ref = PyDict_GetItemWithError(saver->index, key.get());  // borrowed
   PyObject* record = ref != nullptr ? PyWeakref_GetObject(ref) : nullptr;  // borrowed; None once dead
   if (record != nullptr && record != Py_None) {
     if (kept(saver, record) && PyList_GET_SIZE(record) == 4) {
       int64_t kept = PyLong_AsLongLong(PyList_GET_ITEM(record, 2));
       if (kept == version) {
         Py_INCREF(record);  // alive for the call: the wrap may run the collector
+        THPObjectPtr held(record);
         result = keep_again(saver, tensor, version, step, record, frame);
-        Py_DECREF(record);
       }
     }
   } else if (!PyErr_Occurred()) {  // a new storage, or a dead record's key reused: Step.save's first save
-    int first = first_save(saver, object, tensor, key, frame);
-    if (first == kKeepRecord) result = keep_new(saver, tensor, version, step, key, frame);
+    int first = first_save(saver, object, tensor, key.get(), frame);
+    if (first == kKeepRecord) result = keep_new(saver, tensor, version, step, key.get(), frame);
     if (first == kKeepBare) result = keep_again(saver, tensor, version, step, Py_None, frame);
   }
-  Py_DECREF(key);
   return result;
 }
 
@@ -303,11 +305,9 @@ PyObject* pack(PyObject* self, PyObject* object) {
   HANDLE_TH_ERRORS
   auto* saver = reinterpret_cast<Saver*>(self);
   if (torch::autograd::get_current_graph_task_id() == -1 && THPVariable_CheckExact(object)) {
-    PyObject* step = attr(saver->session, names.step);
-    PyObject* frame = step ? attr(saver->tracker, names.current) : nullptr;
-    PyObject* result = frame ? fast_pack(saver, object, step, frame) : nullptr;
-    Py_XDECREF(step);
-    Py_XDECREF(frame);
+    THPObjectPtr step(attr(saver->session, names.step));  // owned: dropped by a C++ error too
+    THPObjectPtr frame(step ? attr(saver->tracker, names.current) : nullptr);
+    PyObject* result = frame ? fast_pack(saver, object, step.get(), frame.get()) : nullptr;
     if (result != nullptr) {
       saver->packs++;
       return result;
