@@ -291,3 +291,29 @@ def test_a_native_save_that_raises_holds_on_to_nothing():
     assert session.native_counts[0] >= packs > 0
     assert not any(isinstance(o, KeptRecord) for o in gc.get_objects())
     session.remove()
+
+
+def test_a_failed_build_leaves_the_model_as_it_was(monkeypatch):
+    """The build is checked before swapkit touches the model: a failed apply leaves no scope hook or recompute
+    wrapper behind (no session was returned to remove them), and swapkit applies to the model again."""
+    monkeypatch.setattr(native, "_built", [])
+    monkeypatch.setattr(native, "_build", lambda: native.NativeBuildError("runtime.native_save: true, but ..."))
+    model = ToyNet(layers=2)
+    plain = {name: (dict(m._forward_pre_hooks), dict(m._forward_hooks), dict(vars(m)))
+             for name, m in model.named_modules()}
+    config = toy_config(2, recompute_config={"recompute": True})
+    with pytest.raises(native.NativeBuildError):
+        swapkit.apply(model, native_config(config), layers="layers")
+    assert {name: (dict(m._forward_pre_hooks), dict(m._forward_hooks), dict(vars(m)))
+            for name, m in model.named_modules()} == plain
+    swapkit.apply(model, config, layers="layers").remove()
+
+
+def test_a_pipeline_stage_is_told_that_native_save_does_nothing(caplog):
+    """A stage keeps the Python hooks (its saves open micro-steps): said once at apply, and no C++ is installed."""
+    config = native_config(toy_config(4, parallel_config={"pipeline_stage": 2}))
+    with caplog.at_level(logging.WARNING, logger="swapkit"):
+        session = swapkit.apply(ToyNet(layers=2), config, layers="layers", stage=0)
+    assert sum("native_save: true has no effect on a pipeline stage" in m for m in caplog.messages) == 1
+    assert session.native_counts is None
+    session.remove()
