@@ -32,8 +32,9 @@ the C++ never makes. ``SwapSession.native_counts`` says how many saves and unpac
 The C functions are builtins: Dynamo never traces them (no Python frame); the Python they call, the
 hooks they fall back to and ``Step.settle`` (at a keep's tick 0, every ``SETTLE_TICKS``), is what
 ``swapkit.runtime.dynamo`` keeps out of Dynamo as before: marked, or on an older torch its
-``torch.compiler.disable`` wrappers (Note [Saved-tensor hooks stay out of Dynamo]). Pipeline stages keep the Python hooks: a stage's saves open micro-steps
-(``swapkit.runtime.stage_session``), which the C++ does not know.
+``torch.compiler.disable`` wrappers (Note [Saved-tensor hooks stay out of Dynamo]). Pipeline stages
+keep the Python hooks: a stage's saves open micro-steps (``swapkit.runtime.stage_session``), which
+the C++ does not know.
 """
 from __future__ import annotations
 
