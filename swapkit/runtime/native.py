@@ -8,22 +8,25 @@ object, ``id``, ``nbytes``): a keep-only session measured about 3.7x the identit
 tensor on a 2-core CPU (``benchmarks/results/overhead``). With ``runtime.native_save`` the session
 installs two C functions instead (``native_save.cpp``, built on first use by
 ``torch.utils.cpp_extension``, cached in ``TORCH_EXTENSIONS_DIR``). A save reaches them while the step
-runs its forward with no swap record queued, no observer, and in the frame of the previous save, which
-is no swap scope. Of those saves they serve, doing what the Python does on the same objects:
-- a new storage that ``Step.save`` would keep with a new :class:`~swapkit.runtime.records.KeptRecord`: a
-  plain ``torch.Tensor`` (not a view, no attributes, a storage with bytes on the step's device, no
-  recomputable output registered): the step's clock ticks, the stats and the device-bytes ledger count
-  the storage, and the index gets a weak reference to a :class:`NativeKeptRecord`, a ``KeptRecord``
-  whose finalizer (which takes its bytes off the ledger) is C, not a Python frame;
-- a new storage that ``Step.save`` keeps without a record: one the step knows as a parameter's, an
-  empty storage, one on another device;
-- a storage whose live ``KeptRecord`` the step has, at the same version: a handle of that record.
+runs its forward with no swap record queued, no observer, and in the frame of the previous save. Of
+those saves they serve, doing what the Python does on the same objects:
+- outside a swap scope, a new storage that ``Step.save`` would keep with a new
+  :class:`~swapkit.runtime.records.KeptRecord`: a plain ``torch.Tensor`` (not a view, no attributes, a
+  storage with bytes on the step's device, no recomputable output registered): the step's clock ticks,
+  the stats and the device-bytes ledger count the storage, and the index gets a weak reference to a
+  :class:`NativeKeptRecord`, a ``KeptRecord`` whose finalizer (which takes its bytes off the ledger) is
+  C, not a Python frame;
+- outside a swap scope, a new storage that ``Step.save`` keeps without a record: one the step knows as
+  a parameter's, an empty storage, one on another device;
+- a storage whose live ``KeptRecord`` the step has, at the same version, in any scope (as the Python,
+  which does not move a kept storage): a handle of that record.
 They also serve an unpack of a handle with a kept record (or none) whose keeper was not written in
 place, once the step stopped watching unpacks (``swapkit.runtime.step`` Note [The cost of a save])
 and with no observer: the keeper.
 Everything else (a parameter the step does not know yet, views and tensors with attributes of a new
-storage, swap scopes, swapped records, recomputable outputs, backward's packs, micro-steps, the first
-unpacks of a backward, a modified keeper's error) goes to the session's own Python hooks, unchanged.
+storage, new storages in swap scopes, swapped records, recomputable outputs, backward's packs,
+micro-steps, the first unpacks of a backward, a modified keeper's error) goes to the session's own
+Python hooks, unchanged.
 Neither path knows which one made a handle or a record, so mixing them changes nothing:
 the storage index is keyed by the ``StorageImpl`` address (:func:`~swapkit.runtime.records.storage_key`)
 that both can read, and a ``KeptRecord`` holds its first keeper, not the Python storage object, which
