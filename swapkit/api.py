@@ -82,6 +82,7 @@ def apply(model: nn.Module | Sequence[nn.Module], config: Config | Plan | Mappin
                             f"{type(chunk).__name__}; call remove() on its SwapSession before applying another config")
     binding = bind(model, plan, layers) if stage is None else bind_stage(chunks, plan, layers, stage)
     _refuse_shared_layers(binding, type(chunks[0]).__name__)
+    _check_native(plan, SwapSession if stage is None else StageSession)  # before anything changes the model
     if stage is not None:
         check_layout_across_ranks(plan.layout, stage)  # Note [Stage layouts agree across ranks]
     _log(plan, binding, type(chunks[0]).__name__, _unused_preset(chunks[0], plan) if loaded is None else None)
@@ -95,19 +96,18 @@ def apply(model: nn.Module | Sequence[nn.Module], config: Config | Plan | Mappin
         micro_batch_num = loaded.parallel.micro_batch_num if loaded is not None else None
         session = StageSession(chunks, stage, binding.model, binding, plan, tracker, recompute,
                                micro_batch_num=micro_batch_num)
-    _check_native(plan, session)
     for chunk in chunks:  # set last: swapkit.runtime.detach Note [Copies and pickles of a model ...]
         mark(chunk, session)
     return session
 
 
-def _check_native(plan: Plan, session: SwapSession) -> None:
+def _check_native(plan: Plan, session_type: type[SwapSession]) -> None:
     """``runtime.native_save``: build the C++ hooks now, so that a missing compiler fails here rather than at
-    the first step; on a pipeline stage say that it does nothing (swapkit.runtime.native Note [The native save
-    path])."""
+    the first step, and before the model carries any hook (no session is returned to remove them); on a
+    pipeline stage say that it does nothing (swapkit.runtime.native Note [The native save path])."""
     if not plan.runtime.native_save:
         return
-    if not session.native_supported:
+    if not session_type.native_supported:
         logger.warning("swapkit: runtime.native_save: true has no effect on a pipeline stage: its saves open "
                        "micro-steps, which only the Python hooks handle (Note [The native save path] in "
                        "swapkit.runtime.native); set it to false for stages")

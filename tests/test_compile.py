@@ -261,6 +261,22 @@ def test_finalizers_never_reach_dynamo_in_a_compiled_step(variant):
     assert [f"{c.co_name} ({c.co_filename})" for c in handed if any(part in c.co_filename for part in HOOK_ONLY)] == []
 
 
+@pytest.mark.parametrize("older_torch", [False, True])
+def test_the_native_hooks_hand_dynamo_no_frame_of_swapkit(older_torch, monkeypatch):
+    """swapkit.runtime.native Note [The native save path]: what the C++ hooks call in Python (the step's settle
+    at tick 0, the Python hooks they fall back to) stays out of Dynamo as the Python hooks do: marked, or on a
+    torch without code execution strategies wrapped in torch.compiler.disable."""
+    from torch._dynamo.convert_frame import input_codes
+
+    require_native()
+    if older_torch:
+        monkeypatch.setattr(dynamo_module, "_SKIP_ALL", None)
+    _, _, session = whole_model_run("keep_only", "aot_eager", True, native=True)
+    assert session.native_counts[0] > 0
+    handed = [code() for code in input_codes.seen if code() is not None]
+    assert [f"{c.co_name} ({c.co_filename})" for c in handed if any(part in c.co_filename for part in HOOK_ONLY)] == []
+
+
 @pytest.mark.parametrize("variant", ["layer_swap", "full_recompute"])
 def test_fullgraph_names_swapkit_and_the_fix(variant):
     """fullgraph=True cannot work with swapkit (its hooks are graph breaks by design). Dynamo's error said

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import sys
 
 import pytest
 import torch
@@ -257,6 +258,62 @@ def test_the_hooks_refuse_a_record_type_they_cannot_build_without_its_call(built
 
     session = synced_session(ToyNet(layers=1), toy_config(1))
     with pytest.raises(TypeError, match="KeptRecord must not define __new__ or __init__"):
-        built.make_hooks(session, session.tracker, session._pack, session._unpack, Saved, Initialised, Step,
-                         SETTLE_TICKS)
+        built.make_hooks(session, session.tracker, session._pack, session._unpack, Step.settle, Saved, Initialised,
+                         Step, SETTLE_TICKS)
+
+
+def test_a_native_save_that_raises_holds_on_to_nothing():
+    """A C++ error inside a native save (here a dispatch mode refusing the keeper's ``detach``) raises as the
+    Python hook's does and drops what the save held: the step, and the kept record a save of its storage found,
+    which otherwise never dies (its bytes never leave the ledger)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class RefuseDetach(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.detach.default:
+                raise RuntimeError("no detach here")
+            return func(*args, **(kwargs or {}))
+
+    model = ToyNet(layers=2)
+    session = synced_session(model, native_config(toy_config(2)))
+    x = torch.randn(8, 16)
+    with session:
+        a = model(x).exp()
+        a.cos()  # a's storage kept in C++: a later save finds its record
+        step, packs = session._step, session.native_counts[0]
+        before = sys.getrefcount(step)
+        for save in (a.sin, lambda: a.sum().exp()):  # a kept record's storage again; a new storage
+            with pytest.raises(RuntimeError, match="no detach here"), RefuseDetach():
+                save()
+        assert sys.getrefcount(step) == before
+        del a
+    gc.collect()
+    assert session.native_counts[0] >= packs > 0
+    assert not any(type(o) in (KeptRecord, native.NativeKeptRecord) for o in gc.get_objects())
+    session.remove()
+
+
+def test_a_failed_build_leaves_the_model_as_it_was(monkeypatch):
+    """The build is checked before swapkit touches the model: a failed apply leaves no scope hook or recompute
+    wrapper behind (no session was returned to remove them), and swapkit applies to the model again."""
+    monkeypatch.setattr(native, "_built", [])
+    monkeypatch.setattr(native, "_build", lambda: native.NativeBuildError("runtime.native_save: true, but ..."))
+    model = ToyNet(layers=2)
+    plain = {name: (dict(m._forward_pre_hooks), dict(m._forward_hooks), dict(vars(m)))
+             for name, m in model.named_modules()}
+    config = toy_config(2, recompute_config={"recompute": True})
+    with pytest.raises(native.NativeBuildError):
+        swapkit.apply(model, native_config(config), layers="layers")
+    assert {name: (dict(m._forward_pre_hooks), dict(m._forward_hooks), dict(vars(m)))
+            for name, m in model.named_modules()} == plain
+    swapkit.apply(model, config, layers="layers").remove()
+
+
+def test_a_pipeline_stage_is_told_that_native_save_does_nothing(caplog):
+    """A stage keeps the Python hooks (its saves open micro-steps): said once at apply, and no C++ is installed."""
+    config = native_config(toy_config(4, parallel_config={"pipeline_stage": 2}))
+    with caplog.at_level(logging.WARNING, logger="swapkit"):
+        session = swapkit.apply(ToyNet(layers=2), config, layers="layers", stage=0)
+    assert sum("native_save: true has no effect on a pipeline stage" in m for m in caplog.messages) == 1
+    assert session.native_counts is None
     session.remove()

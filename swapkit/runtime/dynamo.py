@@ -63,6 +63,13 @@ def out_of_dynamo(pack: Any, unpack: Any) -> tuple[Any, Any]:
     return _out_of_dynamo(pack), _out_of_dynamo(unpack)
 
 
+def kept_out_of_dynamo(function: Any) -> Any:
+    """``function``, never traced by Dynamo: its code marked, or on an older torch a ``torch.compiler.disable``
+    wrapper (Note [Saved-tensor hooks stay out of Dynamo]); for what the C++ hooks call (swapkit.runtime.native
+    Note [The native save path])."""
+    return _out_of_dynamo(function)
+
+
 def _finalizers() -> tuple[Any, ...]:
     """Code of swapkit's that runs when a handle or a storage dies (Note [Saved-tensor hooks stay out of Dynamo])."""
     return (KeptRecord.__del__, SwapRecord.__del__, Recipe.__del__, RecomputableOutputs.forget,

@@ -8,31 +8,36 @@ object, ``id``, ``nbytes``): a keep-only session measured about 3.7x the identit
 tensor on a 2-core CPU (``benchmarks/results/overhead``). With ``runtime.native_save`` the session
 installs two C functions instead (``native_save.cpp``, built on first use by
 ``torch.utils.cpp_extension``, cached in ``TORCH_EXTENSIONS_DIR``). A save reaches them while the step
-runs its forward with no swap record queued, no observer, and in the frame of the previous save, which
-is no swap scope. Of those saves they serve, doing what the Python does on the same objects:
-- a new storage that ``Step.save`` would keep with a new :class:`~swapkit.runtime.records.KeptRecord`: a
-  plain ``torch.Tensor`` (not a view, no attributes, a storage with bytes on the step's device, no
-  recomputable output registered): the step's clock ticks, the stats and the device-bytes ledger count
-  the storage, and the index gets a weak reference to a :class:`NativeKeptRecord`, a ``KeptRecord``
-  whose finalizer (which takes its bytes off the ledger) is C, not a Python frame;
-- a new storage that ``Step.save`` keeps without a record: one the step knows as a parameter's, an
-  empty storage, one on another device;
-- a storage whose live ``KeptRecord`` the step has, at the same version: a handle of that record.
+runs its forward with no swap record queued, no observer, and in the frame of the previous save. Of
+those saves they serve, doing what the Python does on the same objects:
+- outside a swap scope, a new storage that ``Step.save`` would keep with a new
+  :class:`~swapkit.runtime.records.KeptRecord`: a plain ``torch.Tensor`` (not a view, no attributes, a
+  storage with bytes on the step's device, no recomputable output registered): the step's clock ticks,
+  the stats and the device-bytes ledger count the storage, and the index gets a weak reference to a
+  :class:`NativeKeptRecord`, a ``KeptRecord`` whose finalizer (which takes its bytes off the ledger) is
+  C, not a Python frame;
+- outside a swap scope, a new storage that ``Step.save`` keeps without a record: one the step knows as
+  a parameter's, an empty storage, one on another device;
+- a storage whose live ``KeptRecord`` the step has, at the same version, in any scope (as the Python,
+  which does not move a kept storage): a handle of that record.
 They also serve an unpack of a handle with a kept record (or none) whose keeper was not written in
 place, once the step stopped watching unpacks (``swapkit.runtime.step`` Note [The cost of a save])
 and with no observer: the keeper.
 Everything else (a parameter the step does not know yet, views and tensors with attributes of a new
-storage, swap scopes, swapped records, recomputable outputs, backward's packs, micro-steps, the first
-unpacks of a backward, a modified keeper's error) goes to the session's own Python hooks, unchanged.
+storage, new storages in swap scopes, swapped records, recomputable outputs, backward's packs,
+micro-steps, the first unpacks of a backward, a modified keeper's error) goes to the session's own
+Python hooks, unchanged.
 Neither path knows which one made a handle or a record, so mixing them changes nothing:
 the storage index is keyed by the ``StorageImpl`` address (:func:`~swapkit.runtime.records.storage_key`)
 that both can read, and a ``KeptRecord`` holds its first keeper, not the Python storage object, which
 the C++ never makes. ``SwapSession.native_counts`` says how many saves and unpacks the C++ served.
 
-The C functions are builtins: Dynamo never traces them (no Python frame); the Python hooks they fall
-back to are marked to skip as before (``swapkit.runtime.dynamo`` Note [Saved-tensor hooks stay out of
-Dynamo]). Pipeline stages keep the Python hooks: a stage's saves open micro-steps
-(``swapkit.runtime.stage_session``), which the C++ does not know.
+The C functions are builtins: Dynamo never traces them (no Python frame); the Python they call, the
+hooks they fall back to and ``Step.settle`` (at a keep's tick 0, every ``SETTLE_TICKS``), is what
+``swapkit.runtime.dynamo`` keeps out of Dynamo as before: marked, or on an older torch its
+``torch.compiler.disable`` wrappers (Note [Saved-tensor hooks stay out of Dynamo]). Pipeline stages
+keep the Python hooks: a stage's saves open micro-steps (``swapkit.runtime.stage_session``), which
+the C++ does not know.
 """
 from __future__ import annotations
 
@@ -40,6 +45,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from swapkit.runtime.dynamo import kept_out_of_dynamo
 from swapkit.runtime.ledger import SETTLE_TICKS
 from swapkit.runtime.records import KeptRecord, Saved
 from swapkit.runtime.step import Step
@@ -93,9 +99,10 @@ def _build() -> Any:
             "hooks do the same work, slower per saved tensor)")
 
 
-def native_hooks(session: Any) -> tuple[Any, Any, Any]:
-    """``(pack, unpack, saver)`` for ``session``, falling back to its Python ``_pack`` and ``_unpack``
-    (Note [The native save path])."""
+def native_hooks(session: Any, pack: Any, unpack: Any) -> tuple[Any, Any, Any]:
+    """``(pack, unpack, saver)`` for ``session``, falling back to its Python hooks ``pack`` and ``unpack`` as
+    :func:`~swapkit.runtime.dynamo.out_of_dynamo` returned them (Note [The native save path]); the step's
+    ``settle``, which the C++ calls, is kept out of Dynamo the same way."""
     module = native_module()
-    return module.make_hooks(session, session.tracker, session._pack, session._unpack, Saved, NativeKeptRecord,
-                             Step, SETTLE_TICKS)
+    return module.make_hooks(session, session.tracker, pack, unpack, kept_out_of_dynamo(Step.settle), Saved,
+                             NativeKeptRecord, Step, SETTLE_TICKS)

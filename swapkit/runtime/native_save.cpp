@@ -10,13 +10,14 @@
 #include <torch/csrc/Device.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/utils/object_ptr.h>
 
 namespace {
 
 // Interned attribute names, read once per call where needed.
 struct Names {
   PyObject *step, *backward_started, *scheduled, *last_frame, *current, *observer, *clock, *watch_unpacks,
-      *saved_bytes, *prefetch, *entries, *settle, *index, *param_storages, *stats, *bytes_changed,
+      *saved_bytes, *prefetch, *entries, *index, *param_storages, *stats, *bytes_changed,
       *recomputable, *device;
 };
 Names names;
@@ -27,6 +28,7 @@ struct Saver {
   PyObject* tracker;  // its ScopeTracker (current)
   PyObject* slow_pack;  // the session's Python hooks
   PyObject* slow_unpack;
+  PyObject* settle;  // Step.settle, kept out of Dynamo as the Python hooks are (swapkit.runtime.dynamo)
   PyTypeObject* saved_type;  // swapkit.runtime.records.Saved
   PyTypeObject* kept_type;  // swapkit.runtime.native.NativeKeptRecord: made here; its base, KeptRecord, by the Python
   PyTypeObject* step_type;  // swapkit.runtime.step.Step: a subclass (a micro-step) saves its own way
@@ -155,7 +157,7 @@ bool account(Saver* saver, PyObject* step, int64_t nbytes, int64_t at) {
   if (result == nullptr) return false;
   Py_DECREF(result);
   if (at & saver->settle_mask) return true;
-  result = PyObject_CallMethodNoArgs(step, names.settle);
+  result = PyObject_CallOneArg(saver->settle, step);
   Py_XDECREF(result);
   return result != nullptr;
 }
@@ -212,7 +214,9 @@ PyObject* keep_again(Saver* saver, const at::Tensor& tensor, int64_t version, Py
                      PyObject* frame) {
   int64_t at = tick(step);
   if (at < 0) return nullptr;
-  return saved(saver, THPVariable_Wrap(tensor.detach()), version, step, at, record, frame);
+  PyObject* keeper = THPVariable_Wrap(tensor.detach());
+  if (keeper == nullptr) return nullptr;  // saved() steals a keeper: never a null one
+  return saved(saver, keeper, version, step, at, record, frame);
 }
 
 // ``KeptRecord((step, nbytes, version, keeper))`` without the call: KeptRecord is a list subclass with no
@@ -272,27 +276,28 @@ PyObject* fast_pack(Saver* saver, PyObject* object, PyObject* step, PyObject* fr
   int state = fast_state(saver, step, frame);
   if (state <= 0) return nullptr;
   if (step != saver->step && !refresh(saver, step)) return nullptr;
-  PyObject* key = PyLong_FromVoidPtr(tensor.storage().unsafeGetStorageImpl());  // swapkit.runtime.records.storage_key
-  if (key == nullptr) return nullptr;
+  // swapkit.runtime.records.storage_key; owned, as the records below, so that a C++ error (a dispatch mode
+  // refusing a keeper's detach) drops them on its way to HANDLE_TH_ERRORS
+  THPObjectPtr key(PyLong_FromVoidPtr(tensor.storage().unsafeGetStorageImpl()));
+  if (!key) return nullptr;
   int64_t version = static_cast<int64_t>(tensor._version());
   PyObject* result = nullptr;
-  PyObject* ref = PyDict_GetItemWithError(saver->index, key);  // borrowed
+  PyObject* ref = PyDict_GetItemWithError(saver->index, key.get());  // borrowed
   PyObject* record = ref != nullptr ? PyWeakref_GetObject(ref) : nullptr;  // borrowed; None once dead
   if (record != nullptr && record != Py_None) {
     if (kept(saver, record) && PyList_GET_SIZE(record) == 4) {
       int64_t kept = PyLong_AsLongLong(PyList_GET_ITEM(record, 2));
       if (kept == version) {
         Py_INCREF(record);  // alive for the call: the wrap may run the collector
+        THPObjectPtr held(record);
         result = keep_again(saver, tensor, version, step, record, frame);
-        Py_DECREF(record);
       }
     }
   } else if (!PyErr_Occurred()) {  // a new storage, or a dead record's key reused: Step.save's first save
-    int first = first_save(saver, object, tensor, key, frame);
-    if (first == kKeepRecord) result = keep_new(saver, tensor, version, step, key, frame);
+    int first = first_save(saver, object, tensor, key.get(), frame);
+    if (first == kKeepRecord) result = keep_new(saver, tensor, version, step, key.get(), frame);
     if (first == kKeepBare) result = keep_again(saver, tensor, version, step, Py_None, frame);
   }
-  Py_DECREF(key);
   return result;
 }
 
@@ -300,11 +305,9 @@ PyObject* pack(PyObject* self, PyObject* object) {
   HANDLE_TH_ERRORS
   auto* saver = reinterpret_cast<Saver*>(self);
   if (torch::autograd::get_current_graph_task_id() == -1 && THPVariable_CheckExact(object)) {
-    PyObject* step = attr(saver->session, names.step);
-    PyObject* frame = step ? attr(saver->tracker, names.current) : nullptr;
-    PyObject* result = frame ? fast_pack(saver, object, step, frame) : nullptr;
-    Py_XDECREF(step);
-    Py_XDECREF(frame);
+    THPObjectPtr step(attr(saver->session, names.step));  // owned: dropped by a C++ error too
+    THPObjectPtr frame(step ? attr(saver->tracker, names.current) : nullptr);
+    PyObject* result = frame ? fast_pack(saver, object, step.get(), frame.get()) : nullptr;
     if (result != nullptr) {
       saver->packs++;
       return result;
@@ -357,6 +360,7 @@ int Saver_traverse(PyObject* self, visitproc visit, void* arg) {
   Py_VISIT(saver->tracker);
   Py_VISIT(saver->slow_pack);
   Py_VISIT(saver->slow_unpack);
+  Py_VISIT(saver->settle);
   Py_VISIT(saver->saved_type);
   Py_VISIT(saver->kept_type);
   Py_VISIT(saver->step_type);
@@ -375,6 +379,7 @@ int Saver_clear(PyObject* self) {
   Py_CLEAR(saver->tracker);
   Py_CLEAR(saver->slow_pack);
   Py_CLEAR(saver->slow_unpack);
+  Py_CLEAR(saver->settle);
   Py_CLEAR(saver->saved_type);
   Py_CLEAR(saver->kept_type);
   Py_CLEAR(saver->step_type);
@@ -424,7 +429,7 @@ void ready_types() {
   if (SaverType.tp_flags & Py_TPFLAGS_READY) return;
   names = Names{intern("_step"), intern("backward_started"), intern("_scheduled"), intern("_last_frame"),
                 intern("current"), intern("observer"), intern("clock"), intern("watch_unpacks"),
-                intern("saved_bytes"), intern("prefetch"), intern("entries"), intern("settle"), intern("_index"),
+                intern("saved_bytes"), intern("prefetch"), intern("entries"), intern("_index"),
                 intern("param_storages"), intern("stats"), intern("bytes_changed"), intern("_recomputable"),
                 intern("device")};
   SaverType.tp_basicsize = sizeof(Saver);
@@ -440,7 +445,8 @@ void ready_types() {
 
 // The pack and unpack hooks of ``session`` (Note [The native save path]) and the Saver they are bound to.
 py::tuple make_hooks(py::object session, py::object tracker, py::object slow_pack, py::object slow_unpack,
-                     py::object saved_type, py::object kept_type, py::object step_type, int64_t settle_ticks) {
+                     py::object settle, py::object saved_type, py::object kept_type, py::object step_type,
+                     int64_t settle_ticks) {
   ready_types();
   if (!PyType_Check(saved_type.ptr()) || !PyType_Check(kept_type.ptr()) || !PyType_Check(step_type.ptr()) ||
       !PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(saved_type.ptr()), &PyTuple_Type) ||
@@ -453,8 +459,8 @@ py::tuple make_hooks(py::object session, py::object tracker, py::object slow_pac
     throw py::value_error("swapkit native save: settle_ticks must be a power of two");
   auto* saver = PyObject_GC_New(Saver, &SaverType);
   if (saver == nullptr) throw py::error_already_set();
-  PyObject* held[7] = {session.ptr(), tracker.ptr(), slow_pack.ptr(), slow_unpack.ptr(), saved_type.ptr(),
-                       kept_type.ptr(), step_type.ptr()};
+  PyObject* held[8] = {session.ptr(), tracker.ptr(), slow_pack.ptr(), slow_unpack.ptr(), saved_type.ptr(),
+                       kept_type.ptr(), step_type.ptr(), settle.ptr()};
   for (PyObject* object : held) Py_INCREF(object);
   saver->session = held[0];
   saver->tracker = held[1];
@@ -463,6 +469,7 @@ py::tuple make_hooks(py::object session, py::object tracker, py::object slow_pac
   saver->saved_type = reinterpret_cast<PyTypeObject*>(held[4]);
   saver->kept_type = reinterpret_cast<PyTypeObject*>(held[5]);
   saver->step_type = reinterpret_cast<PyTypeObject*>(held[6]);
+  saver->settle = held[7];
   saver->step = saver->index = saver->params = saver->stats = saver->changed = saver->recomputable = nullptr;
   saver->device_type = saver->device_index = 0;
   saver->settle_mask = settle_ticks - 1;

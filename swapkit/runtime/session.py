@@ -164,7 +164,7 @@ class SwapSession:
         if not (self.plan.runtime.native_save and self.native_supported):
             return pair
         if self._native is None:
-            self._native = native_hooks(self)
+            self._native = native_hooks(self, *pair)
         return self._native[:2]
 
     @property
