@@ -46,6 +46,22 @@ struct Saver {
 
 PyTypeObject SaverType = {PyVarObject_HEAD_INIT(nullptr, 0) "swapkit_native_save.Saver"};
 
+// The object ``ref`` refers to, as a new reference in ``out`` (null once it died): 1, 0 (dead) or -1 (error).
+// PyWeakref_GetObject, deprecated since Python 3.13, before PyWeakref_GetRef existed.
+inline int referent(PyObject* ref, PyObject** out) {
+#if PY_VERSION_HEX >= 0x030D0000
+  return PyWeakref_GetRef(ref, out);
+#else
+  PyObject* object = PyWeakref_GetObject(ref);  // borrowed; None once dead
+  *out = nullptr;
+  if (object == nullptr) return -1;
+  if (object == Py_None) return 0;
+  Py_INCREF(object);
+  *out = object;
+  return 1;
+#endif
+}
+
 // A kept record, made here or by the Python (exactly those types: a swap record is neither).
 inline bool kept(Saver* saver, PyObject* record) {
   PyTypeObject* type = Py_TYPE(record);
@@ -283,15 +299,13 @@ PyObject* fast_pack(Saver* saver, PyObject* object, PyObject* step, PyObject* fr
   int64_t version = static_cast<int64_t>(tensor._version());
   PyObject* result = nullptr;
   PyObject* ref = PyDict_GetItemWithError(saver->index, key.get());  // borrowed
-  PyObject* record = ref != nullptr ? PyWeakref_GetObject(ref) : nullptr;  // borrowed; None once dead
-  if (record != nullptr && record != Py_None) {
-    if (kept(saver, record) && PyList_GET_SIZE(record) == 4) {
-      int64_t kept = PyLong_AsLongLong(PyList_GET_ITEM(record, 2));
-      if (kept == version) {
-        Py_INCREF(record);  // alive for the call: the wrap may run the collector
-        THPObjectPtr held(record);
-        result = keep_again(saver, tensor, version, step, record, frame);
-      }
+  PyObject* found = nullptr;
+  if (ref != nullptr && referent(ref, &found) < 0) return nullptr;
+  THPObjectPtr record(found);  // owned: alive for the call (the wrap may run the collector)
+  if (record) {
+    if (kept(saver, record.get()) && PyList_GET_SIZE(record.get()) == 4) {
+      int64_t kept = PyLong_AsLongLong(PyList_GET_ITEM(record.get(), 2));
+      if (kept == version) result = keep_again(saver, tensor, version, step, record.get(), frame);
     }
   } else if (!PyErr_Occurred()) {  // a new storage, or a dead record's key reused: Step.save's first save
     int first = first_save(saver, object, tensor, key.get(), frame);
