@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import logging
 import sys
+import weakref
 
 import pytest
 import torch
@@ -158,25 +159,52 @@ def test_packs_in_backward_and_double_backward_go_to_the_python_hooks():
 
 
 def test_many_native_steps_leave_no_record_or_handle_behind():
+    """Records and handles the C++ makes are freed by their reference counts (Note [Objects the collector need
+    not see]): after 50 steps every record a step's index named is dead, and no step outlives the session's
+    current and last one (a handle or record left alive would hold its step)."""
     model = ToyNet(layers=3)
     session = synced_session(model, native_config(toy_config(3, **layer_swap(1, layers=[1]))))
     x = torch.randn(8, 16)
-
-    def alive() -> int:
-        gc.collect()
-        return sum(type(o) in (KeptRecord, native.NativeKeptRecord, Saved) for o in gc.get_objects())
-
-    for _ in range(3):
-        with session:
-            model(x).sum().backward()
-    before = alive()
+    records, steps = [], []
     for _ in range(50):
         with session:
-            model(x).sum().backward()
-    assert alive() == before == 0
+            out = model(x).sum()
+            records += list(session._step._index.values())  # weak references to every record of the step
+            steps.append(weakref.ref(session._step))
+            out.backward()
+        del out
+    gc.collect()
+    assert len(records) > 50 and all(ref() is None for ref in records)
+    assert sum(step() is not None for step in steps) <= 2
     assert session.stats.resident_bytes == 0 and session.stats.peak_device_bytes > 0
     packs, unpacks = session.native_counts
     assert packs > 50 and unpacks > 50
+    session.remove()
+
+
+def test_what_the_cpp_makes_is_untracked_and_freed_by_reference_counts():
+    """Note [Objects the collector need not see]: the handle, the record and the index's weak reference of a
+    native keep are untracked; the keeper is not. With the collector off, the record dies with its last handle
+    and takes its bytes off the step's ledger."""
+    model = ToyNet(layers=1)
+    session = synced_session(model, native_config(toy_config(1)))
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with session:
+            step, pack = session._step, session._native[0]
+            handle = pack(torch.randn(4, 4))  # outside the layers, the frame (None) of a new step's first save
+            assert type(handle) is Saved and type(handle.record) is native.NativeKeptRecord
+            ref = next(r for r in step._index.values() if r() is handle.record)
+            assert not gc.is_tracked(handle) and not gc.is_tracked(handle.record) and not gc.is_tracked(ref)
+            assert gc.is_tracked(handle.keeper)
+            before = step.device_bytes
+            del handle
+            assert ref() is None and step.device_bytes == before - 64
+    finally:
+        if enabled:
+            gc.enable()
+    assert session.native_counts[0] == 1
     session.remove()
 
 
@@ -286,10 +314,11 @@ def test_a_native_save_that_raises_holds_on_to_nothing():
             with pytest.raises(RuntimeError, match="no detach here"), RefuseDetach():
                 save()
         assert sys.getrefcount(step) == before
+        records = list(step._index.values())  # weak references (Note [Objects the collector need not see])
         del a
     gc.collect()
     assert session.native_counts[0] >= packs > 0
-    assert not any(type(o) in (KeptRecord, native.NativeKeptRecord) for o in gc.get_objects())
+    assert records and all(ref() is None for ref in records)
     session.remove()
 
 

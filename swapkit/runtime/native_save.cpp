@@ -148,6 +148,7 @@ PyObject* saved(Saver* saver, PyObject* keeper, int64_t version, PyObject* step,
   PyObject* items[7] = {keeper, version_object, step, tick_object, record, Py_None, frame};
   for (int i : {2, 4, 5, 6}) Py_INCREF(items[i]);
   for (int i = 0; i < 7; i++) PyTuple_SET_ITEM(handle, i, items[i]);
+  PyObject_GC_UnTrack(handle);  // Note [Objects the collector need not see] in swapkit.runtime.native
   return handle;
 }
 
@@ -255,6 +256,7 @@ PyObject* kept_record(PyTypeObject* type, PyObject* step, int64_t nbytes, int64_
   list->ob_item = storage;
   list->allocated = 4;
   Py_SET_SIZE(list, 4);
+  PyObject_GC_UnTrack(record);  // Note [Objects the collector need not see] in swapkit.runtime.native
   return record;
 }
 
@@ -278,6 +280,7 @@ PyObject* keep_new(Saver* saver, const at::Tensor& tensor, int64_t version, PyOb
     Py_DECREF(keeper);
     return nullptr;
   }
+  PyObject_GC_UnTrack(ref);  // Note [Objects the collector need not see] in swapkit.runtime.native
   Py_DECREF(ref);
   PyObject* handle = saved(saver, keeper, version, step, at, record, frame);
   Py_DECREF(record);  // the handle holds it, as the index's weak reference expects
