@@ -254,8 +254,8 @@ class ThreadCopyEngine:
             self.wait(self._submit(lambda: None))
         self._closing.clear()
         error, self._error = self._error, None
-        if error is not None:
-            raise error
+        if error is not None:  # the stored object stays on its ThreadCopy: Note [A reported copy error holds no frames]
+            raise _reported(error)
 
     def close(self) -> None:
         """Stop the worker: copies still sleeping for their emulated delay end at once (Ctrl-C never
@@ -358,7 +358,9 @@ class ThreadCopyEngine:
 # through C++ autograd nodes the cyclic collector cannot see, so every failed step kept its records,
 # and the pool its host regions, forever. Each report therefore raises a copy of the error (same type,
 # arguments and worker-side traceback, chained to the original's cause): the frames go on the copy,
-# which the caller owns and drops. An error that cannot be copied is raised as it is.
+# which the caller owns and drops. An error that cannot be copied is raised as it is. That holds for
+# every report: ``ready`` and ``wait`` on the copy, and ``synchronize``, which reports a failure none of
+# them did yet (the ``with`` block's exit, when no record of the failed batch came due in forward).
 
 
 def _reported(error: BaseException) -> BaseException:
