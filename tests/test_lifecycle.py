@@ -278,6 +278,35 @@ def test_ctrl_c_inside_wait_leaves_no_waiter_counted():
     engine.close()
 
 
+def test_a_second_ctrl_c_while_the_block_waits_for_copies_cancels_no_later_copy():
+    """Note [Ctrl-C and the emulated link]: Ctrl-C in forward makes the block's exit cancel the copies sleeping on
+    the emulated delay; a second Ctrl-C while it waits for them left the cancel flag set, and every copy of every
+    later step was cancelled at once (CopyCancelled from the next step's first release)."""
+    model, ref = ToyNet(layers=4), ToyNet(layers=4)
+    ref.load_state_dict(model.state_dict())
+    session = swapkit.apply(model, toy_config(4, **layer_swap(1)), layers="layers")
+    engine = ReadyWhenDone("cpu", latency_s=0.02)  # every due release looks at its copy's outcome
+    install_engine(session, engine)
+    x = torch.randn(4, 16)
+
+    def ctrl_c(module, args):
+        engine._finished = InterruptingCondition()  # the exit's wait for the queue is interrupted too
+        raise KeyboardInterrupt
+
+    hook = model.layers[2].register_forward_pre_hook(ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        with session:
+            model(x).sum().backward()
+    hook.remove()
+    assert engine._finished.fired  # the second Ctrl-C did land in the exit's wait
+    with session:  # the user goes on training with the same session
+        model(x).sum().backward()
+    ref(x).sum().backward()
+    assert_grads_equal(grads(model), grads(ref))
+    assert session.stats.offloaded_bytes > 0 and not session.stats.aborted
+    session.remove()
+
+
 class OffloadFails(ThreadCopyEngine):
     def offload(self, src, dst):
         raise RuntimeError("offload refused")

@@ -59,7 +59,9 @@ class CopyCancelled(RuntimeError):
 # CopyCancelled (its bytes never moved, so nothing reads them), which `synchronize` does not report
 # as a failure. This happens when `synchronize` runs while a KeyboardInterrupt propagates (the
 # session's `__exit__`) and in `close`. A Ctrl-C that only interrupts one `wait` cancels nothing:
-# the caller may catch it and go on, and its later copies must still arrive.
+# the caller may catch it and go on, and its later copies must still arrive. For the same reason the
+# cancel ends with the wait that asked for it, also when a second Ctrl-C cuts that wait short: left on,
+# it cancelled every copy of every later step of a session the user went on training with.
 
 
 class ThreadCopy:
@@ -250,9 +252,11 @@ class ThreadCopyEngine:
         """Wait for every queued copy; raise the first copy that failed since the last call."""
         if isinstance(sys.exc_info()[1], KeyboardInterrupt):
             self._closing.set()  # Note [Ctrl-C and the emulated link]
-        if self._worker is not None:
-            self.wait(self._submit(lambda: None))
-        self._closing.clear()
+        try:
+            if self._worker is not None:
+                self.wait(self._submit(lambda: None))
+        finally:  # a second Ctrl-C in this wait must not cancel every later copy (Note [Ctrl-C and the ...])
+            self._closing.clear()
         error, self._error = self._error, None
         if error is not None:  # the stored object stays on its ThreadCopy: Note [A reported copy error holds no frames]
             raise _reported(error)
@@ -266,8 +270,10 @@ class ThreadCopyEngine:
         if worker is not None:
             self._closing.set()
             self._jobs.put(None)
-            worker.join()
-            self._closing.clear()
+            try:
+                worker.join()
+            finally:  # interrupted: the copies run inline after close must not be cancelled
+                self._closing.clear()
         self._run_stranded()
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
