@@ -307,6 +307,53 @@ def test_a_second_ctrl_c_while_the_block_waits_for_copies_cancels_no_later_copy(
     session.remove()
 
 
+class FirstPrefetchFails(ReadyWhenDone):
+    """The first host-to-device copy fails on the worker (its source cannot be read)."""
+
+    prefetches = 0
+
+    def prefetch(self, src):
+        self.prefetches += 1
+        if self.prefetches == 1:
+            src = torch.empty(src.numel(), dtype=torch.uint8, device="meta")  # copying out of it raises
+        return super().prefetch(src)
+
+
+class StopBackward(Exception):
+    pass
+
+
+def _stop(grad):
+    raise StopBackward
+
+
+def test_a_failed_prefetch_nobody_used_does_not_fail_the_next_step():
+    """thread Note [A failed prefetch is reported where its bytes are used]: a backward after its block stops (a
+    hook raises) with a failed prefetch issued and unused; its error stayed pending on the engine and the next
+    step's exit raised it, aborting a healthy step."""
+    model, ref = ToyNet(layers=4), ToyNet(layers=4)
+    ref.load_state_dict(model.state_dict())
+    session = swapkit.apply(model, toy_config(4, **layer_swap(2)), layers="layers")
+    engine = FirstPrefetchFails("cpu")
+    install_engine(session, engine)
+    x = torch.randn(8, 16)
+    with session:
+        out = model(x)
+        loss = out.square().sum()
+    out.register_hook(_stop)  # after the first unpack, which issued the prefetch; before its bytes are used
+    with pytest.raises(StopBackward):
+        loss.backward()
+    assert engine.prefetches == 1
+    del out, loss
+    model.zero_grad()
+    with session:
+        model(x).square().sum().backward()
+    ref(x).square().sum().backward()
+    assert_grads_equal(grads(model), grads(ref))
+    assert not session.stats.aborted
+    session.remove()
+
+
 class OffloadFails(ThreadCopyEngine):
     def offload(self, src, dst):
         raise RuntimeError("offload refused")

@@ -64,14 +64,26 @@ class CopyCancelled(RuntimeError):
 # it cancelled every copy of every later step of a session the user went on training with.
 
 
+# Note [A failed prefetch is reported where its bytes are used]
+# ``synchronize`` raises a failed copy nobody was told of yet, so the ``with`` block's exit reports an
+# offload whose records never came due. A prefetch is different: its bytes are used only through ``ready``
+# or ``wait`` on that very copy (``SwapRecord.restore``), which raise its error, and a prefetch nobody uses
+# (a backward stopped by an error before it read those records) harms nothing. Kept for ``synchronize``,
+# the error of a prefetch issued by a backward that ran after its block, which has no synchronize of its own
+# left, waited on the engine until the next step's exit raised it: a healthy step failed and was aborted
+# for a copy of an earlier one. So a prefetch's error stays on its copy only.
+
+
 class ThreadCopy:
-    """Completion of one copy: the worker sets ``done`` (or ``error``) when the bytes are there."""
+    """Completion of one copy: the worker sets ``done`` (or ``error``) when the bytes are there.
+    ``synchronized``: ``synchronize`` reports its failure (not a prefetch's: Note [A failed prefetch is ...])."""
 
-    __slots__ = ("done", "error")
+    __slots__ = ("done", "error", "synchronized")
 
-    def __init__(self) -> None:
+    def __init__(self, synchronized: bool = True) -> None:
         self.done = False
         self.error: BaseException | None = None
+        self.synchronized = synchronized
 
 
 class ThreadFence:
@@ -202,7 +214,7 @@ class ThreadCopyEngine:
 
     def prefetch(self, src: torch.Tensor) -> tuple[torch.Tensor, ThreadCopy]:
         dst = torch.empty(src.numel(), dtype=torch.uint8, device=self.device)
-        return dst, self._submit(lambda: self._copy(dst, src))
+        return dst, self._submit(lambda: self._copy(dst, src), ThreadCopy(synchronized=False))
 
     def fence(self) -> ThreadFence | None:
         last = self._last
@@ -336,7 +348,7 @@ class ThreadCopyEngine:
             job()
         except BaseException as err:  # noqa: BLE001 - handed to whoever asks about this copy
             copy.error = err
-            if not isinstance(err, CopyCancelled):  # a cancelled copy is no failure to report
+            if copy.synchronized and not isinstance(err, CopyCancelled):  # a cancelled copy is no failure to report
                 self._error = self._error or err
         copy.done = True
 
