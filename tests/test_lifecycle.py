@@ -354,21 +354,25 @@ def test_a_failed_prefetch_nobody_used_does_not_fail_the_next_step():
     session.remove()
 
 
-def test_an_exit_interrupted_before_it_removed_the_hooks_is_finished_by_the_next_entry(monkeypatch):
-    """session Note [An exit cut short]: Ctrl-C landing as the block's exit calls ``_leave`` left the session's
-    hooks on the thread; every later ``with session:`` raised 'another swapkit session is already active on
-    this thread', and ``remove()`` 'cannot remove a SwapSession inside its `with` block'."""
+@pytest.mark.parametrize("where", ["leave", "hooks_exit"])
+def test_an_exit_interrupted_before_it_removed_the_hooks_is_finished_by_the_next_entry(monkeypatch, where):
+    """session Note [An exit cut short]: Ctrl-C landing as the block's exit calls ``_leave``, or as ``_leave``
+    calls the hooks' ``__exit__``, left the session's hooks on the thread; every later ``with session:`` raised
+    'another swapkit session is already active on this thread', and ``remove()`` 'cannot remove a SwapSession
+    inside its `with` block'."""
     model, ref = ToyNet(layers=4), ToyNet(layers=4)
     ref.load_state_dict(model.state_dict())
     session = swapkit.apply(model, toy_config(4, **layer_swap(1)), layers="layers")
     x = torch.randn(8, 16)
-    leave = session._leave
+    owner = session if where == "leave" else torch.autograd.graph.saved_tensors_hooks
+    name = "_leave" if where == "leave" else "__exit__"
+    original = getattr(owner, name)
 
-    def interrupted(exc_type):
-        monkeypatch.setattr(session, "_leave", leave)  # once
+    def interrupted(*args):
+        monkeypatch.setattr(owner, name, original)  # once
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(session, "_leave", interrupted)
+    monkeypatch.setattr(owner, name, interrupted)
     with pytest.raises(KeyboardInterrupt):
         with session:
             model(x).sum().backward()

@@ -19,13 +19,15 @@ this thread, raises instead.
 
 Note [An exit cut short]
 Python runs a signal's handler between bytecodes, so Ctrl-C can land in ``__exit__`` after its ``try``
-began and before ``_leave`` popped the hooks: the ``finally`` frees the session (``_owner``), but its hooks
-stay innermost on the thread. Every later ``with session:`` then met "another session active on this
-thread" (itself) and ``remove()`` "inside its `with` block": the session was lost for good, and every
-later save on that thread still went through it. The next entry on that thread finishes such an exit
-first, as an exit by that interrupt (the step is aborted, its copies waited for). Ctrl-C landing before
-the ``try`` (the ``__exit__`` call itself) leaves ``_owner`` set too, which looks like a nested entry;
-that window is a few bytecodes, and no Python code closes it.
+began and before the hooks were popped (as ``_leave``, or the hooks' ``__exit__``, is called): the
+``finally`` frees the session (``_owner``), but its hooks stay innermost on the thread. Every later
+``with session:`` then met "another session active on this thread" (itself) and ``remove()`` "inside its
+`with` block": the session was lost for good, and every later save on that thread still went through it.
+``_leave`` therefore forgets the hooks (``_hooks``) only once they are popped, and the next entry on that
+thread, finding its own hooks innermost with no owner, finishes that exit first, as an exit by that
+interrupt (the step is aborted, its copies waited for). Ctrl-C landing before the ``try`` (the
+``__exit__`` call itself) leaves ``_owner`` set too, which looks like a nested entry; that window is a
+few bytecodes, and no Python code closes it.
 
 Note [Backward after the with block]
 ``with session:`` must cover the forward; backward may run inside or after it. Unpack hooks are
@@ -189,8 +191,8 @@ class SwapSession:
             self._owner = None
 
     def _leave(self, exc_type: Any) -> None:
-        hooks, self._hooks = self._hooks, None
-        hooks.__exit__(None, None, None)
+        self._hooks.__exit__(None, None, None)  # before forgetting them: swapkit.runtime.session Note [An exit cut short]
+        self._hooks = None
         self.tracker.reset()
         step = self._step
         if exc_type is None and step.clock == 0 and step.unused_swaps():
