@@ -191,7 +191,7 @@ class SwapSession:
             self._owner = None
 
     def _leave(self, exc_type: Any) -> None:
-        self._hooks.__exit__(None, None, None)  # before forgetting them: swapkit.runtime.session Note [An exit cut short]
+        self._hooks.__exit__(None, None, None)  # popped, then forgotten: session Note [An exit cut short]
         self._hooks = None
         self.tracker.reset()
         step = self._step

@@ -144,7 +144,7 @@ class StageSession(SwapSession):
     # ------------------------------------------------------------------ context manager
 
     def _leave(self, exc_type: Any) -> None:  # SwapSession.__exit__ calls it
-        self._hooks.__exit__(None, None, None)  # before forgetting them: swapkit.runtime.session Note [An exit cut short]
+        self._hooks.__exit__(None, None, None)  # popped, then forgotten: session Note [An exit cut short]
         self._hooks = None
         self.tracker.reset()
         self._running = self._current = None
