@@ -278,6 +278,114 @@ def test_ctrl_c_inside_wait_leaves_no_waiter_counted():
     engine.close()
 
 
+def test_a_second_ctrl_c_while_the_block_waits_for_copies_cancels_no_later_copy():
+    """Note [Ctrl-C and the emulated link]: Ctrl-C in forward makes the block's exit cancel the copies sleeping on
+    the emulated delay; a second Ctrl-C while it waits for them left the cancel flag set, and every copy of every
+    later step was cancelled at once (CopyCancelled from the next step's first release)."""
+    model, ref = ToyNet(layers=4), ToyNet(layers=4)
+    ref.load_state_dict(model.state_dict())
+    session = swapkit.apply(model, toy_config(4, **layer_swap(1)), layers="layers")
+    engine = ReadyWhenDone("cpu", latency_s=0.02)  # every due release looks at its copy's outcome
+    install_engine(session, engine)
+    x = torch.randn(4, 16)
+
+    def ctrl_c(module, args):
+        engine._finished = InterruptingCondition()  # the exit's wait for the queue is interrupted too
+        raise KeyboardInterrupt
+
+    hook = model.layers[2].register_forward_pre_hook(ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        with session:
+            model(x).sum().backward()
+    hook.remove()
+    assert engine._finished.fired  # the second Ctrl-C did land in the exit's wait
+    with session:  # the user goes on training with the same session
+        model(x).sum().backward()
+    ref(x).sum().backward()
+    assert_grads_equal(grads(model), grads(ref))
+    assert session.stats.offloaded_bytes > 0 and not session.stats.aborted
+    session.remove()
+
+
+class FirstPrefetchFails(ReadyWhenDone):
+    """The first host-to-device copy fails on the worker (its source cannot be read)."""
+
+    prefetches = 0
+
+    def prefetch(self, src):
+        self.prefetches += 1
+        if self.prefetches == 1:
+            src = torch.empty(src.numel(), dtype=torch.uint8, device="meta")  # copying out of it raises
+        return super().prefetch(src)
+
+
+class StopBackward(Exception):
+    pass
+
+
+def _stop(grad):
+    raise StopBackward
+
+
+def test_a_failed_prefetch_nobody_used_does_not_fail_the_next_step():
+    """thread Note [A failed prefetch is reported where its bytes are used]: a backward after its block stops (a
+    hook raises) with a failed prefetch issued and unused; its error stayed pending on the engine and the next
+    step's exit raised it, aborting a healthy step."""
+    model, ref = ToyNet(layers=4), ToyNet(layers=4)
+    ref.load_state_dict(model.state_dict())
+    session = swapkit.apply(model, toy_config(4, **layer_swap(2)), layers="layers")
+    engine = FirstPrefetchFails("cpu")
+    install_engine(session, engine)
+    x = torch.randn(8, 16)
+    with session:
+        out = model(x)
+        loss = out.square().sum()
+    out.register_hook(_stop)  # after the first unpack, which issued the prefetch; before its bytes are used
+    with pytest.raises(StopBackward):
+        loss.backward()
+    assert engine.prefetches == 1
+    del out, loss
+    model.zero_grad()
+    with session:
+        model(x).square().sum().backward()
+    ref(x).square().sum().backward()
+    assert_grads_equal(grads(model), grads(ref))
+    assert not session.stats.aborted
+    session.remove()
+
+
+@pytest.mark.parametrize("where", ["leave", "hooks_exit"])
+def test_an_exit_interrupted_before_it_removed_the_hooks_is_finished_by_the_next_entry(monkeypatch, where):
+    """session Note [An exit cut short]: Ctrl-C landing as the block's exit calls ``_leave``, or as ``_leave``
+    calls the hooks' ``__exit__``, left the session's hooks on the thread; every later ``with session:`` raised
+    'another swapkit session is already active on this thread', and ``remove()`` 'cannot remove a SwapSession
+    inside its `with` block'."""
+    model, ref = ToyNet(layers=4), ToyNet(layers=4)
+    ref.load_state_dict(model.state_dict())
+    session = swapkit.apply(model, toy_config(4, **layer_swap(1)), layers="layers")
+    x = torch.randn(8, 16)
+    owner = session if where == "leave" else torch.autograd.graph.saved_tensors_hooks
+    name = "_leave" if where == "leave" else "__exit__"
+    original = getattr(owner, name)
+
+    def interrupted(*args):
+        monkeypatch.setattr(owner, name, original)  # once
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(owner, name, interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        with session:
+            model(x).sum().backward()
+    assert not no_hooks_on_this_thread()  # what the cut-short exit left behind
+    model.zero_grad()
+    with session:
+        model(x).sum().backward()
+    assert no_hooks_on_this_thread()
+    ref(x).sum().backward()
+    assert_grads_equal(grads(model), grads(ref))
+    session.remove()
+
+
 class OffloadFails(ThreadCopyEngine):
     def offload(self, src, dst):
         raise RuntimeError("offload refused")

@@ -591,3 +591,24 @@ def test_failed_steps_give_their_host_regions_back():
         gc.collect()
         assert session.pool.free_bytes == session.pool.total_bytes, "a failed copy's error kept its records alive"
     session.remove()
+
+
+def test_a_copy_error_first_raised_when_the_block_ends_frees_its_step():
+    """The block's exit raises a copy error no ``ready`` or ``wait`` reported yet (nothing came due in forward):
+    ``synchronize`` raised the stored object itself, whose traceback then held the caller's frame, its loss
+    and the graph, which holds that object (Note [A reported copy error holds no frames])."""
+    model = ToyNet(layers=4)
+    session = swapkit.apply(model, toy_config(4, **layer_swap(100)), layers="layers")  # nothing due in forward
+    install_engine(session, _FailsEveryCopy())
+
+    def failing_forward() -> None:
+        with pytest.raises(MemoryError, match="host copy failed"):
+            with session:
+                loss = model(torch.randn(4, 16)).sum()
+        assert loss.requires_grad  # the graph is alive in this frame when the error reaches it
+
+    for _ in range(3):
+        failing_forward()
+        gc.collect()
+        assert session.pool.free_bytes == session.pool.total_bytes > 0, "a copy error kept its step alive"
+    session.remove()

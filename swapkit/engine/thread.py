@@ -59,17 +59,31 @@ class CopyCancelled(RuntimeError):
 # CopyCancelled (its bytes never moved, so nothing reads them), which `synchronize` does not report
 # as a failure. This happens when `synchronize` runs while a KeyboardInterrupt propagates (the
 # session's `__exit__`) and in `close`. A Ctrl-C that only interrupts one `wait` cancels nothing:
-# the caller may catch it and go on, and its later copies must still arrive.
+# the caller may catch it and go on, and its later copies must still arrive. For the same reason the
+# cancel ends with the wait that asked for it, also when a second Ctrl-C cuts that wait short: left on,
+# it cancelled every copy of every later step of a session the user went on training with.
+
+
+# Note [A failed prefetch is reported where its bytes are used]
+# ``synchronize`` raises a failed copy nobody was told of yet, so the ``with`` block's exit reports an
+# offload whose records never came due. A prefetch is different: its bytes are used only through ``ready``
+# or ``wait`` on that very copy (``SwapRecord.restore``), which raise its error, and a prefetch nobody uses
+# (a backward stopped by an error before it read those records) harms nothing. Kept for ``synchronize``,
+# the error of a prefetch issued by a backward that ran after its block, which has no synchronize of its own
+# left, waited on the engine until the next step's exit raised it: a healthy step failed and was aborted
+# for a copy of an earlier one. So a prefetch's error stays on its copy only.
 
 
 class ThreadCopy:
-    """Completion of one copy: the worker sets ``done`` (or ``error``) when the bytes are there."""
+    """Completion of one copy: the worker sets ``done`` (or ``error``) when the bytes are there.
+    ``synchronized``: ``synchronize`` reports its failure (not a prefetch's: Note [A failed prefetch is ...])."""
 
-    __slots__ = ("done", "error")
+    __slots__ = ("done", "error", "synchronized")
 
-    def __init__(self) -> None:
+    def __init__(self, synchronized: bool = True) -> None:
         self.done = False
         self.error: BaseException | None = None
+        self.synchronized = synchronized
 
 
 class ThreadFence:
@@ -200,7 +214,7 @@ class ThreadCopyEngine:
 
     def prefetch(self, src: torch.Tensor) -> tuple[torch.Tensor, ThreadCopy]:
         dst = torch.empty(src.numel(), dtype=torch.uint8, device=self.device)
-        return dst, self._submit(lambda: self._copy(dst, src))
+        return dst, self._submit(lambda: self._copy(dst, src), ThreadCopy(synchronized=False))
 
     def fence(self) -> ThreadFence | None:
         last = self._last
@@ -250,12 +264,14 @@ class ThreadCopyEngine:
         """Wait for every queued copy; raise the first copy that failed since the last call."""
         if isinstance(sys.exc_info()[1], KeyboardInterrupt):
             self._closing.set()  # Note [Ctrl-C and the emulated link]
-        if self._worker is not None:
-            self.wait(self._submit(lambda: None))
-        self._closing.clear()
+        try:
+            if self._worker is not None:
+                self.wait(self._submit(lambda: None))
+        finally:  # a second Ctrl-C in this wait must not cancel every later copy (Note [Ctrl-C and the ...])
+            self._closing.clear()
         error, self._error = self._error, None
-        if error is not None:
-            raise error
+        if error is not None:  # the stored object stays on its ThreadCopy: Note [A reported copy error holds no frames]
+            raise _reported(error)
 
     def close(self) -> None:
         """Stop the worker: copies still sleeping for their emulated delay end at once (Ctrl-C never
@@ -266,8 +282,10 @@ class ThreadCopyEngine:
         if worker is not None:
             self._closing.set()
             self._jobs.put(None)
-            worker.join()
-            self._closing.clear()
+            try:
+                worker.join()
+            finally:  # interrupted: the copies run inline after close must not be cancelled
+                self._closing.clear()
         self._run_stranded()
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -330,7 +348,7 @@ class ThreadCopyEngine:
             job()
         except BaseException as err:  # noqa: BLE001 - handed to whoever asks about this copy
             copy.error = err
-            if not isinstance(err, CopyCancelled):  # a cancelled copy is no failure to report
+            if copy.synchronized and not isinstance(err, CopyCancelled):  # a cancelled copy is no failure to report
                 self._error = self._error or err
         copy.done = True
 
@@ -358,7 +376,9 @@ class ThreadCopyEngine:
 # through C++ autograd nodes the cyclic collector cannot see, so every failed step kept its records,
 # and the pool its host regions, forever. Each report therefore raises a copy of the error (same type,
 # arguments and worker-side traceback, chained to the original's cause): the frames go on the copy,
-# which the caller owns and drops. An error that cannot be copied is raised as it is.
+# which the caller owns and drops. An error that cannot be copied is raised as it is. That holds for
+# every report: ``ready`` and ``wait`` on the copy, and ``synchronize``, which reports a failure none of
+# them did yet (the ``with`` block's exit, when no record of the failed batch came due in forward).
 
 
 def _reported(error: BaseException) -> BaseException:

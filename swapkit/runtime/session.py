@@ -17,6 +17,18 @@ race between two entries could leave a hook installed on a thread). Entering is 
 claimed atomically under a lock: a session already active anywhere, or another session active on
 this thread, raises instead.
 
+Note [An exit cut short]
+Python runs a signal's handler between bytecodes, so Ctrl-C can land in ``__exit__`` after its ``try``
+began and before the hooks were popped (as ``_leave``, or the hooks' ``__exit__``, is called): the
+``finally`` frees the session (``_owner``), but its hooks stay innermost on the thread. Every later
+``with session:`` then met "another session active on this thread" (itself) and ``remove()`` "inside its
+`with` block": the session was lost for good, and every later save on that thread still went through it.
+``_leave`` therefore forgets the hooks (``_hooks``) only once they are popped, and the next entry on that
+thread, finding its own hooks innermost with no owner, finishes that exit first, as an exit by that
+interrupt (the step is aborted, its copies waited for). Ctrl-C landing before the ``try`` (the
+``__exit__`` call itself) leaves ``_owner`` set too, which looks like a nested entry; that window is a
+few bytecodes, and no Python code closes it.
+
 Note [Backward after the with block]
 ``with session:`` must cover the forward; backward may run inside or after it. Unpack hooks are
 attached to each saved tensor, so they run after the block too; the block's exit only removes the
@@ -176,6 +188,9 @@ class SwapSession:
     def _claim(self) -> None:
         """Note [One session per thread, one thread per session]"""
         other = active_session()
+        if other is self and self._owner is None and self._hooks is not None:  # Note [An exit cut short]
+            self._leave(KeyboardInterrupt)
+            other = active_session()
         with self._entry_lock:
             if self._removed:
                 raise RuntimeError("this SwapSession was removed; call swapkit.apply(model, config) again")
@@ -197,8 +212,8 @@ class SwapSession:
             self._owner = None
 
     def _leave(self, exc_type: Any) -> None:
-        hooks, self._hooks = self._hooks, None
-        hooks.__exit__(None, None, None)
+        self._hooks.__exit__(None, None, None)  # popped, then forgotten: session Note [An exit cut short]
+        self._hooks = None
         if self._native is not None:
             self._native[2].forget_step()  # the session keeps its step; the hooks need none outside the block
         self.tracker.reset()

@@ -146,8 +146,8 @@ class StageSession(SwapSession):
     # ------------------------------------------------------------------ context manager
 
     def _leave(self, exc_type: Any) -> None:  # SwapSession.__exit__ calls it
-        hooks, self._hooks = self._hooks, None
-        hooks.__exit__(None, None, None)
+        self._hooks.__exit__(None, None, None)  # popped, then forgotten: session Note [An exit cut short]
+        self._hooks = None
         self.tracker.reset()
         self._running = self._current = None
         group = self._group
