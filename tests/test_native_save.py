@@ -346,3 +346,18 @@ def test_a_pipeline_stage_is_told_that_native_save_does_nothing(caplog):
     assert sum("native_save: true has no effect on a pipeline stage" in m for m in caplog.messages) == 1
     assert session.native_counts is None
     session.remove()
+
+
+def test_the_planner_measures_every_mode_with_the_hooks_the_config_runs():
+    """The planner's keep, recompute and select runs took the default runtime (they swap nothing), native_save
+    included: with ``native_save: true`` they timed the Python hooks, and the copy overhead compared the keep
+    run's step with the probe's, which kept the C++ ones. Every measurement run now saves as the planned run
+    does; the runtime keys that tune swapping still take their defaults where nothing swaps."""
+    from swapkit.plan.trace import KEEP, RECOMPUTE, SELECT
+    from swapkit.planner.measure import PROBE, mode_config
+
+    config = swapkit.load_config(native_config(toy_config(2, runtime={"min_offload_bytes": 0})))
+    for mode in (KEEP, RECOMPUTE, SELECT + "attention", PROBE):
+        runtime = mode_config(config, mode).runtime
+        assert runtime.native_save, mode
+        assert mode == PROBE or runtime.min_offload_bytes == swapkit.config.types.RuntimeConfig().min_offload_bytes
