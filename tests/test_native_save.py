@@ -361,3 +361,16 @@ def test_the_planner_measures_every_mode_with_the_hooks_the_config_runs():
         runtime = mode_config(config, mode).runtime
         assert runtime.native_save, mode
         assert mode == PROBE or runtime.min_offload_bytes == swapkit.config.types.RuntimeConfig().min_offload_bytes
+
+
+def test_a_data_parallel_swapkit_train_is_told_that_its_ranks_are_stages(caplog):
+    """``swapkit train`` runs every rank of a multi-process run as a pipeline stage, a data-parallel run's too
+    (``swapkit.distributed.train``): with ``data_parallel: 2`` and no pipeline, native_save did nothing and the
+    warning spoke only of a pipeline stage the config does not have."""
+    config = native_config(toy_config(2, parallel_config={"data_parallel": 2}))
+    with caplog.at_level(logging.WARNING, logger="swapkit"):
+        session = swapkit.apply(ToyNet(layers=2), config, layers="layers", stage=0)
+    (message,) = [m for m in caplog.messages if "native_save" in m]
+    assert "data-parallel" in message and "swapkit train" in message
+    assert session.native_counts is None
+    session.remove()
