@@ -374,3 +374,19 @@ def test_a_data_parallel_swapkit_train_is_told_that_its_ranks_are_stages(caplog)
     assert "data-parallel" in message and "swapkit train" in message
     assert session.native_counts is None
     session.remove()
+
+
+@pytest.mark.parametrize("parallel", [{"data_parallel": 2}, {"pipeline_stage": 2}])
+def test_the_planner_measures_a_multi_process_run_with_the_python_hooks_it_has(parallel):
+    """Every rank of a multi-process run is a pipeline stage, which keeps the Python hooks: the planner, which
+    measures one stage's layers (or a data-parallel run's model) in this process, times those, not the C++
+    ones (the probe did, and with ``native_save`` kept in every mode so would the keep and recompute runs)."""
+    from swapkit.plan.trace import KEEP, RECOMPUTE
+    from swapkit.planner.measure import PROBE, mode_config
+    from swapkit.planner.stages import measuring_config
+
+    config = swapkit.load_config(native_config(toy_config(4, parallel_config=parallel)))
+    if "pipeline_stage" in parallel:
+        config = measuring_config(config, 2)
+    for mode in (KEEP, RECOMPUTE, PROBE):
+        assert not mode_config(config, mode).runtime.native_save, mode
