@@ -108,9 +108,10 @@ def _check_native(plan: Plan, session_type: type[SwapSession]) -> None:
     if not plan.runtime.native_save:
         return
     if not session_type.native_supported:
-        logger.warning("swapkit: runtime.native_save: true has no effect on a pipeline stage: its saves open "
-                       "micro-steps, which only the Python hooks handle (Note [The native save path] in "
-                       "swapkit.runtime.native); set it to false for stages")
+        logger.warning("swapkit: runtime.native_save: true has no effect on a pipeline stage, which every rank "
+                       "of a multi-process swapkit train runs (data-parallel ranks too): its saves open micro-steps, "
+                       "which only the Python hooks handle (Note [The native save path] in swapkit.runtime.native); "
+                       "set it to false for stages and multi-process runs")
         return
     native_module()
 

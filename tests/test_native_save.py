@@ -346,3 +346,47 @@ def test_a_pipeline_stage_is_told_that_native_save_does_nothing(caplog):
     assert sum("native_save: true has no effect on a pipeline stage" in m for m in caplog.messages) == 1
     assert session.native_counts is None
     session.remove()
+
+
+def test_the_planner_measures_every_mode_with_the_hooks_the_config_runs():
+    """The planner's keep, recompute and select runs took the default runtime (they swap nothing), native_save
+    included: with ``native_save: true`` they timed the Python hooks, and the copy overhead compared the keep
+    run's step with the probe's, which kept the C++ ones. Every measurement run now saves as the planned run
+    does; the runtime keys that tune swapping still take their defaults where nothing swaps."""
+    from swapkit.plan.trace import KEEP, RECOMPUTE, SELECT
+    from swapkit.planner.measure import PROBE, mode_config
+
+    config = swapkit.load_config(native_config(toy_config(2, runtime={"min_offload_bytes": 0})))
+    for mode in (KEEP, RECOMPUTE, SELECT + "attention", PROBE):
+        runtime = mode_config(config, mode).runtime
+        assert runtime.native_save, mode
+        assert mode == PROBE or runtime.min_offload_bytes == swapkit.config.types.RuntimeConfig().min_offload_bytes
+
+
+def test_a_data_parallel_swapkit_train_is_told_that_its_ranks_are_stages(caplog):
+    """``swapkit train`` runs every rank of a multi-process run as a pipeline stage, a data-parallel run's too
+    (``swapkit.distributed.train``): with ``data_parallel: 2`` and no pipeline, native_save did nothing and the
+    warning spoke only of a pipeline stage the config does not have."""
+    config = native_config(toy_config(2, parallel_config={"data_parallel": 2}))
+    with caplog.at_level(logging.WARNING, logger="swapkit"):
+        session = swapkit.apply(ToyNet(layers=2), config, layers="layers", stage=0)
+    (message,) = [m for m in caplog.messages if "native_save" in m]
+    assert "data-parallel" in message and "swapkit train" in message
+    assert session.native_counts is None
+    session.remove()
+
+
+@pytest.mark.parametrize("parallel", [{"data_parallel": 2}, {"pipeline_stage": 2}])
+def test_the_planner_measures_a_multi_process_run_with_the_python_hooks_it_has(parallel):
+    """Every rank of a multi-process run is a pipeline stage, which keeps the Python hooks: the planner, which
+    measures one stage's layers (or a data-parallel run's model) in this process, times those, not the C++
+    ones (the probe did, and with ``native_save`` kept in every mode so would the keep and recompute runs)."""
+    from swapkit.plan.trace import KEEP, RECOMPUTE
+    from swapkit.planner.measure import PROBE, mode_config
+    from swapkit.planner.stages import measuring_config
+
+    config = swapkit.load_config(native_config(toy_config(4, parallel_config=parallel)))
+    if "pipeline_stage" in parallel:
+        config = measuring_config(config, 2)
+    for mode in (KEEP, RECOMPUTE, PROBE):
+        assert not mode_config(config, mode).runtime.native_save, mode

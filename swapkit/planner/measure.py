@@ -291,11 +291,15 @@ def mode_config(config: Config, mode: str) -> Config:
     train = dataclasses.replace(config.train, resume=False, save_dir=None, save_interval=None,
                                 gradient_accumulation_steps=1)  # one micro-batch per measured step
     # ``runtime`` tunes swapping: a run that swaps nothing takes the defaults (the user's settings
-    # would only be warned about there as doing nothing). The probe swaps under the user's settings but
-    # an unbounded pool: under max_host_bytes the batches the pool refuses would never be seen
-    # finished, read as a huge release lag; the replay keeps them on the device itself
-    # (swapkit.plan.hostpool Note [The host pool in the replay])
-    runtime = dataclasses.replace(config.runtime, max_host_bytes=None) if mode == PROBE else RuntimeConfig()
+    # would only be warned about there as doing nothing), but saves with the hooks the planned run has,
+    # whose cost per save its times include: the C++ ones only in one process (every rank of a
+    # multi-process run is a pipeline stage, swapkit.runtime.native Note [The native save path]). The
+    # probe swaps under the user's settings but an unbounded pool: under max_host_bytes the batches the
+    # pool refuses would never be seen finished, read as a huge release lag; the replay keeps them on the
+    # device itself (swapkit.plan.hostpool Note [The host pool in the replay])
+    native = config.runtime.native_save and config.parallel.pipeline_stage * config.parallel.data_parallel == 1
+    runtime = dataclasses.replace(config.runtime, max_host_bytes=None, native_save=native) if mode == PROBE \
+        else RuntimeConfig(native_save=native)
     return dataclasses.replace(config, recompute=recompute, swap=swap, train=train, runtime=runtime)
 
 

@@ -125,10 +125,11 @@ def measure_stages(config: Config, device: str | None = None, steps: int = 3, wa
 
 def measuring_config(config: Config, num_layers: int) -> Config:
     """A single-process config over one stage's layers (local indices), the user's strategy dropped
-    (the measurement runs set their own)."""
+    (the measurement runs set their own), saving with the Python hooks a stage has (``native_save`` off:
+    swapkit.runtime.native Note [The native save path])."""
     model = dataclasses.replace(config.model, num_layers=num_layers, offset=0, pp_interleave_num=1)
     return dataclasses.replace(config, model=model, parallel=ParallelConfig(), recompute=MindFormersRecompute(),
-                               swap=SwapConfig())
+                               swap=SwapConfig(), runtime=dataclasses.replace(config.runtime, native_save=False))
 
 
 class _SendGrad(torch.autograd.Function):

@@ -53,7 +53,8 @@ hooks they fall back to and ``Step.settle`` (at a keep's tick 0, every ``SETTLE_
 ``swapkit.runtime.dynamo`` keeps out of Dynamo as before: marked, or on an older torch its
 ``torch.compiler.disable`` wrappers (Note [Saved-tensor hooks stay out of Dynamo]). Pipeline stages
 keep the Python hooks: a stage's saves open micro-steps (``swapkit.runtime.stage_session``), which
-the C++ does not know.
+the C++ does not know. Every rank of a multi-process ``swapkit train`` runs a stage, a data-parallel
+one included (``swapkit.distributed.train``).
 """
 from __future__ import annotations
 
