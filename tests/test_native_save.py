@@ -286,8 +286,8 @@ def test_the_hooks_refuse_a_record_type_they_cannot_build_without_its_call(built
 
     session = synced_session(ToyNet(layers=1), toy_config(1))
     with pytest.raises(TypeError, match="KeptRecord must not define __new__ or __init__"):
-        built.make_hooks(session, session.tracker, session._pack, session._unpack, Step.settle, Saved, Initialised,
-                         Step, SETTLE_TICKS)
+        built.make_hooks(session, session.tracker, session._pack, session._unpack, Step.settle, Step._advance, Saved,
+                         Initialised, Step, SETTLE_TICKS)
 
 
 def test_a_native_save_that_raises_holds_on_to_nothing():
@@ -390,3 +390,25 @@ def test_the_planner_measures_a_multi_process_run_with_the_python_hooks_it_has(p
         config = measuring_config(config, 2)
     for mode in (KEEP, RECOMPUTE, PROBE):
         assert not mode_config(config, mode).runtime.native_save, mode
+
+
+def test_keeps_after_a_steps_first_swap_stay_in_cpp_and_run_the_releases_first():
+    """Once a swap record is queued, a save ticks and then runs the releases due (``Step._advance``), as
+    ``Step.save`` does; the C++ keeps doing both for the keeps outside the swap scopes. Layer 0 swaps with
+    k=1 and layers 1-2 keep: the layers that keep are served in C++ after layer 0 queued its swaps, and every
+    release, prefetch and stat equals the Python hooks' run."""
+    config = toy_config(3, **layer_swap(1, layers=[0]))
+    python, native_run = run_both(lambda: (torch.manual_seed(1), ToyNet(layers=3))[1], config, _toy_step)
+    assert_same_runs(python, native_run)
+    stats = native_run[0][-1][2]
+    assert stats.released_bytes > 0 and stats.prefetched_bytes == stats.released_bytes
+    packs, _ = native_run[1]
+    assert packs >= 2 * (8 - 2 - 3)  # per step: the saves of layers 1 and 2 but each layer's first
+
+
+def _toy_step(model):
+    torch.manual_seed(0)
+    x = torch.randn(8, 16, requires_grad=True)
+    loss = model(x).sum()
+    loss.backward()
+    return loss.detach()

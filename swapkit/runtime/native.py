@@ -8,8 +8,9 @@ object, ``id``, ``nbytes``): a keep-only session measured about 3.7x the identit
 tensor on a 2-core CPU (``benchmarks/results/overhead``). With ``runtime.native_save`` the session
 installs two C functions instead (``native_save.cpp``, built on first use by
 ``torch.utils.cpp_extension``, cached in ``TORCH_EXTENSIONS_DIR``). A save reaches them while the step
-runs its forward with no swap record queued, no observer, and in the frame of the previous save. Of
-those saves they serve, doing what the Python does on the same objects:
+runs its forward, with no observer, in the frame of the previous save. Of those saves they serve,
+doing what the Python does on the same objects (once a swap record was queued in the step, the
+clock's tick is followed by ``Step._advance``, the releases due, as in ``Step.save``):
 - outside a swap scope, a new storage that ``Step.save`` would keep with a new
   :class:`~swapkit.runtime.records.KeptRecord`: a plain ``torch.Tensor`` (not a view, no attributes, a
   storage with bytes on the step's device, no recomputable output registered): the step's clock ticks,
@@ -49,7 +50,8 @@ next run (CPython counts allocations, not tracked objects). ``gc.get_objects()``
 them: the tests find them through the step's index and its weak references instead.
 
 The C functions are builtins: Dynamo never traces them (no Python frame); the Python they call, the
-hooks they fall back to and ``Step.settle`` (at a keep's tick 0, every ``SETTLE_TICKS``), is what
+hooks they fall back to, ``Step.settle`` (at a keep's tick 0, every ``SETTLE_TICKS``) and
+``Step._advance`` (at every tick once a swap record was queued), is what
 ``swapkit.runtime.dynamo`` keeps out of Dynamo as before: marked, or on an older torch its
 ``torch.compiler.disable`` wrappers (Note [Saved-tensor hooks stay out of Dynamo]). Pipeline stages
 keep the Python hooks: a stage's saves open micro-steps (``swapkit.runtime.stage_session``), which
@@ -119,7 +121,7 @@ def _build() -> Any:
 def native_hooks(session: Any, pack: Any, unpack: Any) -> tuple[Any, Any, Any]:
     """``(pack, unpack, saver)`` for ``session``, falling back to its Python hooks ``pack`` and ``unpack`` as
     :func:`~swapkit.runtime.dynamo.out_of_dynamo` returned them (Note [The native save path]); the step's
-    ``settle``, which the C++ calls, is kept out of Dynamo the same way."""
+    ``settle`` and ``_advance``, which the C++ calls, are kept out of Dynamo the same way."""
     module = native_module()
-    return module.make_hooks(session, session.tracker, pack, unpack, kept_out_of_dynamo(Step.settle), Saved,
-                             NativeKeptRecord, Step, SETTLE_TICKS)
+    return module.make_hooks(session, session.tracker, pack, unpack, kept_out_of_dynamo(Step.settle),
+                             kept_out_of_dynamo(Step._advance), Saved, NativeKeptRecord, Step, SETTLE_TICKS)

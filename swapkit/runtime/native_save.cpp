@@ -29,6 +29,7 @@ struct Saver {
   PyObject* slow_pack;  // the session's Python hooks
   PyObject* slow_unpack;
   PyObject* settle;  // Step.settle, kept out of Dynamo as the Python hooks are (swapkit.runtime.dynamo)
+  PyObject* advance;  // Step._advance, the same
   PyTypeObject* saved_type;  // swapkit.runtime.records.Saved
   PyTypeObject* kept_type;  // swapkit.runtime.native.NativeKeptRecord: made here; its base, KeptRecord, by the Python
   PyTypeObject* step_type;  // swapkit.runtime.step.Step: a subclass (a micro-step) saves its own way
@@ -118,18 +119,21 @@ bool refresh(Saver* saver, PyObject* step) {
   return true;
 }
 
-// The step's clock: the tick of this save, and the clock moved past it. -1 with the error set.
-int64_t tick(PyObject* step) {
+// The step's clock, as Step.save moves it: the tick of this save, the clock moved past it and, once a swap
+// record was queued in the step, ``step._advance(tick)`` (the releases due by now). -1 with the error set.
+int64_t tick(Saver* saver, PyObject* step) {
   PyObject* clock = attr(step, names.clock);
   if (clock == nullptr) return -1;
   int64_t value = PyLong_AsLongLong(clock);
   Py_DECREF(clock);
   if (value == -1 && PyErr_Occurred()) return -1;
-  PyObject* next = PyLong_FromLongLong(value + 1);
-  if (next == nullptr) return -1;
-  int failed = PyObject_SetAttr(step, names.clock, next);
-  Py_DECREF(next);
-  return failed ? -1 : value;
+  THPObjectPtr next(PyLong_FromLongLong(value + 1));
+  if (!next || PyObject_SetAttr(step, names.clock, next.get()) < 0) return -1;
+  int scheduled = truth(step, names.scheduled);
+  if (scheduled <= 0) return scheduled < 0 ? -1 : value;
+  THPObjectPtr at(PyLong_FromLongLong(value));
+  THPObjectPtr done(at ? PyObject_CallFunctionObjArgs(saver->advance, step, at.get(), nullptr) : nullptr);
+  return done ? value : -1;
 }
 
 // A Saved handle (keeper, version, step, tick, record, None, frame): the Python make_saved, without its call.
@@ -181,12 +185,12 @@ bool account(Saver* saver, PyObject* step, int64_t nbytes, int64_t at) {
 
 // 1: the save is a plain keep this path can serve; 0: the Python hooks serve it; -1: error. Every test
 // Step.save and SwapSession._pack make before a keep: not in backward, the session's step running its
-// forward with no swap scheduled, the frame the previous save had, no observer.
+// forward, the frame the previous save had, no observer. None has a side effect, and the releases that
+// tick() runs first where a swap was queued change none of their answers (nor those of the index,
+// parameter and recomputable lookups), so the order of Step.save is kept.
 int fast_state(Saver* saver, PyObject* step, PyObject* frame) {
   if (Py_TYPE(step) != saver->step_type) return 0;
   int test = truth(step, names.backward_started);
-  if (test != 0) return test < 0 ? -1 : 0;
-  test = truth(step, names.scheduled);
   if (test != 0) return test < 0 ? -1 : 0;
   PyObject* last = attr(step, names.last_frame);
   if (last == nullptr) return -1;
@@ -229,7 +233,7 @@ int first_save(Saver* saver, PyObject* object, const at::Tensor& tensor, PyObjec
 // kept without a record: a handle of it.
 PyObject* keep_again(Saver* saver, const at::Tensor& tensor, int64_t version, PyObject* step, PyObject* record,
                      PyObject* frame) {
-  int64_t at = tick(step);
+  int64_t at = tick(saver, step);
   if (at < 0) return nullptr;
   PyObject* keeper = THPVariable_Wrap(tensor.detach());
   if (keeper == nullptr) return nullptr;  // saved() steals a keeper: never a null one
@@ -263,7 +267,7 @@ PyObject* kept_record(PyTypeObject* type, PyObject* step, int64_t nbytes, int64_
 // A new storage kept: Step._first_save's keep, on the same objects.
 PyObject* keep_new(Saver* saver, const at::Tensor& tensor, int64_t version, PyObject* step, PyObject* key,
                    PyObject* frame) {
-  int64_t at = tick(step);
+  int64_t at = tick(saver, step);
   if (at < 0) return nullptr;
   int64_t nbytes = static_cast<int64_t>(tensor.storage().nbytes());
   PyObject* keeper = THPVariable_Wrap(tensor.detach());  // Note [Version keepers] in swapkit.runtime.records
@@ -378,6 +382,7 @@ int Saver_traverse(PyObject* self, visitproc visit, void* arg) {
   Py_VISIT(saver->slow_pack);
   Py_VISIT(saver->slow_unpack);
   Py_VISIT(saver->settle);
+  Py_VISIT(saver->advance);
   Py_VISIT(saver->saved_type);
   Py_VISIT(saver->kept_type);
   Py_VISIT(saver->step_type);
@@ -397,6 +402,7 @@ int Saver_clear(PyObject* self) {
   Py_CLEAR(saver->slow_pack);
   Py_CLEAR(saver->slow_unpack);
   Py_CLEAR(saver->settle);
+  Py_CLEAR(saver->advance);
   Py_CLEAR(saver->saved_type);
   Py_CLEAR(saver->kept_type);
   Py_CLEAR(saver->step_type);
@@ -462,7 +468,8 @@ void ready_types() {
 
 // The pack and unpack hooks of ``session`` (Note [The native save path]) and the Saver they are bound to.
 py::tuple make_hooks(py::object session, py::object tracker, py::object slow_pack, py::object slow_unpack,
-                     py::object settle, py::object saved_type, py::object kept_type, py::object step_type,
+                     py::object settle, py::object advance, py::object saved_type, py::object kept_type,
+                     py::object step_type,
                      int64_t settle_ticks) {
   ready_types();
   if (!PyType_Check(saved_type.ptr()) || !PyType_Check(kept_type.ptr()) || !PyType_Check(step_type.ptr()) ||
@@ -476,8 +483,8 @@ py::tuple make_hooks(py::object session, py::object tracker, py::object slow_pac
     throw py::value_error("swapkit native save: settle_ticks must be a power of two");
   auto* saver = PyObject_GC_New(Saver, &SaverType);
   if (saver == nullptr) throw py::error_already_set();
-  PyObject* held[8] = {session.ptr(), tracker.ptr(), slow_pack.ptr(), slow_unpack.ptr(), saved_type.ptr(),
-                       kept_type.ptr(), step_type.ptr(), settle.ptr()};
+  PyObject* held[9] = {session.ptr(), tracker.ptr(), slow_pack.ptr(), slow_unpack.ptr(), saved_type.ptr(),
+                       kept_type.ptr(), step_type.ptr(), settle.ptr(), advance.ptr()};
   for (PyObject* object : held) Py_INCREF(object);
   saver->session = held[0];
   saver->tracker = held[1];
@@ -487,6 +494,7 @@ py::tuple make_hooks(py::object session, py::object tracker, py::object slow_pac
   saver->kept_type = reinterpret_cast<PyTypeObject*>(held[5]);
   saver->step_type = reinterpret_cast<PyTypeObject*>(held[6]);
   saver->settle = held[7];
+  saver->advance = held[8];
   saver->step = saver->index = saver->params = saver->stats = saver->changed = saver->recomputable = nullptr;
   saver->device_type = saver->device_index = 0;
   saver->settle_mask = settle_ticks - 1;
