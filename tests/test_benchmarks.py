@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.toys import bench_module
+from tests.toys import bench_module, skip_without_cpp_toolchain
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -158,10 +158,7 @@ def test_microbench_keep_calls_is_a_safe_keep_with_one_record_per_storage():
 def _native_save():
     """The module of ways (k) and (l); a skip only where this machine has no C++ compiler (a failed build fails
     the test)."""
-    import shutil
-
-    if not any(shutil.which(name) for name in ("c++", "g++", "clang++")) or not shutil.which("ninja"):
-        pytest.skip("ways (k) and (l) need a C++ compiler and ninja (torch.utils.cpp_extension)")
+    skip_without_cpp_toolchain("ways (k) and (l)")
     return bench_module("microbench").native_save()
 
 

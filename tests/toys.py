@@ -151,15 +151,20 @@ class FailsOnSecondCopy(ThreadCopyEngine):
         return super().offload(src, dst)
 
 
+def skip_without_cpp_toolchain(what: str) -> None:
+    """Skip where this machine has no C++ compiler or ninja, which ``torch.utils.cpp_extension`` builds need."""
+    import shutil
+
+    if not any(shutil.which(name) for name in ("c++", "g++", "clang++")) or not shutil.which("ninja"):
+        pytest.skip(f"{what} need a C++ compiler and ninja (torch.utils.cpp_extension)")
+
+
 def require_native():
     """swapkit's C++ hooks (``runtime.native_save``), built; a skip only where this machine has no C++ compiler
     or ninja, a failed build fails the test."""
-    import shutil
-
     from swapkit.runtime import native
 
-    if not any(shutil.which(name) for name in ("c++", "g++", "clang++")) or not shutil.which("ninja"):
-        pytest.skip("runtime.native_save needs a C++ compiler and ninja (torch.utils.cpp_extension)")
+    skip_without_cpp_toolchain("runtime.native_save's C++ hooks")
     return native.native_module()
 
 

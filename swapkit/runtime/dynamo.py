@@ -60,14 +60,7 @@ def out_of_dynamo(pack: Any, unpack: Any) -> tuple[Any, Any]:
     if _SKIP_ALL is not None:
         for finalizer in (*_finalizers(), AttachedHook.__call__):
             _set_code_exec_strategy(finalizer.__code__, _SKIP_ALL)
-    return _out_of_dynamo(pack), _out_of_dynamo(unpack)
-
-
-def kept_out_of_dynamo(function: Any) -> Any:
-    """``function``, never traced by Dynamo: its code marked, or on an older torch a ``torch.compiler.disable``
-    wrapper (Note [Saved-tensor hooks stay out of Dynamo]); for what the C++ hooks call (swapkit.runtime.native
-    Note [The native save path])."""
-    return _out_of_dynamo(function)
+    return kept_out_of_dynamo(pack), kept_out_of_dynamo(unpack)
 
 
 def _finalizers() -> tuple[Any, ...]:
@@ -76,9 +69,12 @@ def _finalizers() -> tuple[Any, ...]:
             PinnedMapping.__del__)
 
 
-def _out_of_dynamo(hook: Any) -> Any:
-    code = getattr(getattr(hook, "__func__", hook), "__code__", None)
+def kept_out_of_dynamo(function: Any) -> Any:
+    """``function``, never traced by Dynamo: its code marked, or on an older torch a ``torch.compiler.disable``
+    wrapper (Note [Saved-tensor hooks stay out of Dynamo]); the hooks, and what the C++ hooks call
+    (swapkit.runtime.native Note [The native save path])."""
+    code = getattr(getattr(function, "__func__", function), "__code__", None)
     if _SKIP_ALL is None or code is None:  # a torch without code execution strategies, or a callable object
-        return eager(hook)
+        return eager(function)
     _set_code_exec_strategy(code, _SKIP_ALL)
-    return hook
+    return function
