@@ -107,7 +107,7 @@ def _build() -> Any:
         from torch.utils.cpp_extension import load
 
         module = load(name=NAME, sources=[str(SOURCE)], extra_cflags=["-O2"])
-        NativeKeptRecord.__del__ = module.kept_finalizer(NativeKeptRecord)
+        module.install_finalizer(NativeKeptRecord)
         return module
     except Exception as err:  # noqa: BLE001 - the build's own errors are many kinds; each is reported as one
         lines = str(err).strip().splitlines() or [type(err).__name__]
