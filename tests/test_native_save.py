@@ -15,7 +15,7 @@ from torch import nn
 
 import swapkit
 from swapkit.runtime import native
-from swapkit.runtime.records import KeptRecord, Saved
+from swapkit.runtime.records import KeptRecord, Saved, storage_key
 from tests.toys import (
     ToyNet, assert_grads_equal, grads, layer_swap, llama, llama_batch, llama_step, require_native, synced_session,
     toy_config,
@@ -29,6 +29,12 @@ def built():
 
 def native_config(config: dict, on: bool = True) -> dict:
     return {**config, "runtime": {**config.get("runtime", {}), "native_save": on}}
+
+
+def record_refs(step) -> list[weakref.ref]:
+    """Weak references to every live record of ``step``: the step's own index's, and the C++'s (native_save.cpp
+    Note [The records kept in C++])."""
+    return [*step._index.values(), *map(weakref.ref, step.kept_natively.records())]
 
 
 def run_both(make_model, config: dict, step, steps: int = 2):
@@ -169,7 +175,7 @@ def test_many_native_steps_leave_no_record_or_handle_behind():
     for _ in range(50):
         with session:
             out = model(x).sum()
-            records += list(session._step._index.values())  # weak references to every record of the step
+            records += record_refs(session._step)
             steps.append(weakref.ref(session._step))
             out.backward()
         del out
@@ -183,9 +189,10 @@ def test_many_native_steps_leave_no_record_or_handle_behind():
 
 
 def test_what_the_cpp_makes_is_untracked_and_freed_by_reference_counts():
-    """Note [Objects the collector need not see]: the handle, the record and the index's weak reference of a
-    native keep are untracked; the keeper is not. With the collector off, the record dies with its last handle
-    and takes its bytes off the step's ledger."""
+    """Note [Objects the collector need not see]: the handle and the record of a native keep are untracked; the
+    keeper is not. With the collector off, the record dies with its last handle, takes its bytes off the step's
+    ledger and its entry out of the C++'s index (native_save.cpp Note [The records kept in C++]), which the
+    step's own index never had."""
     model = ToyNet(layers=1)
     session = synced_session(model, native_config(toy_config(1)))
     enabled = gc.isenabled()
@@ -195,17 +202,45 @@ def test_what_the_cpp_makes_is_untracked_and_freed_by_reference_counts():
             step, pack = session._step, session._native[0]
             handle = pack(torch.randn(4, 4))  # outside the layers, the frame (None) of a new step's first save
             assert type(handle) is Saved and type(handle.record) is native.NativeKeptRecord
-            ref = next(r for r in step._index.values() if r() is handle.record)
-            assert not gc.is_tracked(handle) and not gc.is_tracked(handle.record) and not gc.is_tracked(ref)
+            key = storage_key(handle.keeper)
+            assert step.kept_natively.get(key) is handle.record and key not in step._index
+            assert not gc.is_tracked(handle) and not gc.is_tracked(handle.record)
             assert gc.is_tracked(handle.keeper)
-            before = step.device_bytes
+            ref, before = weakref.ref(handle.record), step.device_bytes
             del handle
             assert ref() is None and step.device_bytes == before - 64
+            assert step.kept_natively.get(key) is None and step.kept_natively.records() == []
     finally:
         if enabled:
             gc.enable()
     assert session.native_counts[0] == 1
     session.remove()
+
+
+def test_a_storage_written_in_place_after_a_cpp_keep_gets_one_new_record_as_in_the_python():
+    """native_save.cpp Note [The records kept in C++]: a storage kept in C++ and then written in place is a new
+    storage to both paths. The Python makes its record in the step's index, later saves find that one (not
+    the C++'s older one), and the bytes are counted as a Python session counts them."""
+    results = []
+    for on in (False, True):
+        session = synced_session(ToyNet(layers=1), native_config(toy_config(1), on))
+        with session:
+            step, pack = session._step, session._hook_pair[0]
+            t = torch.randn(4, 4)
+            first = pack(t)
+            t.add_(1)
+            second, third = pack(t), pack(t)
+            assert third.record is second.record is not first.record and second.version == first.version + 1
+            if on:
+                assert type(first.record) is native.NativeKeptRecord and type(second.record) is KeptRecord
+                assert step.kept_natively.get(storage_key(t)) is first.record
+                first = None
+                assert step.kept_natively.get(storage_key(t)) is None  # only the dead record's entry goes
+            results.append((step.stats.saved_bytes, session.native_counts))
+            del first, second, third
+        session.remove()
+    assert results[0][0] == results[1][0] == 2 * 64
+    assert results[1][1][0] == 1 and results[0][1] is None
 
 
 def test_a_storage_kept_in_cpp_is_found_by_a_later_python_save():
@@ -314,7 +349,7 @@ def test_a_native_save_that_raises_holds_on_to_nothing():
             with pytest.raises(RuntimeError, match="no detach here"), RefuseDetach():
                 save()
         assert sys.getrefcount(step) == before
-        records = list(step._index.values())  # weak references (Note [Objects the collector need not see])
+        records = record_refs(step)
         del a
     gc.collect()
     assert session.native_counts[0] >= packs > 0

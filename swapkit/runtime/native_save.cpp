@@ -12,15 +12,89 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/object_ptr.h>
 
+#include <unordered_map>
+#include <vector>
+
 namespace {
 
 // Interned attribute names, read once per call where needed.
 struct Names {
   PyObject *step, *backward_started, *scheduled, *last_frame, *current, *observer, *clock, *watch_unpacks,
       *saved_bytes, *prefetch, *entries, *index, *param_storages, *stats, *bytes_changed,
-      *recomputable, *device;
+      *recomputable, *device, *kept_natively;
 };
 Names names;
+
+// Note [The records kept in C++]
+// A step's storage index (``Step._index``) maps a storage's key to a weak reference to its record: a key and a
+// weak reference per record, made at the save and freed when the step closes, about a tenth of what a keep
+// costs here. So the records the C++ makes are indexed apart, in a KeptIndex (``Step.kept_natively``, given to
+// the step by the session): a map from the storage's ``StorageImpl`` to the record, borrowed, which each record
+// erases when it dies (release_kept), as a weak reference would go dead; only a record's own entry is erased.
+// Both paths look up both indexes, and both hold the newest record of a storage: the C++ makes a record only
+// where neither has a live one, and the Python only where its lookup found none, or one of an older version
+// of the storage (written in place since), which the C++, finding it first, no longer serves either.
+struct KeptIndex {
+  PyObject_HEAD
+  std::unordered_map<const void*, PyObject*> records;  // StorageImpl -> its NativeKeptRecord, borrowed
+};
+
+PyTypeObject KeptIndexType = {PyVarObject_HEAD_INIT(nullptr, 0) "swapkit_native_save.KeptIndex"};
+
+inline KeptIndex* as_index(PyObject* object) {
+  return Py_TYPE(object) == &KeptIndexType ? reinterpret_cast<KeptIndex*>(object) : nullptr;
+}
+
+PyObject* KeptIndex_new(PyTypeObject* type, PyObject*, PyObject*) {
+  PyObject* self = type->tp_alloc(type, 0);
+  if (self != nullptr) new (&reinterpret_cast<KeptIndex*>(self)->records) std::unordered_map<const void*, PyObject*>();
+  return self;
+}
+
+void KeptIndex_dealloc(PyObject* self) {
+  using Map = std::unordered_map<const void*, PyObject*>;
+  reinterpret_cast<KeptIndex*>(self)->records.~Map();
+  Py_TYPE(self)->tp_free(self);
+}
+
+// ``get(key)``: the live record of the storage with ``storage_key`` ``key``, or None.
+PyObject* KeptIndex_get(PyObject* self, PyObject* key) {
+  const void* storage = PyLong_AsVoidPtr(key);
+  if (storage == nullptr && PyErr_Occurred()) return nullptr;
+  auto& records = reinterpret_cast<KeptIndex*>(self)->records;
+  auto found = records.find(storage);
+  PyObject* record = found == records.end() ? Py_None : found->second;
+  Py_INCREF(record);
+  return record;
+}
+
+// ``records()``: a list of the live records (new references).
+PyObject* KeptIndex_records(PyObject* self, PyObject*) {
+  std::vector<PyObject*> live;
+  for (auto& entry : reinterpret_cast<KeptIndex*>(self)->records) {
+    Py_INCREF(entry.second);  // held before any allocation below can let a record die and erase itself
+    live.push_back(entry.second);
+  }
+  PyObject* list = PyList_New(static_cast<Py_ssize_t>(live.size()));
+  for (size_t i = 0; i < live.size(); i++) {
+    if (list != nullptr)
+      PyList_SET_ITEM(list, static_cast<Py_ssize_t>(i), live[i]);
+    else
+      Py_DECREF(live[i]);
+  }
+  return list;
+}
+
+PyObject* KeptIndex_clear(PyObject* self, PyObject*) {
+  reinterpret_cast<KeptIndex*>(self)->records.clear();  // no Python runs: the entries are borrowed
+  Py_RETURN_NONE;
+}
+
+PyMethodDef kept_index_methods[] = {
+    {"get", KeptIndex_get, METH_O, "the live record of the storage with this storage_key, or None"},
+    {"records", KeptIndex_records, METH_NOARGS, "the live records"},
+    {"clear", KeptIndex_clear, METH_NOARGS, "forget every record (the step closed)"},
+    {nullptr, nullptr, 0, nullptr}};
 
 struct Saver {
   PyObject_HEAD
@@ -44,6 +118,7 @@ struct Saver {
   PyObject* stats_dict;  // its instance dict
   PyObject* changed;  // step.bytes_changed
   PyObject* recomputables;  // step._recomputable.entries, a dict (RecomputableOutputs never replaces it)
+  PyObject* kept_index;  // step.kept_natively, a KeptIndex (Note [The records kept in C++])
   int device_type, device_index;  // step.device
   int64_t settle_mask;
   int64_t packs, unpacks;  // saves and unpacks served here, not by the Python hooks
@@ -142,6 +217,7 @@ void clear_step(Saver* saver) {
   Py_CLEAR(saver->stats_dict);
   Py_CLEAR(saver->changed);
   Py_CLEAR(saver->recomputables);
+  Py_CLEAR(saver->kept_index);
 }
 
 // Read what a fast save needs of ``step`` once; false with the error set.
@@ -164,7 +240,13 @@ bool refresh(Saver* saver, PyObject* step) {
   saver->changed = saver->stats ? attr(step, names.bytes_changed) : nullptr;
   THPObjectPtr recomputable(saver->changed ? attr(step, names.recomputable) : nullptr);
   saver->recomputables = recomputable ? attr(recomputable.get(), names.entries) : nullptr;
-  if (saver->recomputables != nullptr) {  // Note [Attributes read from the instance dict]
+  saver->kept_index = saver->recomputables ? attr(step, names.kept_natively) : nullptr;
+  if (saver->kept_index != nullptr && as_index(saver->kept_index) == nullptr) {
+    PyErr_SetString(PyExc_TypeError, "swapkit native save: step.kept_natively is no KeptIndex (session._start_step)");
+    clear_step(saver);
+    return false;
+  }
+  if (saver->kept_index != nullptr) {  // Note [Attributes read from the instance dict]
     saver->step_dict = instance_dict(step, {names.backward_started, names.last_frame, names.clock, names.scheduled,
                                             names.watch_unpacks});
     saver->stats_dict = PyErr_Occurred() ? nullptr : instance_dict(saver->stats, {names.saved_bytes});
@@ -288,44 +370,46 @@ PyObject* keep_again(Saver* saver, const at::Tensor& tensor, PyObject* version, 
   return saved(saver, keeper, version, step, at, record, frame);
 }
 
-// ``KeptRecord((step, nbytes, version, keeper))`` without the call: KeptRecord is a list subclass with no
-// ``__init__`` of its own, so an empty instance filled with the four items is what the call makes. A new
-// reference, or null with the error set.
-PyObject* kept_record(PyTypeObject* type, PyObject* step, PyObject* nbytes, PyObject* version, PyObject* keeper) {
-  PyObject** storage = PyMem_New(PyObject*, 4);
+// ``NativeKeptRecord((step, nbytes, version, keeper, index))`` without the call: KeptRecord is a list subclass
+// with no ``__init__`` of its own, so an empty instance filled with the items is what the call makes; the
+// fifth, the KeptIndex it is in, is where it erases itself when it dies. A new reference, or null with the
+// error set.
+PyObject* kept_record(PyTypeObject* type, PyObject* step, PyObject* nbytes, PyObject* version, PyObject* keeper,
+                      PyObject* index) {
+  PyObject** storage = PyMem_New(PyObject*, 5);
   PyObject* record = storage ? type->tp_alloc(type, 0) : nullptr;
   if (record == nullptr) {
     PyMem_Free(storage);
     return PyErr_Occurred() ? nullptr : PyErr_NoMemory();
   }
-  PyObject* items[4] = {step, nbytes, version, keeper};
-  for (int i = 0; i < 4; i++) {
+  PyObject* items[5] = {step, nbytes, version, keeper, index};
+  for (int i = 0; i < 5; i++) {
     Py_INCREF(items[i]);
     storage[i] = items[i];
   }
   auto* list = reinterpret_cast<PyListObject*>(record);
   list->ob_item = storage;
-  list->allocated = 4;
-  Py_SET_SIZE(list, 4);
+  list->allocated = 5;
+  Py_SET_SIZE(list, 5);
   PyObject_GC_UnTrack(record);  // Note [Objects the collector need not see] in swapkit.runtime.native
   return record;
 }
 
-// A new storage kept: Step._first_save's keep, on the same objects.
-PyObject* keep_new(Saver* saver, const at::Tensor& tensor, PyObject* version, PyObject* step, PyObject* key,
-                   PyObject* frame) {
+// A new storage kept: Step._first_save's keep, on the same objects but its index (Note [The records kept in
+// C++]).
+PyObject* keep_new(Saver* saver, const at::Tensor& tensor, PyObject* version, PyObject* step, PyObject* frame) {
   int64_t value;
   THPObjectPtr at(tick(saver, step, &value));
   if (!at) return nullptr;
   THPObjectPtr nbytes(PyLong_FromLongLong(static_cast<int64_t>(tensor.storage().nbytes())));
   THPObjectPtr keeper(nbytes ? THPVariable_Wrap(tensor.detach()) : nullptr);  // Note [Version keepers] in records
   if (!keeper || !count_saved(saver, nbytes.get()) || !account(saver, step, nbytes.get(), value)) return nullptr;
-  THPObjectPtr record(kept_record(saver->kept_type, step, nbytes.get(), version, keeper.get()));
-  THPObjectPtr ref(record ? PyWeakref_NewRef(record.get(), nullptr) : nullptr);
-  if (!ref || PyDict_SetItem(saver->index, key, ref.get()) < 0) return nullptr;
-  PyObject_GC_UnTrack(ref.get());  // Note [Objects the collector need not see] in swapkit.runtime.native
-  // the handle holds the record, as the index's weak reference expects
-  return saved(saver, keeper.release(), version, step, at.release(), record.get(), frame);
+  THPObjectPtr record(kept_record(saver->kept_type, step, nbytes.get(), version, keeper.get(), saver->kept_index));
+  if (!record) return nullptr;
+  PyObject* handle = saved(saver, keeper.release(), version, step, at.release(), record.get(), frame);
+  if (handle != nullptr)  // the handle holds the record, which erases its entry when it dies
+    as_index(saver->kept_index)->records[tensor.storage().unsafeGetStorageImpl()] = record.get();
+  return handle;
 }
 
 // The fast save, or null with no error set when the Python hooks must serve it.
@@ -336,25 +420,31 @@ PyObject* fast_pack(Saver* saver, PyObject* object, PyObject* step, PyObject* fr
     return nullptr;
   if (step != saver->step && !refresh(saver, step)) return nullptr;
   if (fast_state(saver, step, frame) <= 0) return nullptr;
-  // swapkit.runtime.records.storage_key; owned, as the records below, so that a C++ error (a dispatch mode
-  // refusing a keeper's detach) drops them on its way to HANDLE_TH_ERRORS
-  THPObjectPtr key(PyLong_FromVoidPtr(tensor.storage().unsafeGetStorageImpl()));
-  THPObjectPtr version(key ? PyLong_FromLongLong(static_cast<int64_t>(tensor._version())) : nullptr);
+  // Owned, as the records below, so that a C++ error (a dispatch mode refusing a keeper's detach) drops them on
+  // its way to HANDLE_TH_ERRORS.
+  THPObjectPtr version(PyLong_FromLongLong(static_cast<int64_t>(tensor._version())));
   if (!version) return nullptr;
-  PyObject* result = nullptr;
-  PyObject* ref = PyDict_GetItemWithError(saver->index, key.get());  // borrowed
-  PyObject* found = nullptr;
+  // Its record: in the C++'s index, else in the step's (Note [The records kept in C++]).
+  const void* storage = tensor.storage().unsafeGetStorageImpl();
+  auto& natively = as_index(saver->kept_index)->records;
+  auto native = natively.find(storage);
+  PyObject* found = native == natively.end() ? nullptr : native->second;
+  Py_XINCREF(found);
+  THPObjectPtr key(found ? nullptr : PyLong_FromVoidPtr(const_cast<void*>(storage)));  // swapkit.runtime.records.storage_key
+  if (!found && !key) return nullptr;
+  PyObject* ref = key ? PyDict_GetItemWithError(saver->index, key.get()) : nullptr;  // borrowed
   if (ref != nullptr && referent(ref, &found) < 0) return nullptr;
   THPObjectPtr record(found);  // owned: alive for the call (the wrap may run the collector)
+  PyObject* result = nullptr;
   if (record) {
-    if (kept(saver, record.get()) && PyList_GET_SIZE(record.get()) == 4) {
+    if (kept(saver, record.get()) && PyList_GET_SIZE(record.get()) >= 4) {
       int same = PyObject_RichCompareBool(PyList_GET_ITEM(record.get(), 2), version.get(), Py_EQ);
       if (same < 0) return nullptr;
       if (same) result = keep_again(saver, tensor, version.get(), step, record.get(), frame);
     }
   } else if (!PyErr_Occurred()) {  // a new storage, or a dead record's key reused: Step.save's first save
     int first = first_save(saver, object, tensor, key.get(), frame);
-    if (first == kKeepRecord) result = keep_new(saver, tensor, version.get(), step, key.get(), frame);
+    if (first == kKeepRecord) result = keep_new(saver, tensor, version.get(), step, frame);
     if (first == kKeepBare) result = keep_again(saver, tensor, version.get(), step, Py_None, frame);
   }
   return result;
@@ -431,6 +521,7 @@ int Saver_traverse(PyObject* self, visitproc visit, void* arg) {
   Py_VISIT(saver->stats_dict);
   Py_VISIT(saver->changed);
   Py_VISIT(saver->recomputables);
+  Py_VISIT(saver->kept_index);
   return 0;
 }
 
@@ -467,6 +558,10 @@ PyObject* Saver_forget_step(PyObject* self, PyObject*) {
   Py_RETURN_NONE;
 }
 
+PyObject* Saver_kept_index(PyObject*, PyObject*) {
+  return KeptIndex_new(&KeptIndexType, nullptr, nullptr);
+}
+
 PyObject* Saver_session(PyObject* self, void*) {
   PyObject* session = reinterpret_cast<Saver*>(self)->session;
   if (session == nullptr) Py_RETURN_NONE;
@@ -481,6 +576,7 @@ PyGetSetDef saver_getset[] = {
 PyMethodDef saver_methods[] = {
     {"counts", Saver_counts, METH_NOARGS, "(packs, unpacks) served in C++"},
     {"forget_step", Saver_forget_step, METH_NOARGS, "drop the references to the cached step"},
+    {"kept_index", Saver_kept_index, METH_NOARGS, "a new step's KeptIndex (Note [The records kept in C++])"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyObject* intern(const char* name) {
@@ -495,7 +591,7 @@ void ready_types() {
                 intern("current"), intern("observer"), intern("clock"), intern("watch_unpacks"),
                 intern("saved_bytes"), intern("prefetch"), intern("entries"), intern("_index"),
                 intern("param_storages"), intern("stats"), intern("bytes_changed"), intern("_recomputable"),
-                intern("device")};
+                intern("device"), intern("kept_natively")};
   SaverType.tp_basicsize = sizeof(Saver);
   SaverType.tp_dealloc = Saver_dealloc;
   SaverType.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC;
@@ -505,6 +601,13 @@ void ready_types() {
   SaverType.tp_methods = saver_methods;
   SaverType.tp_getset = saver_getset;
   if (PyType_Ready(&SaverType) < 0) throw py::error_already_set();
+  KeptIndexType.tp_basicsize = sizeof(KeptIndex);
+  KeptIndexType.tp_new = KeptIndex_new;
+  KeptIndexType.tp_dealloc = KeptIndex_dealloc;
+  KeptIndexType.tp_flags = Py_TPFLAGS_DEFAULT;  // holds no reference: nothing for the collector
+  KeptIndexType.tp_methods = kept_index_methods;
+  KeptIndexType.tp_doc = "the records the C++ made, by storage (Note [The records kept in C++])";
+  if (PyType_Ready(&KeptIndexType) < 0) throw py::error_already_set();
 }
 
 // The pack and unpack hooks of ``session`` (Note [The native save path]) and the Saver they are bound to.
@@ -537,7 +640,7 @@ py::tuple make_hooks(py::object session, py::object tracker, py::object slow_pac
   saver->settle = held[7];
   saver->advance = held[8];
   saver->step = saver->step_dict = saver->index = saver->params = saver->stats = saver->stats_dict = nullptr;
-  saver->changed = saver->recomputables = nullptr;
+  saver->changed = saver->recomputables = saver->kept_index = nullptr;
   // Note [Attributes read from the instance dict]
   saver->session_dict = instance_dict(saver->session, {names.step, names.observer});
   saver->tracker_dict = PyErr_Occurred() ? nullptr : instance_dict(saver->tracker, {names.current});
@@ -556,9 +659,16 @@ py::tuple make_hooks(py::object session, py::object tracker, py::object slow_pac
 }  // namespace
 
 // KeptRecord.__del__ (swapkit.runtime.records Note [Record lifetime]) in C, for the records made here:
-// ``self[0].bytes_changed(-self[1])`` without a Python frame.
+// ``self[0].bytes_changed(-self[1])`` without a Python frame, and the record's entry in its KeptIndex erased
+// (Note [The records kept in C++]).
 PyObject* release_kept(PyObject* self, PyObject*) {
   if (!PyList_Check(self) || PyList_GET_SIZE(self) < 2) Py_RETURN_NONE;
+  KeptIndex* index = PyList_GET_SIZE(self) >= 5 ? as_index(PyList_GET_ITEM(self, 4)) : nullptr;
+  PyObject* keeper = PyList_GET_SIZE(self) >= 4 ? PyList_GET_ITEM(self, 3) : nullptr;
+  if (index != nullptr && keeper != nullptr && THPVariable_Check(keeper)) {
+    auto entry = index->records.find(THPVariable_Unpack(keeper).storage().unsafeGetStorageImpl());
+    if (entry != index->records.end() && entry->second == self) index->records.erase(entry);
+  }
   PyObject* step = PyList_GET_ITEM(self, 0);
   PyObject* nbytes = PyList_GET_ITEM(self, 1);
   Py_INCREF(step);
@@ -605,4 +715,7 @@ void install_finalizer(py::object type) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("make_hooks", &make_hooks, "the session's native pack and unpack hooks and their Saver");
   m.def("install_finalizer", &install_finalizer, "KeptRecord.__del__ in C, as the given record type's finalizer");
+  ready_types();
+  Py_INCREF(&KeptIndexType);
+  m.attr("KeptIndex") = py::reinterpret_steal<py::object>(reinterpret_cast<PyObject*>(&KeptIndexType));
 }
