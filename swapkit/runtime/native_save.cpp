@@ -31,9 +31,12 @@ Names names;
 // costs here. So the records the C++ makes are indexed apart, in a KeptIndex (``Step.kept_natively``, given to
 // the step by the session): a map from the storage's ``StorageImpl`` to the record, borrowed, which each record
 // erases when it dies (release_kept), as a weak reference would go dead; only a record's own entry is erased.
-// Both paths look up both indexes, and both hold the newest record of a storage: the C++ makes a record only
-// where neither has a live one, and the Python only where its lookup found none, or one of an older version
-// of the storage (written in place since), which the C++, finding it first, no longer serves either.
+// Both paths look up both indexes, and the newest record of a storage is in one of them only, as the Python
+// session's one index holds the last record made: the C++ makes a record only where neither has a live one,
+// and the Python, making one (where its lookup found none, or one of another version), takes the storage's
+// entry out of the KeptIndex (``forget``). A record the C++ found first would otherwise be served again where
+// the Python's newer one replaced it: two tensors of one storage can have version counters of their own
+// (``.data``, ``set_``), so a version an older record holds comes back (test_native_save.py).
 struct KeptIndex {
   PyObject_HEAD
   std::unordered_map<const void*, PyObject*> records;  // StorageImpl -> its NativeKeptRecord, borrowed
@@ -85,6 +88,15 @@ PyObject* KeptIndex_records(PyObject* self, PyObject*) {
   return list;
 }
 
+// ``forget(key)``: the storage with ``storage_key`` ``key`` has a newer record in the step's own index. Its
+// record here, if any, lives on (its handles hold it) unindexed; it erases nothing when it dies (release_kept).
+PyObject* KeptIndex_forget(PyObject* self, PyObject* key) {
+  const void* storage = PyLong_AsVoidPtr(key);
+  if (storage == nullptr && PyErr_Occurred()) return nullptr;
+  reinterpret_cast<KeptIndex*>(self)->records.erase(storage);  // no Python runs: the entries are borrowed
+  Py_RETURN_NONE;
+}
+
 PyObject* KeptIndex_clear(PyObject* self, PyObject*) {
   reinterpret_cast<KeptIndex*>(self)->records.clear();  // no Python runs: the entries are borrowed
   Py_RETURN_NONE;
@@ -93,6 +105,7 @@ PyObject* KeptIndex_clear(PyObject* self, PyObject*) {
 PyMethodDef kept_index_methods[] = {
     {"get", KeptIndex_get, METH_O, "the live record of the storage with this storage_key, or None"},
     {"records", KeptIndex_records, METH_NOARGS, "the live records"},
+    {"forget", KeptIndex_forget, METH_O, "drop the entry of the storage with this storage_key (a newer record)"},
     {"clear", KeptIndex_clear, METH_NOARGS, "forget every record (the step closed)"},
     {nullptr, nullptr, 0, nullptr}};
 
