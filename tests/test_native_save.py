@@ -266,6 +266,32 @@ def test_a_storage_saved_through_two_version_counters_gets_the_records_of_the_py
     assert results[1][1][0] == 1
 
 
+def test_a_cpp_record_leaves_its_index_when_it_dies_whatever_its_keeper_became():
+    """native_save.cpp Note [The records kept in C++]: the KeptIndex holds its records borrowed, so a dead
+    record's entry must go. A record whose keeper was ``set_()`` to another storage is found by a walk of the
+    index (an entry left behind named freed memory: a later save of the storage crashed); one whose storage got
+    a newer record in the step's own index (forget) looks for no entry."""
+    session = synced_session(ToyNet(layers=1), native_config(toy_config(1)))
+    with session:
+        step, pack = session._step, session._hook_pair[0]
+        a, b = torch.randn(4, 4), torch.randn(4, 4)
+        first, other = pack(a), pack(b)
+        first.keeper.set_(torch.empty(0))
+        first = None
+        assert step.kept_natively.records() == [other.record]
+        again = pack(a)
+        assert type(again.record) is native.NativeKeptRecord and step.kept_natively.get(storage_key(a)) is again.record
+        a.add_(1)
+        newer = pack(a)
+        assert type(newer.record) is KeptRecord and again.record[4] is None
+        assert step.kept_natively.get(storage_key(a)) is None
+        again = None
+        assert step.kept_natively.records() == [other.record]
+        other = newer = None
+        assert step.kept_natively.records() == [] and step.device_bytes == 0
+    session.remove()
+
+
 def test_a_storage_kept_in_cpp_is_found_by_a_later_python_save():
     """A storage first saved outside every swap scope (kept, in C++) and then inside a swap scope is the kept
     record's, as in the Python: it does not move."""

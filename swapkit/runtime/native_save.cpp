@@ -30,7 +30,7 @@ Names names;
 // weak reference per record, made at the save and freed when the step closes, about a tenth of what a keep
 // costs here. So the records the C++ makes are indexed apart, in a KeptIndex (``Step.kept_natively``, given to
 // the step by the session): a map from the storage's ``StorageImpl`` to the record, borrowed, which each record
-// erases when it dies (release_kept), as a weak reference would go dead; only a record's own entry is erased.
+// erases when it dies (unindex), as a weak reference would go dead; only a record's own entry is erased.
 // Both paths look up both indexes, and the newest record of a storage is in one of them only, as the Python
 // session's one index holds the last record made: the C++ makes a record only where neither has a live one,
 // and the Python, making one (where its lookup found none, or one of another version), takes the storage's
@@ -89,11 +89,18 @@ PyObject* KeptIndex_records(PyObject* self, PyObject*) {
 }
 
 // ``forget(key)``: the storage with ``storage_key`` ``key`` has a newer record in the step's own index. Its
-// record here, if any, lives on (its handles hold it) unindexed; it erases nothing when it dies (release_kept).
+// record here, if any, lives on (its handles hold it) unindexed: its fifth item, the index, becomes None, so it
+// looks for no entry when it dies (unindex).
 PyObject* KeptIndex_forget(PyObject* self, PyObject* key) {
   const void* storage = PyLong_AsVoidPtr(key);
   if (storage == nullptr && PyErr_Occurred()) return nullptr;
-  reinterpret_cast<KeptIndex*>(self)->records.erase(storage);  // no Python runs: the entries are borrowed
+  auto& records = reinterpret_cast<KeptIndex*>(self)->records;
+  auto found = records.find(storage);
+  if (found == records.end()) Py_RETURN_NONE;
+  PyObject* record = found->second;
+  records.erase(found);
+  Py_INCREF(Py_None);
+  PyList_SetItem(record, 4, Py_None);  // drops the record's reference to this index, which the caller holds
   Py_RETURN_NONE;
 }
 
@@ -674,14 +681,33 @@ py::tuple make_hooks(py::object session, py::object tracker, py::object slow_pac
 // KeptRecord.__del__ (swapkit.runtime.records Note [Record lifetime]) in C, for the records made here:
 // ``self[0].bytes_changed(-self[1])`` without a Python frame, and the record's entry in its KeptIndex erased
 // (Note [The records kept in C++]).
+// Takes ``record`` (a NativeKeptRecord) out of its KeptIndex, if it is in one: its fifth item is the index
+// until forget or the record's death. Found by its keeper's storage, or, where that keeper was ``set_()`` to
+// another storage since (nothing in swapkit does; an entry left behind would name a dead record), by a walk of
+// the index; after the step's close (clear) the index is empty. Runs no Python.
+void unindex(PyObject* record) {
+  KeptIndex* index = PyList_GET_SIZE(record) >= 5 ? as_index(PyList_GET_ITEM(record, 4)) : nullptr;
+  if (index == nullptr || index->records.empty()) return;
+  auto& records = index->records;
+  PyObject* keeper = PyList_GET_ITEM(record, 3);
+  if (THPVariable_Check(keeper) && THPVariable_Unpack(keeper).has_storage()) {
+    auto entry = records.find(THPVariable_Unpack(keeper).storage().unsafeGetStorageImpl());
+    if (entry != records.end() && entry->second == record) {
+      records.erase(entry);
+      return;
+    }
+  }
+  for (auto entry = records.begin(); entry != records.end(); ++entry) {
+    if (entry->second == record) {
+      records.erase(entry);
+      return;
+    }
+  }
+}
+
 PyObject* release_kept(PyObject* self, PyObject*) {
   if (!PyList_Check(self) || PyList_GET_SIZE(self) < 2) Py_RETURN_NONE;
-  KeptIndex* index = PyList_GET_SIZE(self) >= 5 ? as_index(PyList_GET_ITEM(self, 4)) : nullptr;
-  PyObject* keeper = PyList_GET_SIZE(self) >= 4 ? PyList_GET_ITEM(self, 3) : nullptr;
-  if (index != nullptr && keeper != nullptr && THPVariable_Check(keeper)) {
-    auto entry = index->records.find(THPVariable_Unpack(keeper).storage().unsafeGetStorageImpl());
-    if (entry != index->records.end() && entry->second == self) index->records.erase(entry);
-  }
+  unindex(self);
   PyObject* step = PyList_GET_ITEM(self, 0);
   PyObject* nbytes = PyList_GET_ITEM(self, 1);
   Py_INCREF(step);
