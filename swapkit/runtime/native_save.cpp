@@ -99,8 +99,10 @@ PyObject* KeptIndex_forget(PyObject* self, PyObject* key) {
   if (found == records.end()) Py_RETURN_NONE;
   PyObject* record = found->second;
   records.erase(found);
-  Py_INCREF(Py_None);
-  PyList_SetItem(record, 4, Py_None);  // drops the record's reference to this index, which the caller holds
+  if (PyList_GET_SIZE(record) >= 5) {
+    Py_INCREF(Py_None);
+    PyList_SetItem(record, 4, Py_None);  // drops the record's reference to this index, which the caller holds
+  }
   Py_RETURN_NONE;
 }
 
