@@ -292,6 +292,25 @@ def test_a_cpp_record_leaves_its_index_when_it_dies_whatever_its_keeper_became()
     session.remove()
 
 
+def test_a_cpp_record_dying_while_an_error_is_raised_keeps_the_error():
+    """native_save.cpp finalize_kept: a record's C finalizer runs where an error is being raised (a frame
+    holding its last handle unwinds), takes the record's bytes off the ledger and its entry out of the
+    KeptIndex, and leaves that error as it was."""
+    session = synced_session(ToyNet(layers=1), native_config(toy_config(1)))
+    with session:
+        step, pack = session._step, session._hook_pair[0]
+
+        def raises():
+            handle = pack(torch.randn(4, 4))
+            assert type(handle.record) is native.NativeKeptRecord and step.device_bytes == 64
+            raise KeyError("the caller's")
+
+        with pytest.raises(KeyError, match="the caller's"):
+            raises()
+        assert step.device_bytes == 0 and step.kept_natively.records() == []
+    session.remove()
+
+
 def test_a_storage_kept_in_cpp_is_found_by_a_later_python_save():
     """A storage first saved outside every swap scope (kept, in C++) and then inside a swap scope is the kept
     record's, as in the Python: it does not move."""

@@ -180,7 +180,10 @@ inline PyObject* attr(PyObject* object, PyObject* name) { return PyObject_GetAtt
 // what ``getattr`` finds there whenever the type has no data descriptor of that name: a property or slot
 // would win over the dict, so an object whose type has one for any name read this way gets no dict here
 // and every read goes through ``PyObject_GetAttr``. A name missing from the dict (a class attribute) is
-// read the same way. Writes (the clock, ``saved_bytes``) go to the same dict, as ``setattr`` does.
+// read the same way. Writes (the clock, ``saved_bytes``) go to the same dict, as ``setattr`` does. The dict is
+// the one the object had when the session (its tracker) was hooked or the step first saved here: nothing in
+// swapkit assigns a new ``__dict__`` to any of them, and one assigned would not be seen (a step's clock would
+// stop moving for the Python).
 
 // A new reference to ``object.__dict__`` where the names of ``names`` can be read from it (none is a data
 // descriptor of its type); null otherwise, or with the error set.
