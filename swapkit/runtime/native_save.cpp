@@ -683,14 +683,11 @@ py::tuple make_hooks(py::object session, py::object tracker, py::object slow_pac
 
 }  // namespace
 
-// KeptRecord.__del__ (swapkit.runtime.records Note [Record lifetime]) in C, for the records made here:
-// ``self[0].bytes_changed(-self[1])`` without a Python frame, and the record's entry in its KeptIndex erased
-// (Note [The records kept in C++]).
 // Takes ``record`` (a NativeKeptRecord) out of its KeptIndex, if it is in one: its fifth item is the index
 // until forget or the record's death. Found by its keeper's storage, or, where that keeper was ``set_()`` to
 // another storage since (nothing in swapkit does; an entry left behind would name a dead record), by a walk of
 // the index; after the step's close (clear) the index is empty. Runs no Python.
-void unindex(PyObject* record) {
+static void unindex(PyObject* record) {
   KeptIndex* index = PyList_GET_SIZE(record) >= 5 ? as_index(PyList_GET_ITEM(record, 4)) : nullptr;
   if (index == nullptr || index->records.empty()) return;
   auto& records = index->records;
@@ -710,6 +707,9 @@ void unindex(PyObject* record) {
   }
 }
 
+// KeptRecord.__del__ (swapkit.runtime.records Note [Record lifetime]) in C, for the records made here:
+// ``self[0].bytes_changed(-self[1])`` without a Python frame, and the record's entry in its KeptIndex erased
+// (Note [The records kept in C++]).
 PyObject* release_kept(PyObject* self, PyObject*) {
   if (!PyList_Check(self) || PyList_GET_SIZE(self) < 2) Py_RETURN_NONE;
   unindex(self);
