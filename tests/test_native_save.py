@@ -233,14 +233,82 @@ def test_a_storage_written_in_place_after_a_cpp_keep_gets_one_new_record_as_in_t
             assert third.record is second.record is not first.record and second.version == first.version + 1
             if on:
                 assert type(first.record) is native.NativeKeptRecord and type(second.record) is KeptRecord
-                assert step.kept_natively.get(storage_key(t)) is first.record
+                assert step.kept_natively.get(storage_key(t)) is None  # the Python's newer record took its place
                 first = None
-                assert step.kept_natively.get(storage_key(t)) is None  # only the dead record's entry goes
             results.append((step.stats.saved_bytes, session.native_counts))
             del first, second, third
         session.remove()
     assert results[0][0] == results[1][0] == 2 * 64
-    assert results[1][1][0] == 1 and results[0][1] is None
+    assert results[1][1][0] == 2 and results[0][1] is None  # the third save found the Python's record, in C++
+
+
+def test_a_storage_saved_through_two_version_counters_gets_the_records_of_the_python():
+    """native_save.cpp Note [The records kept in C++]: ``a.data`` shares ``a``'s storage but not its version
+    counter, so a save of ``a`` after one of ``a.data`` finds the C++'s record at ``a``'s version again. The
+    Python session's index holds the newer record of ``a.data`` there, and makes a third; the native session
+    must too (the Python's record takes the storage out of the KeptIndex), and count the same bytes."""
+    results = []
+    for on in (False, True):
+        session = synced_session(ToyNet(layers=1), native_config(toy_config(1), on))
+        with session:
+            step, pack = session._step, session._hook_pair[0]
+            a = torch.randn(4, 4)
+            a.add_(1)
+            first, second, third = pack(a), pack(a.data), pack(a)
+            assert len({id(first.record), id(second.record), id(third.record)}) == 3
+            if on:
+                assert type(first.record) is native.NativeKeptRecord and step.kept_natively.records() == []
+            results.append((step.stats.saved_bytes, session.native_counts))
+            first = second = third = None
+            assert step.device_bytes == 0
+        session.remove()
+    assert results[0][0] == results[1][0] == 3 * 64
+    assert results[1][1][0] == 1
+
+
+def test_a_cpp_record_leaves_its_index_when_it_dies_whatever_its_keeper_became():
+    """native_save.cpp Note [The records kept in C++]: the KeptIndex holds its records borrowed, so a dead
+    record's entry must go. A record whose keeper was ``set_()`` to another storage is found by a walk of the
+    index (an entry left behind named freed memory: a later save of the storage crashed); one whose storage got
+    a newer record in the step's own index (forget) looks for no entry."""
+    session = synced_session(ToyNet(layers=1), native_config(toy_config(1)))
+    with session:
+        step, pack = session._step, session._hook_pair[0]
+        a, b = torch.randn(4, 4), torch.randn(4, 4)
+        first, other = pack(a), pack(b)
+        first.keeper.set_(torch.empty(0))
+        first = None
+        assert step.kept_natively.records() == [other.record]
+        again = pack(a)
+        assert type(again.record) is native.NativeKeptRecord and step.kept_natively.get(storage_key(a)) is again.record
+        a.add_(1)
+        newer = pack(a)
+        assert type(newer.record) is KeptRecord and again.record[4] is None
+        assert step.kept_natively.get(storage_key(a)) is None
+        again = None
+        assert step.kept_natively.records() == [other.record]
+        other = newer = None
+        assert step.kept_natively.records() == [] and step.device_bytes == 0
+    session.remove()
+
+
+def test_a_cpp_record_dying_while_an_error_is_raised_keeps_the_error():
+    """native_save.cpp finalize_kept: a record's C finalizer runs where an error is being raised (a frame
+    holding its last handle unwinds), takes the record's bytes off the ledger and its entry out of the
+    KeptIndex, and leaves that error as it was."""
+    session = synced_session(ToyNet(layers=1), native_config(toy_config(1)))
+    with session:
+        step, pack = session._step, session._hook_pair[0]
+
+        def raises():
+            handle = pack(torch.randn(4, 4))
+            assert type(handle.record) is native.NativeKeptRecord and step.device_bytes == 64
+            raise KeyError("the caller's")
+
+        with pytest.raises(KeyError, match="the caller's"):
+            raises()
+        assert step.device_bytes == 0 and step.kept_natively.records() == []
+    session.remove()
 
 
 def test_a_storage_kept_in_cpp_is_found_by_a_later_python_save():

@@ -30,10 +30,13 @@ Names names;
 // weak reference per record, made at the save and freed when the step closes, about a tenth of what a keep
 // costs here. So the records the C++ makes are indexed apart, in a KeptIndex (``Step.kept_natively``, given to
 // the step by the session): a map from the storage's ``StorageImpl`` to the record, borrowed, which each record
-// erases when it dies (release_kept), as a weak reference would go dead; only a record's own entry is erased.
-// Both paths look up both indexes, and both hold the newest record of a storage: the C++ makes a record only
-// where neither has a live one, and the Python only where its lookup found none, or one of an older version
-// of the storage (written in place since), which the C++, finding it first, no longer serves either.
+// erases when it dies (unindex), as a weak reference would go dead; only a record's own entry is erased.
+// Both paths look up both indexes, and the newest record of a storage is in one of them only, as the Python
+// session's one index holds the last record made: the C++ makes a record only where neither has a live one,
+// and the Python, making one (where its lookup found none, or one of another version), takes the storage's
+// entry out of the KeptIndex (``forget``). A record the C++ found first would otherwise be served again where
+// the Python's newer one replaced it: two tensors of one storage can have version counters of their own
+// (``.data``, ``set_``), so a version an older record holds comes back (test_native_save.py).
 struct KeptIndex {
   PyObject_HEAD
   std::unordered_map<const void*, PyObject*> records;  // StorageImpl -> its NativeKeptRecord, borrowed
@@ -85,6 +88,24 @@ PyObject* KeptIndex_records(PyObject* self, PyObject*) {
   return list;
 }
 
+// ``forget(key)``: the storage with ``storage_key`` ``key`` has a newer record in the step's own index. Its
+// record here, if any, lives on (its handles hold it) unindexed: its fifth item, the index, becomes None, so it
+// looks for no entry when it dies (unindex).
+PyObject* KeptIndex_forget(PyObject* self, PyObject* key) {
+  const void* storage = PyLong_AsVoidPtr(key);
+  if (storage == nullptr && PyErr_Occurred()) return nullptr;
+  auto& records = reinterpret_cast<KeptIndex*>(self)->records;
+  auto found = records.find(storage);
+  if (found == records.end()) Py_RETURN_NONE;
+  PyObject* record = found->second;
+  records.erase(found);
+  if (PyList_GET_SIZE(record) >= 5) {
+    Py_INCREF(Py_None);
+    PyList_SetItem(record, 4, Py_None);  // drops the record's reference to this index, which the caller holds
+  }
+  Py_RETURN_NONE;
+}
+
 PyObject* KeptIndex_clear(PyObject* self, PyObject*) {
   reinterpret_cast<KeptIndex*>(self)->records.clear();  // no Python runs: the entries are borrowed
   Py_RETURN_NONE;
@@ -93,6 +114,7 @@ PyObject* KeptIndex_clear(PyObject* self, PyObject*) {
 PyMethodDef kept_index_methods[] = {
     {"get", KeptIndex_get, METH_O, "the live record of the storage with this storage_key, or None"},
     {"records", KeptIndex_records, METH_NOARGS, "the live records"},
+    {"forget", KeptIndex_forget, METH_O, "drop the entry of the storage with this storage_key (a newer record)"},
     {"clear", KeptIndex_clear, METH_NOARGS, "forget every record (the step closed)"},
     {nullptr, nullptr, 0, nullptr}};
 
@@ -158,7 +180,10 @@ inline PyObject* attr(PyObject* object, PyObject* name) { return PyObject_GetAtt
 // what ``getattr`` finds there whenever the type has no data descriptor of that name: a property or slot
 // would win over the dict, so an object whose type has one for any name read this way gets no dict here
 // and every read goes through ``PyObject_GetAttr``. A name missing from the dict (a class attribute) is
-// read the same way. Writes (the clock, ``saved_bytes``) go to the same dict, as ``setattr`` does.
+// read the same way. Writes (the clock, ``saved_bytes``) go to the same dict, as ``setattr`` does. The dict is
+// the one the object had when the session (its tracker) was hooked or the step first saved here: nothing in
+// swapkit assigns a new ``__dict__`` to any of them, and one assigned would not be seen (a step's clock would
+// stop moving for the Python).
 
 // A new reference to ``object.__dict__`` where the names of ``names`` can be read from it (none is a data
 // descriptor of its type); null otherwise, or with the error set.
@@ -658,17 +683,36 @@ py::tuple make_hooks(py::object session, py::object tracker, py::object slow_pac
 
 }  // namespace
 
+// Takes ``record`` (a NativeKeptRecord) out of its KeptIndex, if it is in one: its fifth item is the index
+// until forget or the record's death. Found by its keeper's storage, or, where that keeper was ``set_()`` to
+// another storage since (nothing in swapkit does; an entry left behind would name a dead record), by a walk of
+// the index; after the step's close (clear) the index is empty. Runs no Python.
+static void unindex(PyObject* record) {
+  KeptIndex* index = PyList_GET_SIZE(record) >= 5 ? as_index(PyList_GET_ITEM(record, 4)) : nullptr;
+  if (index == nullptr || index->records.empty()) return;
+  auto& records = index->records;
+  PyObject* keeper = PyList_GET_ITEM(record, 3);
+  if (THPVariable_Check(keeper) && THPVariable_Unpack(keeper).has_storage()) {
+    auto entry = records.find(THPVariable_Unpack(keeper).storage().unsafeGetStorageImpl());
+    if (entry != records.end() && entry->second == record) {
+      records.erase(entry);
+      return;
+    }
+  }
+  for (auto entry = records.begin(); entry != records.end(); ++entry) {
+    if (entry->second == record) {
+      records.erase(entry);
+      return;
+    }
+  }
+}
+
 // KeptRecord.__del__ (swapkit.runtime.records Note [Record lifetime]) in C, for the records made here:
 // ``self[0].bytes_changed(-self[1])`` without a Python frame, and the record's entry in its KeptIndex erased
 // (Note [The records kept in C++]).
 PyObject* release_kept(PyObject* self, PyObject*) {
   if (!PyList_Check(self) || PyList_GET_SIZE(self) < 2) Py_RETURN_NONE;
-  KeptIndex* index = PyList_GET_SIZE(self) >= 5 ? as_index(PyList_GET_ITEM(self, 4)) : nullptr;
-  PyObject* keeper = PyList_GET_SIZE(self) >= 4 ? PyList_GET_ITEM(self, 3) : nullptr;
-  if (index != nullptr && keeper != nullptr && THPVariable_Check(keeper)) {
-    auto entry = index->records.find(THPVariable_Unpack(keeper).storage().unsafeGetStorageImpl());
-    if (entry != index->records.end() && entry->second == self) index->records.erase(entry);
-  }
+  unindex(self);
   PyObject* step = PyList_GET_ITEM(self, 0);
   PyObject* nbytes = PyList_GET_ITEM(self, 1);
   Py_INCREF(step);

@@ -266,6 +266,8 @@ class Step:
         self.bytes_changed(nbytes)
         if not tick & _SETTLE_MASK:
             self.settle()  # bounds the unsettled changes (swapkit.runtime.ledger)
+        if self.kept_natively is not None:
+            self.kept_natively.forget(key)  # the record below is the newer: native_save.cpp Note [The records ...]
         if record is None:
             record = KeptRecord((self, nbytes, version, keeper))
             self._index[key] = weakref.ref(record)  # Note [The cost of a save]
