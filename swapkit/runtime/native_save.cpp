@@ -48,6 +48,14 @@ inline KeptIndex* as_index(PyObject* object) {
   return Py_TYPE(object) == &KeptIndexType ? reinterpret_cast<KeptIndex*>(object) : nullptr;
 }
 
+// The record of ``storage`` in ``records`` (borrowed), or null. A record whose last reference went but whose
+// deallocation CPython postponed (the trashcan of deeply nested frees) is still in the map with no reference
+// until its finalizer erases it: it counts as gone, never held again.
+inline PyObject* live_record(const std::unordered_map<const void*, PyObject*>& records, const void* storage) {
+  auto found = records.find(storage);
+  return found == records.end() || Py_REFCNT(found->second) == 0 ? nullptr : found->second;
+}
+
 PyObject* KeptIndex_new(PyTypeObject* type, PyObject*, PyObject*) {
   PyObject* self = type->tp_alloc(type, 0);
   if (self != nullptr) new (&reinterpret_cast<KeptIndex*>(self)->records) std::unordered_map<const void*, PyObject*>();
@@ -64,9 +72,8 @@ void KeptIndex_dealloc(PyObject* self) {
 PyObject* KeptIndex_get(PyObject* self, PyObject* key) {
   const void* storage = PyLong_AsVoidPtr(key);
   if (storage == nullptr && PyErr_Occurred()) return nullptr;
-  auto& records = reinterpret_cast<KeptIndex*>(self)->records;
-  auto found = records.find(storage);
-  PyObject* record = found == records.end() ? Py_None : found->second;
+  PyObject* record = live_record(reinterpret_cast<KeptIndex*>(self)->records, storage);
+  if (record == nullptr) record = Py_None;
   Py_INCREF(record);
   return record;
 }
@@ -75,6 +82,7 @@ PyObject* KeptIndex_get(PyObject* self, PyObject* key) {
 PyObject* KeptIndex_records(PyObject* self, PyObject*) {
   std::vector<PyObject*> live;
   for (auto& entry : reinterpret_cast<KeptIndex*>(self)->records) {
+    if (Py_REFCNT(entry.second) == 0) continue;  // its deallocation postponed (live_record)
     Py_INCREF(entry.second);  // held before any allocation below can let a record die and erase itself
     live.push_back(entry.second);
   }
@@ -276,7 +284,7 @@ bool refresh(Saver* saver, PyObject* step) {
                                             names.watch_unpacks});
     saver->stats_dict = PyErr_Occurred() ? nullptr : instance_dict(saver->stats, {names.saved_bytes});
   }
-  if (saver->recomputables == nullptr || PyErr_Occurred() || !PyDict_CheckExact(saver->index) ||
+  if (saver->kept_index == nullptr || PyErr_Occurred() || !PyDict_CheckExact(saver->index) ||
       !PyAnySet_Check(saver->params) || !PyDict_Check(saver->recomputables)) {
     if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "swapkit native save: the step's index is no dict");
     clear_step(saver);
@@ -452,8 +460,7 @@ PyObject* fast_pack(Saver* saver, PyObject* object, PyObject* step, PyObject* fr
   // Its record: in the C++'s index, else in the step's (Note [The records kept in C++]).
   const void* storage = tensor.storage().unsafeGetStorageImpl();
   auto& natively = as_index(saver->kept_index)->records;
-  auto native = natively.find(storage);
-  PyObject* found = native == natively.end() ? nullptr : native->second;
+  PyObject* found = live_record(natively, storage);
   Py_XINCREF(found);
   THPObjectPtr key(found ? nullptr : PyLong_FromVoidPtr(const_cast<void*>(storage)));  // swapkit.runtime.records.storage_key
   if (!found && !key) return nullptr;
