@@ -439,10 +439,9 @@ PyObject* keep_new(Saver* saver, const at::Tensor& tensor, PyObject* version, Py
   if (!keeper || !count_saved(saver, nbytes.get()) || !account(saver, step, nbytes.get(), value)) return nullptr;
   THPObjectPtr record(kept_record(saver->kept_type, step, nbytes.get(), version, keeper.get(), saver->kept_index));
   if (!record) return nullptr;
-  PyObject* handle = saved(saver, keeper.release(), version, step, at.release(), record.get(), frame);
-  if (handle != nullptr)  // the handle holds the record, which erases its entry when it dies
-    as_index(saver->kept_index)->records[tensor.storage().unsafeGetStorageImpl()] = record.get();
-  return handle;
+  // Indexed first: a record that dies here (no handle made) erases its entry as any other does.
+  as_index(saver->kept_index)->records[tensor.storage().unsafeGetStorageImpl()] = record.get();
+  return saved(saver, keeper.release(), version, step, at.release(), record.get(), frame);  // it holds the record
 }
 
 // The fast save, or null with no error set when the Python hooks must serve it.
@@ -462,7 +461,8 @@ PyObject* fast_pack(Saver* saver, PyObject* object, PyObject* step, PyObject* fr
   auto& natively = as_index(saver->kept_index)->records;
   PyObject* found = live_record(natively, storage);
   Py_XINCREF(found);
-  THPObjectPtr key(found ? nullptr : PyLong_FromVoidPtr(const_cast<void*>(storage)));  // swapkit.runtime.records.storage_key
+  // the step's index is keyed by swapkit.runtime.records.storage_key
+  THPObjectPtr key(found ? nullptr : PyLong_FromVoidPtr(const_cast<void*>(storage)));
   if (!found && !key) return nullptr;
   PyObject* ref = key ? PyDict_GetItemWithError(saver->index, key.get()) : nullptr;  // borrowed
   if (ref != nullptr && referent(ref, &found) < 0) return nullptr;
