@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import logging
 import sys
+import threading
 import weakref
 
 import pytest
@@ -515,3 +516,61 @@ def _toy_step(model):
     loss = model(x).sum()
     loss.backward()
     return loss.detach()
+
+
+def _new_parameter_storages(model):
+    """An update that gives every parameter a new storage (``p.data = ...``): the next step knows none of them
+    from the previous one."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = p.data * 0.5
+
+
+def test_parameters_given_new_storages_between_steps_are_kept_as_the_python_keeps_them():
+    """A parameter's storage the step does not know yet goes to the Python (Note [The native save path]); with
+    every parameter on a new storage each step, the native run still equals the Python one."""
+    batch = llama_batch(0)
+
+    def step(model):
+        loss = llama_step(model, batch)
+        _new_parameter_storages(model)
+        return loss
+
+    python, native_run = run_both(llama, toy_config(4, **CONFIGS["recompute_and_swap"]), step, steps=3)
+    assert_same_runs(python, native_run)
+    assert native_run[1][0] > 0
+
+
+def test_sessions_on_concurrent_threads_each_give_the_python_results():
+    """One session per thread (Note [One session per thread, one thread per session]): three native sessions
+    running at once on three threads each equal a Python session run alone."""
+    config = toy_config(4, **layer_swap(1, layers=[1, 3]))
+
+    def run(on: bool, seed: int, out: dict) -> None:
+        out[seed] = _one_run(on, seed, config)
+
+    python, native_runs = {}, {}
+    for seed in (1, 2, 3):
+        run(False, seed, python)
+    threads = [threading.Thread(target=run, args=(True, seed, native_runs)) for seed in (1, 2, 3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for seed in (1, 2, 3):
+        assert_same_runs(python[seed], native_runs[seed])
+        assert native_runs[seed][1][0] > 0
+
+
+def _one_run(on: bool, seed: int, config: dict, steps: int = 3):
+    """(per-step (loss, grads, stats), native_counts) of one session on ``llama(seed)``."""
+    model = llama(seed)
+    session = synced_session(model, native_config(config, on))
+    runs = []
+    for step in range(steps):
+        model.zero_grad()
+        with session:
+            loss = llama_step(model, llama_batch(10 * seed + step))
+        runs.append((loss, grads(model), session.stats))
+    session.remove()
+    return runs, session.native_counts
