@@ -69,6 +69,7 @@ class FakeCuda:
 
     def __init__(self, monkeypatch) -> None:
         self.log: list = []
+        self.capturing = False  # what torch.cuda.is_current_stream_capturing answers
         self._current = threading.local()
         self._streams: dict[int, FakeStream] = {}
         self.default = self.stream()
@@ -77,6 +78,7 @@ class FakeCuda:
         patch(torch.cuda, "Stream", self._stream_factory)
         patch(torch.cuda, "Event", lambda enable_timing=False: FakeEvent(self.log, enable_timing))
         patch(torch.cuda, "_lazy_init", lambda: None)
+        patch(torch.cuda, "is_current_stream_capturing", lambda: self.capturing)
         patch(torch.cuda, "current_device", lambda: None)  # as the engine's device index below: set_stream is used
         patch(torch.cuda._utils, "_get_device_index", lambda device, optional=False: 0)
         patch(torch._C, "_cuda_getCurrentStream", lambda index: (id(self.current), 0, 1), raising=False)
@@ -218,3 +220,36 @@ def test_each_batch_waits_for_the_stream_its_storages_were_saved_on(fake, monkey
     assert set(offloads) == {a, b} and offloads[-1] is b and fake.default not in offloads, offloads
     for key, value in grads(reference).items():
         assert torch.equal(grads(model)[key], value), key
+
+
+def test_swap_copies_inside_cuda_graph_capture_are_refused_naming_the_scope_and_the_fix(fake, monkeypatch):
+    """swapkit.engine.cuda Note [No copies inside CUDA graph capture]: once the current stream captures, no slab is
+    pinned and no copy is queued; the error names the layer and what to do, and after capture the session swaps
+    again, exactly. A fresh engine's first refusal is the slab, before any copy."""
+    engine = fake.engine()
+    monkeypatch.setattr(session_module, "make_engine", lambda runtime, device: engine)
+    torch.manual_seed(0)
+    model, reference = ToyNet(layers=3), ToyNet(layers=3)
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(8, 16)
+    reference(x).sum().backward()
+    session = swapkit.apply(model, toy_config(3, **layer_swap(1)), layers="layers")
+    with session:  # a warm-up step outside capture, as reduce-overhead's: the pool has its slab
+        model(x).sum().backward()
+    model.zero_grad(set_to_none=True)
+    fake.log.clear()
+    fake.capturing = True
+    with pytest.raises(cuda_engine.CaptureError, match=r"device-to-host copy for layer 0 .*capturing a CUDA graph"
+                       r".*max-autotune-no-cudagraphs.*swap_config"):
+        with session:
+            model(x).sum().backward()
+    assert "copy" not in fake.kinds() and "wait_stream" not in fake.kinds()
+    fake.capturing = False
+    with session:
+        model(x).sum().backward()
+    assert session.stats.prefetched_bytes == session.stats.released_bytes > 0
+    for key, value in grads(reference).items():
+        assert torch.equal(grads(model)[key], value), key
+    fake.capturing = True
+    with pytest.raises(cuda_engine.CaptureError, match="a pinned host slab was asked for"):
+        fake.engine().host_buffer(4096)

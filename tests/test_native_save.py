@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import logging
 import sys
+import threading
 import weakref
 
 import pytest
@@ -15,7 +16,7 @@ from torch import nn
 
 import swapkit
 from swapkit.runtime import native
-from swapkit.runtime.records import KeptRecord, Saved
+from swapkit.runtime.records import KeptRecord, Saved, storage_key
 from tests.toys import (
     ToyNet, assert_grads_equal, grads, layer_swap, llama, llama_batch, llama_step, require_native, synced_session,
     toy_config,
@@ -29,6 +30,12 @@ def built():
 
 def native_config(config: dict, on: bool = True) -> dict:
     return {**config, "runtime": {**config.get("runtime", {}), "native_save": on}}
+
+
+def record_refs(step) -> list[weakref.ref]:
+    """Weak references to every live record of ``step``: the step's own index's, and the C++'s (native_save.cpp
+    Note [The records kept in C++])."""
+    return [*step._index.values(), *map(weakref.ref, step.kept_natively.records())]
 
 
 def run_both(make_model, config: dict, step, steps: int = 2):
@@ -169,7 +176,7 @@ def test_many_native_steps_leave_no_record_or_handle_behind():
     for _ in range(50):
         with session:
             out = model(x).sum()
-            records += list(session._step._index.values())  # weak references to every record of the step
+            records += record_refs(session._step)
             steps.append(weakref.ref(session._step))
             out.backward()
         del out
@@ -183,9 +190,10 @@ def test_many_native_steps_leave_no_record_or_handle_behind():
 
 
 def test_what_the_cpp_makes_is_untracked_and_freed_by_reference_counts():
-    """Note [Objects the collector need not see]: the handle, the record and the index's weak reference of a
-    native keep are untracked; the keeper is not. With the collector off, the record dies with its last handle
-    and takes its bytes off the step's ledger."""
+    """Note [Objects the collector need not see]: the handle and the record of a native keep are untracked; the
+    keeper is not. With the collector off, the record dies with its last handle, takes its bytes off the step's
+    ledger and its entry out of the C++'s index (native_save.cpp Note [The records kept in C++]), which the
+    step's own index never had."""
     model = ToyNet(layers=1)
     session = synced_session(model, native_config(toy_config(1)))
     enabled = gc.isenabled()
@@ -195,16 +203,112 @@ def test_what_the_cpp_makes_is_untracked_and_freed_by_reference_counts():
             step, pack = session._step, session._native[0]
             handle = pack(torch.randn(4, 4))  # outside the layers, the frame (None) of a new step's first save
             assert type(handle) is Saved and type(handle.record) is native.NativeKeptRecord
-            ref = next(r for r in step._index.values() if r() is handle.record)
-            assert not gc.is_tracked(handle) and not gc.is_tracked(handle.record) and not gc.is_tracked(ref)
+            key = storage_key(handle.keeper)
+            assert step.kept_natively.get(key) is handle.record and key not in step._index
+            assert not gc.is_tracked(handle) and not gc.is_tracked(handle.record)
             assert gc.is_tracked(handle.keeper)
-            before = step.device_bytes
+            ref, before = weakref.ref(handle.record), step.device_bytes
             del handle
             assert ref() is None and step.device_bytes == before - 64
+            assert step.kept_natively.get(key) is None and step.kept_natively.records() == []
     finally:
         if enabled:
             gc.enable()
     assert session.native_counts[0] == 1
+    session.remove()
+
+
+def test_a_storage_written_in_place_after_a_cpp_keep_gets_one_new_record_as_in_the_python():
+    """native_save.cpp Note [The records kept in C++]: a storage kept in C++ and then written in place is a new
+    storage to both paths. The Python makes its record in the step's index, later saves find that one (not
+    the C++'s older one), and the bytes are counted as a Python session counts them."""
+    results = []
+    for on in (False, True):
+        session = synced_session(ToyNet(layers=1), native_config(toy_config(1), on))
+        with session:
+            step, pack = session._step, session._hook_pair[0]
+            t = torch.randn(4, 4)
+            first = pack(t)
+            t.add_(1)
+            second, third = pack(t), pack(t)
+            assert third.record is second.record is not first.record and second.version == first.version + 1
+            if on:
+                assert type(first.record) is native.NativeKeptRecord and type(second.record) is KeptRecord
+                assert step.kept_natively.get(storage_key(t)) is None  # the Python's newer record took its place
+                first = None
+            results.append((step.stats.saved_bytes, session.native_counts))
+            del first, second, third
+        session.remove()
+    assert results[0][0] == results[1][0] == 2 * 64
+    assert results[1][1][0] == 2 and results[0][1] is None  # the third save found the Python's record, in C++
+
+
+def test_a_storage_saved_through_two_version_counters_gets_the_records_of_the_python():
+    """native_save.cpp Note [The records kept in C++]: ``a.data`` shares ``a``'s storage but not its version
+    counter, so a save of ``a`` after one of ``a.data`` finds the C++'s record at ``a``'s version again. The
+    Python session's index holds the newer record of ``a.data`` there, and makes a third; the native session
+    must too (the Python's record takes the storage out of the KeptIndex), and count the same bytes."""
+    results = []
+    for on in (False, True):
+        session = synced_session(ToyNet(layers=1), native_config(toy_config(1), on))
+        with session:
+            step, pack = session._step, session._hook_pair[0]
+            a = torch.randn(4, 4)
+            a.add_(1)
+            first, second, third = pack(a), pack(a.data), pack(a)
+            assert len({id(first.record), id(second.record), id(third.record)}) == 3
+            if on:
+                assert type(first.record) is native.NativeKeptRecord and step.kept_natively.records() == []
+            results.append((step.stats.saved_bytes, session.native_counts))
+            first = second = third = None
+            assert step.device_bytes == 0
+        session.remove()
+    assert results[0][0] == results[1][0] == 3 * 64
+    assert results[1][1][0] == 1
+
+
+def test_a_cpp_record_leaves_its_index_when_it_dies_whatever_its_keeper_became():
+    """native_save.cpp Note [The records kept in C++]: the KeptIndex holds its records borrowed, so a dead
+    record's entry must go. A record whose keeper was ``set_()`` to another storage is found by a walk of the
+    index (an entry left behind named freed memory: a later save of the storage crashed); one whose storage got
+    a newer record in the step's own index (forget) looks for no entry."""
+    session = synced_session(ToyNet(layers=1), native_config(toy_config(1)))
+    with session:
+        step, pack = session._step, session._hook_pair[0]
+        a, b = torch.randn(4, 4), torch.randn(4, 4)
+        first, other = pack(a), pack(b)
+        first.keeper.set_(torch.empty(0))
+        first = None
+        assert step.kept_natively.records() == [other.record]
+        again = pack(a)
+        assert type(again.record) is native.NativeKeptRecord and step.kept_natively.get(storage_key(a)) is again.record
+        a.add_(1)
+        newer = pack(a)
+        assert type(newer.record) is KeptRecord and again.record[4] is None
+        assert step.kept_natively.get(storage_key(a)) is None
+        again = None
+        assert step.kept_natively.records() == [other.record]
+        other = newer = None
+        assert step.kept_natively.records() == [] and step.device_bytes == 0
+    session.remove()
+
+
+def test_a_cpp_record_dying_while_an_error_is_raised_keeps_the_error():
+    """native_save.cpp finalize_kept: a record's C finalizer runs where an error is being raised (a frame
+    holding its last handle unwinds), takes the record's bytes off the ledger and its entry out of the
+    KeptIndex, and leaves that error as it was."""
+    session = synced_session(ToyNet(layers=1), native_config(toy_config(1)))
+    with session:
+        step, pack = session._step, session._hook_pair[0]
+
+        def raises():
+            handle = pack(torch.randn(4, 4))
+            assert type(handle.record) is native.NativeKeptRecord and step.device_bytes == 64
+            raise KeyError("the caller's")
+
+        with pytest.raises(KeyError, match="the caller's"):
+            raises()
+        assert step.device_bytes == 0 and step.kept_natively.records() == []
     session.remove()
 
 
@@ -314,7 +418,7 @@ def test_a_native_save_that_raises_holds_on_to_nothing():
             with pytest.raises(RuntimeError, match="no detach here"), RefuseDetach():
                 save()
         assert sys.getrefcount(step) == before
-        records = list(step._index.values())  # weak references (Note [Objects the collector need not see])
+        records = record_refs(step)
         del a
     gc.collect()
     assert session.native_counts[0] >= packs > 0
@@ -412,3 +516,61 @@ def _toy_step(model):
     loss = model(x).sum()
     loss.backward()
     return loss.detach()
+
+
+def _new_parameter_storages(model):
+    """An update that gives every parameter a new storage (``p.data = ...``): the next step knows none of them
+    from the previous one."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = p.data * 0.5
+
+
+def test_parameters_given_new_storages_between_steps_are_kept_as_the_python_keeps_them():
+    """A parameter's storage the step does not know yet goes to the Python (Note [The native save path]); with
+    every parameter on a new storage each step, the native run still equals the Python one."""
+    batch = llama_batch(0)
+
+    def step(model):
+        loss = llama_step(model, batch)
+        _new_parameter_storages(model)
+        return loss
+
+    python, native_run = run_both(llama, toy_config(4, **CONFIGS["recompute_and_swap"]), step, steps=3)
+    assert_same_runs(python, native_run)
+    assert native_run[1][0] > 0
+
+
+def test_sessions_on_concurrent_threads_each_give_the_python_results():
+    """One session per thread (Note [One session per thread, one thread per session]): three native sessions
+    running at once on three threads each equal a Python session run alone."""
+    config = toy_config(4, **layer_swap(1, layers=[1, 3]))
+
+    def run(on: bool, seed: int, out: dict) -> None:
+        out[seed] = _one_run(on, seed, config)
+
+    python, native_runs = {}, {}
+    for seed in (1, 2, 3):
+        run(False, seed, python)
+    threads = [threading.Thread(target=run, args=(True, seed, native_runs)) for seed in (1, 2, 3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for seed in (1, 2, 3):
+        assert_same_runs(python[seed], native_runs[seed])
+        assert native_runs[seed][1][0] > 0
+
+
+def _one_run(on: bool, seed: int, config: dict, steps: int = 3):
+    """(per-step (loss, grads, stats), native_counts) of one session on ``llama(seed)``."""
+    model = llama(seed)
+    session = synced_session(model, native_config(config, on))
+    runs = []
+    for step in range(steps):
+        model.zero_grad()
+        with session:
+            loss = llama_step(model, llama_batch(10 * seed + step))
+        runs.append((loss, grads(model), session.stats))
+    session.remove()
+    return runs, session.native_counts

@@ -460,6 +460,7 @@ def test_pinned_memory_is_registered_and_unregistered_on_the_engines_device(monk
 
     monkeypatch.setattr(torch.cuda, "device", FakeDevice)
     monkeypatch.setattr(torch.cuda, "cudart", FakeCudart)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # a CPU build has no CUDA
     memory = CudaCopyEngine.host_buffer(SimpleNamespace(device=torch.device("cuda", 1)), PAGE + 1)
     assert calls == [("register", 1, 2 * PAGE, 1)] and current == [0]  # portable, on device 1
     del memory

@@ -132,6 +132,16 @@ per saved tensor on an H100 host, benchmarks/results/cuda/overhead). ``CurrentSt
 raw ``(stream_id, device_index, device_type)`` from the C getter that function itself calls and
 maps it to one ``Stream`` per distinct stream. A ``Stream`` wrapper holds no resource (the stream
 belongs to its pool or its creator), so keeping one alive keeps nothing alive.
+
+Note [No copies inside CUDA graph capture]
+While the current stream captures a CUDA graph (``torch.cuda.graph``, ``make_graphed_callables``, and
+the recordings of ``torch.compile(mode="reduce-overhead")``), work queued on it is recorded, not run, and
+replayed later on whatever those addresses then hold. A swap copy recorded there would replay into a
+host slab the pool has long given to another batch, the side stream's wait on the capturing stream
+is itself refused by CUDA, and pinning a new slab is an API call capture forbids: each fails deep in the
+driver, or not at all and wrongly. So the engine refuses to allocate a slab or queue a copy while the
+current stream is capturing, with a :class:`CaptureError` that names the scope and what to do instead.
+Asking costs one driver query per batch, per prefetch and per new slab, not per saved tensor.
 """
 from __future__ import annotations
 
@@ -305,6 +315,24 @@ class SideStream:
             torch.cuda.set_stream(self._restore)
 
 
+class CaptureError(RuntimeError):
+    """A swap copy or pinned slab was asked for while the current CUDA stream captures a graph (Note [No
+    copies inside CUDA graph capture])."""
+
+
+def refuse_capture(what: str, where: str = "") -> None:
+    """Raise :class:`CaptureError` if the current CUDA stream is capturing (Note [No copies inside CUDA graph
+    capture]); ``what``: the copy or allocation, ``where``: the scope it is for."""
+    if torch.cuda.is_current_stream_capturing():
+        scope = f" for {where}" if where else ""
+        raise CaptureError(
+            f"swapkit: {what}{scope} was asked for while the current CUDA stream is capturing a CUDA graph; swap "
+            "copies and pinned host memory cannot be recorded in a graph. Keep swapped layers out of capture: use "
+            "torch.compile(mode='max-autotune-no-cudagraphs') or the default mode instead of 'reduce-overhead', "
+            "leave those layers out of torch.cuda.graph / make_graphed_callables, or set their swap off in "
+            "swap_config (recompute_config's recompute works under capture)")
+
+
 class CudaCopyEngine:
     """Device<->host copies on one side stream of ``device``."""
 
@@ -325,6 +353,7 @@ class CudaCopyEngine:
         """A pinned slab of exactly ``nbytes`` rounded to a page, registered on this engine's device
         (``swapkit.engine.pinned`` Notes [Pinned memory without power-of-two rounding], [Pinning on the
         engine's device])."""
+        refuse_capture("a pinned host slab")  # Note [No copies inside CUDA graph capture]
         return device_pinned_memory(nbytes, self.device.index)
 
     def fence(self) -> CudaFence | None:
@@ -344,9 +373,10 @@ class CudaCopyEngine:
         return self.offload_many([(src, dst)])
 
     def offload_many(self, pairs: list[tuple[torch.Tensor, torch.Tensor]],
-                     producer: torch.cuda.Stream | None = None) -> CudaCopy:
+                     producer: torch.cuda.Stream | None = None, where: str = "") -> CudaCopy:
         """Every pair's copy after one ``wait_stream`` on ``producer`` (the current stream if ``None``),
         one event for all (Note [One job per coalesced batch])."""
+        refuse_capture("a device-to-host copy", where)  # Note [No copies inside CUDA graph capture]
         self.inflight.prune()
         self.stream.wait_stream(producer if producer is not None else self._compute())  # Note [D2H waits ...]
         with SideStream(self):  # Note [Switching to the side stream]
@@ -361,9 +391,10 @@ class CudaCopyEngine:
     def offload_storages(self, region: torch.Tensor, sources: list[Source],
                          producer: torch.cuda.Stream | None = None, where: str = "") -> CudaCopy:
         """A coalesced batch: its flat views, then :meth:`offload_many` (copies are queued from this thread)."""
-        return self.offload_many(region_pairs(region, sources, self.device), producer)
+        return self.offload_many(region_pairs(region, sources, self.device), producer, where)
 
     def prefetch(self, src: torch.Tensor) -> tuple[torch.Tensor, CudaCopy]:
+        refuse_capture("a host-to-device prefetch")  # Note [No copies inside CUDA graph capture]
         self.inflight.prune()
         compute = self._compute()
         dst = torch.empty(src.numel(), dtype=torch.uint8, device=self.device)  # on the compute stream

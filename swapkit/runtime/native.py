@@ -14,10 +14,11 @@ clock's tick is followed by ``Step._advance``, the releases due, as in ``Step.sa
 - outside a swap scope, a new storage that ``Step.save`` would keep with a new
   :class:`~swapkit.runtime.records.KeptRecord`: a plain ``torch.Tensor`` (not a view, no attributes, a
   storage with bytes on the step's device, no recomputable output registered): the step's clock ticks,
-  the stats and the device-bytes ledger count the storage, and the index gets a weak reference to a
-  :class:`NativeKeptRecord`, a ``KeptRecord`` whose finalizer (which takes its bytes off the ledger) is
-  C, not a Python frame (the handle, the record and the weak reference are untracked: Note [Objects
-  the collector need not see]);
+  the stats and the device-bytes ledger count the storage, and a :class:`NativeKeptRecord` is made, a
+  ``KeptRecord`` whose finalizer (which takes its bytes off the ledger) is C, not a Python frame, indexed
+  apart from the step's own index, in the step's ``kept_natively``, where the Python looks too
+  (``native_save.cpp`` Note [The records kept in C++]; the handle and the record are untracked: Note
+  [Objects the collector need not see]);
 - outside a swap scope, a new storage that ``Step.save`` keeps without a record: one the step knows as
   a parameter's, an empty storage, one on another device;
 - a storage whose live ``KeptRecord`` the step has, at the same version, in any scope (as the Python,
@@ -29,25 +30,28 @@ Everything else (a parameter the step does not know yet, views and tensors with 
 storage, new storages in swap scopes, swapped records, recomputable outputs, backward's packs,
 micro-steps, the first unpacks of a backward, a modified keeper's error) goes to the session's own
 Python hooks, unchanged.
-Neither path knows which one made a handle or a record, so mixing them changes nothing:
-the storage index is keyed by the ``StorageImpl`` address (:func:`~swapkit.runtime.records.storage_key`)
-that both can read, and a ``KeptRecord`` holds its first keeper, not the Python storage object, which
-the C++ never makes. ``SwapSession.native_counts`` says how many saves and unpacks the C++ served.
+Neither path knows which one made a handle or a record, so mixing them changes nothing: both indexes are
+keyed by the ``StorageImpl`` address (:func:`~swapkit.runtime.records.storage_key`) that both can read,
+both paths look up both, and a ``KeptRecord`` holds its first keeper, not the Python storage object,
+which the C++ never makes. The C++ reads the attributes it needs from the objects' instance dicts
+(``native_save.cpp`` Note [Attributes read from the instance dict]). ``SwapSession.native_counts`` says
+how many saves and unpacks the C++ served.
 
 Note [Objects the collector need not see]
-Python's cyclic collector runs after every 700 allocations of the objects it tracks, and each run
-walks every tracked object of the generations it collects; the objects a step's saves leave alive
-until backward are promoted to the older generations, whose runs walk them again. A kept save makes
-four: the keeper, the handle, the record and the index's weak reference to it. With all four
-tracked, the collector took about a fifth of a keep-only step's CPU time on the benchmark's
-process (``perf``), against 1% with identity hooks. The C++ therefore untracks the last three, which
-the collector need not see, because no reference cycle can pass through them: a handle refers to
-its keeper, its step, its record and its frame; a record to its step and its keeper; the weak
-reference to nothing it keeps alive. None of those refers back to a handle or a record (the step's
-index holds weak references, its queues hold swap records, a frame holds none), so their reference
-counts alone free them, as they free an untracked tuple. They still count towards the collector's
-next run (CPython counts allocations, not tracked objects). ``gc.get_objects()`` no longer lists
-them: the tests find them through the step's index and its weak references instead.
+Python's cyclic collector runs after every 700 allocations of the objects it tracks, and each run walks
+every tracked object of the generations it collects; the objects a step's saves leave alive until
+backward are promoted to the older generations, whose runs walk them again. A kept save makes four in
+the Python: the keeper, the handle, the record and the index's weak reference to it. With all four
+tracked, the collector took about a fifth of a keep-only step's CPU time on the benchmark's process
+(``perf``), against 1% with identity hooks. The C++ makes no weak reference (its records are in a
+``KeptIndex``, which holds them borrowed and takes no part in any cycle) and untracks the handle and the
+record, which the collector need not see, because no reference cycle can pass through them: a handle
+refers to its keeper, its step, its record and its frame; a record to its step, its keeper and its
+``KeptIndex``. None of those refers back to a handle or a record (the step's index holds weak
+references, the ``KeptIndex`` borrowed ones, its queues hold swap records, a frame holds none), so their
+reference counts alone free them, as they free an untracked tuple. They still count towards the
+collector's next run (CPython counts allocations, not tracked objects). ``gc.get_objects()`` no longer
+lists them: the tests find them through the step's ``kept_natively`` instead.
 
 The C functions are builtins: Dynamo never traces them (no Python frame); the Python they call, the
 hooks they fall back to, ``Step.settle`` (at a keep's tick 0, every ``SETTLE_TICKS``) and
@@ -107,7 +111,7 @@ def _build() -> Any:
         from torch.utils.cpp_extension import load
 
         module = load(name=NAME, sources=[str(SOURCE)], extra_cflags=["-O2"])
-        NativeKeptRecord.__del__ = module.kept_finalizer(NativeKeptRecord)
+        module.install_finalizer(NativeKeptRecord)
         return module
     except Exception as err:  # noqa: BLE001 - the build's own errors are many kinds; each is reported as one
         lines = str(err).strip().splitlines() or [type(err).__name__]

@@ -12,20 +12,126 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/object_ptr.h>
 
+#include <unordered_map>
+#include <vector>
+
 namespace {
 
 // Interned attribute names, read once per call where needed.
 struct Names {
   PyObject *step, *backward_started, *scheduled, *last_frame, *current, *observer, *clock, *watch_unpacks,
       *saved_bytes, *prefetch, *entries, *index, *param_storages, *stats, *bytes_changed,
-      *recomputable, *device;
+      *recomputable, *device, *kept_natively;
 };
 Names names;
+
+// Note [The records kept in C++]
+// A step's storage index (``Step._index``) maps a storage's key to a weak reference to its record: a key and a
+// weak reference per record, made at the save and freed when the step closes, about a tenth of what a keep
+// costs here. So the records the C++ makes are indexed apart, in a KeptIndex (``Step.kept_natively``, given to
+// the step by the session): a map from the storage's ``StorageImpl`` to the record, borrowed, which each record
+// erases when it dies (unindex), as a weak reference would go dead; only a record's own entry is erased.
+// Both paths look up both indexes, and the newest record of a storage is in one of them only, as the Python
+// session's one index holds the last record made: the C++ makes a record only where neither has a live one,
+// and the Python, making one (where its lookup found none, or one of another version), takes the storage's
+// entry out of the KeptIndex (``forget``). A record the C++ found first would otherwise be served again where
+// the Python's newer one replaced it: two tensors of one storage can have version counters of their own
+// (``.data``, ``set_``), so a version an older record holds comes back (test_native_save.py).
+struct KeptIndex {
+  PyObject_HEAD
+  std::unordered_map<const void*, PyObject*> records;  // StorageImpl -> its NativeKeptRecord, borrowed
+};
+
+PyTypeObject KeptIndexType = {PyVarObject_HEAD_INIT(nullptr, 0) "swapkit_native_save.KeptIndex"};
+
+inline KeptIndex* as_index(PyObject* object) {
+  return Py_TYPE(object) == &KeptIndexType ? reinterpret_cast<KeptIndex*>(object) : nullptr;
+}
+
+// The record of ``storage`` in ``records`` (borrowed), or null. A record whose last reference went but whose
+// deallocation CPython postponed (the trashcan of deeply nested frees) is still in the map with no reference
+// until its finalizer erases it: it counts as gone, never held again.
+inline PyObject* live_record(const std::unordered_map<const void*, PyObject*>& records, const void* storage) {
+  auto found = records.find(storage);
+  return found == records.end() || Py_REFCNT(found->second) == 0 ? nullptr : found->second;
+}
+
+PyObject* KeptIndex_new(PyTypeObject* type, PyObject*, PyObject*) {
+  PyObject* self = type->tp_alloc(type, 0);
+  if (self != nullptr) new (&reinterpret_cast<KeptIndex*>(self)->records) std::unordered_map<const void*, PyObject*>();
+  return self;
+}
+
+void KeptIndex_dealloc(PyObject* self) {
+  using Map = std::unordered_map<const void*, PyObject*>;
+  reinterpret_cast<KeptIndex*>(self)->records.~Map();
+  Py_TYPE(self)->tp_free(self);
+}
+
+// ``get(key)``: the live record of the storage with ``storage_key`` ``key``, or None.
+PyObject* KeptIndex_get(PyObject* self, PyObject* key) {
+  const void* storage = PyLong_AsVoidPtr(key);
+  if (storage == nullptr && PyErr_Occurred()) return nullptr;
+  PyObject* record = live_record(reinterpret_cast<KeptIndex*>(self)->records, storage);
+  if (record == nullptr) record = Py_None;
+  Py_INCREF(record);
+  return record;
+}
+
+// ``records()``: a list of the live records (new references).
+PyObject* KeptIndex_records(PyObject* self, PyObject*) {
+  std::vector<PyObject*> live;
+  for (auto& entry : reinterpret_cast<KeptIndex*>(self)->records) {
+    if (Py_REFCNT(entry.second) == 0) continue;  // its deallocation postponed (live_record)
+    Py_INCREF(entry.second);  // held before any allocation below can let a record die and erase itself
+    live.push_back(entry.second);
+  }
+  PyObject* list = PyList_New(static_cast<Py_ssize_t>(live.size()));
+  for (size_t i = 0; i < live.size(); i++) {
+    if (list != nullptr)
+      PyList_SET_ITEM(list, static_cast<Py_ssize_t>(i), live[i]);
+    else
+      Py_DECREF(live[i]);
+  }
+  return list;
+}
+
+// ``forget(key)``: the storage with ``storage_key`` ``key`` has a newer record in the step's own index. Its
+// record here, if any, lives on (its handles hold it) unindexed: its fifth item, the index, becomes None, so it
+// looks for no entry when it dies (unindex).
+PyObject* KeptIndex_forget(PyObject* self, PyObject* key) {
+  const void* storage = PyLong_AsVoidPtr(key);
+  if (storage == nullptr && PyErr_Occurred()) return nullptr;
+  auto& records = reinterpret_cast<KeptIndex*>(self)->records;
+  auto found = records.find(storage);
+  if (found == records.end()) Py_RETURN_NONE;
+  PyObject* record = found->second;
+  records.erase(found);
+  if (PyList_GET_SIZE(record) >= 5) {
+    Py_INCREF(Py_None);
+    PyList_SetItem(record, 4, Py_None);  // drops the record's reference to this index, which the caller holds
+  }
+  Py_RETURN_NONE;
+}
+
+PyObject* KeptIndex_clear(PyObject* self, PyObject*) {
+  reinterpret_cast<KeptIndex*>(self)->records.clear();  // no Python runs: the entries are borrowed
+  Py_RETURN_NONE;
+}
+
+PyMethodDef kept_index_methods[] = {
+    {"get", KeptIndex_get, METH_O, "the live record of the storage with this storage_key, or None"},
+    {"records", KeptIndex_records, METH_NOARGS, "the live records"},
+    {"forget", KeptIndex_forget, METH_O, "drop the entry of the storage with this storage_key (a newer record)"},
+    {"clear", KeptIndex_clear, METH_NOARGS, "forget every record (the step closed)"},
+    {nullptr, nullptr, 0, nullptr}};
 
 struct Saver {
   PyObject_HEAD
   PyObject* session;  // the SwapSession (its _step, observer)
   PyObject* tracker;  // its ScopeTracker (current)
+  PyObject* session_dict;  // their instance dicts (Note [Attributes read from the instance dict])
+  PyObject* tracker_dict;
   PyObject* slow_pack;  // the session's Python hooks
   PyObject* slow_unpack;
   PyObject* settle;  // Step.settle, kept out of Dynamo as the Python hooks are (swapkit.runtime.dynamo)
@@ -35,11 +141,14 @@ struct Saver {
   PyTypeObject* step_type;  // swapkit.runtime.step.Step: a subclass (a micro-step) saves its own way
   // What the cached step holds, read once per step (refresh): the step itself is compared by identity.
   PyObject* step;
+  PyObject* step_dict;  // its instance dict (Note [Attributes read from the instance dict])
   PyObject* index;  // step._index: storage key -> weakref to its record
   PyObject* params;  // step.param_storages
   PyObject* stats;  // step.stats
+  PyObject* stats_dict;  // its instance dict
   PyObject* changed;  // step.bytes_changed
-  PyObject* recomputable;  // step._recomputable
+  PyObject* recomputables;  // step._recomputable.entries, a dict (RecomputableOutputs never replaces it)
+  PyObject* kept_index;  // step.kept_natively, a KeptIndex (Note [The records kept in C++])
   int device_type, device_index;  // step.device
   int64_t settle_mask;
   int64_t packs, unpacks;  // saves and unpacks served here, not by the Python hooks
@@ -72,9 +181,60 @@ inline bool kept(Saver* saver, PyObject* record) {
 // A new reference to attribute ``name`` of ``object``, or null with the error set.
 inline PyObject* attr(PyObject* object, PyObject* name) { return PyObject_GetAttr(object, name); }
 
+// Note [Attributes read from the instance dict]
+// A save reads about ten attributes of the session, its scope tracker, the step and its stats, each a plain
+// instance attribute. ``PyObject_GetAttr`` looks the name up on the type first (for a descriptor), then in
+// the instance dict; the C++ reads the dict itself, kept once per object (``instance_dict``), which is
+// what ``getattr`` finds there whenever the type has no data descriptor of that name: a property or slot
+// would win over the dict, so an object whose type has one for any name read this way gets no dict here
+// and every read goes through ``PyObject_GetAttr``. A name missing from the dict (a class attribute) is
+// read the same way. Writes (the clock, ``saved_bytes``) go to the same dict, as ``setattr`` does. The dict is
+// the one the object had when the session (its tracker) was hooked or the step first saved here: nothing in
+// swapkit assigns a new ``__dict__`` to any of them, and one assigned would not be seen (a step's clock would
+// stop moving for the Python).
+
+// A new reference to ``object.__dict__`` where the names of ``names`` can be read from it (none is a data
+// descriptor of its type); null otherwise, or with the error set.
+PyObject* instance_dict(PyObject* object, std::initializer_list<PyObject*> names) {
+  for (PyObject* name : names) {
+    PyObject* found = _PyType_Lookup(Py_TYPE(object), name);  // borrowed
+    if (found != nullptr && Py_TYPE(found)->tp_descr_set != nullptr) return nullptr;
+  }
+  if (_PyObject_GetDictPtr(object) == nullptr) return nullptr;
+  PyObject* dict = PyObject_GenericGetDict(object, nullptr);
+  if (dict != nullptr && !PyDict_CheckExact(dict)) Py_CLEAR(dict);
+  return dict;
+}
+
+// A new reference to ``object.name``, read from ``dict`` (its instance_dict, or null); null with the error set.
+inline PyObject* read(PyObject* object, PyObject* dict, PyObject* name) {
+  if (dict != nullptr) {
+    PyObject* value = PyDict_GetItemWithError(dict, name);  // borrowed
+    if (value != nullptr) {
+      Py_INCREF(value);
+      return value;
+    }
+    if (PyErr_Occurred()) return nullptr;
+  }
+  return PyObject_GetAttr(object, name);
+}
+
+// ``object.name = value``, written to ``dict`` (its instance_dict, or null): -1 with the error set.
+inline int write(PyObject* object, PyObject* dict, PyObject* name, PyObject* value) {
+  return dict != nullptr ? PyDict_SetItem(dict, name, value) : PyObject_SetAttr(object, name, value);
+}
+
+// ``object.name`` identical to ``expected`` (compared by identity: the object holds it): 1, 0 or -1 (error).
+inline int is(PyObject* object, PyObject* dict, PyObject* name, PyObject* expected) {
+  PyObject* value = read(object, dict, name);
+  if (value == nullptr) return -1;
+  Py_DECREF(value);
+  return value == expected;
+}
+
 // 1: the attribute is true, 0: false, -1: error.
-inline int truth(PyObject* object, PyObject* name) {
-  PyObject* value = attr(object, name);
+inline int truth(PyObject* object, PyObject* dict, PyObject* name) {
+  PyObject* value = read(object, dict, name);
   if (value == nullptr) return -1;
   int result = PyObject_IsTrue(value);
   Py_DECREF(value);
@@ -83,11 +243,14 @@ inline int truth(PyObject* object, PyObject* name) {
 
 void clear_step(Saver* saver) {
   Py_CLEAR(saver->step);
+  Py_CLEAR(saver->step_dict);
   Py_CLEAR(saver->index);
   Py_CLEAR(saver->params);
   Py_CLEAR(saver->stats);
+  Py_CLEAR(saver->stats_dict);
   Py_CLEAR(saver->changed);
-  Py_CLEAR(saver->recomputable);
+  Py_CLEAR(saver->recomputables);
+  Py_CLEAR(saver->kept_index);
 }
 
 // Read what a fast save needs of ``step`` once; false with the error set.
@@ -108,8 +271,21 @@ bool refresh(Saver* saver, PyObject* step) {
   saver->params = saver->index ? attr(step, names.param_storages) : nullptr;
   saver->stats = saver->params ? attr(step, names.stats) : nullptr;
   saver->changed = saver->stats ? attr(step, names.bytes_changed) : nullptr;
-  saver->recomputable = saver->changed ? attr(step, names.recomputable) : nullptr;
-  if (saver->recomputable == nullptr || !PyDict_CheckExact(saver->index) || !PyAnySet_Check(saver->params)) {
+  THPObjectPtr recomputable(saver->changed ? attr(step, names.recomputable) : nullptr);
+  saver->recomputables = recomputable ? attr(recomputable.get(), names.entries) : nullptr;
+  saver->kept_index = saver->recomputables ? attr(step, names.kept_natively) : nullptr;
+  if (saver->kept_index != nullptr && as_index(saver->kept_index) == nullptr) {
+    PyErr_SetString(PyExc_TypeError, "swapkit native save: step.kept_natively is no KeptIndex (session._start_step)");
+    clear_step(saver);
+    return false;
+  }
+  if (saver->kept_index != nullptr) {  // Note [Attributes read from the instance dict]
+    saver->step_dict = instance_dict(step, {names.backward_started, names.last_frame, names.clock, names.scheduled,
+                                            names.watch_unpacks});
+    saver->stats_dict = PyErr_Occurred() ? nullptr : instance_dict(saver->stats, {names.saved_bytes});
+  }
+  if (saver->kept_index == nullptr || PyErr_Occurred() || !PyDict_CheckExact(saver->index) ||
+      !PyAnySet_Check(saver->params) || !PyDict_Check(saver->recomputables)) {
     if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "swapkit native save: the step's index is no dict");
     clear_step(saver);
     return false;
@@ -120,61 +296,52 @@ bool refresh(Saver* saver, PyObject* step) {
 }
 
 // The step's clock, as Step.save moves it: the tick of this save, the clock moved past it and, once a swap
-// record was queued in the step, ``step._advance(tick)`` (the releases due by now). -1 with the error set.
-int64_t tick(Saver* saver, PyObject* step) {
-  PyObject* clock = attr(step, names.clock);
-  if (clock == nullptr) return -1;
-  int64_t value = PyLong_AsLongLong(clock);
-  Py_DECREF(clock);
-  if (value == -1 && PyErr_Occurred()) return -1;
-  THPObjectPtr next(PyLong_FromLongLong(value + 1));
-  if (!next || PyObject_SetAttr(step, names.clock, next.get()) < 0) return -1;
-  int scheduled = truth(step, names.scheduled);
-  if (scheduled <= 0) return scheduled < 0 ? -1 : value;
-  THPObjectPtr at(PyLong_FromLongLong(value));
-  THPObjectPtr done(at ? PyObject_CallFunctionObjArgs(saver->advance, step, at.get(), nullptr) : nullptr);
-  return done ? value : -1;
+// record was queued in the step, ``step._advance(tick)`` (the releases due by now). The tick is the clock's
+// own value object (a new reference: the handle holds it) and ``*value``; null with the error set. The step
+// is the saver's (refresh).
+PyObject* tick(Saver* saver, PyObject* step, int64_t* value) {
+  THPObjectPtr clock(read(step, saver->step_dict, names.clock));
+  if (!clock) return nullptr;
+  *value = PyLong_AsLongLong(clock.get());
+  if (*value == -1 && PyErr_Occurred()) return nullptr;
+  THPObjectPtr next(PyLong_FromLongLong(*value + 1));
+  if (!next || write(step, saver->step_dict, names.clock, next.get()) < 0) return nullptr;
+  int scheduled = truth(step, saver->step_dict, names.scheduled);
+  if (scheduled < 0) return nullptr;
+  if (scheduled > 0) {
+    THPObjectPtr done(PyObject_CallFunctionObjArgs(saver->advance, step, clock.get(), nullptr));
+    if (!done) return nullptr;
+  }
+  return clock.release();
 }
 
 // A Saved handle (keeper, version, step, tick, record, None, frame): the Python make_saved, without its call.
-// Steals ``keeper``; null with the error set.
-PyObject* saved(Saver* saver, PyObject* keeper, int64_t version, PyObject* step, int64_t at, PyObject* record,
+// Steals ``keeper`` and ``at``; null with the error set.
+PyObject* saved(Saver* saver, PyObject* keeper, PyObject* version, PyObject* step, PyObject* at, PyObject* record,
                 PyObject* frame) {
   PyObject* handle = saver->saved_type->tp_alloc(saver->saved_type, 7);
-  PyObject* version_object = handle ? PyLong_FromLongLong(version) : nullptr;
-  PyObject* tick_object = version_object ? PyLong_FromLongLong(at) : nullptr;
-  if (tick_object == nullptr) {
-    Py_XDECREF(version_object);
-    Py_XDECREF(handle);
+  if (handle == nullptr) {
+    Py_DECREF(at);
     Py_DECREF(keeper);
     return nullptr;
   }
-  PyObject* items[7] = {keeper, version_object, step, tick_object, record, Py_None, frame};
-  for (int i : {2, 4, 5, 6}) Py_INCREF(items[i]);
+  PyObject* items[7] = {keeper, version, step, at, record, Py_None, frame};
+  for (int i : {1, 2, 4, 5, 6}) Py_INCREF(items[i]);
   for (int i = 0; i < 7; i++) PyTuple_SET_ITEM(handle, i, items[i]);
   PyObject_GC_UnTrack(handle);  // Note [Objects the collector need not see] in swapkit.runtime.native
   return handle;
 }
 
 // ``stats.saved_bytes += nbytes``; false with the error set.
-bool count_saved(PyObject* stats, int64_t nbytes) {
-  PyObject* before = attr(stats, names.saved_bytes);
-  if (before == nullptr) return false;
-  PyObject* amount = PyLong_FromLongLong(nbytes);
-  PyObject* after = amount ? PyNumber_Add(before, amount) : nullptr;
-  Py_DECREF(before);
-  Py_XDECREF(amount);
-  if (after == nullptr) return false;
-  int failed = PyObject_SetAttr(stats, names.saved_bytes, after);
-  Py_DECREF(after);
-  return !failed;
+bool count_saved(Saver* saver, PyObject* nbytes) {
+  THPObjectPtr before(read(saver->stats, saver->stats_dict, names.saved_bytes));
+  THPObjectPtr after(before ? PyNumber_Add(before.get(), nbytes) : nullptr);
+  return after && write(saver->stats, saver->stats_dict, names.saved_bytes, after.get()) == 0;
 }
 
 // ``changed(nbytes)`` (the step's ledger) and, every SETTLE_TICKS ticks, ``step.settle()``.
-bool account(Saver* saver, PyObject* step, int64_t nbytes, int64_t at) {
-  PyObject* amount = PyLong_FromLongLong(nbytes);
-  PyObject* result = amount ? PyObject_CallOneArg(saver->changed, amount) : nullptr;
-  Py_XDECREF(amount);
+bool account(Saver* saver, PyObject* step, PyObject* nbytes, int64_t at) {
+  PyObject* result = PyObject_CallOneArg(saver->changed, nbytes);
   if (result == nullptr) return false;
   Py_DECREF(result);
   if (at & saver->settle_mask) return true;
@@ -187,19 +354,13 @@ bool account(Saver* saver, PyObject* step, int64_t nbytes, int64_t at) {
 // Step.save and SwapSession._pack make before a keep: not in backward, the session's step running its
 // forward, the frame the previous save had, no observer. None has a side effect, and the releases that
 // tick() runs first where a swap was queued change none of their answers (nor those of the index,
-// parameter and recomputable lookups), so the order of Step.save is kept.
+// parameter and recomputable lookups), so the order of Step.save is kept. The step is the saver's (refresh).
 int fast_state(Saver* saver, PyObject* step, PyObject* frame) {
-  if (Py_TYPE(step) != saver->step_type) return 0;
-  int test = truth(step, names.backward_started);
+  int test = truth(step, saver->step_dict, names.backward_started);
   if (test != 0) return test < 0 ? -1 : 0;
-  PyObject* last = attr(step, names.last_frame);
-  if (last == nullptr) return -1;
-  Py_DECREF(last);  // compared by identity: the step holds it
-  if (last != frame) return 0;
-  PyObject* observer = attr(saver->session, names.observer);
-  if (observer == nullptr) return -1;
-  Py_DECREF(observer);
-  return observer == Py_None ? 1 : 0;
+  test = is(step, saver->step_dict, names.last_frame, frame);
+  if (test != 1) return test;
+  return is(saver->session, saver->session_dict, names.observer, Py_None);
 }
 
 // What Step._first_save does with a storage the step has no live record of, where the C++ can do the same.
@@ -224,100 +385,99 @@ int first_save(Saver* saver, PyObject* object, const at::Tensor& tensor, PyObjec
   if (tensor.storage().nbytes() == 0 || static_cast<int>(device.type()) != saver->device_type ||
       device.index() != saver->device_index)
     return kKeepBare;
-  int recomputable = truth(saver->recomputable, names.entries);
-  if (recomputable != 0) return recomputable < 0 ? -1 : kPython;
-  return kKeepRecord;
+  return PyDict_GET_SIZE(saver->recomputables) > 0 ? kPython : kKeepRecord;
 }
 
 // A save of a storage whose KeptRecord ``record`` the step has (the same version), or (``record`` None) one
 // kept without a record: a handle of it.
-PyObject* keep_again(Saver* saver, const at::Tensor& tensor, int64_t version, PyObject* step, PyObject* record,
+PyObject* keep_again(Saver* saver, const at::Tensor& tensor, PyObject* version, PyObject* step, PyObject* record,
                      PyObject* frame) {
-  int64_t at = tick(saver, step);
-  if (at < 0) return nullptr;
+  int64_t value;
+  PyObject* at = tick(saver, step, &value);
+  if (at == nullptr) return nullptr;
   PyObject* keeper = THPVariable_Wrap(tensor.detach());
-  if (keeper == nullptr) return nullptr;  // saved() steals a keeper: never a null one
+  if (keeper == nullptr) {
+    Py_DECREF(at);
+    return nullptr;  // saved() steals a keeper: never a null one
+  }
   return saved(saver, keeper, version, step, at, record, frame);
 }
 
-// ``KeptRecord((step, nbytes, version, keeper))`` without the call: KeptRecord is a list subclass with no
-// ``__init__`` of its own, so an empty instance filled with the four items is what the call makes. A new
-// reference, or null with the error set.
-PyObject* kept_record(PyTypeObject* type, PyObject* step, int64_t nbytes, int64_t version, PyObject* keeper) {
-  PyObject* items[4] = {step, PyLong_FromLongLong(nbytes), PyLong_FromLongLong(version), keeper};
-  PyObject** storage = items[1] && items[2] ? PyMem_New(PyObject*, 4) : nullptr;
+// ``NativeKeptRecord((step, nbytes, version, keeper, index))`` without the call: KeptRecord is a list subclass
+// with no ``__init__`` of its own, so an empty instance filled with the items is what the call makes; the
+// fifth, the KeptIndex it is in, is where it erases itself when it dies. A new reference, or null with the
+// error set.
+PyObject* kept_record(PyTypeObject* type, PyObject* step, PyObject* nbytes, PyObject* version, PyObject* keeper,
+                      PyObject* index) {
+  PyObject** storage = PyMem_New(PyObject*, 5);
   PyObject* record = storage ? type->tp_alloc(type, 0) : nullptr;
   if (record == nullptr) {
     PyMem_Free(storage);
-    Py_XDECREF(items[1]);
-    Py_XDECREF(items[2]);
     return PyErr_Occurred() ? nullptr : PyErr_NoMemory();
   }
-  Py_INCREF(step);
-  Py_INCREF(keeper);
-  for (int i = 0; i < 4; i++) storage[i] = items[i];
+  PyObject* items[5] = {step, nbytes, version, keeper, index};
+  for (int i = 0; i < 5; i++) {
+    Py_INCREF(items[i]);
+    storage[i] = items[i];
+  }
   auto* list = reinterpret_cast<PyListObject*>(record);
   list->ob_item = storage;
-  list->allocated = 4;
-  Py_SET_SIZE(list, 4);
+  list->allocated = 5;
+  Py_SET_SIZE(list, 5);
   PyObject_GC_UnTrack(record);  // Note [Objects the collector need not see] in swapkit.runtime.native
   return record;
 }
 
-// A new storage kept: Step._first_save's keep, on the same objects.
-PyObject* keep_new(Saver* saver, const at::Tensor& tensor, int64_t version, PyObject* step, PyObject* key,
-                   PyObject* frame) {
-  int64_t at = tick(saver, step);
-  if (at < 0) return nullptr;
-  int64_t nbytes = static_cast<int64_t>(tensor.storage().nbytes());
-  PyObject* keeper = THPVariable_Wrap(tensor.detach());  // Note [Version keepers] in swapkit.runtime.records
-  if (keeper == nullptr) return nullptr;
-  if (!count_saved(saver->stats, nbytes) || !account(saver, step, nbytes, at)) {
-    Py_DECREF(keeper);
-    return nullptr;
-  }
-  PyObject* record = kept_record(saver->kept_type, step, nbytes, version, keeper);
-  PyObject* ref = record ? PyWeakref_NewRef(record, nullptr) : nullptr;
-  if (ref == nullptr || PyDict_SetItem(saver->index, key, ref) < 0) {
-    Py_XDECREF(ref);
-    Py_XDECREF(record);
-    Py_DECREF(keeper);
-    return nullptr;
-  }
-  PyObject_GC_UnTrack(ref);  // Note [Objects the collector need not see] in swapkit.runtime.native
-  Py_DECREF(ref);
-  PyObject* handle = saved(saver, keeper, version, step, at, record, frame);
-  Py_DECREF(record);  // the handle holds it, as the index's weak reference expects
-  return handle;
+// A new storage kept: Step._first_save's keep, on the same objects but its index (Note [The records kept in
+// C++]).
+PyObject* keep_new(Saver* saver, const at::Tensor& tensor, PyObject* version, PyObject* step, PyObject* frame) {
+  int64_t value;
+  THPObjectPtr at(tick(saver, step, &value));
+  if (!at) return nullptr;
+  THPObjectPtr nbytes(PyLong_FromLongLong(static_cast<int64_t>(tensor.storage().nbytes())));
+  THPObjectPtr keeper(nbytes ? THPVariable_Wrap(tensor.detach()) : nullptr);  // Note [Version keepers] in records
+  if (!keeper || !count_saved(saver, nbytes.get()) || !account(saver, step, nbytes.get(), value)) return nullptr;
+  THPObjectPtr record(kept_record(saver->kept_type, step, nbytes.get(), version, keeper.get(), saver->kept_index));
+  if (!record) return nullptr;
+  // Indexed first: a record that dies here (no handle made) erases its entry as any other does.
+  as_index(saver->kept_index)->records[tensor.storage().unsafeGetStorageImpl()] = record.get();
+  return saved(saver, keeper.release(), version, step, at.release(), record.get(), frame);  // it holds the record
 }
 
 // The fast save, or null with no error set when the Python hooks must serve it.
 PyObject* fast_pack(Saver* saver, PyObject* object, PyObject* step, PyObject* frame) {
   const at::Tensor& tensor = THPVariable_Unpack(object);
-  if (!tensor.has_storage() || tensor.layout() != c10::kStrided || tensor.is_nested() || tensor.is_quantized())
+  if (!tensor.has_storage() || tensor.layout() != c10::kStrided || tensor.is_nested() || tensor.is_quantized() ||
+      Py_TYPE(step) != saver->step_type)  // a subclass (a micro-step) saves its own way
     return nullptr;
-  int state = fast_state(saver, step, frame);
-  if (state <= 0) return nullptr;
   if (step != saver->step && !refresh(saver, step)) return nullptr;
-  // swapkit.runtime.records.storage_key; owned, as the records below, so that a C++ error (a dispatch mode
-  // refusing a keeper's detach) drops them on its way to HANDLE_TH_ERRORS
-  THPObjectPtr key(PyLong_FromVoidPtr(tensor.storage().unsafeGetStorageImpl()));
-  if (!key) return nullptr;
-  int64_t version = static_cast<int64_t>(tensor._version());
-  PyObject* result = nullptr;
-  PyObject* ref = PyDict_GetItemWithError(saver->index, key.get());  // borrowed
-  PyObject* found = nullptr;
+  if (fast_state(saver, step, frame) <= 0) return nullptr;
+  // Owned, as the records below, so that a C++ error (a dispatch mode refusing a keeper's detach) drops them on
+  // its way to HANDLE_TH_ERRORS.
+  THPObjectPtr version(PyLong_FromLongLong(static_cast<int64_t>(tensor._version())));
+  if (!version) return nullptr;
+  // Its record: in the C++'s index, else in the step's (Note [The records kept in C++]).
+  const void* storage = tensor.storage().unsafeGetStorageImpl();
+  auto& natively = as_index(saver->kept_index)->records;
+  PyObject* found = live_record(natively, storage);
+  Py_XINCREF(found);
+  // the step's index is keyed by swapkit.runtime.records.storage_key
+  THPObjectPtr key(found ? nullptr : PyLong_FromVoidPtr(const_cast<void*>(storage)));
+  if (!found && !key) return nullptr;
+  PyObject* ref = key ? PyDict_GetItemWithError(saver->index, key.get()) : nullptr;  // borrowed
   if (ref != nullptr && referent(ref, &found) < 0) return nullptr;
   THPObjectPtr record(found);  // owned: alive for the call (the wrap may run the collector)
+  PyObject* result = nullptr;
   if (record) {
-    if (kept(saver, record.get()) && PyList_GET_SIZE(record.get()) == 4) {
-      int64_t kept = PyLong_AsLongLong(PyList_GET_ITEM(record.get(), 2));
-      if (kept == version) result = keep_again(saver, tensor, version, step, record.get(), frame);
+    if (kept(saver, record.get()) && PyList_GET_SIZE(record.get()) >= 4) {
+      int same = PyObject_RichCompareBool(PyList_GET_ITEM(record.get(), 2), version.get(), Py_EQ);
+      if (same < 0) return nullptr;
+      if (same) result = keep_again(saver, tensor, version.get(), step, record.get(), frame);
     }
   } else if (!PyErr_Occurred()) {  // a new storage, or a dead record's key reused: Step.save's first save
     int first = first_save(saver, object, tensor, key.get(), frame);
-    if (first == kKeepRecord) result = keep_new(saver, tensor, version, step, key.get(), frame);
-    if (first == kKeepBare) result = keep_again(saver, tensor, version, step, Py_None, frame);
+    if (first == kKeepRecord) result = keep_new(saver, tensor, version.get(), step, frame);
+    if (first == kKeepBare) result = keep_again(saver, tensor, version.get(), step, Py_None, frame);
   }
   return result;
 }
@@ -326,8 +486,8 @@ PyObject* pack(PyObject* self, PyObject* object) {
   HANDLE_TH_ERRORS
   auto* saver = reinterpret_cast<Saver*>(self);
   if (torch::autograd::get_current_graph_task_id() == -1 && THPVariable_CheckExact(object)) {
-    THPObjectPtr step(attr(saver->session, names.step));  // owned: dropped by a C++ error too
-    THPObjectPtr frame(step ? attr(saver->tracker, names.current) : nullptr);
+    THPObjectPtr step(read(saver->session, saver->session_dict, names.step));  // owned: dropped by a C++ error too
+    THPObjectPtr frame(step ? read(saver->tracker, saver->tracker_dict, names.current) : nullptr);
     PyObject* result = frame ? fast_pack(saver, object, step.get(), frame.get()) : nullptr;
     if (result != nullptr) {
       saver->packs++;
@@ -351,12 +511,9 @@ int plain_unpack(Saver* saver, PyObject* handle) {
   if (version == -1 && PyErr_Occurred()) return -1;
   if (static_cast<int64_t>(THPVariable_Unpack(keeper)._version()) != version) return 0;  // the Python raises
   if (step == Py_None) return 1;
-  int watched = truth(step, names.watch_unpacks);
+  int watched = truth(step, step == saver->step ? saver->step_dict : nullptr, names.watch_unpacks);
   if (watched != 0) return watched < 0 ? -1 : 0;
-  PyObject* observer = attr(saver->session, names.observer);
-  if (observer == nullptr) return -1;
-  Py_DECREF(observer);
-  return observer == Py_None ? 1 : 0;
+  return is(saver->session, saver->session_dict, names.observer, Py_None);
 }
 
 PyObject* unpack(PyObject* self, PyObject* handle) {
@@ -379,6 +536,8 @@ int Saver_traverse(PyObject* self, visitproc visit, void* arg) {
   auto* saver = reinterpret_cast<Saver*>(self);
   Py_VISIT(saver->session);
   Py_VISIT(saver->tracker);
+  Py_VISIT(saver->session_dict);
+  Py_VISIT(saver->tracker_dict);
   Py_VISIT(saver->slow_pack);
   Py_VISIT(saver->slow_unpack);
   Py_VISIT(saver->settle);
@@ -387,11 +546,14 @@ int Saver_traverse(PyObject* self, visitproc visit, void* arg) {
   Py_VISIT(saver->kept_type);
   Py_VISIT(saver->step_type);
   Py_VISIT(saver->step);
+  Py_VISIT(saver->step_dict);
   Py_VISIT(saver->index);
   Py_VISIT(saver->params);
   Py_VISIT(saver->stats);
+  Py_VISIT(saver->stats_dict);
   Py_VISIT(saver->changed);
-  Py_VISIT(saver->recomputable);
+  Py_VISIT(saver->recomputables);
+  Py_VISIT(saver->kept_index);
   return 0;
 }
 
@@ -399,6 +561,8 @@ int Saver_clear(PyObject* self) {
   auto* saver = reinterpret_cast<Saver*>(self);
   Py_CLEAR(saver->session);
   Py_CLEAR(saver->tracker);
+  Py_CLEAR(saver->session_dict);
+  Py_CLEAR(saver->tracker_dict);
   Py_CLEAR(saver->slow_pack);
   Py_CLEAR(saver->slow_unpack);
   Py_CLEAR(saver->settle);
@@ -426,6 +590,10 @@ PyObject* Saver_forget_step(PyObject* self, PyObject*) {
   Py_RETURN_NONE;
 }
 
+PyObject* Saver_kept_index(PyObject*, PyObject*) {
+  return KeptIndex_new(&KeptIndexType, nullptr, nullptr);
+}
+
 PyObject* Saver_session(PyObject* self, void*) {
   PyObject* session = reinterpret_cast<Saver*>(self)->session;
   if (session == nullptr) Py_RETURN_NONE;
@@ -440,6 +608,7 @@ PyGetSetDef saver_getset[] = {
 PyMethodDef saver_methods[] = {
     {"counts", Saver_counts, METH_NOARGS, "(packs, unpacks) served in C++"},
     {"forget_step", Saver_forget_step, METH_NOARGS, "drop the references to the cached step"},
+    {"kept_index", Saver_kept_index, METH_NOARGS, "a new step's KeptIndex (Note [The records kept in C++])"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyObject* intern(const char* name) {
@@ -454,7 +623,7 @@ void ready_types() {
                 intern("current"), intern("observer"), intern("clock"), intern("watch_unpacks"),
                 intern("saved_bytes"), intern("prefetch"), intern("entries"), intern("_index"),
                 intern("param_storages"), intern("stats"), intern("bytes_changed"), intern("_recomputable"),
-                intern("device")};
+                intern("device"), intern("kept_natively")};
   SaverType.tp_basicsize = sizeof(Saver);
   SaverType.tp_dealloc = Saver_dealloc;
   SaverType.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC;
@@ -464,6 +633,13 @@ void ready_types() {
   SaverType.tp_methods = saver_methods;
   SaverType.tp_getset = saver_getset;
   if (PyType_Ready(&SaverType) < 0) throw py::error_already_set();
+  KeptIndexType.tp_basicsize = sizeof(KeptIndex);
+  KeptIndexType.tp_new = KeptIndex_new;
+  KeptIndexType.tp_dealloc = KeptIndex_dealloc;
+  KeptIndexType.tp_flags = Py_TPFLAGS_DEFAULT;  // holds no reference: nothing for the collector
+  KeptIndexType.tp_methods = kept_index_methods;
+  KeptIndexType.tp_doc = "the records the C++ made, by storage (Note [The records kept in C++])";
+  if (PyType_Ready(&KeptIndexType) < 0) throw py::error_already_set();
 }
 
 // The pack and unpack hooks of ``session`` (Note [The native save path]) and the Saver they are bound to.
@@ -495,12 +671,17 @@ py::tuple make_hooks(py::object session, py::object tracker, py::object slow_pac
   saver->step_type = reinterpret_cast<PyTypeObject*>(held[6]);
   saver->settle = held[7];
   saver->advance = held[8];
-  saver->step = saver->index = saver->params = saver->stats = saver->changed = saver->recomputable = nullptr;
+  saver->step = saver->step_dict = saver->index = saver->params = saver->stats = saver->stats_dict = nullptr;
+  saver->changed = saver->recomputables = saver->kept_index = nullptr;
+  // Note [Attributes read from the instance dict]
+  saver->session_dict = instance_dict(saver->session, {names.step, names.observer});
+  saver->tracker_dict = PyErr_Occurred() ? nullptr : instance_dict(saver->tracker, {names.current});
   saver->device_type = saver->device_index = 0;
   saver->settle_mask = settle_ticks - 1;
   saver->packs = saver->unpacks = 0;
   PyObject_GC_Track(reinterpret_cast<PyObject*>(saver));
   auto owner = py::reinterpret_steal<py::object>(reinterpret_cast<PyObject*>(saver));
+  if (PyErr_Occurred()) throw py::error_already_set();
   auto pack_hook = py::reinterpret_steal<py::object>(PyCFunction_New(&pack_def, owner.ptr()));
   auto unpack_hook = py::reinterpret_steal<py::object>(PyCFunction_New(&unpack_def, owner.ptr()));
   if (!pack_hook || !unpack_hook) throw py::error_already_set();
@@ -509,10 +690,36 @@ py::tuple make_hooks(py::object session, py::object tracker, py::object slow_pac
 
 }  // namespace
 
+// Takes ``record`` (a NativeKeptRecord) out of its KeptIndex, if it is in one: its fifth item is the index
+// until forget or the record's death. Found by its keeper's storage, or, where that keeper was ``set_()`` to
+// another storage since (nothing in swapkit does; an entry left behind would name a dead record), by a walk of
+// the index; after the step's close (clear) the index is empty. Runs no Python.
+static void unindex(PyObject* record) {
+  KeptIndex* index = PyList_GET_SIZE(record) >= 5 ? as_index(PyList_GET_ITEM(record, 4)) : nullptr;
+  if (index == nullptr || index->records.empty()) return;
+  auto& records = index->records;
+  PyObject* keeper = PyList_GET_ITEM(record, 3);
+  if (THPVariable_Check(keeper) && THPVariable_Unpack(keeper).has_storage()) {
+    auto entry = records.find(THPVariable_Unpack(keeper).storage().unsafeGetStorageImpl());
+    if (entry != records.end() && entry->second == record) {
+      records.erase(entry);
+      return;
+    }
+  }
+  for (auto entry = records.begin(); entry != records.end(); ++entry) {
+    if (entry->second == record) {
+      records.erase(entry);
+      return;
+    }
+  }
+}
+
 // KeptRecord.__del__ (swapkit.runtime.records Note [Record lifetime]) in C, for the records made here:
-// ``self[0].bytes_changed(-self[1])`` without a Python frame.
+// ``self[0].bytes_changed(-self[1])`` without a Python frame, and the record's entry in its KeptIndex erased
+// (Note [The records kept in C++]).
 PyObject* release_kept(PyObject* self, PyObject*) {
   if (!PyList_Check(self) || PyList_GET_SIZE(self) < 2) Py_RETURN_NONE;
+  unindex(self);
   PyObject* step = PyList_GET_ITEM(self, 0);
   PyObject* nbytes = PyList_GET_ITEM(self, 1);
   Py_INCREF(step);
@@ -530,17 +737,36 @@ PyObject* release_kept(PyObject* self, PyObject*) {
 PyMethodDef release_def = {"__del__", release_kept, METH_NOARGS,
                            "KeptRecord.__del__ in C (Note [Record lifetime] in swapkit.runtime.records)"};
 
-// The ``__del__`` method of ``type`` (a KeptRecord subclass): release_kept.
-py::object kept_finalizer(py::object type) {
+// The type's finalizer: release_kept, called directly, not found as ``__del__`` and called as a method
+// (CPython's finalizer for a class with ``__del__``). As any finalizer, it keeps the error being raised.
+void finalize_kept(PyObject* self) {
+  PyObject *type, *value, *traceback;
+  PyErr_Fetch(&type, &value, &traceback);
+  PyObject* result = release_kept(self, nullptr);
+  if (result == nullptr)
+    PyErr_WriteUnraisable(self);
+  else
+    Py_DECREF(result);
+  PyErr_Restore(type, value, traceback);
+}
+
+// Gives ``type`` (a KeptRecord subclass with no ``__del__`` of its own) release_kept as its ``__del__`` and its
+// finalizer (finalize_kept). Setting ``__del__`` again would bring back CPython's finalizer, which calls it.
+void install_finalizer(py::object type) {
   ready_types();
-  if (!PyType_Check(type.ptr()) || !PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(type.ptr()), &PyList_Type))
-    throw py::type_error("swapkit native save: the record type must be a list type");
-  PyObject* method = PyDescr_NewMethod(reinterpret_cast<PyTypeObject*>(type.ptr()), &release_def);
-  if (method == nullptr) throw py::error_already_set();
-  return py::reinterpret_steal<py::object>(method);
+  auto* record_type = reinterpret_cast<PyTypeObject*>(type.ptr());
+  if (!PyType_Check(type.ptr()) || !PyType_IsSubtype(record_type, &PyList_Type) ||
+      !(record_type->tp_flags & Py_TPFLAGS_HEAPTYPE))
+    throw py::type_error("swapkit native save: the record type must be a list type defined in Python");
+  THPObjectPtr method(PyDescr_NewMethod(record_type, &release_def));
+  if (!method || PyObject_SetAttrString(type.ptr(), "__del__", method.get()) < 0) throw py::error_already_set();
+  record_type->tp_finalize = finalize_kept;  // after the assignment above, which set CPython's
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("make_hooks", &make_hooks, "the session's native pack and unpack hooks and their Saver");
-  m.def("kept_finalizer", &kept_finalizer, "KeptRecord.__del__ in C, as a method of the given record type");
+  m.def("install_finalizer", &install_finalizer, "KeptRecord.__del__ in C, as the given record type's finalizer");
+  ready_types();
+  Py_INCREF(&KeptIndexType);
+  m.attr("KeptIndex") = py::reinterpret_steal<py::object>(reinterpret_cast<PyObject*>(&KeptIndexType));
 }

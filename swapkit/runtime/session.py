@@ -155,9 +155,9 @@ class SwapSession:
         self._claim()
         try:
             self._ensure_engine()
+            self._hook_pair = self._hooks_to_install()  # before the step: it gives it the C++ index
             self._start_step()
             self.tracker.reset()
-            self._hook_pair = self._hooks_to_install()
             hooks = torch.autograd.graph.saved_tensors_hooks(*self._hook_pair)  # Note [Saved-tensor hooks ...]
             hooks.__enter__()
             self._hooks = hooks
@@ -326,6 +326,8 @@ class SwapSession:
         self._step = Step(self._steps, self.engine, self.pool, self.plan.runtime, params, self._forward_ticks,
                           self._backward_began, tuple(self.tracker.swap_scopes))
         self._step.layers_ran_before = continued and previous.layers_ran()  # overrides Note [Swaps nobody reports]
+        if self._native is not None:  # native_save.cpp Note [The records kept in C++]
+            self._step.kept_natively = self._native[2].kept_index()
         return self._step
 
     def _backward_began(self, step: Step) -> None:

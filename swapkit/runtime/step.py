@@ -185,6 +185,9 @@ class Step:
         self.layers_ran_before = False  # an earlier step of this `with` block ran bound layers (unused_swaps)
         self.watch_unpacks = True  # the session calls unpacked() (Note [The cost of a save])
         self._index: dict[int, weakref.ref] = {}  # storage_key -> its record (Note [The cost of a save])
+        #: the C++ hooks' records (a KeptIndex: swapkit.runtime.native_save.cpp Note [The records kept in C++]),
+        #: given by a session with ``runtime.native_save``; looked up where ``_index`` has no live record
+        self.kept_natively: Any = None
         self._batch: Batch | None = None  # the open batch (swapkit.runtime.batch Note [Coalesced copies])
         self._producer = engine.producer  # swapkit.runtime.batch Note [A batch has one producer]
         self._release_queued = engine.stream_ordered_release  # Note [Stream-ordered release]
@@ -234,6 +237,8 @@ class Step:
         key, version = storage._cdata, tensor._version  # records.storage_key, inlined
         found = self._index.get(key)
         record = found() if found is not None else None
+        if record is None and self.kept_natively is not None:
+            record = self.kept_natively.get(key)
         if record is None or record.version != version or (record.swapped and record.storage() is not storage):
             return self._first_save(tensor, storage, key, tick, frame, version)  # new, recycled id, or overwritten
         if not record.swapped:
@@ -261,6 +266,8 @@ class Step:
         self.bytes_changed(nbytes)
         if not tick & _SETTLE_MASK:
             self.settle()  # bounds the unsettled changes (swapkit.runtime.ledger)
+        if self.kept_natively is not None:
+            self.kept_natively.forget(key)  # the record below is the newer: native_save.cpp Note [The records ...]
         if record is None:
             record = KeptRecord((self, nbytes, version, keeper))
             self._index[key] = weakref.ref(record)  # Note [The cost of a save]
@@ -582,6 +589,8 @@ class Step:
         self._beyond.clear()
         self._pending.clear()
         self._index.clear()
+        if self.kept_natively is not None:
+            self.kept_natively.clear()
         self._recomputable.clear()
 
     def snapshot(self) -> SwapStats:
