@@ -4,8 +4,9 @@
 // A Saver stands for one SwapSession. Its pack and unpack are C functions bound to it, installed as the
 // session's saved-tensor hooks. Each save or unpack that is not a plain keep goes to the session's own
 // Python hooks (``slow_pack``, ``slow_unpack``), unchanged; a plain keep does here what the Python does, on
-// the same objects: the step's clock, storage index, stats and device-bytes ledger, the same Saved handle
-// and KeptRecord. Neither path knows which one made a handle or a record.
+// the same objects: the step's clock, stats and device-bytes ledger, the same Saved handle and KeptRecord, and
+// the step's storage indexes, its own and the one of the records made here (Note [The records kept in C++]).
+// Neither path knows which one made a handle or a record.
 #include <torch/extension.h>
 #include <torch/csrc/Device.h>
 #include <torch/csrc/autograd/graph_task.h>
