@@ -78,7 +78,7 @@ def scopes(model, family: Family, pattern: str) -> list:
 
 def _cache_off(module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """A forward pre-hook: the cache keyword arguments off (HF passes them by keyword to attention)."""
-    off = {"use_cache": False, "past_key_values": None, "past_key_value": None, "layer_past": None}
+    off = {"use_cache": False, "cache": None, "past_key_values": None, "past_key_value": None, "layer_past": None}
     return args, {k: off.get(k, v) for k, v in kwargs.items()}
 
 

@@ -66,6 +66,21 @@ def test_cache_arguments_by_signature():
     assert CacheArguments(len).disable((1, 2), {"use_cache": True})[1] == {"use_cache": False}
 
 
+def test_the_cache_argument_of_transformers_5_24_is_disabled_too():
+    """transformers 5.24 renamed a layer's ``past_key_values`` to ``cache`` (Note [Caches in recomputed regions]):
+    without it a recomputed HF layer appended its keys twice and backward failed on the doubled length."""
+
+    def forward(hidden_states, attention_mask=None, position_ids=None, cache=None, use_cache=False, **kwargs):
+        return hidden_states
+
+    arguments = CacheArguments(forward)
+    args, kwargs, changed = arguments.disable((1, None, None, [0], True), {})
+    assert args == (1, None, None, None, False) and sorted(changed) == ["cache", "use_cache"]
+    args, kwargs, changed = arguments.disable((1,), {"cache": [0], "use_cache": True})
+    assert kwargs == {"cache": None, "use_cache": False}
+    assert arguments.in_use((1,), {"cache": [0], "use_cache": True}) == ["cache"]
+
+
 def cache_warnings(caplog) -> list[str]:
     return [m for m in caplog.messages if "keeps the keys and values" in m]
 

@@ -1,19 +1,19 @@
 """Key/value caches and recompute: a recomputed region must not update a cache twice.
 
 Note [Caches in recomputed regions]
-Decoder layers of Hugging Face transformers (and models written like them) take a key/value
-cache as a keyword argument (``past_key_values``, ``past_key_value`` or ``layer_past``) and a
-``use_cache`` flag, and *append* this step's keys and values to the cache inside ``forward``. A
-checkpoint region replays ``forward`` in backward, so the replay appends a second time: the
-returned cache silently doubles, and with a padding mask, a sliding window or an
-encoder-decoder cache the replay sees keys of the wrong length and fails. HF's own
-``GradientCheckpointingLayer`` therefore disables caching inside checkpointed layers, and so
-does swapkit: when a region is about to be recomputed (training, grad enabled) a truthy
-``use_cache`` becomes ``False`` and a cache argument that is not ``None`` becomes ``None``, for
-the forward and its replay alike, with one warning per session naming the region and the
-arguments. Training needs no cache; the model's returned cache then lacks the recomputed layers,
-as with HF's gradient checkpointing. Arguments are found by name, positional ones through the
-forward's signature (GPT-2 passes its cache positionally); nothing is imported from transformers.
+Decoder layers of Hugging Face transformers (and models written like them) take a key/value cache as
+a keyword argument (``cache`` since transformers 5.24, ``past_key_values``, ``past_key_value`` or
+``layer_past`` before, and in models written like those) and a ``use_cache`` flag, and *append* this
+step's keys and values to the cache inside ``forward``. A checkpoint region replays ``forward`` in
+backward, so the replay appends a second time: the returned cache silently doubles, and with a
+padding mask, a sliding window or an encoder-decoder cache the replay sees keys of the wrong length
+and fails. HF's own ``GradientCheckpointingLayer`` therefore disables caching inside checkpointed
+layers, and so does swapkit: when a region is about to be recomputed (training, grad enabled) a
+truthy ``use_cache`` becomes ``False`` and a cache argument that is not ``None`` becomes ``None``,
+for the forward and its replay alike, with one warning per session naming the region and the
+arguments. Training needs no cache; the model's returned cache then lacks the recomputed layers, as
+with HF's gradient checkpointing. Arguments are found by name, positional ones through the forward's
+signature (GPT-2 passes its cache positionally); nothing is imported from transformers.
 
 Note [Caches hold swapped storages]
 A cache is a problem for swap too, a quieter one. HF decoder models create a cache in training
@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 logger = logging.getLogger(__name__)
 
-CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past")
+CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value", "layer_past")  # "cache": transformers >= 5.24
 
 
 class CacheArguments:
