@@ -330,7 +330,7 @@ def refuse_capture(what: str, where: str = "") -> None:
             "copies and pinned host memory cannot be recorded in a graph. Keep swapped layers out of capture: use "
             "torch.compile(mode='max-autotune-no-cudagraphs') or the default mode instead of 'reduce-overhead', "
             "leave those layers out of torch.cuda.graph / make_graphed_callables, or set their swap off in "
-            "swap_config (recompute_config's recompute works under capture)")
+            "swap_config")
 
 
 class CudaCopyEngine:
