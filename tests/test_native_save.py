@@ -32,6 +32,11 @@ def native_config(config: dict, on: bool = True) -> dict:
     return {**config, "runtime": {**config.get("runtime", {}), "native_save": on}}
 
 
+def one_layer_session(on: bool = True) -> swapkit.SwapSession:
+    """A session on a one-layer ToyNet that keeps everything, with the C++ hooks (``on``) or the Python ones."""
+    return synced_session(ToyNet(layers=1), native_config(toy_config(1), on))
+
+
 def record_refs(step) -> list[weakref.ref]:
     """Weak references to every live record of ``step``: the step's own index's, and the C++'s (native_save.cpp
     Note [The records kept in C++])."""
@@ -224,7 +229,7 @@ def test_a_storage_written_in_place_after_a_cpp_keep_gets_one_new_record_as_in_t
     the C++'s older one), and the bytes are counted as a Python session counts them."""
     results = []
     for on in (False, True):
-        session = synced_session(ToyNet(layers=1), native_config(toy_config(1), on))
+        session = one_layer_session(on)
         with session:
             step, pack = session._step, session._hook_pair[0]
             t = torch.randn(4, 4)
@@ -250,7 +255,7 @@ def test_a_storage_saved_through_two_version_counters_gets_the_records_of_the_py
     must too (the Python's record takes the storage out of the KeptIndex), and count the same bytes."""
     results = []
     for on in (False, True):
-        session = synced_session(ToyNet(layers=1), native_config(toy_config(1), on))
+        session = one_layer_session(on)
         with session:
             step, pack = session._step, session._hook_pair[0]
             a = torch.randn(4, 4)
@@ -272,7 +277,7 @@ def test_a_cpp_record_leaves_its_index_when_it_dies_whatever_its_keeper_became()
     record's entry must go. A record whose keeper was ``set_()`` to another storage is found by a walk of the
     index (an entry left behind named freed memory: a later save of the storage crashed); one whose storage got
     a newer record in the step's own index (forget) looks for no entry."""
-    session = synced_session(ToyNet(layers=1), native_config(toy_config(1)))
+    session = one_layer_session()
     with session:
         step, pack = session._step, session._hook_pair[0]
         a, b = torch.randn(4, 4), torch.randn(4, 4)
@@ -297,7 +302,7 @@ def test_a_cpp_record_dying_while_an_error_is_raised_keeps_the_error():
     """native_save.cpp finalize_kept: a record's C finalizer runs where an error is being raised (a frame
     holding its last handle unwinds), takes the record's bytes off the ledger and its entry out of the
     KeptIndex, and leaves that error as it was."""
-    session = synced_session(ToyNet(layers=1), native_config(toy_config(1)))
+    session = one_layer_session()
     with session:
         step, pack = session._step, session._hook_pair[0]
 

@@ -445,6 +445,15 @@ PyObject* keep_new(Saver* saver, const at::Tensor& tensor, PyObject* version, Py
   return saved(saver, keeper.release(), version, step, at.release(), record.get(), frame);  // it holds the record
 }
 
+// keep_new or, ``record`` None, keep_again for a storage kept without a record, with a new version object.
+PyObject* keep_first(Saver* saver, const at::Tensor& tensor, int64_t version, PyObject* step, int first,
+                     PyObject* frame) {
+  THPObjectPtr number(PyLong_FromLongLong(version));
+  if (!number) return nullptr;
+  return first == kKeepRecord ? keep_new(saver, tensor, number.get(), step, frame)
+                              : keep_again(saver, tensor, number.get(), step, Py_None, frame);
+}
+
 // The fast save, or null with no error set when the Python hooks must serve it.
 PyObject* fast_pack(Saver* saver, PyObject* object, PyObject* step, PyObject* frame) {
   const at::Tensor& tensor = THPVariable_Unpack(object);
@@ -453,10 +462,9 @@ PyObject* fast_pack(Saver* saver, PyObject* object, PyObject* step, PyObject* fr
     return nullptr;
   if (step != saver->step && !refresh(saver, step)) return nullptr;
   if (fast_state(saver, step, frame) <= 0) return nullptr;
-  // Owned, as the records below, so that a C++ error (a dispatch mode refusing a keeper's detach) drops them on
-  // its way to HANDLE_TH_ERRORS.
-  THPObjectPtr version(PyLong_FromLongLong(static_cast<int64_t>(tensor._version())));
-  if (!version) return nullptr;
+  // Objects below are owned, so that a C++ error (a dispatch mode refusing a keeper's detach) drops them on its
+  // way to HANDLE_TH_ERRORS. A version object is made only for a save served here: a re-save uses its record's.
+  const int64_t version = static_cast<int64_t>(tensor._version());
   // Its record: in the C++'s index, else in the step's (Note [The records kept in C++]).
   const void* storage = tensor.storage().unsafeGetStorageImpl();
   auto& natively = as_index(saver->kept_index)->records;
@@ -471,14 +479,15 @@ PyObject* fast_pack(Saver* saver, PyObject* object, PyObject* step, PyObject* fr
   PyObject* result = nullptr;
   if (record) {
     if (kept(saver, record.get()) && PyList_GET_SIZE(record.get()) >= 4) {
-      int same = PyObject_RichCompareBool(PyList_GET_ITEM(record.get(), 2), version.get(), Py_EQ);
-      if (same < 0) return nullptr;
-      if (same) result = keep_again(saver, tensor, version.get(), step, record.get(), frame);
+      PyObject* kept_version = PyList_GET_ITEM(record.get(), 2);
+      int64_t was = PyLong_AsLongLong(kept_version);
+      if (was == -1 && PyErr_Occurred()) return nullptr;
+      if (was == version) result = keep_again(saver, tensor, kept_version, step, record.get(), frame);
     }
   } else if (!PyErr_Occurred()) {  // a new storage, or a dead record's key reused: Step.save's first save
     int first = first_save(saver, object, tensor, key.get(), frame);
-    if (first == kKeepRecord) result = keep_new(saver, tensor, version.get(), step, frame);
-    if (first == kKeepBare) result = keep_again(saver, tensor, version.get(), step, Py_None, frame);
+    if (first < 0) return nullptr;
+    if (first != kPython) result = keep_first(saver, tensor, version, step, first, frame);
   }
   return result;
 }
@@ -646,8 +655,7 @@ void ready_types() {
 // The pack and unpack hooks of ``session`` (Note [The native save path]) and the Saver they are bound to.
 py::tuple make_hooks(py::object session, py::object tracker, py::object slow_pack, py::object slow_unpack,
                      py::object settle, py::object advance, py::object saved_type, py::object kept_type,
-                     py::object step_type,
-                     int64_t settle_ticks) {
+                     py::object step_type, int64_t settle_ticks) {
   ready_types();
   if (!PyType_Check(saved_type.ptr()) || !PyType_Check(kept_type.ptr()) || !PyType_Check(step_type.ptr()) ||
       !PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(saved_type.ptr()), &PyTuple_Type) ||

@@ -211,9 +211,12 @@ class SwapSession:
         finally:
             self._owner = None
 
-    def _leave(self, exc_type: Any) -> None:
-        self._hooks.__exit__(None, None, None)  # popped, then forgotten: session Note [An exit cut short]
+    def _pop_hooks(self) -> None:
+        self._hooks.__exit__(None, None, None)  # popped, then forgotten: Note [An exit cut short]
         self._hooks = None
+
+    def _leave(self, exc_type: Any) -> None:
+        self._pop_hooks()
         if self._native is not None:
             self._native[2].forget_step()  # the session keeps its step; the hooks need none outside the block
         self.tracker.reset()

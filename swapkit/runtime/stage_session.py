@@ -146,8 +146,7 @@ class StageSession(SwapSession):
     # ------------------------------------------------------------------ context manager
 
     def _leave(self, exc_type: Any) -> None:  # SwapSession.__exit__ calls it
-        self._hooks.__exit__(None, None, None)  # popped, then forgotten: session Note [An exit cut short]
-        self._hooks = None
+        self._pop_hooks()
         self.tracker.reset()
         self._running = self._current = None
         group = self._group
