@@ -1,5 +1,5 @@
 """Swap under ``torch.autocast``: the low-precision copies of parameters that autocast caches for the whole
-autocast block are kept, not swapped (swapkit.runtime.step Note [Autocast's cached casts])."""
+autocast block are kept, not swapped (swapkit.runtime.autocast Note [Autocast's cached casts])."""
 from __future__ import annotations
 
 import copy

@@ -40,10 +40,10 @@ def test_a_gradient_penalty_keeps_the_step_that_ran_the_layers_in_stats():
 
 
 def test_the_backward_of_one_forward_leaves_a_later_forwards_swaps_on_the_host():
-    """Note [A backward prefetches its own forward's records]: two forwards in one block, then one backward each.
-    The first backward brings back the first forward's swaps only; the second forward's stay on the host until
-    its own backward, which prefetches them in time (before, the first backward's first unpack brought every
-    record of the second forward back to the device at once)."""
+    """swap_schedule Note [A backward prefetches its own forward's records]: two forwards in one block, then one
+    backward each. The first backward brings back the first forward's swaps only; the second forward's stay on
+    the host until its own backward, which prefetches them in time (before, the first backward's first unpack
+    brought every record of the second forward back to the device at once)."""
     model, reference = ToyNet(layers=4), ToyNet(layers=4)
     reference.load_state_dict(model.state_dict())
     session = synced_session(model, toy_config(4, **layer_swap(1)))

@@ -52,7 +52,7 @@ def test_quick_benchmark_writes_results_and_checks_hold(tmp_path):
     assert layer["checks"]["offload_copies"] > 0  # the move check saw the batches' copies
     loaded = any("the machine was loaded" in w for w in data["warnings"])
     if not loaded:  # the thread engine releases a storage only once its copy finished: timing-dependent
-        assert layer["memory_ratio"] < 0.5  # (swapkit.runtime.step Note [Releases never stall compute])
+        assert layer["memory_ratio"] < 0.5  # (swapkit.runtime.swap_schedule Note [Releases never stall compute])
     assert variants["recompute select silu+mul (MindFormers)"]["memory_ratio"] < 1.0
     assert data["sweep"] and data["microbench"]
     assert isinstance(data["warnings"], list) and data["env"]["wall_seconds"] > 0

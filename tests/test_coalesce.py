@@ -227,7 +227,7 @@ class CountsReady(ReadyWhenDone):
 
 
 def test_the_engine_is_asked_once_per_batch_whether_its_copy_finished():
-    """swapkit.runtime.step Note [Releases never stall compute]: a batch remembers a copy seen finished,
+    """swapkit.runtime.swap_schedule Note [Releases never stall compute]: a batch remembers a copy seen finished,
     in forward (its copy to host) and in backward (its prefetch), so the engine is asked once per
     batch, not once per storage."""
     reference = MixedNet(layers=4)
@@ -273,7 +273,7 @@ class Lagging(ReadyWhenDone):
 
 
 def test_a_due_storage_whose_copy_finished_is_not_held_behind_a_later_copy_that_came_due_first(monkeypatch):
-    """swapkit.runtime.step Note [Releases never stall compute]: with two distances, storages come due
+    """swapkit.runtime.swap_schedule Note [Releases never stall compute]: with two distances, storages come due
     out of copy order (``b``'s output, saved after ``a``'s with k=1, is due before it, k=4). Waiting
     records are kept in copy order, so each is released at the first save that finds it due and its
     copy finished, never later."""

@@ -381,8 +381,8 @@ def test_cuda_coalesced_views_and_mixed_dtypes_are_bit_identical(batch_bytes, sl
         for key, value in expected.items():
             assert torch.equal(got[key], value), key
     stats = session.stats
-    # A record is released at its horizon as soon as its batch's copy is queued (swapkit.runtime.step Note
-    # [Stream-ordered release]), whatever the GPU has run: with the sleeps no copy has finished at any save,
+    # A record is released at its horizon as soon as its batch's copy is queued (swapkit.runtime.swap_schedule
+    # Note [Stream-ordered release]), whatever the GPU has run: with the sleeps no copy has finished at any save,
     # yet the releases are those of copies that finish at once, and every released storage is prefetched.
     cpu = MixedNet()
     cpu_session = swapkit.apply(cpu, toy_config(3, **layer_swap(2, offload_batch_bytes=batch_bytes)), layers="layers")
@@ -462,7 +462,7 @@ def test_saves_on_a_second_stream_are_copied_after_that_stream():
 
 
 def test_a_gpu_bound_forward_frees_swapped_memory_before_backward_without_a_synchronize():
-    """swapkit.runtime.step Note [Stream-ordered release]: with the GPU a long sleep behind the CPU, no copy
+    """swapkit.runtime.swap_schedule Note [Stream-ordered release]: with the GPU a long sleep behind the CPU, no copy
     has run when backward begins, yet the due storages went back to the allocator."""
     def held_before_backward(config):
         model, session, tokens, targets, base = _small_llama_on_cuda(config)

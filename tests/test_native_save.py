@@ -386,6 +386,7 @@ def test_the_hooks_refuse_a_record_type_they_cannot_build_without_its_call(built
     ``__init__`` would be skipped, so make_hooks refuses it."""
     from swapkit.runtime.ledger import SETTLE_TICKS
     from swapkit.runtime.step import Step
+    from swapkit.runtime.swap_schedule import SwapSchedule
 
     class Initialised(KeptRecord):
         __slots__ = ()
@@ -395,8 +396,8 @@ def test_the_hooks_refuse_a_record_type_they_cannot_build_without_its_call(built
 
     session = synced_session(ToyNet(layers=1), toy_config(1))
     with pytest.raises(TypeError, match="KeptRecord must not define __new__ or __init__"):
-        built.make_hooks(session, session.tracker, session._pack, session._unpack, Step.settle, Step._advance, Saved,
-                         Initialised, Step, SETTLE_TICKS)
+        built.make_hooks(session, session.tracker, session._pack, session._unpack, Step.settle, SwapSchedule.advance,
+                         Saved, Initialised, Step, SETTLE_TICKS)
 
 
 def test_a_native_save_that_raises_holds_on_to_nothing():
@@ -502,7 +503,7 @@ def test_the_planner_measures_a_multi_process_run_with_the_python_hooks_it_has(p
 
 
 def test_keeps_after_a_steps_first_swap_stay_in_cpp_and_run_the_releases_first():
-    """Once a swap record is queued, a save ticks and then runs the releases due (``Step._advance``), as
+    """Once a swap record is queued, a save ticks and then runs the releases due (``SwapSchedule.advance``), as
     ``Step.save`` does; the C++ keeps doing both for the keeps outside the swap scopes. Layer 0 swaps with
     k=1 and layers 1-2 keep: the layers that keep are served in C++ after layer 0 queued its swaps, and every
     release, prefetch and stat equals the Python hooks' run."""

@@ -387,12 +387,9 @@ def test_a_scope_unused_in_many_layers_is_one_warning_naming_them(caplog):
 def test_a_hooked_op_inside_a_swap_counts_for_the_swap_it_takes_its_distance_from():
     """Note [Swaps whose tensors are all small]: an op hooked for recompute inside a swapped layer saves under the
     layer's distance, so its tensors count for the layer swap, not for an op swap nobody configured."""
-    from types import SimpleNamespace
+    from swapkit.runtime.reached import ScopesReached
 
-    from swapkit.runtime.step import Step
-
-    step = SimpleNamespace(swap_scopes=((0, ""), (0, "attn"), (1, "mlp")))
-    owner = lambda layer, path: Step._swap_owner(step, layer, path)  # noqa: E731
+    owner = ScopesReached(((0, ""), (0, "attn"), (1, "mlp"))).swap_owner
     assert owner(0, "attn") == (0, "attn") and owner(0, "attn.q") == (0, "attn")
     assert owner(0, "mlp") == (0, "") and owner(0, "attnx") == (0, "")  # a prefix of the name is no parent
     assert owner(1, "mlp.w1") == (1, "mlp") and owner(1, "norm") is None

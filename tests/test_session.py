@@ -696,7 +696,7 @@ def test_a_backward_after_the_next_with_block_is_exact_and_warned_once(caplog):
 def test_a_step_longer_than_the_last_offloads_past_the_learnt_tail():
     """The tail learnt from the last step is its last k ticks, not everything after them: a step whose
     forward runs more layers than the previous one (LayerDrop, two forwards then one backward) offloads
-    the extra layers (Note [The last k ticks stay on the device])."""
+    the extra layers (swapkit.runtime.swap_schedule Note [The last k ticks stay on the device])."""
     model = ToyNet(layers=4)
     session = synced_session(model, toy_config(4, **layer_swap(1, offload_batch_bytes=0)))
     ref = copy.deepcopy(model)  # a plain copy (swapkit.runtime.detach Note [Copies and pickles of a model ...])

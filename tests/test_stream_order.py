@@ -1,5 +1,5 @@
 """The CUDA engine's ordering rules, tested on CPU with engines that behave like it where it matters:
-storages released once their copy is queued (swapkit.runtime.step Note [Stream-ordered release]), a
+storages released once their copy is queued (swapkit.runtime.swap_schedule Note [Stream-ordered release]), a
 batch copied after the stream its storages were saved on (swapkit.runtime.batch Note [A batch has one
 producer]), and no finalizer ever waiting for a lock its own thread holds (swapkit.engine.pool Note
 [Releases never wait for the pool's lock], swapkit.engine.cuda Note [No lock a finalizer waits on])."""

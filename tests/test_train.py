@@ -78,7 +78,8 @@ def run_cli(*args):
 # ``python -m swapkit.cli`` with a thread engine whose ``ready`` waits for the copy (tests.toys.ReadyWhenDone):
 # each swapped storage is released exactly at its horizon. With the plain engine a loaded machine's copy thread
 # may finish none of a forward's copies before its last save, and that step then holds everything
-# (swapkit.runtime.step Note [Releases never stall compute]); benchmarks/ measure how copy timing moves the peak.
+# (swapkit.runtime.swap_schedule Note [Releases never stall compute]); benchmarks/ measure how copy timing moves
+# the peak.
 RELEASED_AT_HORIZON = """
 import runpy
 from swapkit.engine.thread import ThreadCopyEngine

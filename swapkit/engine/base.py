@@ -101,7 +101,7 @@ class CopyEngine(Protocol):
     #: host slabs are multiples of this many bytes (a page when they are registered with CUDA)
     host_granule: int
     #: a due storage may drop its device copy as soon as its copy to host is *queued*: the device
-    #: allocator orders the memory's reuse after the copy (``swapkit.runtime.step`` Note [Stream-ordered
+    #: allocator orders the memory's reuse after the copy (``swapkit.runtime.swap_schedule`` Note [Stream-ordered
     #: release]); False: only once the copy has finished (``ready``)
     stream_ordered_release: bool
     #: a copy ``ready`` reported finished is usable as it is: ``wait`` on it would do nothing (thread engine);

@@ -19,7 +19,7 @@ never overwrite memory such a kernel still reads.
 Note [Copy sources are released in stream order]
 The device side of a device-to-host copy (a saved storage) is ``record_stream``-ed on the side stream
 when its copy is queued, and the engine keeps no reference to it. Whenever the storage is then
-freed -- released by its record once due (``swapkit.runtime.step`` Note [Stream-ordered release]),
+freed -- released by its record once due (``swapkit.runtime.swap_schedule`` Note [Stream-ordered release]),
 its graph dropped mid-forward, a branch whose backward never runs, or a component that calls
 ``resize_(0)`` on it -- the caching allocator records an event on the side stream at the free and
 hands the block out again only after that event, that is after every side-stream copy queued up to

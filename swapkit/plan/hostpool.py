@@ -31,7 +31,7 @@ stays on the device (``skipped["host_cap"]``). The replay does the same:
   most :data:`MAX_STEPS`) and reports the last (the steady one the planner predicts):
   ``host_pool_bytes`` is what the slabs hold, as the session's stats say, and the refused batches
   are that step's. The first step also offloads the saves
-  of the forward's tail (the session learns the forward's length only then: ``swapkit.runtime.step``
+  of the forward's tail (the session learns the forward's length only then: ``swapkit.runtime.swap_schedule``
   Note [The last k ticks stay on the device]), so its slabs may be larger than the steady step needs,
   and the pool keeps them.
 Where it is approximate:

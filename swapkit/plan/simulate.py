@@ -1,6 +1,6 @@
 """Replay a composed step under a swap decision: predicted peak, step time and bytes moved.
 
-Pure Python (no torch). The replay follows the session's own rules (``swapkit.runtime.step``) on
+Pure Python (no torch). The replay follows the session's own rules (``swapkit.runtime.swap_schedule``) on
 the measured compute timeline, with one FIFO copy queue standing in for the engine.
 
 Note [Cost model]
@@ -9,7 +9,7 @@ What the planner predicts, and where it is wrong:
   added at its first save and taken off when its record dies (measured position in backward). A
   swapped storage (first saved at tick ``t`` in a scope swapped with distance ``k``, at least
   ``min_offload_bytes``, and ``t + k`` before the forward's last tick: Note [The last k ticks stay
-  on the device] in ``swapkit.runtime.step``) is released at the first save at or after its horizon
+  on the device] in ``swapkit.runtime.swap_schedule``) is released at the first save at or after its horizon
   whose time is past the end of its device-to-host copy, and is added back when backward first
   unpacks a tick ``<=`` its horizon. Recompute is a different measured segment (the layer's saves
   replaced by its checkpoint inputs; for a select-recomputed op, its region's inputs and, in

@@ -18,8 +18,8 @@ slots from the region by one ``split_with_sizes``, on its worker thread where it
   latest, that horizon);
 - the forward ends without a backward (the ``with`` block's exit).
 A batch still open when backward begins is *discarded* instead: none of its records came due, so
-all of them are in the tail and used from the device as they are (``swapkit.runtime.step`` Note [The
-last k ticks stay on the device]); copying it would only queue a useless copy on the engine's FIFO
+all of them are in the tail and used from the device as they are (``swapkit.runtime.swap_schedule`` Note
+[The last k ticks stay on the device]); copying it would only queue a useless copy on the engine's FIFO
 queue ahead of the first prefetches, and take a host region. It takes no region, queues nothing,
 and its bytes count as ``skipped["tail"]``, not as offloaded.
 A storage resized or freed between its save and the flush raises there, before any copy is queued
@@ -83,7 +83,7 @@ class Batch:
         self.issued = -1
         self.flushed = False  # closed: copied, kept or discarded
         self.kept = False  # never copied (refused by the pool, or discarded): its storages stay on the device
-        self.copied = False  # its copy to host was seen finished (swapkit.runtime.step Note [Releases never stall ...])
+        self.copied = False  # its copy to host was seen finished (swap_schedule Note [Releases never stall ...])
         self.device: torch.Tensor | None = None
         self.h2d: Any = None
         self.arrived = False  # its copy back was seen finished (arrival_seen)

@@ -15,7 +15,7 @@ step's ``peak_device_bytes`` (the bytes resident across all live micro-steps at 
 
 Note [Micro-step tails]
 In a single step the last ``k`` ticks of forward stay on the device because backward starts right
-after them (``swapkit.runtime.step.Note [The last k ticks stay on the device]``). In a pipeline that
+after them (``swapkit.runtime.swap_schedule`` Note [The last k ticks stay on the device]). In a pipeline that
 is only true of a micro-step whose backward is the next one to run. So when a new forward opens, and
 when a backward begins, every micro-step still waiting for its backward releases its tail (each
 record once its copy has finished; waiting ones are polled at every later save), except the one
@@ -33,7 +33,7 @@ A backward's begin releases the other micro-steps' tails on the autograd thread 
 first tensor, under its own step's lock. One of those micro-steps may be beginning its backward on
 another autograd thread at the same time (one backward over several micro-batches, with CPU and CUDA
 nodes), dropping the host copies of the same records the release would free
-(``swapkit.runtime.step`` Note [The last k ticks stay on the device]). So a release takes the
+(``swapkit.runtime.swap_schedule`` Note [The last k ticks stay on the device]). So a release takes the
 micro-step's lock (swapkit.runtime.records Note [Unpacks from several threads]) and does nothing once
 that micro-step's backward began. No two begins wait for each other: each marks its own step begun
 before it lists the waiting ones, so of two concurrent begins at most one finds the other waiting.
@@ -76,7 +76,7 @@ Key = tuple[int, int]  # (chunk index in the stage, micro-batch ordinal of that 
 class MicroStep(Step):
     """One forward of one chunk for one micro-batch, and its backward (Note [Micro-steps are independent clocks])."""
 
-    sets_aside = False  # one forward (swapkit.runtime.step Note [A backward prefetches its own forward's records])
+    sets_aside = False  # one forward (swapkit.runtime.swap_schedule Note [A backward prefetches its own ...])
 
     def __init__(self, group: "MicroSteps", key: Key, number: int, *step_args: Any,
                  swap_scopes: tuple[tuple[int, str], ...] = ()) -> None:
@@ -100,11 +100,11 @@ class MicroStep(Step):
             if self.backward_started:
                 return
             self.tail_released = True
-            self._advance(sys.maxsize)
+            self.schedule.advance(sys.maxsize)
 
     def poll(self) -> None:
         """Release the due records whose copies have finished since the last look."""
-        self._advance(-1)
+        self.schedule.advance(-1)
 
     def unpacked(self, tick: int, record: Any = None) -> None:
         super().unpacked(tick, record)
@@ -116,8 +116,7 @@ class MicroStep(Step):
     def prefetch_from(self, bound: int) -> None:
         """Issue the prefetch of every released record with horizon ``>= bound`` (Note [Looking ahead ...])."""
         with self.lock:
-            for record in self._prefetch.pop_due(bound):
-                record.fetch(bound)
+            self.schedule.fetch_from(bound)
 
     def settle(self) -> None:
         """Replay this micro-step's device-byte changes and its optimizer step's (swapkit.runtime.ledger)."""
@@ -171,7 +170,7 @@ class MicroSteps:
     def forward_ended(self, step: MicroStep) -> None:
         step.forward_done = True
         step.settle()  # bounds the ledgers' backlog (swapkit.runtime.ledger Note [The device-bytes ledger])
-        step.flush()  # its saves are done: its open batch's copy can start (swapkit.runtime.batch)
+        step.schedule.flush()  # its saves are done: its open batch's copy can start (swapkit.runtime.batch)
 
     def poll(self, current: MicroStep) -> None:
         for waiting in self._waiting():
@@ -224,7 +223,7 @@ class MicroSteps:
         """The block ended: forwards without a backward yet wait for their copies (eval, or backward later)."""
         for step in self.steps:
             if not step.backward_started:
-                step.finish_forward()
+                step.schedule.finish_forward(step.clock - 1)
         if self.steps:
             self.steps[0].engine.synchronize()
 
@@ -253,7 +252,7 @@ class MicroSteps:
 
     def reached_swap_scopes(self) -> set[tuple[int, str]]:
         """``(layer, op path)`` of each configured swap scope that a save of some micro-step reached."""
-        return {scope for step in self.steps for scope in step.reached_swap_scopes()}
+        return {scope for step in self.steps for scope in step.scopes.reached_swap_scopes()}
 
     def _unused_swaps(self, parts: list[SwapStats]) -> list[str]:
         """Note [Unused swaps of an optimizer step]"""

@@ -10,7 +10,7 @@ installs two C functions instead (``native_save.cpp``, built on first use by
 ``torch.utils.cpp_extension``, cached in ``TORCH_EXTENSIONS_DIR``). A save reaches them while the step
 runs its forward, with no observer, in the frame of the previous save. Of those saves they serve,
 doing what the Python does on the same objects (once a swap record was queued in the step, the
-clock's tick is followed by ``Step._advance``, the releases due, as in ``Step.save``):
+clock's tick is followed by ``SwapSchedule.advance``, the releases due, as in ``Step.save``):
 - outside a swap scope, a new storage that ``Step.save`` would keep with a new
   :class:`~swapkit.runtime.records.KeptRecord`: a plain ``torch.Tensor`` (not a view, no attributes, a
   storage with bytes on the step's device, no recomputable output registered): the step's clock ticks,
@@ -55,7 +55,7 @@ lists them: the tests find them through the step's ``kept_natively`` instead.
 
 The C functions are builtins: Dynamo never traces them (no Python frame); the Python they call, the
 hooks they fall back to, ``Step.settle`` (at a keep's tick 0, every ``SETTLE_TICKS``) and
-``Step._advance`` (at every tick once a swap record was queued), is what
+``SwapSchedule.advance`` (at every tick once a swap record was queued), is what
 ``swapkit.runtime.dynamo`` keeps out of Dynamo as before: marked, or on an older torch its
 ``torch.compiler.disable`` wrappers (Note [Saved-tensor hooks stay out of Dynamo]). Pipeline stages
 keep the Python hooks: a stage's saves open micro-steps (``swapkit.runtime.stage_session``), which
@@ -72,6 +72,7 @@ from swapkit.runtime.dynamo import kept_out_of_dynamo
 from swapkit.runtime.ledger import SETTLE_TICKS
 from swapkit.runtime.records import KeptRecord, Saved
 from swapkit.runtime.step import Step
+from swapkit.runtime.swap_schedule import SwapSchedule
 
 SOURCE = Path(__file__).with_name("native_save.cpp")
 NAME = "swapkit_native_save"
@@ -125,7 +126,7 @@ def _build() -> Any:
 def native_hooks(session: Any, pack: Any, unpack: Any) -> tuple[Any, Any, Any]:
     """``(pack, unpack, saver)`` for ``session``, falling back to its Python hooks ``pack`` and ``unpack`` as
     :func:`~swapkit.runtime.dynamo.out_of_dynamo` returned them (Note [The native save path]); the step's
-    ``settle`` and ``_advance``, which the C++ calls, are kept out of Dynamo the same way."""
+    ``settle`` and its schedule's ``advance``, which the C++ calls, are kept out of Dynamo the same way."""
     module = native_module()
     return module.make_hooks(session, session.tracker, pack, unpack, kept_out_of_dynamo(Step.settle),
-                             kept_out_of_dynamo(Step._advance), Saved, NativeKeptRecord, Step, SETTLE_TICKS)
+                             kept_out_of_dynamo(SwapSchedule.advance), Saved, NativeKeptRecord, Step, SETTLE_TICKS)

@@ -22,7 +22,7 @@ namespace {
 struct Names {
   PyObject *step, *backward_started, *scheduled, *last_frame, *current, *observer, *clock, *watch_unpacks,
       *saved_bytes, *prefetch, *entries, *index, *param_storages, *stats, *bytes_changed,
-      *recomputable, *device, *kept_natively;
+      *recomputable, *device, *kept_natively, *schedule;
 };
 Names names;
 
@@ -136,7 +136,7 @@ struct Saver {
   PyObject* slow_pack;  // the session's Python hooks
   PyObject* slow_unpack;
   PyObject* settle;  // Step.settle, kept out of Dynamo as the Python hooks are (swapkit.runtime.dynamo)
-  PyObject* advance;  // Step._advance, the same
+  PyObject* advance;  // SwapSchedule.advance, the same
   PyTypeObject* saved_type;  // swapkit.runtime.records.Saved
   PyTypeObject* kept_type;  // swapkit.runtime.native.NativeKeptRecord: made here; its base, KeptRecord, by the Python
   PyTypeObject* step_type;  // swapkit.runtime.step.Step: a subclass (a micro-step) saves its own way
@@ -282,7 +282,7 @@ bool refresh(Saver* saver, PyObject* step) {
   }
   if (saver->kept_index != nullptr) {  // Note [Attributes read from the instance dict]
     saver->step_dict = instance_dict(step, {names.backward_started, names.last_frame, names.clock, names.scheduled,
-                                            names.watch_unpacks});
+                                            names.watch_unpacks, names.schedule});
     saver->stats_dict = PyErr_Occurred() ? nullptr : instance_dict(saver->stats, {names.saved_bytes});
   }
   if (saver->kept_index == nullptr || PyErr_Occurred() || !PyDict_CheckExact(saver->index) ||
@@ -297,9 +297,9 @@ bool refresh(Saver* saver, PyObject* step) {
 }
 
 // The step's clock, as Step.save moves it: the tick of this save, the clock moved past it and, once a swap
-// record was queued in the step, ``step._advance(tick)`` (the releases due by now). The tick is the clock's
-// own value object (a new reference: the handle holds it) and ``*value``; null with the error set. The step
-// is the saver's (refresh).
+// record was queued in the step, ``step.schedule.advance(tick)`` (the releases due by now). The tick is the
+// clock's own value object (a new reference: the handle holds it) and ``*value``; null with the error set. The
+// step is the saver's (refresh).
 PyObject* tick(Saver* saver, PyObject* step, int64_t* value) {
   THPObjectPtr clock(read(step, saver->step_dict, names.clock));
   if (!clock) return nullptr;
@@ -310,7 +310,9 @@ PyObject* tick(Saver* saver, PyObject* step, int64_t* value) {
   int scheduled = truth(step, saver->step_dict, names.scheduled);
   if (scheduled < 0) return nullptr;
   if (scheduled > 0) {
-    THPObjectPtr done(PyObject_CallFunctionObjArgs(saver->advance, step, clock.get(), nullptr));
+    THPObjectPtr schedule(read(step, saver->step_dict, names.schedule));
+    if (!schedule) return nullptr;
+    THPObjectPtr done(PyObject_CallFunctionObjArgs(saver->advance, schedule.get(), clock.get(), nullptr));
     if (!done) return nullptr;
   }
   return clock.release();
@@ -633,7 +635,7 @@ void ready_types() {
                 intern("current"), intern("observer"), intern("clock"), intern("watch_unpacks"),
                 intern("saved_bytes"), intern("prefetch"), intern("entries"), intern("_index"),
                 intern("param_storages"), intern("stats"), intern("bytes_changed"), intern("_recomputable"),
-                intern("device"), intern("kept_natively")};
+                intern("device"), intern("kept_natively"), intern("schedule")};
   SaverType.tp_basicsize = sizeof(Saver);
   SaverType.tp_dealloc = Saver_dealloc;
   SaverType.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC;

@@ -36,7 +36,7 @@ parameter (Note [Parameters are recognised when saved] in ``swapkit.runtime.step
 other storage changed behind its back, the record remembers the storage's size and data pointer
 when it is saved; the batch checks both when it queues the copy, the thread engine right before
 and right after copying, and the record again when it releases the device copy. On CUDA the
-release comes as soon as the copy is queued (``swapkit.runtime.step`` Note [Stream-ordered
+release comes as soon as the copy is queued (``swapkit.runtime.swap_schedule`` Note [Stream-ordered
 release]), so that check sees a change made between the flush and the release; a resize or free
 after the copy was queued cannot reach the copy at all, since the allocator does not reuse the
 freed block before the side stream passed the copy (``swapkit.engine.cuda`` Note [Copy sources are
@@ -49,7 +49,7 @@ Note [Verify mode]
 With ``runtime.verify: true`` a swapped record takes a checksum of its *device* storage when it is
 released, before its keepers let go: the storage still holds the bytes autograd saved. It never
 reads the host copy, which on CUDA may not have been written yet (the release follows the copy's
-queueing, not its completion: ``swapkit.runtime.step`` Note [Stream-ordered release]). The checksum
+queueing, not its completion: ``swapkit.runtime.swap_schedule`` Note [Stream-ordered release]). The checksum
 is queued where ``engine.reading_sources`` says: on CUDA the side stream, after the copy, which
 waited for the storage's producer stream, while the allocator still holds the block; on the thread
 engine inline, the copy having finished. When the prefetched copy is first used, after the engine's

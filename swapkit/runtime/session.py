@@ -51,9 +51,9 @@ A gradient penalty does that too, with no new micro-batch: ``torch.autograd.grad
 create_graph=True)`` begins the step's backward, then ``g.square()`` saves ``g`` outside the layers,
 and ``(out + penalty).backward()`` begins the backward of that small step. Its stats (a tick or two,
 nothing offloaded) would become the session's, and its length the forward length that the next
-step's tail skip learns (Note [The last k ticks stay on the device] in ``swapkit.runtime.step``): the
-next forward's tail would be offloaded and brought straight back, every step. So a step that runs no
-bound layer while an earlier step of its ``with`` block did (``Step.rest_of_forward``) is the rest of
+step's tail skip learns (``swapkit.runtime.swap_schedule`` Note [The last k ticks stay on the device]):
+the next forward's tail would be offloaded and brought straight back, every step. So a step that runs no
+bound layer while an earlier step of its ``with`` block did (``ScopesReached.rest_of_forward``) is the rest of
 that forward: its backward's beginning changes neither the session's stats nor the learnt length,
 and reports nothing (overrides Note [Swaps nobody reports] uses the same test). Its saves stay as
 they are (kept or not: it has no swap scope) and its gradients are exact either way.
@@ -221,11 +221,11 @@ class SwapSession:
             self._native[2].forget_step()  # the session keeps its step; the hooks need none outside the block
         self.tracker.reset()
         step = self._step
-        if exc_type is None and step.clock == 0 and step.unused_swaps():
+        if exc_type is None and step.clock == 0 and step.scopes.unused_swaps(saved_any=False):
             self._bypassed(step)
         try:
             if exc_type is None and not step.backward_started:  # Note [Backward after the with block]
-                step.finish_forward()
+                step.schedule.finish_forward(step.clock - 1)
             else:
                 self.engine.synchronize()  # no copy outlives the block; a failed one raises here
         except BaseException:
@@ -328,13 +328,14 @@ class SwapSession:
         params = {storage_key(t) for t in chain(self.model.parameters(), self.model.buffers())}
         self._step = Step(self._steps, self.engine, self.pool, self.plan.runtime, params, self._forward_ticks,
                           self._backward_began, tuple(self.tracker.swap_scopes))
-        self._step.layers_ran_before = continued and previous.layers_ran()  # overrides Note [Swaps nobody reports]
+        # overrides Note [Swaps nobody reports]
+        self._step.scopes.layers_ran_before = continued and previous.scopes.layers_ran()
         if self._native is not None:  # native_save.cpp Note [The records kept in C++]
             self._step.kept_natively = self._native[2].kept_index()
         return self._step
 
     def _backward_began(self, step: Step) -> None:
-        if step.rest_of_forward():  # Note [The rest of a forward]
+        if step.scopes.rest_of_forward():  # Note [The rest of a forward]
             return
         self._forward_ticks = step.clock
         self._last = step
@@ -366,7 +367,7 @@ class SwapSession:
             return
         step = self._step  # None in a pipeline stage before a chunk's first save opens its micro-step
         if step is not None and torch._C._current_graph_task_id() == -1:  # not a recompute in backward
-            step.scope_entered(frame, entry_cause(self._hook_pair[0]))
+            step.scopes.entered(frame, entry_cause(self._hook_pair[0]))
 
     def _cache_given(self, layer: int, names: list[str]) -> None:
         """swapkit.runtime.kv_cache Note [Caches hold swapped storages]"""
@@ -400,8 +401,9 @@ class SwapSession:
             self._report_small(step)
 
     def _unused_swaps(self, step: Step) -> list[tuple[int, str, str | None]]:
-        """The swap scopes the unused-swap warning names for ``step``: :meth:`Step.unused_swaps`."""
-        return step.unused_swaps()
+        """The swap scopes the unused-swap warning names for ``step``
+        (:meth:`swapkit.runtime.reached.ScopesReached.unused_swaps`)."""
+        return step.scopes.unused_swaps(step.clock > 0)
 
     def _step_number(self, step: Step) -> int:
         """The step a warning names: the training step (a stage session's is its optimizer step's)."""
@@ -415,7 +417,7 @@ class SwapSession:
         """One WARNING per op path (or layer swap) whose tensors were all small, naming every layer where they
         were (overrides Note [Swaps whose tensors are all small]); a scope is reported once per session."""
         small: dict[str, tuple[list[int], int]] = {}
-        for layer, path, largest in step.small_swaps():
+        for layer, path, largest in step.scopes.small_swaps(step.stats.offloaded_by_scope):
             if ("small", layer, path) not in self._reported:  # its own kind: the scope may still go unused later
                 self._reported.add(("small", layer, path))
                 where, most = small.get(path, ([], 0))

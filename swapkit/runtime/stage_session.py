@@ -128,7 +128,7 @@ class StageSession(SwapSession):
         if self._outside_block(frame) or torch._C._current_graph_task_id() != -1 or not torch.is_grad_enabled():
             return
         if self._open() is not None:
-            self._current.scope_entered(frame, entry_cause(self._hook_pair[0]))
+            self._current.scopes.entered(frame, entry_cause(self._hook_pair[0]))
 
     def _counting_step(self) -> MicroStep | None:
         return self._open() if self.records_recipes() else None
@@ -172,7 +172,8 @@ class StageSession(SwapSession):
         "no effect" of the optimizer step (swapkit.runtime.microsteps Note [Unused swaps of an optimizer step])."""
         assert isinstance(step, MicroStep)
         reached = step.group.reached_swap_scopes()
-        return [(layer, path, cause) for layer, path, cause in step.unused_swaps() if (layer, path) not in reached]
+        return [(layer, path, cause) for layer, path, cause in step.scopes.unused_swaps(step.clock > 0)
+                if (layer, path) not in reached]
 
     def _step_number(self, step: Step) -> int:
         """The optimizer step (the ``with`` block), as the idle warning names it, not the micro-step's count."""

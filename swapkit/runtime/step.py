@@ -1,61 +1,11 @@
-"""One step of a swap session: the forward clock, the storage index, the schedule, the counters.
+"""One step of a swap session: the forward clock, the storage index, the counters.
 
 A step is one forward and its backward. The session opens a new step on ``__enter__`` and when a
 forward pack arrives after the current step's backward began (several micro-batches inside one
 ``with`` block).
 
-Note [Releases never stall compute]
-At each tick the records whose horizon has come are released without waiting: at once where the
-engine orders reuse after queued copies (Note [Stream-ordered release]), else only if their copy
-has finished (``engine.ready``), the others being looked at again on the next tick. A larger
-``backward_prefetch`` holds device memory longer but the forward never waits on a copy. Copies
-finish in issue order (one FIFO queue per engine), so the waiting records are kept by issue order
-(a deque, as records come due in that order almost always; one out of order is inserted) and the
-check stops at the first unfinished one. ``engine.ready`` is asked once per batch, not per record:
-the batch remembers a copy seen finished (``Batch.copied``), which stays finished, while a failed
-copy raises from ``ready`` each time it is asked and is never remembered.
-
-Note [Stream-ordered release]
-On a GPU the CPU runs far ahead: at the forward's saves no copy has executed, so waiting for
-finished copies would release nothing before backward and make everything tail (the peak of no
-swap). An engine with ``stream_ordered_release`` (CUDA) releases a due record once its batch's
-copy is *queued*: the source was ``record_stream``-ed on the side stream, so the caching allocator
-reuses its block only after the side stream ran the copy (``swapkit.engine.cuda`` Note [Copy
-sources are released in stream order]); ``released_bytes`` counts it at once. On CPU no allocator
-orders reuse after a queued memcpy, so the thread engine keeps waiting for ``ready``. The release's
-storage check still sees any change made before it, and verify's checksum reads the device storage
-in order with the copy, never the unfinished host copy (``swapkit.runtime.records`` Notes [Storages
-another component may resize], [Verify mode]).
-
-Note [The last k ticks stay on the device]
-Records still unreleased when backward begins (their horizon lies beyond the last forward tick,
-or their copy had not finished) are used from the device as they are: no round trip, and their
-host copies go straight back to the pool. The batch still open then is discarded, not copied
-(``swapkit.runtime.batch`` Note [Coalesced copies]): its storages count as ``skipped["tail"]``. The
-session remembers the forward length, and in later steps does not offload saves that would land in
-that tail (``runtime.skip_tail_offload``): a save at tick ``t`` with distance ``k`` is skipped when
-``t < length <= t + k``. A save at or past the learnt length proves the prediction wrong (this
-forward is longer: LayerDrop, an MoE routing more experts, two forwards before one backward) and is
-offloaded as in the first step; skipping it too would keep everything past the old length.
-
-Note [A backward prefetches its own forward's records]
-The prefetch queue pops every record whose horizon is at or above the tick unpacked, which is right
-for the backward of the whole step: it reads its ticks downwards from the top, so whatever lies above
-was needed already. Two forwards in one block, then one backward each (``a.backward()`` then
-``b.backward()``), break that: the first backward starts at the top of forward ``a``, below every
-tick of forward ``b``, and brought all of ``b``'s swapped storages back to the device at once, where
-they waited through ``a``'s backward: no swap for ``b`` at all. No record a backward reads has a
-horizon above the highest tick it has read plus the step's longest swap distance, or above the
-horizon of a record it has read (the *reach*): autograd reads a graph from its highest sequence
-number down, the saves of one node in save order, and a storage saved again later (``x`` and
-``x.t()`` saved by one node) is read first at its earlier tick. So a record popped above the reach belongs to
-another forward (or to a part of this one no backward reads): it is set aside, held weakly, and
-pushed back on the queue once an unpack raises the reach over its horizon: the next saves of the
-same node, or ``b``'s backward, which prefetches it in time. The reach only rises (a nested graph
-task of reentrant checkpointing returns to its outer task at a lower tick). A record both forwards
-saved (a storage both read) is set aside too and fetched when ``a`` first reads it (a late fetch,
-still exact). A micro-step is one forward and other micro-steps' look-ahead pops its queue, so it sets
-nothing aside (``swapkit.runtime.microsteps``).
+The swapped storages' copies, releases and fetches back are the step's
+:class:`~swapkit.runtime.swap_schedule.SwapSchedule`'s.
 
 Note [Parameters are recognised when saved]
 Parameter storages are never swapped (DESIGN §4). The set the session builds from
@@ -92,7 +42,8 @@ attribute read there. What keeps them lean, each giving the same guarantee as th
 - the tick queues append records pushed in tick order to a deque and keep a heap only for the others
   (``swapkit.runtime.schedule`` Note [In-order pushes]); the records waiting for their copy are a
   deque in copy order, and the engine is asked whether a copy finished once per batch, in forward
-  (Note [Releases never stall compute]) and in backward (``SwapRecord.restore``);
+  (``swapkit.runtime.swap_schedule`` Note [Releases never stall compute]) and in backward
+  (``SwapRecord.restore``);
 - a release is the record's own (it counts ``released_bytes``) and its push on the prefetch queue, with
   no step method between; a restore whose batch was seen arrived skips ``engine.wait`` where the
   engine says a finished copy needs none (``usable_when_ready``: the thread engine, not CUDA, whose
@@ -128,11 +79,9 @@ floor of any safe keep (a detached keeper and its version, Note [Version keepers
 """
 from __future__ import annotations
 
-import bisect
-import operator
 import threading
 import weakref
-from collections import defaultdict, deque
+from collections import defaultdict
 from typing import Any, Callable
 
 import torch
@@ -140,16 +89,16 @@ import torch
 from swapkit.config.types import RuntimeConfig
 from swapkit.engine import CopyEngine, HostPool
 from swapkit.runtime.autocast import autocast_cached
-from swapkit.runtime.batch import Batch
 from swapkit.runtime.ledger import SETTLE_TICKS, ByteLedger
+from swapkit.runtime.overrides import scope_label
+from swapkit.runtime.reached import ScopesReached
 from swapkit.runtime.recipes import Recipe, RecomputableOutputs, RecomputedOutput
 from swapkit.runtime.records import (
     KeptRecord, Saved, SwapRecord, empty_keepers, is_parameter, make_saved, view_meta,
 )
-from swapkit.runtime.schedule import TickQueue
-from swapkit.runtime.overrides import NOT_ENTERED, OTHER_HOOKS, scope_label
 from swapkit.runtime.scope import Frame
 from swapkit.runtime.stats import SwapStats
+from swapkit.runtime.swap_schedule import SwapSchedule
 
 
 _TENSOR, _PARAMETER, _STRIDED = torch.Tensor, torch.nn.Parameter, torch.strided
@@ -157,17 +106,12 @@ _TENSOR, _PARAMETER, _STRIDED = torch.Tensor, torch.nn.Parameter, torch.strided
 
 _SETTLE_MASK = SETTLE_TICKS - 1
 
-_horizon = operator.attrgetter("horizon")  # a record's tick key, read in C (Note [The cost of a save])
-
-#: ``(batch.issued, offset)``: where a record's bytes are in the engine's FIFO copy queue (swapkit.runtime.batch
-#: Note [Coalesced copies]), read in C
-_copy_order = operator.attrgetter("batch.issued", "offset")
-
 
 class Step:
     """Per-step state. Created by :class:`swapkit.runtime.session.SwapSession`."""
 
-    #: records due above the reach wait for a backward that reads that high (Note [A backward prefetches ...])
+    #: records due above the reach wait for a backward that reads that high (swapkit.runtime.swap_schedule Note [A
+    #: backward prefetches its own forward's records])
     sets_aside = True
 
     def __init__(self, number: int, engine: CopyEngine, pool: HostPool, runtime: RuntimeConfig,
@@ -182,29 +126,16 @@ class Step:
         self.clock = 0
         self.backward_started = self.aborted = self.closed = False
         self.superseded = False  # closed because the session started the next step (session Note [A backward ...])
-        self.layers_ran_before = False  # an earlier step of this `with` block ran bound layers (unused_swaps)
         self.watch_unpacks = True  # the session calls unpacked() (Note [The cost of a save])
         self._index: dict[int, weakref.ref] = {}  # storage_key -> its record (Note [The cost of a save])
         #: the C++ hooks' records (a KeptIndex: swapkit.runtime.native_save.cpp Note [The records kept in C++]),
         #: given by a session with ``runtime.native_save``; looked up where ``_index`` has no live record
         self.kept_natively: Any = None
-        self._batch: Batch | None = None  # the open batch (swapkit.runtime.batch Note [Coalesced copies])
-        self._producer = engine.producer  # swapkit.runtime.batch Note [A batch has one producer]
-        self._release_queued = engine.stream_ordered_release  # Note [Stream-ordered release]
         self.usable_when_ready = getattr(engine, "usable_when_ready", False)  # SwapRecord.restore skips its wait
-        self._batches = 0  # batches flushed: their copy order
         self._scheduled = False  # a swap record was queued this step (Note [The cost of a save])
-        self._last_frame: Frame | None = None  # the frame of the previous save: _seen has it
+        self._last_frame: Frame | None = None  # the frame of the previous save: scopes.seen has it
         self._recomputable = RecomputableOutputs(self.device)
         self._skipped_storages: set[int] = set()
-        self._release: TickQueue[SwapRecord] = TickQueue(_horizon)
-        self._pending: deque[SwapRecord] = deque()  # due, copy unfinished, in copy order (Note [Releases ...])
-        self._prefetch: TickQueue[SwapRecord] = TickQueue(_horizon, descending=True, weak=True)  # Note [The
-        # prefetch queue holds its records weakly] in swapkit.runtime.schedule
-        self._longest = 0  # the longest swap distance of the step's records
-        self._reach = -1  # the highest tick unpacked plus _longest: no record above it is prefetched (Note [A
-        # backward prefetches its own forward's records])
-        self._beyond: list[weakref.ref] = []  # records due but above the reach, for a later backward
         self._timings: list[Any] = []
         self.empties: dict[torch.dtype, torch.Tensor] = {}  # swapkit.runtime.records.view_on
         self._allocations_at_start = pool.allocations
@@ -212,10 +143,8 @@ class Step:
                                recomputed_by_scope=defaultdict(int))
         self.ledger = ByteLedger()  # swapkit.runtime.ledger Note [The device-bytes ledger]
         self.bytes_changed = self.ledger.changed  # +n / -n device bytes, from any thread: one C call
-        self.swap_scopes = swap_scopes  # (layer, op path) of every configured swap scope
-        self._entered: dict[tuple[int, str], str | None] = {}  # swap scopes entered in forward -> cause
-        self._seen: set[tuple[int, str]] = set()  # scopes a forward save reached
-        self._kept_by_scope: dict[Frame, dict[str, int]] = {}  # swap scope -> reason it kept a candidate -> largest
+        self.scopes = ScopesReached(swap_scopes)  # what the saves reached (overrides Note [Swaps nobody reports])
+        self.schedule = SwapSchedule(self)  # the swapped storages' copies, releases and fetches
         self.lock = threading.RLock()  # swapkit.runtime.records Note [Unpacks from several threads]
 
     # ------------------------------------------------------------------ forward
@@ -227,7 +156,7 @@ class Step:
         tick = self.clock
         self.clock = tick + 1
         if self._scheduled:
-            self._advance(tick)
+            self.schedule.advance(tick)
         if frame is not self._last_frame:
             self._frame_seen(frame)
         if (type(tensor) is not _TENSOR and type(tensor) is not _PARAMETER) or tensor.layout is not _STRIDED \
@@ -277,10 +206,9 @@ class Step:
 
     def _frame_seen(self, frame: Frame | None) -> None:
         self._last_frame = frame
-        if self._batch is not None and frame is not self._batch.frame:
-            self.flush()  # the scope changed (swapkit.runtime.batch Note [Coalesced copies])
+        self.schedule.frame_changed(frame)
         if frame is not None:
-            self._seen.add((frame.layer, frame.path))
+            self.scopes.seen.add((frame.layer, frame.path))
 
     def _not_candidate(self, parameter: bool, key: int, nbytes: int, frame: Frame | None) -> None:
         reason = "parameter" if parameter else "not_on_device" if nbytes else None
@@ -289,15 +217,10 @@ class Step:
 
     def _swapped_handle(self, tensor: torch.Tensor, record: SwapRecord, tick: int, frame: Frame | None,
                         version: int) -> Saved:
-        record.saved_again(tick)
         if frame is not record.frame and frame is not None and frame.prefetch is not None:
-            self._kept_in(frame, "moved", record.nbytes)  # moved by another scope: overrides Note [Swaps whose ...]
+            self.scopes.kept_in(frame, "moved", record.nbytes)  # another scope moves it: overrides Note [Swaps whose ...]
         keeper = tensor.detach()  # Note [Version keepers] in swapkit.runtime.records
-        if record.released:  # the storage lives on elsewhere; its bytes are already on the host
-            empty_keepers((keeper,))
-            self._prefetch.push(record)  # its horizon moved out: prefetch earlier
-        else:
-            record.more += (keeper,)
+        self.schedule.saved_again(record, keeper, tick)
         return make_saved((keeper, version, self, tick, record, view_meta(tensor), frame))
 
     def _not_cached(self, tensor: torch.Tensor, key: int, nbytes: int) -> bool:
@@ -344,57 +267,9 @@ class Step:
         if nbytes < self.runtime.min_offload_bytes:
             return self._skip("small", key, nbytes, frame)
         if self.tail_ticks is not None and tick < self.tail_ticks <= tick + frame.prefetch:
-            return self._skip("tail", key, nbytes, frame)  # Note [The last k ticks stay on the device]
-        batch, producer = self._batch, self._producer()  # swapkit.runtime.batch Note [A batch has one producer]
-        if batch is None or not batch.fits(frame, nbytes, self.runtime.offload_batch_bytes, producer):
-            batch = self._open_batch(frame, producer)
-        record = SwapRecord(self, nbytes, version, frame, tick, batch, storage, keeper)
-        if frame.prefetch > self._longest:
-            self._longest = frame.prefetch
-        self.stats.offloaded_tensors += 1
-        self.stats.offloaded_bytes += nbytes
-        self.stats.offloaded_by_scope[frame.label] += nbytes
-        self._release.push(record)
+            return self._skip("tail", key, nbytes, frame)  # swap_schedule Note [The last k ticks stay on the device]
         self._scheduled = True
-        if not self.runtime.offload_batch_bytes:
-            self.flush()
-        return record
-
-    def _open_batch(self, frame: Frame, producer: Any) -> Batch:
-        """Flush the open batch, which a new swap record cannot join, and open the one it joins
-        (swapkit.runtime.batch Notes [Coalesced copies], [A batch has one producer])."""
-        self.flush()
-        batch = self._batch = Batch(self, frame, producer)
-        return batch
-
-    def flush(self) -> None:
-        """Queue the open batch's copy; if the pool refused its region, its storages stay on the device."""
-        batch, self._batch = self._batch, None
-        if batch is None or batch.flushed:
-            return
-        self._batches += 1
-        if not batch.flush(self._batches):
-            self._not_offloaded(batch, "host_cap")
-        elif batch.d2h is not None:
-            self.stats.offload_copies += 1
-
-    def _discard_open_batch(self) -> None:
-        """Backward began: the open batch is not copied (swapkit.runtime.batch Note [Coalesced copies])."""
-        batch, self._batch = self._batch, None
-        if batch is not None and not batch.flushed:
-            batch.discard()
-            self._not_offloaded(batch, "tail")
-
-    def _not_offloaded(self, batch: Batch, reason: str) -> None:
-        """A batch's storages were counted as offloaded when saved, but stay on the device: ``reason``."""
-        stats = self.stats
-        stats.offloaded_tensors -= batch.count
-        stats.offloaded_bytes -= batch.data_bytes
-        stats.offloaded_by_scope[batch.frame.label] -= batch.data_bytes
-        if not stats.offloaded_by_scope[batch.frame.label]:
-            del stats.offloaded_by_scope[batch.frame.label]
-        stats.skipped[reason] += batch.data_bytes
-        self._kept_in(batch.frame, reason, 0)
+        return self.schedule.add(storage, nbytes, version, frame, tick, keeper)
 
     def _skip(self, reason: str, key: int, nbytes: int, frame: Frame | None) -> None:
         """Count a storage saved in a swap scope that stays on the device; ``frame``: the scope, for a swap
@@ -403,109 +278,8 @@ class Step:
             self._skipped_storages.add(key)
             self.stats.skipped[reason] += nbytes
             if frame is not None:
-                self._kept_in(frame, reason, nbytes)
+                self.scopes.kept_in(frame, reason, nbytes)
         return None
-
-    def _kept_in(self, frame: Frame, reason: str, nbytes: int) -> None:
-        """A swap candidate saved in ``frame``'s scope stays on the device for ``reason`` (or, ``"moved"``, is a
-        storage another scope swaps): the largest such storage per scope and reason (swapkit.runtime.overrides
-        Note [Swaps whose tensors are all small])."""
-        kept = self._kept_by_scope.setdefault(frame, {})
-        kept[reason] = max(kept.get(reason, 0), nbytes)
-
-    def small_swaps(self) -> list[tuple[int, str, int]]:
-        """``(layer, op path, largest bytes)`` of each configured swap scope that offloaded nothing because every
-        swap candidate saved in it, or in a hooked op scope inside it that takes its distance, was under
-        ``runtime.min_offload_bytes`` (Note [Swaps whose tensors are all small] in swapkit.runtime.overrides)."""
-        reasons: dict[tuple[int, str], dict[str, int]] = {}
-        for frame, kept in self._kept_by_scope.items():
-            owner = self._swap_owner(frame.layer, frame.path)
-            if owner is not None:
-                merged = reasons.setdefault(owner, {})
-                for reason, nbytes in kept.items():
-                    merged[reason] = max(merged.get(reason, 0), nbytes)
-        offloaded = self.stats.offloaded_by_scope
-        moved = {self._swap_owner(layer, path) for layer, path in self._seen if offloaded.get(scope_label(layer, path))}
-        return [(layer, path, kept["small"]) for (layer, path), kept in reasons.items()
-                if kept.keys() == {"small"} and (layer, path) not in moved]
-
-    def _swap_owner(self, layer: int, path: str) -> tuple[int, str] | None:
-        """The configured swap scope whose distance a scope saves under: itself, or the innermost configured one
-        around it (an op hooked for recompute inside a swapped layer takes the layer's distance)."""
-        around = [p for at, p in self.swap_scopes if at == layer and (p == path or not p or path.startswith(p + "."))]
-        return (layer, max(around, key=len)) if around else None
-
-    def _advance(self, tick: int) -> None:
-        """Release the records whose horizon has come and whose copy was queued (Note [Stream-ordered
-        release]) or has finished (Note [Releases never stall compute])."""
-        pending = self._pending
-        for record in self._release.pop_due(tick):
-            if not record.batch.flushed:
-                self._flush_batch_of(record)
-            if record.batch.kept:  # never copied: its storages stay on the device
-                continue
-            if self._release_queued:
-                record.release()
-                self._prefetch.push(record)
-            elif not pending or _copy_order(pending[-1]) < _copy_order(record):
-                pending.append(record)
-            else:
-                bisect.insort(pending, record, key=_copy_order)
-        while pending and (pending[0].batch.copied or self._copy_finished(pending[0].batch)):
-            record = pending.popleft()  # Note [Releases never stall compute]
-            record.release()
-            self._prefetch.push(record)  # its bytes come back in backward
-
-    def _copy_finished(self, batch: Batch) -> bool:
-        """Has ``batch``'s copy to host finished? Remembered once it has (Note [Releases never stall compute])."""
-        batch.copied = self.engine.ready(batch.d2h)
-        return batch.copied
-
-    def _flush_batch_of(self, record: SwapRecord) -> None:
-        if record.batch is self._batch:  # due before its batch filled (Note [Coalesced copies])
-            self.flush()
-
-    def scope_entered(self, frame: Frame, cause: str | None) -> None:
-        """A scope that configures a swap was entered in forward (``cause``: why its saves would not
-        reach the session, if known). swapkit.runtime.overrides Note [Swaps nobody reports]"""
-        key = (frame.layer, frame.path)
-        if self._entered.get(key) is None:
-            self._entered[key] = cause
-
-    def unused_swaps(self) -> list[tuple[int, str, str | None]]:
-        """``(layer, op path, cause)`` of each swap scope no forward save reached, among the layers
-        that ran in this step (a layer of another pipeline chunk is not reported). A scope whose hooks
-        never ran gets the cause :data:`NOT_ENTERED`; when no hook ran at all in a forward that saved
-        tensors, every configured swap is reported that way. When nothing reached the session, only the
-        scopes entered under another saved-tensor hooks context are reported (a forward under ``no_grad``
-        saves nothing either, and bypasses nothing)."""
-        if self.clock == 0:
-            return [(layer, path, OTHER_HOOKS) for layer, path in self.swap_scopes
-                    if self._entered.get((layer, path)) == OTHER_HOOKS]
-        if self.rest_of_forward():  # overrides Note [Swaps nobody reports]
-            return []
-        ran = {layer for layer, _ in self._seen} | {layer for layer, _ in self._entered}
-        return [(layer, path, self._entered.get((layer, path), NOT_ENTERED)) for layer, path in self.swap_scopes
-                if (layer in ran or not ran) and (layer, path) not in self._seen]
-
-    def rest_of_forward(self) -> bool:
-        """Did this step run no bound layer while an earlier step of its ``with`` block did (a gradient penalty
-        after ``torch.autograd.grad``)? swapkit.runtime.session Note [The rest of a forward]"""
-        return self.layers_ran_before and not (self._seen or self._entered)
-
-    def reached_swap_scopes(self) -> set[tuple[int, str]]:
-        """``(layer, op path)`` of each configured swap scope that some forward save of this step reached."""
-        return {scope for scope in self.swap_scopes if scope in self._seen}
-
-    def layers_ran(self) -> bool:
-        """Whether a bound layer's hooks ran in this step's forward or an earlier one of its block."""
-        return self.layers_ran_before or bool(self._seen or self._entered)
-
-    def finish_forward(self) -> None:
-        """Forward ended without a backward yet: wait for copies, release what is due."""
-        self.flush()
-        self.engine.synchronize()
-        self._advance(self.clock - 1)
 
     # ------------------------------------------------------------------ backward
 
@@ -515,30 +289,8 @@ class Step:
         with self.lock:
             if not self.backward_started and torch._C._current_graph_task_id() != -1:
                 self._begin_backward()
-            if self.sets_aside:
-                top = record.horizon if type(record) is SwapRecord and record.horizon > tick + self._longest \
-                    else tick + self._longest  # a storage saved again later reaches its last save
-                if top > self._reach:
-                    self._reach_up(top)
-            due = self._prefetch.pop_due(tick)
-            for record in due:
-                if record.horizon <= self._reach or not self.sets_aside:
-                    record.fetch(tick)
-                else:  # Note [A backward prefetches its own forward's records]
-                    self._beyond.append(weakref.ref(record))
-            if not due and self.backward_started and not (self._scheduled and (self._prefetch or self._beyond)):
+            if self.schedule.unpacked(tick, record) and self.backward_started:
                 self._prefetches_done()  # asked only when nothing was due (Note [The cost of a save])
-
-    def _reach_up(self, reach: int) -> None:
-        """An unpack above every tick read so far: fetch the records set aside that are now within reach
-        (Note [A backward prefetches its own forward's records])."""
-        self._reach = reach
-        if self._beyond:
-            records = [record for record in (ref() for ref in self._beyond) if record is not None]
-            self._beyond = [weakref.ref(record) for record in records if record.horizon > reach]
-            for record in records:
-                if record.horizon <= reach:
-                    self._prefetch.push(record)  # popped when an unpack comes due for it
 
     def _prefetches_done(self) -> None:
         """Only backward pops the prefetch queue and nothing pushes to it any more: an empty queue
@@ -547,12 +299,7 @@ class Step:
 
     def _begin_backward(self) -> None:
         self.backward_started = True
-        self._discard_open_batch()
-        for record in [*self._pending, *self._release.drain()]:  # Note [The last k ticks ...]
-            record.drop_host_copy()
-            if not record.batch.kept:
-                self.stats.tail_bytes += record.nbytes
-        self._pending.clear()
+        self.schedule.begin_backward()
         self._on_backward(self)
 
     def verified(self) -> None:
@@ -583,11 +330,7 @@ class Step:
         self.aborted = self.aborted or aborted
         self.superseded = self.superseded or superseded
         self.closed = True  # a backward that begins later runs without the schedule (session Note [A backward ...])
-        self._batch = None  # an open batch's sources go with it; its records keep it for their lifetime
-        self._release.drain()
-        self._prefetch.drain()
-        self._beyond.clear()
-        self._pending.clear()
+        self.schedule.close()
         self._index.clear()
         if self.kept_natively is not None:
             self.kept_natively.clear()
@@ -605,5 +348,5 @@ class Step:
             - self._allocations_at_start, "skipped": dict(stats.skipped),
             "offloaded_by_scope": dict(stats.offloaded_by_scope), "aborted": self.aborted, "micro_steps": 1,
             "recomputed_by_scope": dict(stats.recomputed_by_scope),
-            "unused_swaps": [scope_label(layer, path) for layer, path, _ in self.unused_swaps()],
+            "unused_swaps": [scope_label(layer, path) for layer, path, _ in self.scopes.unused_swaps(self.clock > 0)],
         })
