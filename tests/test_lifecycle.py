@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import gc
 import threading
+import weakref
 
 import pytest
 import torch
@@ -560,7 +561,7 @@ def test_a_swapped_save_leaves_few_objects_for_the_cyclic_collector_until_backwa
         with session:
             before = _tracked()
             loss = model(x)
-            session._step.finish_forward()  # every due record released, its prefetch queued
+            session._step.schedule.finish_forward()  # every due record released, its prefetch queued
             after = _tracked()
             loss.backward()
     finally:
@@ -569,3 +570,24 @@ def test_a_swapped_save_leaves_few_objects_for_the_cyclic_collector_until_backwa
     assert stats.offloaded_tensors >= length - 8 and stats.released_bytes > 0
     per_swapped = (after - before) / stats.offloaded_tensors  # 4.8-5.1 measured; 7.6 with those two
     assert per_swapped < 6, f"{per_swapped:.2f} tracked objects per swapped save"
+
+
+def test_a_step_is_freed_by_its_reference_count_once_the_session_moved_on():
+    """No reference cycle runs through a step and its schedule or scope record (swapkit.runtime.swap_schedule
+    holds its step weakly): a step the session no longer holds, whose graph is gone, is freed at once, with its
+    parameter set, stats and ledger, not left to a full collection of the cyclic collector."""
+    model = ToyNet(layers=3)
+    session = swapkit.apply(model, toy_config(3, **layer_swap(1)))
+    steps = []
+    gc.disable()
+    try:
+        for _ in range(4):
+            with session:
+                model(torch.randn(8, 16)).sum().backward()
+            steps.append(weakref.ref(session._step))
+        freed = [step() is None for step in steps]
+    finally:
+        gc.enable()
+    assert session.stats.released_bytes > 0
+    assert freed == [True, True, True, False]  # the session keeps its last step
+    session.remove()

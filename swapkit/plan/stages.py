@@ -150,7 +150,7 @@ class _MicroReplay(_Replay):
         self._advance(-1)
 
     def begin_backward(self) -> None:
-        """Unreleased records stay on the device (``Step._begin_backward``)."""
+        """Unreleased records stay on the device (``SwapSchedule.begin_backward``)."""
         self.due, self.pending = [], []
 
     def fetch_from(self, bound: int) -> None:

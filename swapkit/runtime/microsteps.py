@@ -223,7 +223,7 @@ class MicroSteps:
         """The block ended: forwards without a backward yet wait for their copies (eval, or backward later)."""
         for step in self.steps:
             if not step.backward_started:
-                step.schedule.finish_forward(step.clock - 1)
+                step.schedule.finish_forward()
         if self.steps:
             self.steps[0].engine.synchronize()
 

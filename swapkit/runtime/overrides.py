@@ -155,7 +155,7 @@ def idle_message(step: int, ticks: int, offloaded: int, skipped: Mapping[str, in
 # candidate saved in it is under ``runtime.min_offload_bytes`` (an op swap of a norm, whose output is one
 # hidden vector per token, under a threshold written for attention outputs). The step-wide warning above
 # does not fire, since other scopes offload. So the step records, per swap scope, why it kept each
-# candidate it did not offload (``Step._kept_in``: only on the skip paths, never per offloaded storage),
+# candidate it did not offload (``ScopesReached.kept_in``: only on the skip paths, never per offloaded storage),
 # and when backward begins in a step that offloaded something, a scope whose kept candidates were all
 # small and that offloaded nothing gets one WARNING per session, with its layers grouped as unused swaps
 # are, naming the largest such tensor and the threshold to lower. A scope that also kept candidates for
@@ -163,7 +163,7 @@ def idle_message(step: int, ticks: int, offloaded: int, skipped: Mapping[str, in
 # anything (``stats.skipped`` has those reasons). Nor is one that saved again a storage another scope swaps
 # (recorded as ``"moved"`` on that re-save path, only when the two scopes differ): it holds moved bytes.
 # The scopes are the configured swaps: an op hooked inside one only for recompute saves under the distance
-# of the innermost configured swap around it and counts for that one (``Step._swap_owner``), so it is never
+# of the innermost configured swap around it and counts for that one (``ScopesReached.swap_owner``), so it is never
 # named as an op swap nobody wrote. The warning is its own kind: a scope named here can still be named as
 # unused later, and the other way round. Parameters (a norm's weight and bias) and tensors on another device
 # saved in the scope are no candidates: no threshold moves them, so they neither count nor silence it.

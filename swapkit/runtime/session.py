@@ -225,7 +225,7 @@ class SwapSession:
             self._bypassed(step)
         try:
             if exc_type is None and not step.backward_started:  # Note [Backward after the with block]
-                step.schedule.finish_forward(step.clock - 1)
+                step.schedule.finish_forward()
             else:
                 self.engine.synchronize()  # no copy outlives the block; a failed one raises here
         except BaseException:

@@ -36,8 +36,9 @@ attribute read there. What keeps them lean, each giving the same guarantee as th
 - ``isinstance(t, nn.Parameter)`` runs the metaclass hook (a failing ``getattr`` on the tensor); a plain
   ``torch.Tensor`` that is not a view and has no attributes is no parameter, and the others are asked
   :func:`~swapkit.runtime.records.is_parameter`, which answers from ``type`` and ``__dict__``;
-- the schedule is looked at only once a swap record was queued in the step, the scopes seen only when
-  the frame changed since the previous save, the recomputable outputs only when there are some, and a
+- a save asks the schedule for the releases due only once a swap record was queued in the step
+  (``_scheduled``), and looks at the open batch and the scopes seen only when the frame changed since
+  the previous save, the recomputable outputs only when there are some, and a
   frame's label (the stats key) is built once per frame;
 - the tick queues append records pushed in tick order to a deque and keep a heap only for the others
   (``swapkit.runtime.schedule`` Note [In-order pushes]); the records waiting for their copy are a
@@ -45,7 +46,7 @@ attribute read there. What keeps them lean, each giving the same guarantee as th
   (``swapkit.runtime.swap_schedule`` Note [Releases never stall compute]) and in backward
   (``SwapRecord.restore``);
 - a release is the record's own (it counts ``released_bytes``) and its push on the prefetch queue, with
-  no step method between; a restore whose batch was seen arrived skips ``engine.wait`` where the
+  no other method between; a restore whose batch was seen arrived skips ``engine.wait`` where the
   engine says a finished copy needs none (``usable_when_ready``: the thread engine, not CUDA, whose
   reading stream must still join the copy);
 - a device-byte change is one append to the step's ledger, a C call with no lock (records die on any

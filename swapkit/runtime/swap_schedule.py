@@ -65,17 +65,18 @@ import bisect
 import operator
 import weakref
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from swapkit.runtime.batch import Batch
-from swapkit.runtime.records import SwapRecord, empty_keepers
+from swapkit.runtime.records import StepState, SwapRecord, empty_keepers
 from swapkit.runtime.schedule import TickQueue
 
 if TYPE_CHECKING:
+    from swapkit.config.types import RuntimeConfig
+    from swapkit.runtime.reached import ScopesReached
     from swapkit.runtime.scope import Frame
-    from swapkit.runtime.step import Step
 
 _horizon = operator.attrgetter("horizon")  # a record's tick key, read in C (step Note [The cost of a save])
 
@@ -84,15 +85,28 @@ _horizon = operator.attrgetter("horizon")  # a record's tick key, read in C (ste
 _copy_order = operator.attrgetter("batch.issued", "offset")
 
 
+class ScheduledStep(StepState, Protocol):
+    """What the schedule needs of its step (:class:`swapkit.runtime.step.Step`), named here so that the
+    dependencies stay one way: step -> swap schedule -> records."""
+
+    runtime: RuntimeConfig
+    scopes: ScopesReached
+    sets_aside: bool  # Note [A backward prefetches its own forward's records]
+    clock: int
+
+
 class SwapSchedule:
     """The swap records of one step, from their first save to their fetch back in backward.
 
     Args:
-        step: the step that saves them; its records, batches and counters are the step's own.
+        step: the step that saves them; its records, batches and counters are the step's own. The
+            schedule holds it weakly: the step holds the schedule, and a step no longer referenced is
+            freed by its reference count, not left to the cyclic collector.
     """
 
-    def __init__(self, step: Step) -> None:
-        self.step, self.engine, self.stats, self.scopes = step, step.engine, step.stats, step.scopes
+    def __init__(self, step: ScheduledStep) -> None:
+        self._step = weakref.ref(step)
+        self.engine, self.stats, self.scopes = step.engine, step.stats, step.scopes
         self._batch_limit = step.runtime.offload_batch_bytes
         self._batch: Batch | None = None  # the open batch (swapkit.runtime.batch Note [Coalesced copies])
         self._producer = step.engine.producer  # swapkit.runtime.batch Note [A batch has one producer]
@@ -116,7 +130,7 @@ class SwapSchedule:
         batch, producer = self._batch, self._producer()  # swapkit.runtime.batch Note [A batch has one producer]
         if batch is None or not batch.fits(frame, nbytes, self._batch_limit, producer):
             batch = self._open_batch(frame, producer)
-        record = SwapRecord(self.step, nbytes, version, frame, tick, batch, storage, keeper)
+        record = SwapRecord(self._step(), nbytes, version, frame, tick, batch, storage, keeper)
         if frame.prefetch > self._longest:
             self._longest = frame.prefetch
         stats = self.stats
@@ -147,7 +161,7 @@ class SwapSchedule:
         """Flush the open batch, which a new swap record cannot join, and open the one it joins
         (swapkit.runtime.batch Notes [Coalesced copies], [A batch has one producer])."""
         self.flush()
-        batch = self._batch = Batch(self.step, frame, producer)
+        batch = self._batch = Batch(self._step(), frame, producer)
         return batch
 
     def flush(self) -> None:
@@ -198,11 +212,11 @@ class SwapSchedule:
         batch.copied = self.engine.ready(batch.d2h)
         return batch.copied
 
-    def finish_forward(self, last_tick: int) -> None:
-        """Forward ended at ``last_tick`` without a backward yet: wait for copies, release what is due."""
+    def finish_forward(self) -> None:
+        """Forward ended without a backward yet: wait for copies, release what is due by its last tick."""
         self.flush()
         self.engine.synchronize()
-        self.advance(last_tick)
+        self.advance(self._step().clock - 1)
 
     # ------------------------------------------------------------------ backward
 
