@@ -245,8 +245,8 @@ def test_whole_model_compile_with_the_disable_wrappers_of_an_older_torch(monkeyp
 
 
 HOOK_ONLY = ("swapkit/runtime/session.py", "swapkit/runtime/step.py", "swapkit/runtime/swap_schedule.py",
-             "swapkit/runtime/reached.py", "swapkit/runtime/records.py", "swapkit/runtime/recipes.py",
-             "swapkit/runtime/batch.py", "swapkit/engine/")
+             "swapkit/runtime/reached.py", "swapkit/runtime/reports.py", "swapkit/runtime/records.py",
+             "swapkit/runtime/recipes.py", "swapkit/runtime/batch.py", "swapkit/engine/")
 
 
 @pytest.mark.parametrize("variant", ["layer_swap", "select_recompute"])

@@ -25,8 +25,8 @@ from typing import Iterator
 
 from swapkit.config.types import RuntimeConfig
 
-RUN_LOGGERS = ("swapkit.api", "swapkit.runtime.session", "swapkit.runtime.stage_session", "swapkit.runtime.binding",
-               "swapkit.runtime.recompute", "swapkit.runtime.kv_cache", "swapkit.train.loop")
+RUN_LOGGERS = ("swapkit.api", "swapkit.runtime.session", "swapkit.runtime.stage_session", "swapkit.runtime.reports",
+               "swapkit.runtime.binding", "swapkit.runtime.recompute", "swapkit.runtime.kv_cache", "swapkit.train.loop")
 
 
 class HeldWarnings(logging.Filter):

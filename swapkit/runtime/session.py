@@ -84,13 +84,12 @@ from swapkit.runtime.detach import unmark
 from swapkit.runtime.dynamo import out_of_dynamo
 from swapkit.runtime.kv_cache import swap_cache_warning
 from swapkit.runtime.native import native_hooks
-from swapkit.runtime.overrides import (FROZEN, HF_CHECKPOINT, NO_GRAD, NOT_ENTERED, OTHER_HOOKS, SHARED_FIX,
-                                       distance_key, entry_cause, idle_message, shared_cause, small_message,
-                                       unused_message)
+from swapkit.runtime.overrides import entry_cause
 from swapkit.runtime.recipes import PackedInput, Recipe, tensor_leaves
 from swapkit.runtime.recompute import Recompute
-from swapkit.runtime.records import Saved, SwapRecord, is_plain, make_saved, storage_key
+from swapkit.runtime.records import Saved, is_plain, make_saved, storage_key
 from swapkit.runtime.region_inputs import aliased_elements, substituted
+from swapkit.runtime.reports import SwapReports
 from swapkit.runtime.scope import Frame, ScopeTracker
 from swapkit.runtime.stats import SwapStats
 from swapkit.runtime.step import Step
@@ -127,8 +126,7 @@ class SwapSession:
         self._final_stats: SwapStats | None = None  # what stats said when remove() ran
         self._entry_lock = threading.Lock()
         self._owner: int | None = None  # the thread inside the `with` block
-        self._reported: set[tuple] = set()  # unused swaps (layer, path), small ones ("small", layer, path), warned
-        self._idle_reported = False  # overrides Note [Swaps that move nothing]: once per session
+        self.reports = SwapReports(binding, plan)  # swaps that move nothing: each warning once per session
         self._late_reported = False  # Note [A backward after the next forward]: once per session
         self._outside_reported = False  # Note [A training forward outside the with block]: once per session
         self._cache_reported = False  # kv_cache Note [Caches hold swapped storages]: once per session
@@ -343,8 +341,8 @@ class SwapSession:
         if step.superseded and not step.aborted and step.stats.offloaded_tensors and not self._late_reported:
             self._late_reported = True
             logger.warning(late_backward_message(step.number))
-        if not self._idle_reported:
-            self._report_idle(step)
+        if not self.reports.idle_reported:
+            self.reports.idle(step.number, step.clock, step.stats)
 
     def _outside_block(self, frame: Frame) -> bool:
         """Is the session inactive? Warns once if a training forward runs a swapped scope then
@@ -377,28 +375,12 @@ class SwapSession:
             logger.warning(swap_cache_warning(layer, names))
 
     def _report_unused(self, step: Step) -> None:
-        """One WARNING per swap scope and cause, naming every layer where it went unused (a scope is
-        reported once per session)."""
-        layers: dict[tuple[str, str | None], list[int]] = {}
-        fixes: dict[str | None, str] = {}
-        for layer, path, cause in self._unused_swaps(step):
-            if (layer, path) not in self._reported:
-                self._reported.add((layer, path))
-                shared = self._positions_sharing(layer)
-                # binding Note [One module at several layer positions]: the last position's layer frame shadows an
-                # earlier layer swap; an earlier op swap pushes a frame of its own in every call
-                if not path and cause in (None, NOT_ENTERED) and shared[-1] != layer:
-                    cause = shared_cause(shared)
-                    fixes[cause] = SHARED_FIX
-                elif cause is None and self._frozen(layer, path):
-                    cause = FROZEN
-                elif cause in (OTHER_HOOKS, NO_GRAD) and self._hf_checkpointed(layer):
-                    cause = HF_CHECKPOINT
-                layers.setdefault((path, cause), []).append(layer)
-        for (path, cause), where in layers.items():
-            logger.warning(unused_message(sorted(where), path, cause, self._step_number(step), fixes.get(cause)))
+        """The unused swaps of ``step`` and, if its swaps moved anything, the small ones (a scope is reported once
+        per session: swapkit.runtime.reports)."""
+        number = self._step_number(step)
+        self.reports.unused(self._unused_swaps(step), number)
         if self._offloaded(step):  # else the step-wide idle warning names the threshold
-            self._report_small(step)
+            self.reports.small(step.scopes.small_swaps(step.stats.offloaded_by_scope), number)
 
     def _unused_swaps(self, step: Step) -> list[tuple[int, str, str | None]]:
         """The swap scopes the unused-swap warning names for ``step``
@@ -412,49 +394,6 @@ class SwapSession:
     def _offloaded(self, step: Step) -> bool:
         """Did the step's swaps offload anything (so the step-wide idle warning stays silent)?"""
         return bool(step.stats.offloaded_bytes)
-
-    def _report_small(self, step: Step) -> None:
-        """One WARNING per op path (or layer swap) whose tensors were all small, naming every layer where they
-        were (overrides Note [Swaps whose tensors are all small]); a scope is reported once per session."""
-        small: dict[str, tuple[list[int], int]] = {}
-        for layer, path, largest in step.scopes.small_swaps(step.stats.offloaded_by_scope):
-            if ("small", layer, path) not in self._reported:  # its own kind: the scope may still go unused later
-                self._reported.add(("small", layer, path))
-                where, most = small.get(path, ([], 0))
-                small[path] = (where + [layer], max(most, largest))
-        for path, (where, largest) in small.items():
-            logger.warning(small_message(sorted(where), path, largest, self.plan.runtime.min_offload_bytes,
-                                         self._step_number(step)))
-
-    def _hf_checkpointed(self, layer: int) -> bool:
-        """The layer's module has HF gradient checkpointing on (overrides Note [Swaps nobody reports])."""
-        bound = next((b for b in self.binding.layers if b.index == layer), None)
-        return bound is not None and getattr(bound.module, "gradient_checkpointing", False) is True
-
-    def _positions_sharing(self, layer: int) -> list[int]:
-        """The bound positions whose module is layer ``layer``'s, in order (``[layer]`` when it has its own)."""
-        bound = next((b for b in self.binding.layers if b.index == layer), None)
-        return [layer] if bound is None else [b.index for b in self.binding.layers if b.module is bound.module]
-
-    def _frozen(self, layer: int, path: str) -> bool:
-        """The scope's module has parameters and none requires grad (overrides Note [Swaps nobody reports])."""
-        bound = next((b for b in self.binding.layers if b.index == layer), None)
-        if bound is None:
-            return False
-        params = list((bound.submodule(path) if path else bound.module).parameters())
-        return bool(params) and not any(p.requires_grad for p in params)
-
-    def _report_idle(self, step: Step) -> None:
-        self._warn_idle(step.number, step.clock, step.stats)
-
-    def _warn_idle(self, number: int, ticks: int, stats: SwapStats) -> None:
-        """swapkit.runtime.overrides Note [Swaps that move nothing]: ``ticks`` saves in the forward (the
-        longest micro-step's in a pipeline stage)."""
-        message = idle_message(number, ticks, stats.offloaded_bytes, stats.skipped, self.plan.runtime,
-                               distance_key(self.plan.origins))
-        if message is not None:
-            self._idle_reported = True
-            logger.warning(message)
 
     def _ensure_engine(self) -> None:
         device = next(chain(self.model.parameters(), self.model.buffers()), torch.empty(0)).device

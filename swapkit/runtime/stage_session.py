@@ -191,9 +191,9 @@ class StageSession(SwapSession):
         """overrides Note [Swaps that move nothing], for the micro-steps added up (summed only when none
         of them offloaded anything)."""
         steps = group.steps
-        if self._idle_reported or not steps or any(step.stats.offloaded_bytes for step in steps):
+        if self.reports.idle_reported or not steps or any(step.stats.offloaded_bytes for step in steps):
             return
-        self._warn_idle(group.number, max(step.clock for step in steps), group.snapshot(self.pool.allocations))
+        self.reports.idle(group.number, max(step.clock for step in steps), group.snapshot(self.pool.allocations))
 
     def _check_micro_batches(self, group: MicroSteps) -> None:
         """Note [micro_batch_num with your own schedule]."""
