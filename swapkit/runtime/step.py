@@ -38,8 +38,8 @@ attribute read there. What keeps them lean, each giving the same guarantee as th
   :func:`~swapkit.runtime.records.is_parameter`, which answers from ``type`` and ``__dict__``;
 - a save asks the schedule for the releases due only once a swap record was queued in the step
   (``_scheduled``), and looks at the open batch and the scopes seen only when the frame changed since
-  the previous save, the recomputable outputs only when there are some, and a
-  frame's label (the stats key) is built once per frame;
+  the previous save, the recomputable outputs only when there are some, and a frame's label (the
+  stats key) is built once per frame;
 - the tick queues append records pushed in tick order to a deque and keep a heap only for the others
   (``swapkit.runtime.schedule`` Note [In-order pushes]); the records waiting for their copy are a
   deque in copy order, and the engine is asked whether a copy finished once per batch, in forward
@@ -269,8 +269,9 @@ class Step:
             return self._skip("small", key, nbytes, frame)
         if self.tail_ticks is not None and tick < self.tail_ticks <= tick + frame.prefetch:
             return self._skip("tail", key, nbytes, frame)  # swap_schedule Note [The last k ticks stay on the device]
+        record = self.schedule.add(storage, nbytes, version, frame, tick, keeper)
         self._scheduled = True
-        return self.schedule.add(storage, nbytes, version, frame, tick, keeper)
+        return record
 
     def _skip(self, reason: str, key: int, nbytes: int, frame: Frame | None) -> None:
         """Count a storage saved in a swap scope that stays on the device; ``frame``: the scope, for a swap
