@@ -393,3 +393,73 @@ def test_a_hooked_op_inside_a_swap_counts_for_the_swap_it_takes_its_distance_fro
     assert owner(0, "attn") == (0, "attn") and owner(0, "attn.q") == (0, "attn")
     assert owner(0, "mlp") == (0, "") and owner(0, "attnx") == (0, "")  # a prefix of the name is no parent
     assert owner(1, "mlp.w1") == (1, "mlp") and owner(1, "norm") is None
+
+
+SCOPES = ((0, ""), (0, "attn"), (1, ""), (1, "attn"))  # a layer swap and an op swap on each of two layers
+
+
+def test_unused_swaps_are_the_scopes_of_the_layers_that_ran_that_no_save_reached():
+    """Note [Swaps nobody reports], on ScopesReached alone: a scope of a layer that ran and saw no tensor is
+    unused, with the cause it was entered under (none known: ``None``); a layer that did not run is not
+    reported (another pipeline chunk's); with no layer seen or entered at all, every scope is, as never entered."""
+    from swapkit.runtime.reached import ScopesReached
+    from swapkit.runtime.scope import Frame
+
+    reached = ScopesReached(SCOPES)
+    reached.seen.add((0, ""))
+    reached.entered(Frame(0, "attn", 2), None)
+    assert reached.unused_swaps(saved_any=True) == [(0, "attn", None)]  # layer 1 never ran
+    reached.entered(Frame(0, "attn", 2), OTHER_HOOKS)  # a later entry knows the cause
+    reached.entered(Frame(0, "attn", 2), NO_GRAD)  # the first known cause stays
+    assert reached.unused_swaps(saved_any=True) == [(0, "attn", OTHER_HOOKS)]
+    assert reached.reached_swap_scopes() == {(0, "")}
+    nothing = ScopesReached(SCOPES)
+    assert nothing.unused_swaps(saved_any=True) == [(layer, path, NOT_ENTERED) for layer, path in SCOPES]
+
+
+def test_a_step_that_saved_nothing_reports_only_the_scopes_entered_under_other_hooks():
+    """Note [Swaps nobody reports]: a forward none of whose saves reached the session (another hooks context around
+    it, or ``no_grad``) names only the scopes entered under another saved-tensor hooks context."""
+    from swapkit.runtime.reached import ScopesReached
+    from swapkit.runtime.scope import Frame
+
+    reached = ScopesReached(SCOPES)
+    reached.entered(Frame(0, "", 2), OTHER_HOOKS)
+    reached.entered(Frame(1, "", 2), NO_GRAD)
+    assert reached.unused_swaps(saved_any=False) == [(0, "", OTHER_HOOKS)]
+
+
+def test_the_rest_of_a_forward_reports_nothing_and_counts_as_having_run_layers():
+    """swapkit.runtime.session Note [The rest of a forward]: a step that runs no bound layer after an earlier step
+    of its block did is no bypass; once it runs one, it is judged as any step."""
+    from swapkit.runtime.reached import ScopesReached
+
+    rest = ScopesReached(SCOPES)
+    rest.layers_ran_before = True
+    assert rest.rest_of_forward() and rest.layers_ran() and rest.unused_swaps(saved_any=True) == []
+    rest.seen.add((1, "attn"))
+    assert not rest.rest_of_forward() and rest.unused_swaps(saved_any=True) == [(1, "", NOT_ENTERED)]
+    first = ScopesReached(SCOPES)
+    assert not first.rest_of_forward() and not first.layers_ran()
+
+
+def test_small_swaps_are_the_scopes_that_kept_only_small_candidates_and_moved_nothing():
+    """Note [Swaps whose tensors are all small], on ScopesReached alone: the largest small candidate per
+    configured scope (an op hooked inside a layer swap counts for it), never a scope that offloaded bytes, kept a
+    candidate for another reason, or saved again a storage another scope moves."""
+    from swapkit.runtime.reached import ScopesReached
+    from swapkit.runtime.scope import Frame
+
+    reached = ScopesReached(SCOPES)
+    layer0, attn0, norm0 = Frame(0, "", 2), Frame(0, "attn", 2), Frame(0, "norm", 2)
+    layer1, attn1 = Frame(1, "", 2), Frame(1, "attn", 2)
+    reached.seen.update({(0, ""), (0, "attn"), (0, "norm"), (1, ""), (1, "attn")})
+    reached.kept_in(layer0, "small", 100)
+    reached.kept_in(norm0, "small", 300)  # hooked inside layer 0's swap: counts for it
+    reached.kept_in(attn0, "small", 50)
+    reached.kept_in(attn0, "tail", 4096)  # also kept for the tail: lowering the threshold would not do
+    reached.kept_in(layer1, "small", 10)
+    reached.kept_in(attn1, "small", 20)
+    reached.kept_in(attn1, "moved", 4096)  # saved again a storage another scope moves
+    assert reached.small_swaps({}) == [(0, "", 300), (1, "", 10)]
+    assert reached.small_swaps({"layer 0": 1 << 20}) == [(1, "", 10)]  # layer 0 offloaded bytes
