@@ -11,6 +11,8 @@ from torch.utils.checkpoint import checkpoint
 
 import swapkit
 from swapkit.runtime.overrides import FROZEN, NO_GRAD, NOT_ENTERED, OTHER_HOOKS
+from swapkit.runtime.reached import ScopesReached
+from swapkit.runtime.scope import Frame
 from torch import nn
 
 from tests.toys import Block, ToyNet, assert_grads_equal, grads, synced_session, toy_config
@@ -387,8 +389,6 @@ def test_a_scope_unused_in_many_layers_is_one_warning_naming_them(caplog):
 def test_a_hooked_op_inside_a_swap_counts_for_the_swap_it_takes_its_distance_from():
     """Note [Swaps whose tensors are all small]: an op hooked for recompute inside a swapped layer saves under the
     layer's distance, so its tensors count for the layer swap, not for an op swap nobody configured."""
-    from swapkit.runtime.reached import ScopesReached
-
     owner = ScopesReached(((0, ""), (0, "attn"), (1, "mlp"))).swap_owner
     assert owner(0, "attn") == (0, "attn") and owner(0, "attn.q") == (0, "attn")
     assert owner(0, "mlp") == (0, "") and owner(0, "attnx") == (0, "")  # a prefix of the name is no parent
@@ -402,9 +402,6 @@ def test_unused_swaps_are_the_scopes_of_the_layers_that_ran_that_no_save_reached
     """Note [Swaps nobody reports], on ScopesReached alone: a scope of a layer that ran and saw no tensor is
     unused, with the cause it was entered under (none known: ``None``); a layer that did not run is not
     reported (another pipeline chunk's); with no layer seen or entered at all, every scope is, as never entered."""
-    from swapkit.runtime.reached import ScopesReached
-    from swapkit.runtime.scope import Frame
-
     reached = ScopesReached(SCOPES)
     reached.seen.add((0, ""))
     reached.entered(Frame(0, "attn", 2), None)
@@ -420,9 +417,6 @@ def test_unused_swaps_are_the_scopes_of_the_layers_that_ran_that_no_save_reached
 def test_a_step_that_saved_nothing_reports_only_the_scopes_entered_under_other_hooks():
     """Note [Swaps nobody reports]: a forward none of whose saves reached the session (another hooks context around
     it, or ``no_grad``) names only the scopes entered under another saved-tensor hooks context."""
-    from swapkit.runtime.reached import ScopesReached
-    from swapkit.runtime.scope import Frame
-
     reached = ScopesReached(SCOPES)
     reached.entered(Frame(0, "", 2), OTHER_HOOKS)
     reached.entered(Frame(1, "", 2), NO_GRAD)
@@ -432,8 +426,6 @@ def test_a_step_that_saved_nothing_reports_only_the_scopes_entered_under_other_h
 def test_the_rest_of_a_forward_reports_nothing_and_counts_as_having_run_layers():
     """swapkit.runtime.session Note [The rest of a forward]: a step that runs no bound layer after an earlier step
     of its block did is no bypass; once it runs one, it is judged as any step."""
-    from swapkit.runtime.reached import ScopesReached
-
     rest = ScopesReached(SCOPES)
     rest.layers_ran_before = True
     assert rest.rest_of_forward() and rest.layers_ran() and rest.unused_swaps(saved_any=True) == []
@@ -447,9 +439,6 @@ def test_small_swaps_are_the_scopes_that_kept_only_small_candidates_and_moved_no
     """Note [Swaps whose tensors are all small], on ScopesReached alone: the largest small candidate per
     configured scope (an op hooked inside a layer swap counts for it), never a scope that offloaded bytes, kept a
     candidate for another reason, or saved again a storage another scope moves."""
-    from swapkit.runtime.reached import ScopesReached
-    from swapkit.runtime.scope import Frame
-
     reached = ScopesReached(SCOPES)
     layer0, attn0, norm0 = Frame(0, "", 2), Frame(0, "attn", 2), Frame(0, "norm", 2)
     layer1, attn1 = Frame(1, "", 2), Frame(1, "attn", 2)

@@ -172,7 +172,7 @@ class StageSession(SwapSession):
         "no effect" of the optimizer step (swapkit.runtime.microsteps Note [Unused swaps of an optimizer step])."""
         assert isinstance(step, MicroStep)
         reached = step.group.reached_swap_scopes()
-        return [(layer, path, cause) for layer, path, cause in step.scopes.unused_swaps(step.clock > 0)
+        return [(layer, path, cause) for layer, path, cause in super()._unused_swaps(step)
                 if (layer, path) not in reached]
 
     def _step_number(self, step: Step) -> int:
