@@ -17,7 +17,8 @@ it (CPU only). (i) bounds what a keep could cost without swapkit's Python (Note 
 would still pay]), and (j) what a coalesced swap could (Note [What a swap in C would still pay]); (k) and
 (l) do the same work in C++, as a torch extension would (Note [What a save path in C++ pays]). (m) is (c)
 with ``runtime.native_save: true``: swapkit's own C++ hooks serve the plain keeps (``swapkit.runtime.native``
-Note [The native save path]).
+Note [The native save path]); (n) is (d) with it, where they also serve the new swapped storages' saves and the
+swapped unpacks up to the schedule's and the record's Python (``native_save.cpp`` Note [Swaps served in C++]).
 
 Note [What a save path in C would still pay]
 Way (i) is a pair of plain hooks that make the torch calls and the allocations a keep needs and
@@ -255,12 +256,12 @@ def _built_native_save(ways: Iterable[str]) -> Any:
         return None
 
 
-def _native_session_builds() -> bool:
-    """Can way (m) run? If not, say on stderr why it is left out (``swapkit.runtime.native``)."""
+def _native_session_builds(ways: list[str]) -> bool:
+    """Can ways (m) and (n) run? If not, say on stderr why they are left out (``swapkit.runtime.native``)."""
     try:
         native_module()
     except NativeBuildError as err:
-        print(f"microbench: way keep_session_native left out: {err}", file=sys.stderr)
+        print(f"microbench: ways {', '.join(ways)} left out: {err}", file=sys.stderr)
         return False
     return True
 
@@ -427,7 +428,9 @@ class CollectorClock:
 
 
 WAYS = ("none", "identity", "keep", "swap", "swap_per_tensor", "floor", "swap_no_gc", "swap_inline", "keep_calls",
-        "swap_calls", "keep_native", "swap_native", "keep_session_native")
+        "swap_calls", "keep_native", "swap_native", "keep_session_native", "swap_session_native")
+#: the ways that run swapkit's own C++ hooks (``runtime.native_save``)
+SESSION_NATIVE_WAYS = ("keep_session_native", "swap_session_native")
 
 
 def run(device: torch.device, length: int, reps: int, width: int = 16, ways: tuple[str, ...] = WAYS) -> dict[str, Any]:
@@ -447,9 +450,12 @@ def run(device: torch.device, length: int, reps: int, width: int = 16, ways: tup
     makers = {"keep": lambda m: _session(m, False), "swap": lambda m: _session(m, True),
               "swap_per_tensor": lambda m: _session(m, True, coalesce=False),
               "swap_no_gc": lambda m: _session(m, True), "swap_inline": lambda m: _session(m, True),
-              "keep_session_native": lambda m: _session(m, False, native=True)}
-    if "keep_session_native" in models and not _native_session_builds():
-        models.pop("keep_session_native")
+              "keep_session_native": lambda m: _session(m, False, native=True),
+              "swap_session_native": lambda m: _session(m, True, native=True)}
+    session_native = [name for name in SESSION_NATIVE_WAYS if name in models]
+    if session_native and not _native_session_builds(session_native):
+        for name in session_native:
+            models.pop(name)
     sessions = {name: make(models[name]) for name, make in makers.items() if name in models}
     contexts = {"none": contextlib.nullcontext, "identity": _identity_hooks, "floor": _floor_hooks,
                 "keep_calls": _keep_calls_hooks, "swap_calls": _swap_calls_hooks,
@@ -486,10 +492,12 @@ def run(device: torch.device, length: int, reps: int, width: int = 16, ways: tup
     summary["load_average"] = {"before": load_before, "after": os.getloadavg()}
     summary["collector_us_per_saved_tensor"] = {name: spent / reps / saved * 1e6 for name, (spent, _) in collected.items()}
     summary["full_collections"] = {name: full for name, (_, full) in collected.items()}
-    for name in ("swap", "swap_per_tensor", "swap_no_gc", "swap_inline"):
+    for name in ("swap", "swap_per_tensor", "swap_no_gc", "swap_inline", "swap_session_native"):
         jobs = getattr(stats.get(name), "offload_copies", None)  # a tree without coalescing has no such counter
         summary[f"{name}_copy_jobs"] = None if jobs is None else jobs + stats[name].prefetch_copies
         summary[f"{name}_copy_thread"] = copy_threads.get(name)
+        offloaded = getattr(stats.get(name), "offloaded_bytes", 0)  # Note [Releases never stall compute]
+        summary[f"{name}_released_share"] = stats[name].released_bytes / offloaded if offloaded else None
     return summary
 
 
@@ -659,6 +667,12 @@ def report_lines(result: dict[str, Any]) -> list[str]:
         lines += ["", f"Copy jobs per step (each way together): {micro['swap_copy_jobs']} in (d), "
                       f"{micro['swap_per_tensor_copy_jobs']} in (e), for {micro['swap_offloaded_tensors']} swapped "
                       f"storages; {micro['swap_late_fetches']} late fetches in (d)'s last step."]
+    shares = {name: micro.get(f"{name}_released_share") for name in ("swap", "swap_session_native")}
+    if any(share is not None for share in shares.values()):  # the rest was not copied by its horizon: kept
+        lines += ["", "Offloaded bytes released before backward in the last step (the rest stayed on the device, its "
+                      "copy unfinished at its horizon: swapkit.runtime.swap_schedule Note [Releases never stall "
+                      "compute]): " + ", ".join(f"{share:.1%} in {LABELS[name][:3]}" for name, share in shares.items()
+                                                if share is not None) + "."]
     return lines
 
 
@@ -672,7 +686,8 @@ LABELS = {"none": "(a) no hooks", "identity": "(b) identity saved_tensors_hooks"
           "keep_native": "(k) a keep's bookkeeping in C++ (a torch extension), no Python per save",
           "swap_native": "(l) a coalesced swap's bookkeeping and copies in C++, no Python per save",
           "swap_calls": "(j) a coalesced swap's torch calls and allocations alone, no swapkit frames",
-          "keep_session_native": "(m) as (c), runtime.native_save: true (swapkit's C++ hooks)"}
+          "keep_session_native": "(m) as (c), runtime.native_save: true (swapkit's C++ hooks)",
+          "swap_session_native": "(n) as (d), runtime.native_save: true (swapkit's C++ hooks)"}
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from swapkit.runtime.records import KeptRecord, Saved, SwapRecord
 from swapkit.train.model import lm_loss
 from tests.toys import (
     GatedEngine, ReadyWhenDone, ToyNet, assert_grads_equal, bench_module, grads, install_engine, layer_swap, llama,
-    llama_batch, llama_step, open_gate_when_blocked, toy_config,
+    llama_batch, llama_step, open_gate_when_blocked, synced_session, toy_config,
 )
 
 
@@ -577,7 +577,7 @@ def test_a_step_is_freed_by_its_reference_count_once_the_session_moved_on():
     holds its step weakly): a step the session no longer holds, whose graph is gone, is freed at once, with its
     parameter set, stats and ledger, not left to a full collection of the cyclic collector."""
     model = ToyNet(layers=3)
-    session = swapkit.apply(model, toy_config(3, **layer_swap(1)))
+    session = synced_session(model, toy_config(3, **layer_swap(1)))  # releases at their horizon, however loaded
     steps = []
     gc.disable()
     try:

@@ -16,7 +16,7 @@ from torch import nn
 
 import swapkit
 from swapkit.runtime import native
-from swapkit.runtime.records import KeptRecord, Saved, storage_key
+from swapkit.runtime.records import KeptRecord, Saved, SwapRecord, storage_key
 from tests.toys import (
     ToyNet, assert_grads_equal, grads, layer_swap, llama, llama_batch, llama_step, require_native, synced_session,
     toy_config,
@@ -397,7 +397,8 @@ def test_the_hooks_refuse_a_record_type_they_cannot_build_without_its_call(built
     session = synced_session(ToyNet(layers=1), toy_config(1))
     with pytest.raises(TypeError, match="KeptRecord must not define __new__ or __init__"):
         built.make_hooks(session, session.tracker, session._pack, session._unpack, Step.settle, SwapSchedule.advance,
-                         Saved, Initialised, Step, SETTLE_TICKS)
+                         SwapSchedule.add, Step.unpacked, SwapRecord.restore, Saved, Initialised, SwapRecord, Step,
+                         SETTLE_TICKS)
 
 
 def test_a_native_save_that_raises_holds_on_to_nothing():
@@ -580,3 +581,106 @@ def _one_run(on: bool, seed: int, config: dict, steps: int = 3):
         runs.append((loss, grads(model), session.stats))
     session.remove()
     return runs, session.native_counts
+
+
+class SinChain(nn.Module):
+    """``length`` ``sin`` ops: each saves its input, a new plain storage (the microbenchmark's layer)."""
+
+    def __init__(self, length: int) -> None:
+        super().__init__()
+        self.length = length
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.length):
+            x = torch.sin(x)
+        return x
+
+
+class SinNet(nn.Module):
+    def __init__(self, layers: int = 3, length: int = 6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, 16))
+        self.layers = nn.ModuleList([SinChain(length) for _ in range(layers)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x * self.weight
+        for layer in self.layers:
+            x = layer(x)
+        return x.sum()
+
+
+class WritingChain(SinChain):
+    """A SinChain that writes its first output in place after the next ``sin`` saved it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.sin(x)
+        y = torch.sin(x)
+        x.mul_(1)
+        return super().forward(y)
+
+
+def _sin_step(model):
+    loss = model(torch.linspace(-1.0, 1.0, 16, dtype=model.weight.dtype))
+    loss.backward()
+    return loss.detach()
+
+
+def test_new_swapped_storages_and_swapped_unpacks_are_served_in_cpp():
+    """Note [Swaps served in C++] in native_save.cpp: in a layer swap of plain ops, every new storage but each
+    layer's first save (a new frame: the Python sees it) gets its swap record through the C++, which calls
+    ``SwapSchedule.add``; every unpack of a swapped save is served in C++, whichever path made its handle. The
+    batches, releases, prefetches and stats equal the Python hooks' run, bit for bit."""
+    config = toy_config(3, **layer_swap(2))
+    python, native_run = run_both(lambda: SinNet(), config, _sin_step, steps=1)
+    assert_same_runs(python, native_run)
+    stats = native_run[0][0][2]
+    assert stats.offloaded_tensors > 0 and stats.prefetched_bytes == stats.released_bytes > 0
+    model = SinNet()
+    session = synced_session(model, native_config(config))
+    _sin_step_in(session, model)
+    assert session.native_swap_counts == (3 * (6 - 1), 3 * 6)
+
+
+def _sin_step_in(session, model):
+    with session:
+        return _sin_step(model)
+
+
+class _CountingObserver:
+    """Sees every save and unpack, as the planner's measurement does (``SwapSession.observer``)."""
+
+    def __init__(self) -> None:
+        self.saved_count = self.unpacked_count = 0
+
+    def saved(self, saved) -> None:
+        self.saved_count += 1
+
+    def unpacked(self, saved) -> None:
+        self.unpacked_count += 1
+
+
+@pytest.mark.parametrize("change", ["version", "observer", "dtype", "small"])
+def test_swaps_the_cpp_does_not_serve_go_to_the_python_hooks(change):
+    """A swapped save the C++ cannot serve as the Python would is the Python's: a half-precision tensor (autocast
+    may cache it), one under ``min_offload_bytes`` (kept and counted as small), or any save or unpack of a
+    session with an observer; at unpack, a keeper written in place gets the session's error."""
+    runtime = {"min_offload_bytes": 10**6} if change == "small" else {}
+    model = SinNet().to(torch.float16) if change == "dtype" else SinNet()
+    session = synced_session(model, native_config(toy_config(3, **layer_swap(2, **runtime))))
+    if change == "version":  # layer 1 writes in place a storage its second sin saved in C++
+        model.layers[1] = WritingChain(6)
+        with session, pytest.raises(RuntimeError, match="modified by an in-place operation after it was saved"):
+            _sin_step(model)
+        assert session.native_swap_counts[0] > 0
+        return
+    if change == "observer":
+        session.observer = _CountingObserver()
+    _sin_step_in(session, model)
+    packs, unpacks = session.native_swap_counts
+    stats = session.stats
+    if change == "observer":
+        assert packs == unpacks == 0 and session.observer.unpacked_count == stats.ticks == 1 + 3 * 6
+    elif change == "dtype":
+        assert packs == 0 and stats.offloaded_tensors > 0  # swapped by the Python
+    else:
+        assert packs == 0 and stats.skipped["small"] == 3 * 6 * 16 * 4 and stats.offloaded_tensors == 0

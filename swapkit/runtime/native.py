@@ -22,20 +22,27 @@ clock's tick is followed by ``SwapSchedule.advance``, the releases due, as in ``
 - outside a swap scope, a new storage that ``Step.save`` keeps without a record: one the step knows as
   a parameter's, an empty storage, one on another device;
 - a storage whose live ``KeptRecord`` the step has, at the same version, in any scope (as the Python,
-  which does not move a kept storage): a handle of that record.
+  which does not move a kept storage): a handle of that record;
+- in a swap scope, a new storage of the same kind (plain, on the device, not half precision, at least
+  ``runtime.min_offload_bytes``, not in the tail the step skips) that ``Step.save`` would swap: its swap
+  record, made by ``SwapSchedule.add`` as the Python makes it (``native_save.cpp`` Note [Swaps served in
+  C++]).
 They also serve an unpack of a handle with a kept record (or none) whose keeper was not written in
 place, once the step stopped watching unpacks (``swapkit.runtime.step`` Note [The cost of a save])
-and with no observer: the keeper.
+and with no observer: the keeper; and an unpack of a handle with a swap record of a step (not a
+micro-step) whose keeper was not written in place, with no observer: ``Step.unpacked`` while the step
+watches unpacks, then the keeper or ``SwapRecord.restore``.
 Everything else (a parameter the step does not know yet, views and tensors with attributes of a new
-storage, new storages in swap scopes, swapped records, recomputable outputs, backward's packs,
-micro-steps, the first unpacks of a backward, a modified keeper's error) goes to the session's own
-Python hooks, unchanged.
+storage, swap candidates the step keeps (small, tail, autocast's dtypes), later saves of a swapped
+storage, recomputable outputs, backward's packs, micro-steps, the first unpacks of a backward of a
+keep, a modified keeper's error) goes to the session's own Python hooks, unchanged.
 Neither path knows which one made a handle or a record, so mixing them changes nothing: both indexes are
 keyed by the ``StorageImpl`` address (:func:`~swapkit.runtime.records.storage_key`) that both can read,
 both paths look up both, and a ``KeptRecord`` holds its first keeper, not the Python storage object,
 which the C++ never makes. The C++ reads the attributes it needs from the objects' instance dicts
 (``native_save.cpp`` Note [Attributes read from the instance dict]). ``SwapSession.native_counts`` says
-how many saves and unpacks the C++ served.
+how many saves and unpacks the C++ served, ``SwapSession.native_swap_counts`` how many of them were swapped
+storages'.
 
 Note [Objects the collector need not see]
 Python's cyclic collector runs after every 700 allocations of the objects it tracks, and each run walks
@@ -55,7 +62,8 @@ lists them: the tests find them through the step's ``kept_natively`` instead.
 
 The C functions are builtins: Dynamo never traces them (no Python frame); the Python they call, the
 hooks they fall back to, ``Step.settle`` (at a keep's tick 0, every ``SETTLE_TICKS``) and
-``SwapSchedule.advance`` (at every tick once a swap record was queued), is what
+``SwapSchedule.advance`` (at every tick once a swap record was queued), and for the swaps it serves
+``SwapSchedule.add``, ``Step.unpacked`` and ``SwapRecord.restore``, is what
 ``swapkit.runtime.dynamo`` keeps out of Dynamo as before: marked, or on an older torch its
 ``torch.compiler.disable`` wrappers (Note [Saved-tensor hooks stay out of Dynamo]). Pipeline stages
 keep the Python hooks: a stage's saves open micro-steps (``swapkit.runtime.stage_session``), which
@@ -70,7 +78,7 @@ from typing import Any
 
 from swapkit.runtime.dynamo import kept_out_of_dynamo
 from swapkit.runtime.ledger import SETTLE_TICKS
-from swapkit.runtime.records import KeptRecord, Saved
+from swapkit.runtime.records import KeptRecord, Saved, SwapRecord
 from swapkit.runtime.step import Step
 from swapkit.runtime.swap_schedule import SwapSchedule
 
@@ -126,7 +134,9 @@ def _build() -> Any:
 def native_hooks(session: Any, pack: Any, unpack: Any) -> tuple[Any, Any, Any]:
     """``(pack, unpack, saver)`` for ``session``, falling back to its Python hooks ``pack`` and ``unpack`` as
     :func:`~swapkit.runtime.dynamo.out_of_dynamo` returned them (Note [The native save path]); the step's
-    ``settle`` and its schedule's ``advance``, which the C++ calls, are kept out of Dynamo the same way."""
+    ``settle`` and unpack, its schedule's ``advance`` and ``add`` and a swap record's ``restore``, which the C++
+    calls, are kept out of Dynamo the same way."""
     module = native_module()
-    return module.make_hooks(session, session.tracker, pack, unpack, kept_out_of_dynamo(Step.settle),
-                             kept_out_of_dynamo(SwapSchedule.advance), Saved, NativeKeptRecord, Step, SETTLE_TICKS)
+    called = (Step.settle, SwapSchedule.advance, SwapSchedule.add, Step.unpacked, SwapRecord.restore)
+    return module.make_hooks(session, session.tracker, pack, unpack, *map(kept_out_of_dynamo, called), Saved,
+                             NativeKeptRecord, SwapRecord, Step, SETTLE_TICKS)

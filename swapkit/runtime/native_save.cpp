@@ -9,6 +9,8 @@
 // Neither path knows which one made a handle or a record.
 #include <torch/extension.h>
 #include <torch/csrc/Device.h>
+#include <torch/csrc/DynamicTypes.h>
+#include <torch/csrc/Storage.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/object_ptr.h>
@@ -22,7 +24,8 @@ namespace {
 struct Names {
   PyObject *step, *backward_started, *scheduled, *last_frame, *current, *observer, *clock, *watch_unpacks,
       *saved_bytes, *prefetch, *entries, *index, *param_storages, *stats, *bytes_changed,
-      *recomputable, *device, *kept_natively, *schedule;
+      *recomputable, *device, *kept_natively, *schedule, *runtime, *min_offload_bytes, *tail_ticks, *released,
+      *storage, *version;
 };
 Names names;
 
@@ -137,6 +140,10 @@ struct Saver {
   PyObject* slow_unpack;
   PyObject* settle;  // Step.settle, kept out of Dynamo as the Python hooks are (swapkit.runtime.dynamo)
   PyObject* advance;  // SwapSchedule.advance, the same
+  PyObject* swap_add;  // SwapSchedule.add, Step.unpacked, SwapRecord.restore: Note [Swaps served in C++]
+  PyObject* step_unpacked;
+  PyObject* restore;
+  PyTypeObject* swap_type;  // swapkit.runtime.records.SwapRecord
   PyTypeObject* saved_type;  // swapkit.runtime.records.Saved
   PyTypeObject* kept_type;  // swapkit.runtime.native.NativeKeptRecord: made here; its base, KeptRecord, by the Python
   PyTypeObject* step_type;  // swapkit.runtime.step.Step: a subclass (a micro-step) saves its own way
@@ -150,9 +157,13 @@ struct Saver {
   PyObject* changed;  // step.bytes_changed
   PyObject* recomputables;  // step._recomputable.entries, a dict (RecomputableOutputs never replaces it)
   PyObject* kept_index;  // step.kept_natively, a KeptIndex (Note [The records kept in C++])
+  PyObject* schedule;  // step.schedule, a SwapSchedule
   int device_type, device_index;  // step.device
+  int64_t min_offload;  // step.runtime.min_offload_bytes
+  int64_t tail;  // step.tail_ticks, or -1 where it is None
   int64_t settle_mask;
   int64_t packs, unpacks;  // saves and unpacks served here, not by the Python hooks
+  int64_t swap_packs, swap_unpacks;  // of those, the swapped ones (Note [Swaps served in C++])
 };
 
 PyTypeObject SaverType = {PyVarObject_HEAD_INIT(nullptr, 0) "swapkit_native_save.Saver"};
@@ -252,6 +263,25 @@ void clear_step(Saver* saver) {
   Py_CLEAR(saver->changed);
   Py_CLEAR(saver->recomputables);
   Py_CLEAR(saver->kept_index);
+  Py_CLEAR(saver->schedule);
+}
+
+// An integer attribute of ``object`` in ``*out``, -1 where it is None: false with the error set.
+bool read_int(PyObject* object, PyObject* name, int64_t* out) {
+  THPObjectPtr value(attr(object, name));
+  if (!value) return false;
+  *out = value.get() == Py_None ? -1 : PyLong_AsLongLong(value.get());
+  return !(*out == -1 && PyErr_Occurred());
+}
+
+// What a swap served here reads of ``step`` (Note [Swaps served in C++]): its schedule, the runtime's
+// min_offload_bytes and the tail the step does not offload. Each is set when the step is made and never again.
+// False with the error set.
+bool swap_settings(Saver* saver, PyObject* step) {
+  saver->schedule = attr(step, names.schedule);
+  THPObjectPtr runtime(saver->schedule ? attr(step, names.runtime) : nullptr);
+  return runtime && read_int(runtime.get(), names.min_offload_bytes, &saver->min_offload) &&
+         read_int(step, names.tail_ticks, &saver->tail);
 }
 
 // Read what a fast save needs of ``step`` once; false with the error set.
@@ -277,6 +307,10 @@ bool refresh(Saver* saver, PyObject* step) {
   saver->kept_index = saver->recomputables ? attr(step, names.kept_natively) : nullptr;
   if (saver->kept_index != nullptr && as_index(saver->kept_index) == nullptr) {
     PyErr_SetString(PyExc_TypeError, "swapkit native save: step.kept_natively is no KeptIndex (session._start_step)");
+    clear_step(saver);
+    return false;
+  }
+  if (saver->kept_index != nullptr && !swap_settings(saver, step)) {
     clear_step(saver);
     return false;
   }
@@ -318,17 +352,17 @@ PyObject* tick(Saver* saver, PyObject* step, int64_t* value) {
   return clock.release();
 }
 
-// A Saved handle (keeper, version, step, tick, record, None, frame): the Python make_saved, without its call.
-// Steals ``keeper`` and ``at``; null with the error set.
+// A Saved handle (keeper, version, step, tick, record, meta, frame): the Python make_saved, without its call;
+// ``meta`` is None for a kept storage. Steals ``keeper`` and ``at``; null with the error set.
 PyObject* saved(Saver* saver, PyObject* keeper, PyObject* version, PyObject* step, PyObject* at, PyObject* record,
-                PyObject* frame) {
+                PyObject* frame, PyObject* meta = Py_None) {
   PyObject* handle = saver->saved_type->tp_alloc(saver->saved_type, 7);
   if (handle == nullptr) {
     Py_DECREF(at);
     Py_DECREF(keeper);
     return nullptr;
   }
-  PyObject* items[7] = {keeper, version, step, at, record, Py_None, frame};
+  PyObject* items[7] = {keeper, version, step, at, record, meta, frame};
   for (int i : {1, 2, 4, 5, 6}) Py_INCREF(items[i]);
   for (int i = 0; i < 7; i++) PyTuple_SET_ITEM(handle, i, items[i]);
   PyObject_GC_UnTrack(handle);  // Note [Objects the collector need not see] in swapkit.runtime.native
@@ -367,27 +401,63 @@ int fast_state(Saver* saver, PyObject* step, PyObject* frame) {
 }
 
 // What Step._first_save does with a storage the step has no live record of, where the C++ can do the same.
-enum FirstSave { kPython = 0, kKeepRecord = 1, kKeepBare = 2 };
+enum FirstSave { kPython = 0, kKeepRecord = 1, kKeepBare = 2, kSwap = 3 };
+
+// A plain ``torch.Tensor``, not a view, with no attributes: no parameter unless the step knows its storage as
+// one (the Python's parameter test, Step._first_save).
+inline bool bare_tensor(PyObject* object, const at::Tensor& tensor) {
+  if (Py_TYPE(object) != reinterpret_cast<PyTypeObject*>(THPVariableClass) || tensor.is_view()) return false;
+  PyObject** dict = _PyObject_GetDictPtr(object);
+  return dict == nullptr || *dict == nullptr || PyDict_GET_SIZE(*dict) == 0;
+}
+
+// A storage with bytes on the step's device.
+inline bool on_device(Saver* saver, const at::Tensor& tensor) {
+  const at::Device device = tensor.device();
+  return tensor.storage().nbytes() > 0 && static_cast<int>(device.type()) == saver->device_type &&
+         device.index() == saver->device_index;
+}
+
+// In a swap scope of distance ``prefetch``: kSwap where Step._first_save would start a swap and nothing else
+// (Note [Swaps served in C++]), kPython where it might keep the storage and count why, or it is a recomputable
+// output. The save's tick is the step's clock (tick() moves it after). -1: error.
+int swap_candidate(Saver* saver, PyObject* object, const at::Tensor& tensor, PyObject* key, PyObject* step,
+                   int64_t prefetch) {
+  int parameter = PySet_Contains(saver->params, key);
+  if (parameter != 0) return parameter < 0 ? -1 : kPython;
+  if (!bare_tensor(object, tensor) || !on_device(saver, tensor) || PyDict_GET_SIZE(saver->recomputables) > 0)
+    return kPython;
+  const at::ScalarType dtype = tensor.scalar_type();
+  if (dtype == at::kHalf || dtype == at::kBFloat16) return kPython;  // autocast's cache may hold it (autocast.py)
+  if (static_cast<int64_t>(tensor.storage().nbytes()) < saver->min_offload) return kPython;  // small
+  if (saver->tail >= 0) {  // swap_schedule Note [The last k ticks stay on the device]
+    THPObjectPtr clock(read(step, saver->step_dict, names.clock));
+    const int64_t now = clock ? PyLong_AsLongLong(clock.get()) : -1;
+    if (now == -1 && PyErr_Occurred()) return -1;
+    if (now < saver->tail && saver->tail <= now + prefetch) return kPython;
+  }
+  return kSwap;
+}
 
 // kKeepRecord: kept with a new KeptRecord; kKeepBare: kept without a record, outside a swap scope (a
-// parameter's storage, an empty one, one on another device: _not_candidate does nothing there); kPython:
-// the Python decides (a swap scope, a possible parameter, a recomputable output). -1: error.
-int first_save(Saver* saver, PyObject* object, const at::Tensor& tensor, PyObject* key, PyObject* frame) {
+// parameter's storage, an empty one, one on another device: _not_candidate does nothing there); kSwap: a new
+// swap record (swap_candidate, ``*prefetch`` its distance); kPython: the Python decides (a possible parameter, a
+// recomputable output, a swap candidate it keeps). -1: error.
+int first_save(Saver* saver, PyObject* object, const at::Tensor& tensor, PyObject* key, PyObject* step,
+               PyObject* frame) {
   if (frame != Py_None) {
-    PyObject* prefetch = attr(frame, names.prefetch);  // a swap scope's: its saves are counted in Python
-    if (prefetch == nullptr) return -1;
-    Py_DECREF(prefetch);
-    if (prefetch != Py_None) return kPython;
+    THPObjectPtr prefetch(attr(frame, names.prefetch));
+    if (!prefetch) return -1;
+    if (prefetch.get() != Py_None) {
+      const int64_t distance = PyLong_AsLongLong(prefetch.get());
+      if (distance == -1 && PyErr_Occurred()) return -1;
+      return swap_candidate(saver, object, tensor, key, step, distance);
+    }
   }
   int parameter = PySet_Contains(saver->params, key);
   if (parameter != 0) return parameter < 0 ? -1 : kKeepBare;
-  if (Py_TYPE(object) != reinterpret_cast<PyTypeObject*>(THPVariableClass) || tensor.is_view()) return kPython;
-  PyObject** dict = _PyObject_GetDictPtr(object);  // attributes: the Python's parameter test
-  if (dict != nullptr && *dict != nullptr && PyDict_GET_SIZE(*dict) > 0) return kPython;
-  const at::Device device = tensor.device();
-  if (tensor.storage().nbytes() == 0 || static_cast<int>(device.type()) != saver->device_type ||
-      device.index() != saver->device_index)
-    return kKeepBare;
+  if (!bare_tensor(object, tensor)) return kPython;
+  if (!on_device(saver, tensor)) return kKeepBare;
   return PyDict_GET_SIZE(saver->recomputables) > 0 ? kPython : kKeepRecord;
 }
 
@@ -447,13 +517,90 @@ PyObject* keep_new(Saver* saver, const at::Tensor& tensor, PyObject* version, Py
   return saved(saver, keeper.release(), version, step, at.release(), record.get(), frame);  // it holds the record
 }
 
-// keep_new or, ``record`` None, keep_again for a storage kept without a record, with a new version object.
+// A tuple of ``values`` as Python integers, untracked (it holds none of the collector's objects).
+PyObject* int_tuple(c10::IntArrayRef values) {
+  PyObject* tuple = PyTuple_New(static_cast<Py_ssize_t>(values.size()));
+  for (size_t i = 0; tuple != nullptr && i < values.size(); i++) {
+    PyObject* value = PyLong_FromLongLong(values[i]);
+    if (value == nullptr) Py_CLEAR(tuple);
+    else PyTuple_SET_ITEM(tuple, static_cast<Py_ssize_t>(i), value);
+  }
+  if (tuple != nullptr && PyObject_GC_IsTracked(tuple)) PyObject_GC_UnTrack(tuple);
+  return tuple;
+}
+
+// swapkit.runtime.records.view_meta: ``(dtype, size, stride, storage_offset, is_conj, is_neg)``, untracked as
+// the Python's becomes at the collector's first look. A new reference, or null with the error set.
+PyObject* view_meta(const at::Tensor& tensor) {
+  THPObjectPtr size(int_tuple(tensor.sizes()));
+  THPObjectPtr stride(size ? int_tuple(tensor.strides()) : nullptr);
+  THPObjectPtr offset(stride ? PyLong_FromLongLong(tensor.storage_offset()) : nullptr);
+  if (!offset) return nullptr;
+  PyObject* dtype = reinterpret_cast<PyObject*>(torch::getTHPDtype(tensor.scalar_type()));  // borrowed
+  PyObject* meta = PyTuple_Pack(6, dtype, size.get(), stride.get(), offset.get(),
+                                tensor.is_conj() ? Py_True : Py_False, tensor.is_neg() ? Py_True : Py_False);
+  if (meta != nullptr && PyObject_GC_IsTracked(meta)) PyObject_GC_UnTrack(meta);
+  return meta;
+}
+
+// Note [Swaps served in C++]
+// A new storage that Step._first_save would swap and do nothing else with (swap_candidate: no parameter, view,
+// attribute, recomputable output, autocast dtype, small storage or tail) is served here up to the record itself:
+// the clock, the keeper, ``SwapSchedule.add`` (called: the batch, the release queue and the stats are the
+// schedule's), ``step._scheduled``, the step's index, the stats and the ledger in the Python's order, and the
+// handle with its view metadata. An unpack of a handle with a SwapRecord, with no observer and a Step (not a
+// micro-step), is session._unpack without its frame: the version check (a mismatch goes to the Python, which
+// raises the session's error), ``Step.unpacked`` while the step watches unpacks, then the keeper or, once the
+// record was released, ``SwapRecord.restore``. A storage saved again, a re-save of a swapped storage included,
+// goes to the Python as before. The handle is untracked like a kept one (Note [Objects the collector need not
+// see] in swapkit.runtime.native): its view metadata holds only integers, a dtype and booleans, and its
+// record is a SwapRecord, which refers to no handle.
+PyObject* swap_new(Saver* saver, const at::Tensor& tensor, PyObject* version, PyObject* step, PyObject* key,
+                   PyObject* frame) {
+  int64_t value;
+  THPObjectPtr at(tick(saver, step, &value));
+  if (!at) return nullptr;
+  THPObjectPtr nbytes(PyLong_FromLongLong(static_cast<int64_t>(tensor.storage().nbytes())));
+  THPObjectPtr keeper(nbytes ? THPVariable_Wrap(tensor.detach()) : nullptr);  // Note [Version keepers] in records
+  THPObjectPtr storage(keeper ? THPStorage_Wrap(tensor.storage()) : nullptr);
+  if (!storage) return nullptr;
+  THPObjectPtr record(PyObject_CallFunctionObjArgs(saver->swap_add, saver->schedule, storage.get(), nbytes.get(),
+                                                   version, frame, at.get(), keeper.get(), nullptr));
+  if (!record || write(step, saver->step_dict, names.scheduled, Py_True) < 0 ||
+      !count_saved(saver, nbytes.get()) || !account(saver, step, nbytes.get(), value))
+    return nullptr;
+  THPObjectPtr ref(PyWeakref_NewRef(record.get(), nullptr));  // Note [The cost of a save] in swapkit.runtime.step
+  if (!ref || PyDict_SetItem(saver->index, key, ref.get()) < 0) return nullptr;
+  THPObjectPtr meta(view_meta(tensor));
+  if (!meta) return nullptr;
+  saver->swap_packs++;
+  return saved(saver, keeper.release(), version, step, at.release(), record.get(), frame, meta.get());
+}
+
+// keep_new, swap_new or, ``record`` None, keep_again for a storage kept without a record, with a new version
+// object.
 PyObject* keep_first(Saver* saver, const at::Tensor& tensor, int64_t version, PyObject* step, int first,
-                     PyObject* frame) {
+                     PyObject* key, PyObject* frame) {
   THPObjectPtr number(PyLong_FromLongLong(version));
   if (!number) return nullptr;
+  if (first == kSwap) return swap_new(saver, tensor, number.get(), step, key, frame);
   return first == kKeepRecord ? keep_new(saver, tensor, number.get(), step, frame)
                               : keep_again(saver, tensor, number.get(), step, Py_None, frame);
+}
+
+// 1: ``record``, a SwapRecord found by the storage's key, is not this storage's at this version: its storage
+// died and another took its StorageImpl's address (the record holds it weakly from its release on; no two live
+// storages share an address), or the storage was written since; Step.save makes a new record. 0: it is; -1: error.
+int stale_swap(PyObject* record, int64_t version) {
+  THPObjectPtr ref(attr(record, names.storage));
+  PyObject* storage = nullptr;
+  int alive = ref ? referent(ref.get(), &storage) : -1;
+  Py_XDECREF(storage);  // compared by being alive only
+  if (alive <= 0) return alive < 0 ? -1 : 1;
+  THPObjectPtr was(attr(record, names.version));
+  const int64_t saved = was ? PyLong_AsLongLong(was.get()) : -1;
+  if (saved == -1 && PyErr_Occurred()) return -1;
+  return saved != version;
 }
 
 // The fast save, or null with no error set when the Python hooks must serve it.
@@ -478,6 +625,11 @@ PyObject* fast_pack(Saver* saver, PyObject* object, PyObject* step, PyObject* fr
   PyObject* ref = key ? PyDict_GetItemWithError(saver->index, key.get()) : nullptr;  // borrowed
   if (ref != nullptr && referent(ref, &found) < 0) return nullptr;
   THPObjectPtr record(found);  // owned: alive for the call (the wrap may run the collector)
+  if (record && Py_TYPE(record.get()) == saver->swap_type) {
+    int stale = stale_swap(record.get(), version);
+    if (stale < 0) return nullptr;
+    if (stale) record = nullptr;  // Step.save's first save: a new record
+  }
   PyObject* result = nullptr;
   if (record) {
     if (kept(saver, record.get()) && PyList_GET_SIZE(record.get()) >= 4) {
@@ -487,9 +639,9 @@ PyObject* fast_pack(Saver* saver, PyObject* object, PyObject* step, PyObject* fr
       if (was == version) result = keep_again(saver, tensor, kept_version, step, record.get(), frame);
     }
   } else if (!PyErr_Occurred()) {  // a new storage, or a dead record's key reused: Step.save's first save
-    int first = first_save(saver, object, tensor, key.get(), frame);
+    int first = first_save(saver, object, tensor, key.get(), step, frame);
     if (first < 0) return nullptr;
-    if (first != kPython) result = keep_first(saver, tensor, version, step, first, frame);
+    if (first != kPython) result = keep_first(saver, tensor, version, step, first, key.get(), frame);
   }
   return result;
 }
@@ -528,12 +680,50 @@ int plain_unpack(Saver* saver, PyObject* handle) {
   return is(saver->session, saver->session_dict, names.observer, Py_None);
 }
 
+// The unpack of a swapped save (Note [Swaps served in C++]): a new reference, or null with no error set where
+// the Python hook serves it, or with the error set.
+PyObject* swap_unpack(Saver* saver, PyObject* handle) {
+  if (Py_TYPE(handle) != saver->saved_type || PyTuple_GET_SIZE(handle) != 7) return nullptr;
+  PyObject* keeper = PyTuple_GET_ITEM(handle, 0);
+  PyObject* step = PyTuple_GET_ITEM(handle, 2);
+  PyObject* record = PyTuple_GET_ITEM(handle, 4);
+  if (Py_TYPE(record) != saver->swap_type || Py_TYPE(step) != saver->step_type || !THPVariable_Check(keeper))
+    return nullptr;
+  int64_t version = PyLong_AsLongLong(PyTuple_GET_ITEM(handle, 1));
+  if (version == -1 && PyErr_Occurred()) return nullptr;
+  if (static_cast<int64_t>(THPVariable_Unpack(keeper)._version()) != version) return nullptr;  // the Python raises
+  if (is(saver->session, saver->session_dict, names.observer, Py_None) != 1) return nullptr;
+  PyObject* at = PyTuple_GET_ITEM(handle, 3);
+  int watched = truth(step, step == saver->step ? saver->step_dict : nullptr, names.watch_unpacks);
+  if (watched < 0) return nullptr;
+  if (watched > 0) {
+    THPObjectPtr done(PyObject_CallFunctionObjArgs(saver->step_unpacked, step, at, record, nullptr));
+    if (!done) return nullptr;
+  }
+  int released = truth(record, nullptr, names.released);
+  if (released < 0) return nullptr;
+  PyObject* tensor = keeper;
+  if (released == 0)
+    Py_INCREF(keeper);
+  else
+    tensor = PyObject_CallFunctionObjArgs(saver->restore, record, PyTuple_GET_ITEM(handle, 5), at, nullptr);
+  if (tensor != nullptr) {
+    saver->swap_unpacks++;
+    saver->unpacks++;
+  }
+  return tensor;
+}
+
 PyObject* unpack(PyObject* self, PyObject* handle) {
   HANDLE_TH_ERRORS
   auto* saver = reinterpret_cast<Saver*>(self);
   int plain = plain_unpack(saver, handle);
   if (plain < 0) return nullptr;
-  if (plain == 0) return PyObject_CallOneArg(saver->slow_unpack, handle);
+  if (plain == 0) {
+    PyObject* swapped = swap_unpack(saver, handle);
+    if (swapped != nullptr || PyErr_Occurred()) return swapped;
+    return PyObject_CallOneArg(saver->slow_unpack, handle);
+  }
   saver->unpacks++;
   PyObject* keeper = PyTuple_GET_ITEM(handle, 0);
   Py_INCREF(keeper);
@@ -554,6 +744,10 @@ int Saver_traverse(PyObject* self, visitproc visit, void* arg) {
   Py_VISIT(saver->slow_unpack);
   Py_VISIT(saver->settle);
   Py_VISIT(saver->advance);
+  Py_VISIT(saver->swap_add);
+  Py_VISIT(saver->step_unpacked);
+  Py_VISIT(saver->restore);
+  Py_VISIT(saver->swap_type);
   Py_VISIT(saver->saved_type);
   Py_VISIT(saver->kept_type);
   Py_VISIT(saver->step_type);
@@ -566,6 +760,7 @@ int Saver_traverse(PyObject* self, visitproc visit, void* arg) {
   Py_VISIT(saver->changed);
   Py_VISIT(saver->recomputables);
   Py_VISIT(saver->kept_index);
+  Py_VISIT(saver->schedule);
   return 0;
 }
 
@@ -579,6 +774,10 @@ int Saver_clear(PyObject* self) {
   Py_CLEAR(saver->slow_unpack);
   Py_CLEAR(saver->settle);
   Py_CLEAR(saver->advance);
+  Py_CLEAR(saver->swap_add);
+  Py_CLEAR(saver->step_unpacked);
+  Py_CLEAR(saver->restore);
+  Py_CLEAR(saver->swap_type);
   Py_CLEAR(saver->saved_type);
   Py_CLEAR(saver->kept_type);
   Py_CLEAR(saver->step_type);
@@ -595,6 +794,11 @@ void Saver_dealloc(PyObject* self) {
 PyObject* Saver_counts(PyObject* self, PyObject*) {
   auto* saver = reinterpret_cast<Saver*>(self);
   return Py_BuildValue("(LL)", static_cast<long long>(saver->packs), static_cast<long long>(saver->unpacks));
+}
+
+PyObject* Saver_swap_counts(PyObject* self, PyObject*) {
+  auto* saver = reinterpret_cast<Saver*>(self);
+  return Py_BuildValue("(LL)", static_cast<long long>(saver->swap_packs), static_cast<long long>(saver->swap_unpacks));
 }
 
 PyObject* Saver_forget_step(PyObject* self, PyObject*) {
@@ -619,6 +823,7 @@ PyGetSetDef saver_getset[] = {
 
 PyMethodDef saver_methods[] = {
     {"counts", Saver_counts, METH_NOARGS, "(packs, unpacks) served in C++"},
+    {"swap_counts", Saver_swap_counts, METH_NOARGS, "of those, (packs, unpacks) of swapped saves"},
     {"forget_step", Saver_forget_step, METH_NOARGS, "drop the references to the cached step"},
     {"kept_index", Saver_kept_index, METH_NOARGS, "a new step's KeptIndex (Note [The records kept in C++])"},
     {nullptr, nullptr, 0, nullptr}};
@@ -635,7 +840,9 @@ void ready_types() {
                 intern("current"), intern("observer"), intern("clock"), intern("watch_unpacks"),
                 intern("saved_bytes"), intern("prefetch"), intern("entries"), intern("_index"),
                 intern("param_storages"), intern("stats"), intern("bytes_changed"), intern("_recomputable"),
-                intern("device"), intern("kept_natively"), intern("schedule")};
+                intern("device"), intern("kept_natively"), intern("schedule"), intern("runtime"),
+                intern("min_offload_bytes"), intern("tail_ticks"), intern("released"), intern("storage"),
+                intern("version")};
   SaverType.tp_basicsize = sizeof(Saver);
   SaverType.tp_dealloc = Saver_dealloc;
   SaverType.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC;
@@ -656,10 +863,12 @@ void ready_types() {
 
 // The pack and unpack hooks of ``session`` (Note [The native save path]) and the Saver they are bound to.
 py::tuple make_hooks(py::object session, py::object tracker, py::object slow_pack, py::object slow_unpack,
-                     py::object settle, py::object advance, py::object saved_type, py::object kept_type,
+                     py::object settle, py::object advance, py::object swap_add, py::object step_unpacked,
+                     py::object restore, py::object saved_type, py::object kept_type, py::object swap_type,
                      py::object step_type, int64_t settle_ticks) {
   ready_types();
   if (!PyType_Check(saved_type.ptr()) || !PyType_Check(kept_type.ptr()) || !PyType_Check(step_type.ptr()) ||
+      !PyType_Check(swap_type.ptr()) ||
       !PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(saved_type.ptr()), &PyTuple_Type) ||
       !PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(kept_type.ptr()), &PyList_Type))
     throw py::type_error("swapkit native save: Saved must be a tuple type and KeptRecord a list type");
@@ -670,8 +879,9 @@ py::tuple make_hooks(py::object session, py::object tracker, py::object slow_pac
     throw py::value_error("swapkit native save: settle_ticks must be a power of two");
   auto* saver = PyObject_GC_New(Saver, &SaverType);
   if (saver == nullptr) throw py::error_already_set();
-  PyObject* held[9] = {session.ptr(), tracker.ptr(), slow_pack.ptr(), slow_unpack.ptr(), saved_type.ptr(),
-                       kept_type.ptr(), step_type.ptr(), settle.ptr(), advance.ptr()};
+  PyObject* held[13] = {session.ptr(), tracker.ptr(), slow_pack.ptr(), slow_unpack.ptr(), saved_type.ptr(),
+                        kept_type.ptr(), step_type.ptr(), settle.ptr(), advance.ptr(), swap_add.ptr(),
+                        step_unpacked.ptr(), restore.ptr(), swap_type.ptr()};
   for (PyObject* object : held) Py_INCREF(object);
   saver->session = held[0];
   saver->tracker = held[1];
@@ -682,14 +892,19 @@ py::tuple make_hooks(py::object session, py::object tracker, py::object slow_pac
   saver->step_type = reinterpret_cast<PyTypeObject*>(held[6]);
   saver->settle = held[7];
   saver->advance = held[8];
+  saver->swap_add = held[9];
+  saver->step_unpacked = held[10];
+  saver->restore = held[11];
+  saver->swap_type = reinterpret_cast<PyTypeObject*>(held[12]);
   saver->step = saver->step_dict = saver->index = saver->params = saver->stats = saver->stats_dict = nullptr;
-  saver->changed = saver->recomputables = saver->kept_index = nullptr;
+  saver->changed = saver->recomputables = saver->kept_index = saver->schedule = nullptr;
+  saver->min_offload = saver->tail = -1;
   // Note [Attributes read from the instance dict]
   saver->session_dict = instance_dict(saver->session, {names.step, names.observer});
   saver->tracker_dict = PyErr_Occurred() ? nullptr : instance_dict(saver->tracker, {names.current});
   saver->device_type = saver->device_index = 0;
   saver->settle_mask = settle_ticks - 1;
-  saver->packs = saver->unpacks = 0;
+  saver->packs = saver->unpacks = saver->swap_packs = saver->swap_unpacks = 0;
   PyObject_GC_Track(reinterpret_cast<PyObject*>(saver));
   auto owner = py::reinterpret_steal<py::object>(reinterpret_cast<PyObject*>(saver));
   if (PyErr_Occurred()) throw py::error_already_set();

@@ -183,6 +183,12 @@ class SwapSession:
         native save path] in swapkit.runtime.native."""
         return self._native[2].counts() if self._native is not None else None
 
+    @property
+    def native_swap_counts(self) -> tuple[int, int] | None:
+        """Of :attr:`native_counts`, the ``(saves, unpacks)`` of swapped storages (``native_save.cpp`` Note
+        [Swaps served in C++])."""
+        return self._native[2].swap_counts() if self._native is not None else None
+
     def _claim(self) -> None:
         """Note [One session per thread, one thread per session]"""
         other = active_session()
