@@ -17,7 +17,7 @@ from swapkit.engine.base import StorageChangedError
 from swapkit.engine.pool import HostPool
 from tests.toys import (
     FailsOnSecondCopy, GatedEngine, ReadyWhenDone, ToyNet, assert_grads_equal, grads, install_engine, layer_swap,
-    open_gate_when_blocked, toy_config,
+    open_gate_when_blocked, require_native, toy_config,
 )
 
 
@@ -346,18 +346,28 @@ class GatedBatches(ThreadCopyEngine):
         super()._copy_region(*args)
 
 
-def test_a_storage_freed_while_its_batch_copy_waits_in_the_queue_raises():
+@pytest.mark.parametrize("native", [False, True])
+def test_a_storage_freed_while_its_batch_copy_waits_in_the_queue_raises(native):
+    """Also where the C++ region copy checks the storages (swapkit.engine.thread Note [Region copies without
+    the interpreter lock]): it names the freed one, and the job raises the same error."""
     from tests.test_lifecycle import FreedByAnother
 
+    if native:
+        require_native()
     engine = GatedBatches()
+    found = []  # what the C++ copies returned: -1, or the index of a changed storage
+    use = engine.use_native_copies
+    engine.use_native_copies = lambda copy: use(lambda region, sources: found.append(copy(region, sources)) or found[-1])
     model = ToyNet(layers=1, block=FreedByAnother)
-    session = swapkit.apply(model, toy_config(1, **layer_swap(1, offload_batch_bytes=0)), layers="layers")
+    runtime = {"offload_batch_bytes": 0, "native_save": native}
+    session = swapkit.apply(model, toy_config(1, **layer_swap(1, **runtime)), layers="layers")
     install_engine(session, engine)  # offload_batch_bytes 0: each copy is queued when its tensor is saved
     with pytest.raises(StorageChangedError, match="resized or freed by another component"):
         with session:
             model(torch.randn(4, 16)).sum()
             engine.gate.set()  # the batch job runs now, after the storage was freed
     assert session.stats.aborted
+    assert (0 in found) if native else not found  # one storage per batch: the freed one is its first
 
 
 class CorruptsOneSlot(ReadyWhenDone):

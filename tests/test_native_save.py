@@ -684,3 +684,35 @@ def test_swaps_the_cpp_does_not_serve_go_to_the_python_hooks(change):
         assert packs == 0 and stats.offloaded_tensors > 0  # swapped by the Python
     else:
         assert packs == 0 and stats.skipped["small"] == 3 * 6 * 16 * 4 and stats.offloaded_tensors == 0
+
+
+def test_the_cpp_region_copy_moves_each_storage_into_its_slot_and_names_a_changed_one(built):
+    """``copy_region`` (swapkit.engine.thread Note [Region copies without the interpreter lock]): each source's
+    bytes at its offset, the padding between slots untouched; a storage resized since its save is named by its
+    index, before anything is copied; sources that are not (storage, offset, nbytes, address) are refused."""
+    a, b = torch.arange(5, dtype=torch.float32), torch.arange(3, dtype=torch.int64) + 7
+    sources = [(t.untyped_storage(), offset, t.untyped_storage().nbytes(), t.untyped_storage().data_ptr())
+               for t, offset in ((a, 0), (b, 32))]
+    region = torch.full((64,), 255, dtype=torch.uint8)
+    assert built.copy_region(region, sources) == -1
+    assert torch.equal(region[:20].view(torch.float32), a) and torch.equal(region[32:56].view(torch.int64), b)
+    assert torch.equal(region[20:32], torch.full((12,), 255, dtype=torch.uint8))  # the padding
+    b.untyped_storage().resize_(8)
+    region.fill_(0)
+    assert built.copy_region(region, sources) == 1
+    assert not region.any()  # checked before any copy
+    with pytest.raises(ValueError, match="does not fit its slot"):
+        built.copy_region(torch.empty(16, dtype=torch.uint8), sources[:1])
+    with pytest.raises(TypeError, match=r"\(storage, offset, nbytes, address\)"):
+        built.copy_region(region, [(a, 0, 20, 0)])
+
+
+def test_a_native_session_gives_its_cpu_thread_engine_the_cpp_region_copy():
+    """A session with ``native_save`` hands its thread engine the C++ copy on entering (the engine may be new);
+    one without it leaves the engine's Python copies. The copies are exact: the parity tests above run them."""
+    on, off = one_layer_session(), one_layer_session(on=False)
+    for session in (on, off):
+        with session:
+            pass
+    assert on.engine._native_region is native.native_module().copy_region
+    assert off.engine._native_region is None

@@ -31,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from swapkit.engine.base import Source, Waited, check_source, check_storages, region_pairs
+from swapkit.engine.base import Source, Waited, check_source, check_storages, region_pairs, storage_changed
 
 
 # Note [Grouped copies]
@@ -46,6 +46,19 @@ from swapkit.engine.base import Source, Waited, check_source, check_storages, re
 # ``offload_many``, which builds the job by calling ``offload`` for each pair while a group is open on
 # the calling thread, so ``_submit`` collects the jobs instead of queueing them.
 # A failed copy fails the whole batch.
+
+
+# Note [Region copies without the interpreter lock]
+# The worker is a Python thread: each job it runs holds the interpreter lock, which the forward thread then
+# waits for. A batch's job built a flat view of each storage and of each slot and checked every storage twice,
+# all in Python: on the benchmark's step of 2000 tiny swapped saves that took about 11 us per saved tensor off
+# the forward thread's CPU (a job that copies nothing measured that much less; ``benchmarks/results/overhead``
+# round i). Given the C++ ``copy_region`` of ``runtime.native_save`` (``use_native_copies``, which a session
+# with the C++ hooks calls), the job hands the batch's sources to it instead: it checks the storages, copies
+# each into its slot with ``memcpy`` and checks again with the lock released, and names the first changed
+# storage, for which the job raises the error the Python checks raise. The emulated link still sleeps first,
+# in Python. Only a CPU engine takes it (``memcpy`` reads host memory), and only where the copies are the
+# engine's own (Note [Grouped copies]): a replaced ``offload`` still sees every copy.
 
 
 class CopyCancelled(RuntimeError):
@@ -140,6 +153,13 @@ class ThreadCopyEngine:
         self._group: tuple[int, list[Callable[[], None]]] | None = None  # Note [Grouped copies]
         self._latency_paid = False  # read and written by whichever thread runs a job
         self._stranded_lock = threading.Lock()  # Note [A copy queued while the engine closes]
+        self._native_region: Callable[[torch.Tensor, list[Source]], int] | None = None  # Note [Region copies ...]
+
+    def use_native_copies(self, copy_region: Callable[[torch.Tensor, list[Source]], int]) -> None:
+        """Copy coalesced batches with ``copy_region`` (the C++ hooks' module) on a CPU engine (Note [Region
+        copies without the interpreter lock])."""
+        if self.device.type == "cpu":
+            self._native_region = copy_region
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)
@@ -187,6 +207,14 @@ class ThreadCopyEngine:
         return self._submit(lambda: self._copy_region(region, sources, where))
 
     def _copy_region(self, region: torch.Tensor, sources: list[Source], where: str = "") -> None:
+        if self._native_region is not None:  # Note [Region copies without the interpreter lock]
+            if self.emulates_link:
+                self._link_delay(sum(nbytes for _, _, nbytes, _ in sources))
+            changed = self._native_region(region, sources)
+            if changed >= 0:
+                storage, _, nbytes, _ = sources[changed]
+                raise storage_changed(nbytes, storage.nbytes(), where)
+            return
         pairs = region_pairs(region, sources, self.device)
         check_storages(sources, where)  # swapkit.runtime.records Note [Storages another component may resize]
         if self.emulates_link:  # the sum is a Python loop on the worker, which holds the GIL meanwhile

@@ -131,6 +131,14 @@ def _build() -> Any:
             "hooks do the same work, slower per saved tensor)")
 
 
+def native_copies(engine: Any) -> None:
+    """Give ``engine``, where it takes them (the CPU thread engine), the C++ region copies
+    (``swapkit.engine.thread`` Note [Region copies without the interpreter lock])."""
+    use = getattr(engine, "use_native_copies", None)
+    if use is not None:
+        use(native_module().copy_region)
+
+
 def native_hooks(session: Any, pack: Any, unpack: Any) -> tuple[Any, Any, Any]:
     """``(pack, unpack, saver)`` for ``session``, falling back to its Python hooks ``pack`` and ``unpack`` as
     :func:`~swapkit.runtime.dynamo.out_of_dynamo` returned them (Note [The native save path]); the step's

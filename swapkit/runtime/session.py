@@ -83,7 +83,7 @@ from swapkit.plan.plan import Plan, swap_counts
 from swapkit.runtime.detach import unmark
 from swapkit.runtime.dynamo import out_of_dynamo
 from swapkit.runtime.kv_cache import swap_cache_warning
-from swapkit.runtime.native import native_hooks
+from swapkit.runtime.native import native_copies, native_hooks
 from swapkit.runtime.overrides import entry_cause
 from swapkit.runtime.recipes import PackedInput, Recipe, tensor_leaves
 from swapkit.runtime.recompute import Recompute
@@ -175,6 +175,7 @@ class SwapSession:
             return pair
         if self._native is None:
             self._native = native_hooks(self, *pair)
+        native_copies(self.engine)  # after _ensure_engine, which may have made a new one
         return self._native[:2]
 
     @property
