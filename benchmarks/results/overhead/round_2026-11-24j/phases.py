@@ -1,0 +1,23 @@
+import sys, time, torch, logging, statistics as st, contextlib
+sys.path.insert(0, sys.argv[1] + "/benchmarks")
+import microbench as mb
+logging.getLogger("swapkit").setLevel(logging.ERROR)
+x = torch.randn(16)
+mi = mb.TinyModel(2000, 16); md = mb.TinyModel(2000, 16); mn = mb.TinyModel(2000, 16); mh = mb.TinyModel(2000, 16)
+sd = mb._session(md, True); sn = mb._session(mn, True, native=True); sh = mb._session(mh, True, native=True)
+ways = {"none": (mi, contextlib.nullcontext), "identity": (mi, mb._identity_hooks), "d": (md, lambda: sd),
+        "n": (mn, lambda: sn), "n_inline": (mh, lambda: sh)}
+res = {w: [] for w in ways}
+T = time.thread_time
+for rep in range(40):
+    if rep == 2: sh.engine.close()
+    for w, (m, c) in ways.items():
+        m.zero_grad(set_to_none=True)
+        ctx = c()
+        t0 = T(); ctx.__enter__(); y = m(x); t2 = T(); y.backward(); t3 = T(); ctx.__exit__(None, None, None)
+        del y
+        if rep >= 5: res[w].append((t2-t0, t3-t2))
+base = [st.median(c) for c in zip(*res["none"])]
+for w, r in res.items():
+    if w == "none": continue
+    print(w, " ".join("%.2f" % ((st.median(col)-b)*1e6/2001) for col, b in zip(zip(*r), base)), "(fwd bwd us/save over none)")
