@@ -194,13 +194,14 @@ def test_only_integrations_import_transformers():
 
 
 def test_the_native_hooks_source_ships_in_the_package():
-    """``runtime.native_save`` builds ``native_save.cpp`` from the installed package (swapkit.runtime.native): a wheel
-    without it would fail at the first apply. The package data must name it."""
+    """``runtime.native_save`` builds ``native_save.cpp`` and ``region_copy.cpp`` from the installed package
+    (swapkit.runtime.native): a wheel without them would fail at the first apply. The package data must name them."""
     import fnmatch
     import tomllib
 
-    from swapkit.runtime.native import SOURCE
+    from swapkit.runtime.native import SOURCES
 
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
-    assert SOURCE.is_file() and SOURCE.parent == PACKAGE / "runtime"
-    assert any(fnmatch.fnmatch(SOURCE.name, pattern) for pattern in data["swapkit.runtime"])
+    for source in SOURCES:
+        assert source.is_file() and source.parent == PACKAGE / "runtime"
+        assert any(fnmatch.fnmatch(source.name, pattern) for pattern in data["swapkit.runtime"])

@@ -83,6 +83,8 @@ from swapkit.runtime.step import Step
 from swapkit.runtime.swap_schedule import SwapSchedule
 
 SOURCE = Path(__file__).with_name("native_save.cpp")
+#: the module's other source: the thread engine's region copy (swapkit.engine.thread Note [Region copies ...])
+SOURCES = (SOURCE, Path(__file__).with_name("region_copy.cpp"))
 NAME = "swapkit_native_save"
 
 _lock = threading.Lock()
@@ -119,7 +121,7 @@ def _build() -> Any:
     try:
         from torch.utils.cpp_extension import load
 
-        module = load(name=NAME, sources=[str(SOURCE)], extra_cflags=["-O2"])
+        module = load(name=NAME, sources=[str(source) for source in SOURCES], extra_cflags=["-O2"])
         module.install_finalizer(NativeKeptRecord)
         return module
     except Exception as err:  # noqa: BLE001 - the build's own errors are many kinds; each is reported as one
