@@ -76,6 +76,10 @@ CONFIGS = {
     "recompute_and_swap": {"recompute_config": {"recompute": [0]},
                            **layer_swap(2, layers=[2, 3])},
     "select_recompute": {"recompute_config": {"select_recompute": {r"feed_forward\.w1": True}}},
+    # the swaps the C++ serves (Note [Swaps served in C++]) through verify mode's checksums and a host cap that
+    # keeps some batches on the device
+    "layer_swap_verify": layer_swap(2, verify=True),
+    "layer_swap_host_cap": layer_swap(2, max_host_bytes=64 * 1024),
 }
 
 
