@@ -18,8 +18,8 @@ import swapkit
 from swapkit.runtime import native
 from swapkit.runtime.records import KeptRecord, Saved, SwapRecord, storage_key
 from tests.toys import (
-    ToyNet, assert_grads_equal, grads, layer_swap, llama, llama_batch, llama_step, require_native, synced_session,
-    toy_config,
+    ToyNet, assert_grads_equal, bench_module, grads, layer_swap, llama, llama_batch, llama_step, require_native,
+    synced_session, toy_config,
 )
 
 
@@ -587,17 +587,8 @@ def _one_run(on: bool, seed: int, config: dict, steps: int = 3):
     return runs, session.native_counts
 
 
-class SinChain(nn.Module):
-    """``length`` ``sin`` ops: each saves its input, a new plain storage (the microbenchmark's layer)."""
-
-    def __init__(self, length: int) -> None:
-        super().__init__()
-        self.length = length
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for _ in range(self.length):
-            x = torch.sin(x)
-        return x
+#: ``length`` ``sin`` ops, each saving its input, a new plain storage: the microbenchmark's layer
+SinChain = bench_module("microbench").TinyChain
 
 
 class SinNet(nn.Module):
