@@ -588,15 +588,17 @@ PyObject* keep_first(Saver* saver, const at::Tensor& tensor, int64_t version, Py
                               : keep_again(saver, tensor, number.get(), step, Py_None, frame);
 }
 
-// 1: ``record``, a SwapRecord found by the storage's key, is not this storage's at this version: its storage
-// died and another took its StorageImpl's address (the record holds it weakly from its release on; no two live
-// storages share an address), or the storage was written since; Step.save makes a new record. 0: it is; -1: error.
-int stale_swap(PyObject* record, int64_t version) {
+// 1: ``record``, a SwapRecord found by the key of ``storage`` (a StorageImpl), is not this storage's at this
+// version: its storage died and another took its StorageImpl's address (the record holds it weakly), or the
+// storage was written since; Step.save makes a new record. 0: it is; -1: error.
+int stale_swap(PyObject* record, const void* storage, int64_t version) {
   THPObjectPtr ref(attr(record, names.storage));
-  PyObject* storage = nullptr;
-  int alive = ref ? referent(ref.get(), &storage) : -1;
-  Py_XDECREF(storage);  // compared by being alive only
+  PyObject* held = nullptr;
+  int alive = ref ? referent(ref.get(), &held) : -1;
   if (alive <= 0) return alive < 0 ? -1 : 1;
+  const bool same = THPStorage_Check(held) && THPStorage_Unpack(held).unsafeGetStorageImpl() == storage;
+  Py_DECREF(held);  // Step.save's ``record.storage() is storage``, by the StorageImpl
+  if (!same) return 1;
   THPObjectPtr was(attr(record, names.version));
   const int64_t saved = was ? PyLong_AsLongLong(was.get()) : -1;
   if (saved == -1 && PyErr_Occurred()) return -1;
@@ -626,9 +628,13 @@ PyObject* fast_pack(Saver* saver, PyObject* object, PyObject* step, PyObject* fr
   if (ref != nullptr && referent(ref, &found) < 0) return nullptr;
   THPObjectPtr record(found);  // owned: alive for the call (the wrap may run the collector)
   if (record && Py_TYPE(record.get()) == saver->swap_type) {
-    int stale = stale_swap(record.get(), version);
+    int stale = stale_swap(record.get(), storage, version);
     if (stale < 0) return nullptr;
-    if (stale) record = nullptr;  // Step.save's first save: a new record
+    if (stale) {  // Step.save's first save, which replaces the index entry: a kept record here goes to the
+      // KeptIndex, and the stale one left in the step's index would be found first by a later Python save
+      if (key && PyDict_DelItem(saver->index, key.get()) < 0) return nullptr;  // swap records: the step's index
+      record = nullptr;
+    }
   }
   PyObject* result = nullptr;
   if (record) {

@@ -31,7 +31,7 @@ int64_t copy_region(const at::Tensor& region, py::list sources) {
     Source entry{THPStorage_Unpack(source[0].ptr()), source[1].cast<int64_t>(), source[2].cast<int64_t>(),
                  source[3].cast<uintptr_t>()};
     if (entry.storage.device_type() != c10::kCPU || entry.offset < 0 || entry.nbytes < 0 ||
-        entry.offset + entry.nbytes > region.numel())
+        entry.offset > region.numel() || entry.nbytes > region.numel() - entry.offset)
       throw py::value_error("swapkit copy_region: a source is not on the CPU or does not fit its slot of the region");
     items.push_back(std::move(entry));
   }
