@@ -53,9 +53,9 @@ from swapkit.engine.base import Source, Waited, check_source, check_storages, re
 # waits for. A batch's job built a flat view of each storage and of each slot and checked every storage twice,
 # all in Python: on the benchmark's step of 2000 tiny swapped saves that took about 11 us per saved tensor off
 # the forward thread's CPU (a job that copies nothing measured that much less; ``benchmarks/results/overhead``
-# round i). Given the C++ ``copy_region`` (``swapkit/runtime/region_copy.cpp``, in the module of
-# ``runtime.native_save``; ``use_native_copies``, which a session
-# with the C++ hooks calls), the job hands the batch's sources to it instead: it checks the storages, copies
+# round j). Given the C++ ``copy_region`` (``swapkit/runtime/region_copy.cpp``, in the module of
+# ``runtime.native_save``) by ``use_native_copies``, which a session with the C++ hooks calls, the job hands
+# the batch's sources to it instead: it checks the storages, copies
 # each into its slot with ``memcpy`` and checks again with the lock released, and names the first changed
 # storage, for which the job raises the error the Python checks raise. The emulated link still sleeps first,
 # in Python. Only a CPU engine takes it (``memcpy`` reads host memory), and only where the copies are the

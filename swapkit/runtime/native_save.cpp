@@ -441,8 +441,8 @@ int swap_candidate(Saver* saver, PyObject* object, const at::Tensor& tensor, PyO
 
 // kKeepRecord: kept with a new KeptRecord; kKeepBare: kept without a record, outside a swap scope (a
 // parameter's storage, an empty one, one on another device: _not_candidate does nothing there); kSwap: a new
-// swap record (swap_candidate, ``*prefetch`` its distance); kPython: the Python decides (a possible parameter, a
-// recomputable output, a swap candidate it keeps). -1: error.
+// swap record (swap_candidate); kPython: the Python decides (a possible parameter, a recomputable output, a swap
+// candidate it keeps). -1: error.
 int first_save(Saver* saver, PyObject* object, const at::Tensor& tensor, PyObject* key, PyObject* step,
                PyObject* frame) {
   if (frame != Py_None) {
@@ -552,7 +552,10 @@ PyObject* view_meta(const at::Tensor& tensor) {
 // micro-step), is session._unpack without its frame: the version check (a mismatch goes to the Python, which
 // raises the session's error), ``Step.unpacked`` while the step watches unpacks, then the keeper or, once the
 // record was released, ``SwapRecord.restore``. A storage saved again, a re-save of a swapped storage included,
-// goes to the Python as before. The handle is untracked like a kept one (Note [Objects the collector need not
+// goes to the Python as before. A swap record found by the storage's key whose storage died (another took its
+// StorageImpl's address) or was written since is stale (stale_swap): the save is a first save, and the record
+// leaves the step's index, as the Python's first save replaces it there; a storage then kept here is indexed
+// in the KeptIndex only, which a later Python save reads after the step's index. The handle is untracked like a kept one (Note [Objects the collector need not
 // see] in swapkit.runtime.native): its view metadata holds only integers, a dtype and booleans, and its
 // record is a SwapRecord, which refers to no handle.
 PyObject* swap_new(Saver* saver, const at::Tensor& tensor, PyObject* version, PyObject* step, PyObject* key,
