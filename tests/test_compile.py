@@ -227,6 +227,7 @@ def test_whole_model_compile_with_the_native_hooks(variant, step_compiled):
     assert packs > 0 and unpacks > 0
     if variant == "layer_swap":
         assert session.stats.prefetched_bytes == session.stats.offloaded_bytes > 0
+        assert min(session.native_swap_counts) > 0  # swapped saves and unpacks served in C++ (native_save.cpp)
     with session:
         assert session_module.active_session() is session
 
@@ -262,18 +263,22 @@ def test_finalizers_never_reach_dynamo_in_a_compiled_step(variant):
     assert [f"{c.co_name} ({c.co_filename})" for c in handed if any(part in c.co_filename for part in HOOK_ONLY)] == []
 
 
+@pytest.mark.parametrize("variant", ["keep_only", "layer_swap"])
 @pytest.mark.parametrize("older_torch", [False, True])
-def test_the_native_hooks_hand_dynamo_no_frame_of_swapkit(older_torch, monkeypatch):
+def test_the_native_hooks_hand_dynamo_no_frame_of_swapkit(older_torch, variant, monkeypatch):
     """swapkit.runtime.native Note [The native save path]: what the C++ hooks call in Python (the step's settle
-    at tick 0, the Python hooks they fall back to) stays out of Dynamo as the Python hooks do: marked, or on a
-    torch without code execution strategies wrapped in torch.compiler.disable."""
+    at tick 0, the Python hooks they fall back to, and for swaps the schedule's add and advance, the step's
+    unpacked and the record's restore) stays out of Dynamo as the Python hooks do: marked, or on a torch without
+    code execution strategies wrapped in torch.compiler.disable."""
     from torch._dynamo.convert_frame import input_codes
 
     require_native()
     if older_torch:
         monkeypatch.setattr(dynamo_module, "_SKIP_ALL", None)
-    _, _, session = whole_model_run("keep_only", "aot_eager", True, native=True)
+    _, _, session = whole_model_run(variant, "aot_eager", True, native=True)
     assert session.native_counts[0] > 0
+    if variant == "layer_swap":
+        assert min(session.native_swap_counts) > 0
     handed = [code() for code in input_codes.seen if code() is not None]
     assert [f"{c.co_name} ({c.co_filename})" for c in handed if any(part in c.co_filename for part in HOOK_ONLY)] == []
 
