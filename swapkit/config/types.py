@@ -130,7 +130,7 @@ class RuntimeConfig:
     skip_tail_offload: bool = True
     verify: bool = False  # checksum each swapped storage when offloaded, check it when restored
     offload_batch_bytes: int = 16 << 20  # bytes per batch of one scope's swapped storages; 0: one copy per storage
-    native_save: bool = False  # keeps served by C++ hooks (swapkit.runtime.native Note [The native save path])
+    native_save: bool = False  # keeps and new swaps served by C++ hooks (swapkit.runtime.native Note [The native save path])
 
 
 @dataclass(frozen=True)
