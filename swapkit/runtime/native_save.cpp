@@ -316,7 +316,7 @@ bool refresh(Saver* saver, PyObject* step) {
   }
   if (saver->kept_index != nullptr) {  // Note [Attributes read from the instance dict]
     saver->step_dict = instance_dict(step, {names.backward_started, names.last_frame, names.clock, names.scheduled,
-                                            names.watch_unpacks, names.schedule});
+                                            names.watch_unpacks});
     saver->stats_dict = PyErr_Occurred() ? nullptr : instance_dict(saver->stats, {names.saved_bytes});
   }
   if (saver->kept_index == nullptr || PyErr_Occurred() || !PyDict_CheckExact(saver->index) ||
@@ -333,7 +333,7 @@ bool refresh(Saver* saver, PyObject* step) {
 // The step's clock, as Step.save moves it: the tick of this save, the clock moved past it and, once a swap
 // record was queued in the step, ``step.schedule.advance(tick)`` (the releases due by now). The tick is the
 // clock's own value object (a new reference: the handle holds it) and ``*value``; null with the error set. The
-// step is the saver's (refresh).
+// step is the saver's (refresh), which read its schedule once (swap_settings).
 PyObject* tick(Saver* saver, PyObject* step, int64_t* value) {
   THPObjectPtr clock(read(step, saver->step_dict, names.clock));
   if (!clock) return nullptr;
@@ -344,9 +344,7 @@ PyObject* tick(Saver* saver, PyObject* step, int64_t* value) {
   int scheduled = truth(step, saver->step_dict, names.scheduled);
   if (scheduled < 0) return nullptr;
   if (scheduled > 0) {
-    THPObjectPtr schedule(read(step, saver->step_dict, names.schedule));
-    if (!schedule) return nullptr;
-    THPObjectPtr done(PyObject_CallFunctionObjArgs(saver->advance, schedule.get(), clock.get(), nullptr));
+    THPObjectPtr done(PyObject_CallFunctionObjArgs(saver->advance, saver->schedule, clock.get(), nullptr));
     if (!done) return nullptr;
   }
   return clock.release();

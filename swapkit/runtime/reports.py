@@ -17,7 +17,7 @@ from swapkit.runtime.overrides import (FROZEN, HF_CHECKPOINT, NO_GRAD, NOT_ENTER
 
 if TYPE_CHECKING:
     from swapkit.plan.plan import Plan
-    from swapkit.runtime.binding import Binding
+    from swapkit.runtime.binding import Binding, BoundLayer
     from swapkit.runtime.stats import SwapStats
 
 logger = logging.getLogger(__name__)
@@ -80,19 +80,23 @@ class SwapReports:
             self.idle_reported = True
             logger.warning(message)
 
+    def _bound(self, layer: int) -> BoundLayer | None:
+        """The bound layer at position ``layer``, or None."""
+        return next((b for b in self.binding.layers if b.index == layer), None)
+
     def _hf_checkpointed(self, layer: int) -> bool:
         """The layer's module has HF gradient checkpointing on (overrides Note [Swaps nobody reports])."""
-        bound = next((b for b in self.binding.layers if b.index == layer), None)
+        bound = self._bound(layer)
         return bound is not None and getattr(bound.module, "gradient_checkpointing", False) is True
 
     def _positions_sharing(self, layer: int) -> list[int]:
         """The bound positions whose module is layer ``layer``'s, in order (``[layer]`` when it has its own)."""
-        bound = next((b for b in self.binding.layers if b.index == layer), None)
+        bound = self._bound(layer)
         return [layer] if bound is None else [b.index for b in self.binding.layers if b.module is bound.module]
 
     def _frozen(self, layer: int, path: str) -> bool:
         """The scope's module has parameters and none requires grad (overrides Note [Swaps nobody reports])."""
-        bound = next((b for b in self.binding.layers if b.index == layer), None)
+        bound = self._bound(layer)
         if bound is None:
             return False
         params = list((bound.submodule(path) if path else bound.module).parameters())

@@ -1,16 +1,23 @@
+# Forward and backward main-thread CPU per saved tensor over no hooks, interleaved in one process:
+#   python phases.py ROOT          the identity hooks, (d), (n), and (n) copying on the saving thread
+#   python phases.py ROOT noop     (n), (n) with copy jobs that copy nothing, (n) inline (round j's noop_copies)
 import sys, time, torch, logging, statistics as st, contextlib
 sys.path.insert(0, sys.argv[1] + "/benchmarks")
 import microbench as mb
 logging.getLogger("swapkit").setLevel(logging.ERROR)
+noop = sys.argv[2:] == ["noop"]
 x = torch.randn(16)
-mi = mb.TinyModel(2000, 16); md = mb.TinyModel(2000, 16); mn = mb.TinyModel(2000, 16); mh = mb.TinyModel(2000, 16)
-sd = mb._session(md, True); sn = mb._session(mn, True, native=True); sh = mb._session(mh, True, native=True)
-ways = {"none": (mi, contextlib.nullcontext), "identity": (mi, mb._identity_hooks), "d": (md, lambda: sd),
-        "n": (mn, lambda: sn), "n_inline": (mh, lambda: sh)}
+mi = mb.TinyModel(2000, 16); mo = mb.TinyModel(2000, 16); mn = mb.TinyModel(2000, 16); mh = mb.TinyModel(2000, 16)
+so = mb._session(mo, True, native=noop); sn = mb._session(mn, True, native=True); sh = mb._session(mh, True, native=True)
+ways = {"none": (mi, contextlib.nullcontext), "identity": (mi, mb._identity_hooks),
+        "n_noop_copies" if noop else "d": (mo, lambda: so), "n": (mn, lambda: sn), "n_inline": (mh, lambda: sh)}
 res = {w: [] for w in ways}
 T = time.thread_time
 for rep in range(40):
-    if rep == 2: sh.engine.close()
+    if rep == 2:
+        sh.engine.close()
+        if noop:
+            so.engine._copy_region = lambda *a, **k: None; so.engine._copy = lambda *a, **k: None
     for w, (m, c) in ways.items():
         m.zero_grad(set_to_none=True)
         ctx = c()
