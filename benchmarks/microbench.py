@@ -19,6 +19,10 @@ would still pay]), and (j) what a coalesced swap could (Note [What a swap in C w
 with ``runtime.native_save: true``: swapkit's own C++ hooks serve the plain keeps (``swapkit.runtime.native``
 Note [The native save path]); (n) is (d) with it, where they also serve the new swapped storages' saves and the
 swapped unpacks up to the schedule's and the record's Python (``native_save.cpp`` Note [Swaps served in C++]).
+(o) is (n) with ``runtime.engine_options.inline_bytes: 0``: every copy is handed to the engine's copy thread, as
+every copy was before the engine ran small copies on the saving thread (``swapkit.engine.thread`` Note [Small
+copies run on the caller]). (d), (n) and the others take the default: their batches (8 storages of 64 bytes)
+run on the saving thread whenever no copy is still queued.
 
 Note [What a save path in C would still pay]
 Way (i) is a pair of plain hooks that make the torch calls and the allocations a keep needs and
@@ -80,10 +84,11 @@ by half) enters the comparison:
   collections (Note [The collector's clock]).
 - (h) closes its session's thread engine after the warm-up, so every copy runs inline on the thread
   that queues it (``swapkit.engine.thread`` Note [Copies after close]): the same copies and the same
-  session work, without the hand-off to the copy thread. (d) - (h) is what the hand-offs cost the
-  main thread: waking the worker and the interpreter lock passing back and forth while both run
-  Python. The CUDA engine has no such thread (its copies are queued on a stream), so (h) is the
-  closer stand-in for the session's own cost on a GPU host, and it runs on CPU only.
+  session work, without the hand-off to the copy thread. (d) - (h) was what the hand-offs cost the
+  main thread before small copies ran on the saving thread; now only a copy queued behind an unfinished
+  one is handed over, and (o) - (n) is what handing every copy over costs. The CUDA engine has no such
+  thread (its copies are queued on a stream), so (h) is the closer stand-in for the session's own cost on a
+  GPU host, and it runs on CPU only.
 
 Note [Paired per-tensor costs]
 Each repetition runs every way once, the order rotated by one way per repetition, so that no way
@@ -163,9 +168,11 @@ class TinyModel(nn.Module):
         return self.layers[0](x * self.weight).sum()
 
 
-def _session(model: nn.Module, swap: bool, coalesce: bool = True, native: bool = False) -> swapkit.SwapSession:
+def _session(model: nn.Module, swap: bool, coalesce: bool = True, native: bool = False,
+             inline_bytes: int | None = None) -> swapkit.SwapSession:
     runtime = {"min_offload_bytes": 0, **({} if coalesce else {"offload_batch_bytes": 0}),
-               **({"native_save": True} if native else {})}
+               **({"native_save": True} if native else {}),
+               **({} if inline_bytes is None else {"engine_options": {"inline_bytes": inline_bytes}})}
     config: dict[str, Any] = {"model": {"model_config": {"num_layers": 1}}, "runtime": runtime}
     if swap:
         config["swap_config"] = {"swap": True, "layer_swap": [{"backward_prefetch": 8, "layers": True}]}
@@ -428,9 +435,13 @@ class CollectorClock:
 
 
 WAYS = ("none", "identity", "keep", "swap", "swap_per_tensor", "floor", "swap_no_gc", "swap_inline", "keep_calls",
-        "swap_calls", "keep_native", "swap_native", "keep_session_native", "swap_session_native")
+        "swap_calls", "keep_native", "swap_native", "keep_session_native", "swap_session_native",
+        "swap_session_native_thread")
 #: the ways that run swapkit's own C++ hooks (``runtime.native_save``)
-SESSION_NATIVE_WAYS = ("keep_session_native", "swap_session_native")
+SESSION_NATIVE_WAYS = ("keep_session_native", "swap_session_native", "swap_session_native_thread")
+#: the ways whose sessions swap through the thread engine: their copy jobs and copy thread are reported
+SWAP_SESSION_WAYS = ("swap", "swap_per_tensor", "swap_no_gc", "swap_inline", "swap_session_native",
+                     "swap_session_native_thread")
 
 
 def run(device: torch.device, length: int, reps: int, width: int = 16, ways: tuple[str, ...] = WAYS) -> dict[str, Any]:
@@ -451,7 +462,8 @@ def run(device: torch.device, length: int, reps: int, width: int = 16, ways: tup
               "swap_per_tensor": lambda m: _session(m, True, coalesce=False),
               "swap_no_gc": lambda m: _session(m, True), "swap_inline": lambda m: _session(m, True),
               "keep_session_native": lambda m: _session(m, False, native=True),
-              "swap_session_native": lambda m: _session(m, True, native=True)}
+              "swap_session_native": lambda m: _session(m, True, native=True),
+              "swap_session_native_thread": lambda m: _session(m, True, native=True, inline_bytes=0)}
     session_native = [name for name in SESSION_NATIVE_WAYS if name in models]
     if session_native and not _native_session_builds(session_native):
         for name in session_native:
@@ -492,7 +504,7 @@ def run(device: torch.device, length: int, reps: int, width: int = 16, ways: tup
     summary["load_average"] = {"before": load_before, "after": os.getloadavg()}
     summary["collector_us_per_saved_tensor"] = {name: spent / reps / saved * 1e6 for name, (spent, _) in collected.items()}
     summary["full_collections"] = {name: full for name, (_, full) in collected.items()}
-    for name in ("swap", "swap_per_tensor", "swap_no_gc", "swap_inline", "swap_session_native"):
+    for name in SWAP_SESSION_WAYS:
         jobs = getattr(stats.get(name), "offload_copies", None)  # a tree without coalescing has no such counter
         summary[f"{name}_copy_jobs"] = None if jobs is None else jobs + stats[name].prefetch_copies
         summary[f"{name}_copy_thread"] = copy_threads.get(name)
@@ -667,7 +679,8 @@ def report_lines(result: dict[str, Any]) -> list[str]:
         lines += ["", f"Copy jobs per step (each way together): {micro['swap_copy_jobs']} in (d), "
                       f"{micro['swap_per_tensor_copy_jobs']} in (e), for {micro['swap_offloaded_tensors']} swapped "
                       f"storages; {micro['swap_late_fetches']} late fetches in (d)'s last step."]
-    shares = {name: micro.get(f"{name}_released_share") for name in ("swap", "swap_session_native")}
+    shares = {name: micro.get(f"{name}_released_share") for name in ("swap", "swap_session_native",
+                                                                     "swap_session_native_thread")}
     if any(share is not None for share in shares.values()):  # the rest was not copied by its horizon: kept
         lines += ["", "Offloaded bytes released before backward in the last step (the rest stayed on the device, its "
                       "copy unfinished at its horizon: swapkit.runtime.swap_schedule Note [Releases never stall "
@@ -687,7 +700,8 @@ LABELS = {"none": "(a) no hooks", "identity": "(b) identity saved_tensors_hooks"
           "swap_native": "(l) a coalesced swap's bookkeeping and copies in C++, no Python per save",
           "swap_calls": "(j) a coalesced swap's torch calls and allocations alone, no swapkit frames",
           "keep_session_native": "(m) as (c), runtime.native_save: true (swapkit's C++ hooks)",
-          "swap_session_native": "(n) as (d), runtime.native_save: true (swapkit's C++ hooks)"}
+          "swap_session_native": "(n) as (d), runtime.native_save: true (swapkit's C++ hooks)",
+          "swap_session_native_thread": "(o) as (n), engine_options.inline_bytes: 0 (every copy to the copy thread)"}
 
 
 if __name__ == "__main__":

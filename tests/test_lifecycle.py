@@ -166,6 +166,7 @@ def test_remove_while_a_graph_is_pending_leaks_no_thread_and_backward_still_work
     ref.load_state_dict(model.state_dict())
     before = copy_threads()
     session = swapkit.apply(model, toy_config(3, **layer_swap(1)), layers="layers")
+    install_engine(session, ThreadCopyEngine("cpu", inline_bytes=0))  # every copy to the worker thread
     x = torch.randn(8, 16)
     losses = []
     for _ in range(3):

@@ -166,6 +166,7 @@ RUNTIME_KEYS = {
 ENGINE_OPTION_KEYS = {
     "latency_s": Key(number(0, maximum=LIMITS["latency_s"]), 0.0),
     "bandwidth_gbps": Key(optional(number(LIMITS["bandwidth_gbps"][0], maximum=LIMITS["bandwidth_gbps"][1])), None),
+    "inline_bytes": Key(F.byte_count(0), 64 << 10),  # swapkit.engine.thread Note [Small copies run on the caller]
 }
 
 TRAIN_KEYS = {

@@ -113,10 +113,13 @@ class SwapConfig:
 
 @dataclass(frozen=True)
 class EngineOptions:
-    """Thread-engine knobs that emulate a slower link: fixed latency and bandwidth per copy."""
+    """Thread-engine knobs: a slower link to emulate (fixed latency and bandwidth per copy), and the largest copy
+    run on the calling thread while nothing is queued (``swapkit.engine.thread`` Note [Small copies run on the
+    caller]; 0: every copy goes to the copy thread)."""
 
     latency_s: float = 0.0
     bandwidth_gbps: float | None = None
+    inline_bytes: int = 64 << 10
 
 
 @dataclass(frozen=True)

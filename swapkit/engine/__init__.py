@@ -39,7 +39,7 @@ def make_engine(runtime: RuntimeConfig, device: torch.device) -> CopyEngine:
             logger.warning("%s", message)
         return CudaCopyEngine(device)
     options = runtime.engine_options
-    return ThreadCopyEngine(device, options.latency_s, options.bandwidth_gbps)
+    return ThreadCopyEngine(device, options.latency_s, options.bandwidth_gbps, options.inline_bytes)
 
 
 def unused_engine_options(options: EngineOptions, kind: str) -> list[str]:
@@ -47,10 +47,14 @@ def unused_engine_options(options: EngineOptions, kind: str) -> list[str]:
     run on the real link, so there a set option does nothing (a config tuned on CPU, moved to a GPU)."""
     if kind != "cuda":
         return []
-    return [f"runtime.engine_options.{name}: {value} has no effect with the CUDA engine (it emulates a slower "
-            "link for the thread engine on CPU); remove it, or set runtime.engine: thread to emulate that link"
-            for name, value in (("latency_s", options.latency_s), ("bandwidth_gbps", options.bandwidth_gbps))
-            if value]
+    unused = [f"runtime.engine_options.{name}: {value} has no effect with the CUDA engine (it emulates a slower "
+              "link for the thread engine on CPU); remove it, or set runtime.engine: thread to emulate that link"
+              for name, value in (("latency_s", options.latency_s), ("bandwidth_gbps", options.bandwidth_gbps))
+              if value]
+    if options.inline_bytes != EngineOptions.inline_bytes:
+        unused.append(f"runtime.engine_options.inline_bytes: {options.inline_bytes} has no effect with the CUDA "
+                      "engine (every copy is queued on its side stream); remove it")
+    return unused
 
 
 __all__ = ["CopyEngine", "HostPool", "ThreadCopyEngine", "make_engine", "make_pool", "unused_engine_options"]

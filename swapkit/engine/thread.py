@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 from copy import copy as shallow_copy
+from functools import partial
 from typing import Callable
 
 import torch
@@ -60,6 +61,24 @@ from swapkit.engine.base import Source, Waited, check_source, check_storages, re
 # storage, for which the job raises the error the Python checks raise. The emulated link still sleeps first,
 # in Python. Only a CPU engine takes it (``memcpy`` reads host memory), and only where the copies are the
 # engine's own (Note [Grouped copies]): a replaced ``offload`` still sees every copy.
+
+
+# Note [Small copies run on the caller]
+# Handing a job to the worker wakes a sleeping thread, and on the 2-core VM of the benchmarks that wake, not
+# the job, is what the forward thread paid: with the copies in C++ and off the interpreter lock, way (n) of
+# ``benchmarks/microbench.py`` still cost 8-10 us more per saved tensor of its forward and 6-7 us more of its
+# backward with a worker than with every copy run on the saving thread (``phases.py`` in round k of
+# ``benchmarks/results/overhead``, one job per batch of about 8 saves: some 60 us per job). A C++ worker
+# that never takes the interpreter lock measured the same as the Python one: the cost is the thread's
+# wake-up (``perf``: the scheduler's wake and task-switch paths, 13% of the forward thread's samples), not
+# the lock. So a copy of at most ``inline_bytes`` (64 KiB by default: about as long as a wake at memory
+# speed) runs on the calling thread when the engine's own copy would do it (not replaced: Note [Grouped
+# copies]), no link is emulated (the emulation needs the copy to be late), and every copy queued before it
+# has finished: the copies still complete in issue order, and a copy done when queued is what ``ready``,
+# ``wait`` and the fence already handle. Its completion is a finished :class:`ThreadCopy`, its failure
+# reported as a worker's is. It runs out of sight of the caller's dispatch modes, as a job on the worker
+# thread does (modes are per thread): a mode counting the backward's ops sees no copy of swapkit's. Larger
+# copies, and any copy behind an unfinished one, go to the worker.
 
 
 class CopyCancelled(RuntimeError):
@@ -127,6 +146,8 @@ class ThreadCopyEngine:
         device: the compute device (``cpu``).
         latency_s: fixed delay added to every copy.
         bandwidth_gbps: link bandwidth in gigabytes per second (``None``: as fast as memcpy).
+        inline_bytes: a copy of at most this many bytes runs on the calling thread when the queue is idle
+            (Note [Small copies run on the caller]); 0: every copy goes to the worker.
     """
 
     name = "thread"
@@ -138,9 +159,12 @@ class ThreadCopyEngine:
     BANDWIDTH_GBPS = (1e-3, 1e5)
 
     def __init__(self, device: torch.device | str = "cpu", latency_s: float = 0.0,
-                 bandwidth_gbps: float | None = None) -> None:
+                 bandwidth_gbps: float | None = None, inline_bytes: int = 64 * 1024) -> None:
         self.device = torch.device(device)
         self.latency_s, self.bandwidth_gbps = _checked_link(latency_s, bandwidth_gbps)
+        if isinstance(inline_bytes, bool) or not isinstance(inline_bytes, int) or inline_bytes < 0:
+            raise ValueError(f"thread engine inline_bytes: got {inline_bytes!r}; expected a whole number of bytes >= 0")
+        self.inline_bytes = inline_bytes  # Note [Small copies run on the caller]
         self._closing = threading.Event()  # wakes a copy sleeping for its emulated delay
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._worker: threading.Thread | None = None
@@ -205,7 +229,8 @@ class ThreadCopyEngine:
         copies (Note [Grouped copies]); the calling thread only queues it."""
         if not self._copies_unchanged():
             return self.offload_many(region_pairs(region, sources, self.device), producer)
-        return self._submit(lambda: self._copy_region(region, sources, where))
+        job = partial(self._copy_region, region, sources, where)
+        return self._run_inline(job) if self._runs_here(region.numel(), "_copy_region") else self._submit(job)
 
     def _copy_region(self, region: torch.Tensor, sources: list[Source], where: str = "") -> None:
         if self._native_region is not None:  # Note [Region copies without the interpreter lock]
@@ -243,7 +268,19 @@ class ThreadCopyEngine:
 
     def prefetch(self, src: torch.Tensor) -> tuple[torch.Tensor, ThreadCopy]:
         dst = torch.empty(src.numel(), dtype=torch.uint8, device=self.device)
-        return dst, self._submit(lambda: self._copy(dst, src), ThreadCopy(synchronized=False))
+        job = partial(self._copy, dst, src)
+        if self._runs_here(src.numel(), "_copy"):  # Note [Small copies run on the caller]
+            return dst, self._run_inline(job, ThreadCopy(synchronized=False))
+        return dst, self._submit(job, ThreadCopy(synchronized=False))
+
+    def _runs_here(self, nbytes: int, method: str) -> bool:
+        """Does a copy of ``nbytes`` by ``method`` run on the calling thread (Note [Small copies run on the
+        caller])? Only the engine's own ``method``, with no emulated link, once every queued copy finished."""
+        if nbytes > self.inline_bytes or self.emulates_link or method in self.__dict__ or \
+                getattr(type(self), method) is not getattr(ThreadCopyEngine, method):
+            return False
+        last = self._last
+        return last is None or last.done
 
     def fence(self) -> ThreadFence | None:
         last = self._last
@@ -339,16 +376,23 @@ class ThreadCopyEngine:
         if group is not None and group[0] == threading.get_ident():  # Note [Grouped copies]
             group[1].append(job)
             return None
-        copy = copy or ThreadCopy()
         if self._worker is None and not self._ensure_worker():
-            self._execute(job, copy)  # Note [Copies after close]
-            return copy
+            return self._run_inline(job, copy)  # Note [Copies after close]
+        copy = copy or ThreadCopy()
         item = (job, copy)  # built before the lock: swapkit.engine.cuda Note [No lock a finalizer waits on]
         with self._queue_lock:  # the last copy queued is the last one in the queue (ThreadFence)
             self._last = copy
             self._jobs.put(item)
         if self._closed:  # Note [A copy queued while the engine closes]
             self._run_stranded()
+        return copy
+
+    def _run_inline(self, job: Callable[[], None], copy: ThreadCopy | None = None) -> ThreadCopy:
+        """Run ``job`` on the calling thread, unseen by its dispatch modes as the worker's jobs are (Notes [Copies
+        after close], [Small copies run on the caller])."""
+        copy = copy or ThreadCopy()
+        with torch._C._DisableTorchDispatch():
+            self._execute(job, copy)
         return copy
 
     def _run_stranded(self) -> None:
