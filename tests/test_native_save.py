@@ -776,3 +776,62 @@ def test_a_storage_the_cpp_keeps_past_a_stale_swap_record_is_counted_once(make):
     (forward_a, stats_a, grads_a), (forward_b, stats_b, grads_b) = results
     assert forward_a == forward_b and stats_a == stats_b
     assert_grads_equal(grads_a, grads_b)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.arange(12, dtype=torch.float32).reshape(3, 4),
+    lambda: torch.arange(24, dtype=torch.float64).reshape(4, 6)[1:, ::2],  # offset and strides
+    lambda: torch.arange(6, dtype=torch.int16).reshape(2, 3).t(),
+    lambda: torch.randn(3, 2, dtype=torch.complex64).conj(),  # the lazy conjugate bit
+    lambda: torch._neg_view(torch.randn(5, dtype=torch.complex128)),  # the lazy negative bit
+    lambda: torch.zeros(0, 3, dtype=torch.bfloat16),
+], ids=["f32", "f64_view", "i16_t", "conj", "neg", "empty"])
+def test_the_cpp_view_on_rebuilds_what_the_python_rebuilds(built, make):
+    """``view_on`` of ``record_ops.cpp`` (swapkit.runtime.records Note [A record's torch calls in C++]): the same
+    dtype, sizes, strides, storage offset, lazy bits and values as the Python's, on the same storage."""
+    from swapkit.runtime.records import view_meta, view_on
+
+    tensor = make()
+    region = torch.zeros(256, dtype=torch.uint8)
+    flat = tensor.untyped_storage()
+    region[64:64 + flat.nbytes()] = torch.empty(0, dtype=torch.uint8).set_(flat)
+    meta = view_meta(tensor)
+    ours, theirs = built.view_on(region.untyped_storage(), 64, meta, None), view_on(region.untyped_storage(), 64,
+                                                                                   meta, {})
+    for view in (ours, theirs):
+        assert (view.dtype, view.shape, view.stride(), view.is_conj(), view.is_neg()) == (
+            tensor.dtype, tensor.shape, tensor.stride(), tensor.is_conj(), tensor.is_neg())
+        assert view.storage_offset() == tensor.storage_offset() + 64 // tensor.element_size()
+        assert view.untyped_storage().data_ptr() == region.untyped_storage().data_ptr()
+        assert torch.equal(view.resolve_conj().resolve_neg(), tensor.resolve_conj().resolve_neg())
+    with pytest.raises(TypeError, match=r"\(dtype, size, stride, offset, conj, neg\)"):
+        built.view_on(region.untyped_storage(), 0, meta[:5], None)
+
+
+def test_the_cpp_empty_keeper_frees_the_storage_and_keeps_counting_writes(built):
+    """``empty_keeper`` of ``record_ops.cpp``: the keeper holds no bytes, its version is what it was, and an
+    in-place write through another alias of its version counter still shows on it (Note [Version keepers])."""
+    from swapkit.runtime.records import empty_keeper
+
+    for empty in (built.empty_keeper, empty_keeper):
+        tensor = torch.randn(8)
+        tensor.add_(1)
+        keeper = tensor.detach()
+        version = keeper._version
+        empty(keeper)
+        assert keeper.untyped_storage().nbytes() == 0 and keeper._version == version
+        tensor.mul_(2)  # shares the counter: the restore's version check must see this
+        assert keeper._version == version + 1 and tensor.untyped_storage().nbytes() == 32
+
+
+def test_a_native_step_rebuilds_views_and_empties_keepers_in_cpp():
+    """A session with ``native_save`` gives its steps the C++ record ops; one without keeps the Python's."""
+    from swapkit.runtime import records
+
+    on, off = one_layer_session(), one_layer_session(on=False)
+    for session in (on, off):
+        with session:
+            pass
+    module = native.native_module()
+    assert (on._step.view_on, on._step.empty_keeper) == (module.view_on, module.empty_keeper)
+    assert (off._step.view_on, off._step.empty_keeper) == (records.view_on, records.empty_keeper)

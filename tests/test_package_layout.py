@@ -194,7 +194,7 @@ def test_only_integrations_import_transformers():
 
 
 def test_the_native_hooks_source_ships_in_the_package():
-    """``runtime.native_save`` builds ``native_save.cpp`` and ``region_copy.cpp`` from the installed package
+    """``runtime.native_save`` builds ``native_save.cpp`` and its other sources from the installed package
     (swapkit.runtime.native): a wheel without them would fail at the first apply. The package data must name them."""
     import fnmatch
     import tomllib

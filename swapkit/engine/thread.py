@@ -68,11 +68,11 @@ from swapkit.engine.base import Source, Waited, check_source, check_storages, re
 # the job, is what the forward thread paid: with the copies in C++ and off the interpreter lock, way (n) of
 # ``benchmarks/microbench.py`` still cost 8-10 us more per saved tensor of its forward and 6-7 us more of its
 # backward with a worker than with every copy run on the saving thread (``phases.py`` in round k of
-# ``benchmarks/results/overhead``, one job per batch of about 8 saves: some 60 us per job). A C++ worker
-# that never takes the interpreter lock measured the same as the Python one: the cost is the thread's
-# wake-up (``perf``: the scheduler's wake and task-switch paths, 13% of the forward thread's samples), not
-# the lock. So a copy of at most ``inline_bytes`` (64 KiB by default: about as long as a wake at memory
-# speed) runs on the calling thread when the engine's own copy would do it (not replaced: Note [Grouped
+# ``benchmarks/results/overhead``, one job per batch of about 8 saves: some 60 us per job). A worker in C++
+# that never took the interpreter lock (tried in that round, not kept) measured the same as the Python one,
+# and ``perf`` put 13% of the forward thread's samples in the kernel's wake-up and task-switch paths: the
+# cost is the thread's hand-off, not the lock. So a copy of at most ``inline_bytes`` (64 KiB by default, a
+# few microseconds of ``memcpy``, less than a hand-off) runs on the calling thread when the engine's own copy would do it (not replaced: Note [Grouped
 # copies]), no link is emulated (the emulation needs the copy to be late), and every copy queued before it
 # has finished: the copies still complete in issue order, and a copy done when queued is what ``ready``,
 # ``wait`` and the fence already handle. Its completion is a finished :class:`ThreadCopy`, its failure

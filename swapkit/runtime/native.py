@@ -83,8 +83,9 @@ from swapkit.runtime.step import Step
 from swapkit.runtime.swap_schedule import SwapSchedule
 
 SOURCE = Path(__file__).with_name("native_save.cpp")
-#: the module's other source: the thread engine's region copy (swapkit.engine.thread Note [Region copies ...])
-SOURCES = (SOURCE, Path(__file__).with_name("region_copy.cpp"))
+#: the module's other sources: the thread engine's region copy (swapkit.engine.thread Note [Region copies ...]) and
+#: a swap record's torch calls (swapkit.runtime.records Note [A record's torch calls in C++])
+SOURCES = (SOURCE, Path(__file__).with_name("region_copy.cpp"), Path(__file__).with_name("record_ops.cpp"))
 NAME = "swapkit_native_save"
 
 _lock = threading.Lock()
@@ -139,6 +140,12 @@ def native_copies(engine: Any) -> None:
     use = getattr(engine, "use_native_copies", None)
     if use is not None:
         use(native_module().copy_region)
+
+
+def native_record_ops() -> tuple[Any, Any]:
+    """The module's ``(view_on, empty_keeper)`` (``swapkit.runtime.records`` Note [A record's torch calls in C++])."""
+    module = native_module()
+    return module.view_on, module.empty_keeper
 
 
 def native_hooks(session: Any, pack: Any, unpack: Any) -> tuple[Any, Any, Any]:

@@ -998,10 +998,12 @@ void install_finalizer(py::object type) {
 
 namespace swapkit {
 int64_t copy_region(const at::Tensor& region, py::list sources);  // region_copy.cpp
+void bind_record_ops(py::module_& m);  // record_ops.cpp
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("copy_region", &swapkit::copy_region, "a coalesced batch's copy into its host region, without the interpreter lock");
+  swapkit::bind_record_ops(m);
   m.def("make_hooks", &make_hooks, "the session's native pack and unpack hooks and their Saver");
   m.def("install_finalizer", &install_finalizer, "KeptRecord.__del__ in C, as the given record type's finalizer");
   ready_types();

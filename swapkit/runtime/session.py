@@ -83,7 +83,7 @@ from swapkit.plan.plan import Plan, swap_counts
 from swapkit.runtime.detach import unmark
 from swapkit.runtime.dynamo import out_of_dynamo
 from swapkit.runtime.kv_cache import swap_cache_warning
-from swapkit.runtime.native import native_copies, native_hooks
+from swapkit.runtime.native import native_copies, native_hooks, native_record_ops
 from swapkit.runtime.overrides import entry_cause
 from swapkit.runtime.recipes import PackedInput, Recipe, tensor_leaves
 from swapkit.runtime.recompute import Recompute
@@ -337,6 +337,7 @@ class SwapSession:
         self._step.scopes.layers_ran_before = continued and previous.scopes.layers_ran()
         if self._native is not None:  # native_save.cpp Note [The records kept in C++]
             self._step.kept_natively = self._native[2].kept_index()
+            self._step.view_on, self._step.empty_keeper = native_record_ops()  # records Note [A record's torch ...]
         return self._step
 
     def _backward_began(self, step: Step) -> None:

@@ -95,7 +95,7 @@ from swapkit.runtime.overrides import scope_label
 from swapkit.runtime.reached import ScopesReached
 from swapkit.runtime.recipes import Recipe, RecomputableOutputs, RecomputedOutput
 from swapkit.runtime.records import (
-    KeptRecord, Saved, SwapRecord, empty_keepers, is_parameter, make_saved, view_meta,
+    KeptRecord, Saved, SwapRecord, empty_keeper, empty_keepers, is_parameter, make_saved, view_meta, view_on,
 )
 from swapkit.runtime.scope import Frame
 from swapkit.runtime.stats import SwapStats
@@ -139,6 +139,10 @@ class Step:
         self._skipped_storages: set[int] = set()
         self._timings: list[Any] = []
         self.empties: dict[torch.dtype, torch.Tensor] = {}  # swapkit.runtime.records.view_on
+        #: a record's torch calls: the Python's, or the C++ module's in a session with ``runtime.native_save``
+        #: (swapkit.runtime.records Note [A record's torch calls in C++])
+        self.view_on: Callable[..., torch.Tensor] = view_on
+        self.empty_keeper: Callable[[torch.Tensor], None] = empty_keeper
         self._allocations_at_start = pool.allocations
         self.stats = SwapStats(step=number, skipped=defaultdict(int), offloaded_by_scope=defaultdict(int),
                                recomputed_by_scope=defaultdict(int))
