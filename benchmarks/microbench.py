@@ -142,7 +142,7 @@ from swapkit.engine import ThreadCopyEngine
 from swapkit.runtime.native import NativeBuildError, native_module
 from swapkit.runtime.records import checksum
 
-from common import load_warning, output_dir, positive_int, synchronize, warning_lines
+from common import cpu_model, load_warning, output_dir, positive_int, synchronize, warning_lines
 
 
 class TinyChain(nn.Module):
@@ -630,8 +630,8 @@ def main(argv: list[str] | None = None) -> int:
 def _env(args: argparse.Namespace) -> dict[str, Any]:
     import platform, datetime  # noqa: E401 - only the standalone run records these
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"cpu_count": os.cpu_count(), "usable_cpus": usable, "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__,
+    return {"cpu": cpu_model(), "cpu_count": os.cpu_count(), "usable_cpus": usable,
+            "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
             "python": platform.python_version(), "swapkit": swapkit.__version__, "device": args.device,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "length": args.length, "reps": args.reps, "ways": args.ways, "gc": not args.no_gc}
@@ -644,7 +644,8 @@ def report_lines(result: dict[str, Any]) -> list[str]:
     usable = env.get("usable_cpus", env["cpu_count"])
     pinned = f" (the process may run on {usable} of them)" if usable != env["cpu_count"] else ""
     lines = [*warning_lines(result.get("warnings", [])),
-             f"# Per-saved-tensor overhead ({env['date']}, torch {env['torch']}, {env['cpu_count']} cores{pinned}, "
+             f"# Per-saved-tensor overhead ({env['date']}, torch {env['torch']}, {env.get('cpu', 'CPU')}, "
+             f"{env['cpu_count']} cores{pinned}, "
              f"{env['torch_threads']} torch threads, {env['device']}"
              f"{'' if env.get('gc', True) else ', cyclic GC disabled'})", "",
              f"{micro['saved_tensors_per_step']} saved tensors of {micro['tensor_bytes']} bytes per step, "
