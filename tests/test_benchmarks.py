@@ -75,9 +75,10 @@ def test_microbench_takes_the_swap_way_apart_and_leaves_the_collector_on():
     assert micro["swap_inline_copy_jobs"] > 0 and micro["swap_copy_jobs"] > 0
     assert micro["collector_us_per_saved_tensor"]["swap_no_gc"] == 0  # no collection while it was off
     assert set(micro["full_collections"]) == set(ways)  # Note [The collector's clock]
-    # (d)'s batches are small enough to run on the saving thread (swapkit.engine.thread Note [Small copies run on
-    # the caller]): a copy thread starts only for a copy queued behind an unfinished one, and (o)'s hands all over
-    assert micro["swap_inline_copy_thread"] is False and micro["swap_per_tensor_copy_thread"] is not None
+    # (d)'s and (e)'s batches are small enough to run on the saving thread (swapkit.engine.thread Note [Small
+    # copies run on the caller]) and none is ever queued behind another: no copy thread; (o) hands all over
+    assert micro["swap_inline_copy_thread"] is False and micro["swap_copy_thread"] is False
+    assert micro["swap_per_tensor_copy_thread"] is False
     if "swap_session_native_thread" in micro["cpu_us_per_saved_tensor"]:  # built: a C++ compiler is here
         assert micro["swap_session_native_thread_copy_thread"] is True
         # not equal counts: a batch of (o) whose copy was unfinished at its records' horizons is never prefetched

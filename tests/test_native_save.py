@@ -784,8 +784,10 @@ def test_a_storage_the_cpp_keeps_past_a_stale_swap_record_is_counted_once(make):
     lambda: torch.arange(6, dtype=torch.int16).reshape(2, 3).t(),
     lambda: torch.randn(3, 2, dtype=torch.complex64).conj(),  # the lazy conjugate bit
     lambda: torch._neg_view(torch.randn(5, dtype=torch.complex128)),  # the lazy negative bit
+    lambda: torch._neg_view(torch.randn(3, dtype=torch.complex64)).conj(),  # both bits
+    lambda: torch.randn(4, dtype=torch.complex64).conj().imag,  # a real dtype with the negative bit
     lambda: torch.zeros(0, 3, dtype=torch.bfloat16),
-], ids=["f32", "f64_view", "i16_t", "conj", "neg", "empty"])
+], ids=["f32", "f64_view", "i16_t", "conj", "neg", "neg_conj", "real_neg", "empty"])
 def test_the_cpp_view_on_rebuilds_what_the_python_rebuilds(built, make):
     """``view_on`` of ``record_ops.cpp`` (swapkit.runtime.records Note [A record's torch calls in C++]): the same
     dtype, sizes, strides, storage offset, lazy bits and values as the Python's, on the same storage."""
@@ -822,6 +824,24 @@ def test_the_cpp_empty_keeper_frees_the_storage_and_keeps_counting_writes(built)
         assert keeper.untyped_storage().nbytes() == 0 and keeper._version == version
         tensor.mul_(2)  # shares the counter: the restore's version check must see this
         assert keeper._version == version + 1 and tensor.untyped_storage().nbytes() == 32
+
+
+def test_the_cpp_empty_keeper_puts_the_version_back_when_set_is_refused(built):
+    """As the Python's (tests/test_session.py): a dispatch mode refusing ``set_`` gets its error, and the keeper
+    does not look modified in place."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class RefusesSet(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.set_.default:
+                raise ValueError("set_ refused")
+            return func(*args, **(kwargs or {}))
+
+    keeper = torch.ones(4).detach()
+    version = keeper._version
+    with pytest.raises(ValueError, match="set_ refused"), RefusesSet():
+        built.empty_keeper(keeper)
+    assert keeper._version == version and keeper.untyped_storage().nbytes() == 16
 
 
 def test_a_native_step_rebuilds_views_and_empties_keepers_in_cpp():

@@ -10,7 +10,9 @@ import torch
 import swapkit
 from swapkit.engine import ThreadCopyEngine
 from swapkit.engine.base import StorageChangedError
-from tests.toys import ReadyWhenDone, ToyNet, assert_grads_equal, grads, install_engine, layer_swap, toy_config
+from tests.toys import (
+    ReadyWhenDone, ToyNet, assert_grads_equal, grads, install_engine, layer_swap, require_native, toy_config,
+)
 
 
 def sources_of(*tensors: torch.Tensor, offsets: tuple[int, ...]) -> list:
@@ -80,10 +82,14 @@ def test_copies_the_caller_must_not_run_go_to_the_worker(change):
     engine.close()
 
 
-def test_a_storage_changed_before_its_inline_copy_fails_that_copy_once():
-    """The inline copy checks the storages as the worker does; its failure is reported by ``ready`` (each time)
-    and, once reported, not again by ``synchronize``; one nobody asked about is raised by ``synchronize`` once."""
+@pytest.mark.parametrize("native", [False, True])
+def test_a_storage_changed_before_its_inline_copy_fails_that_copy_once(native):
+    """The inline copy checks the storages as the worker does, in Python or with the C++ ``copy_region``; its
+    failure is reported by ``ready`` (each time) and, once reported, not again by ``synchronize``; one nobody
+    asked about is raised by ``synchronize`` once."""
     engine = ThreadCopyEngine("cpu")
+    if native:
+        engine.use_native_copies(require_native().copy_region)
     t = torch.arange(6, dtype=torch.float32)
     sources = sources_of(t, offsets=(0,))
     t.untyped_storage().resize_(0)
@@ -98,6 +104,30 @@ def test_a_storage_changed_before_its_inline_copy_fails_that_copy_once():
     engine.synchronize()
     assert engine._worker is None
     engine.close()
+
+
+def test_ctrl_c_during_an_inline_copy_reaches_the_caller_and_is_no_copy_failure():
+    """A KeyboardInterrupt raised while a copy runs on the caller propagates (it is not swallowed as the copy's
+    error) and leaves nothing for ``synchronize``; the engine goes on copying."""
+    engine = ThreadCopyEngine("cpu")
+
+    def interrupted(region, sources):
+        raise KeyboardInterrupt
+
+    engine.use_native_copies(interrupted)  # the batch copy's C++ step, replaced: still the engine's own copy
+    t = torch.arange(4, dtype=torch.float32)
+    with pytest.raises(KeyboardInterrupt):
+        engine.offload_storages(torch.empty(16, dtype=torch.uint8), sources_of(t, offsets=(0,)))
+    engine.synchronize()
+    back, fetched = engine.prefetch(torch.arange(8, dtype=torch.uint8))
+    assert fetched.done and torch.equal(back, torch.arange(8, dtype=torch.uint8)) and engine._worker is None
+    engine.close()
+
+
+def test_only_a_cpu_engine_copies_on_the_caller():
+    """With ``runtime.engine: thread`` on a CUDA model a copy on the compute thread would wait for its stream."""
+    assert ThreadCopyEngine("cpu")._runs_here(64, "_copy")
+    assert not ThreadCopyEngine("cuda")._runs_here(64, "_copy")
 
 
 @pytest.mark.parametrize("bad", [-1, True, 1.5, "64"])

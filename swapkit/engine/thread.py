@@ -66,19 +66,26 @@ from swapkit.engine.base import Source, Waited, check_source, check_storages, re
 # Note [Small copies run on the caller]
 # Handing a job to the worker wakes a sleeping thread, and on the 2-core VM of the benchmarks that wake, not
 # the job, is what the forward thread paid: with the copies in C++ and off the interpreter lock, way (n) of
-# ``benchmarks/microbench.py`` still cost 8-10 us more per saved tensor of its forward and 6-7 us more of its
-# backward with a worker than with every copy run on the saving thread (``phases.py`` in round k of
-# ``benchmarks/results/overhead``, one job per batch of about 8 saves: some 60 us per job). A worker in C++
+# ``benchmarks/microbench.py`` still cost about 8 us more per saved tensor of its forward and 7-8 us more of
+# its backward with a worker than with every copy run on the thread that queues it (``phases.py`` in round k
+# of ``benchmarks/results/overhead``, one job per batch of about 8 saves: some 60 us per job). A worker in C++
 # that never took the interpreter lock (tried in that round, not kept) measured the same as the Python one,
 # and ``perf`` put 13% of the forward thread's samples in the kernel's wake-up and task-switch paths: the
-# cost is the thread's hand-off, not the lock. So a copy of at most ``inline_bytes`` (64 KiB by default, a
-# few microseconds of ``memcpy``, less than a hand-off) runs on the calling thread when the engine's own copy would do it (not replaced: Note [Grouped
-# copies]), no link is emulated (the emulation needs the copy to be late), and every copy queued before it
-# has finished: the copies still complete in issue order, and a copy done when queued is what ``ready``,
-# ``wait`` and the fence already handle. Its completion is a finished :class:`ThreadCopy`, its failure
-# reported as a worker's is. It runs out of sight of the caller's dispatch modes, as a job on the worker
-# thread does (modes are per thread): a mode counting the backward's ops sees no copy of swapkit's. Larger
-# copies, and any copy behind an unfinished one, go to the worker.
+# cost is the thread's hand-off, not the lock. So a batch's copy (``offload_storages``) or a prefetch of at
+# most ``inline_bytes`` (64 KiB by default, a few microseconds of ``memcpy``, less than a hand-off) runs on
+# the thread that queues it (the forward's, or the backward's for a prefetch) when:
+# - the engine is on the CPU (with ``runtime.engine: thread`` on a CUDA model a copy on the compute thread
+#   would wait for the stream; that engine's copies stay on the worker);
+# - the engine's own copy would do it (not replaced: Note [Grouped copies]) and no link is emulated (the
+#   emulation needs the copy to be late);
+# - every copy queued before it has finished: the copies still complete in issue order, and a copy done when
+#   queued is what ``ready``, ``wait`` and the fence already handle.
+# Its completion is a finished :class:`ThreadCopy`, its failure reported as a worker's is. It runs out of
+# sight of the caller's dispatch modes, as a job on the worker thread does (modes are per thread): a mode
+# counting the backward's ops sees no copy of swapkit's. A Ctrl-C (or ``SystemExit``) raised during it is
+# not a copy failure: it propagates to the caller, the copy counts as cancelled (:class:`CopyCancelled` on
+# its completion, nothing for ``synchronize``), as a step interrupted there is aborted anyway. Larger copies,
+# and any copy behind an unfinished one, go to the worker.
 
 
 class CopyCancelled(RuntimeError):
@@ -159,7 +166,7 @@ class ThreadCopyEngine:
     BANDWIDTH_GBPS = (1e-3, 1e5)
 
     def __init__(self, device: torch.device | str = "cpu", latency_s: float = 0.0,
-                 bandwidth_gbps: float | None = None, inline_bytes: int = 64 * 1024) -> None:
+                 bandwidth_gbps: float | None = None, inline_bytes: int = 64 << 10) -> None:
         self.device = torch.device(device)
         self.latency_s, self.bandwidth_gbps = _checked_link(latency_s, bandwidth_gbps)
         if isinstance(inline_bytes, bool) or not isinstance(inline_bytes, int) or inline_bytes < 0:
@@ -276,8 +283,8 @@ class ThreadCopyEngine:
     def _runs_here(self, nbytes: int, method: str) -> bool:
         """Does a copy of ``nbytes`` by ``method`` run on the calling thread (Note [Small copies run on the
         caller])? Only the engine's own ``method``, with no emulated link, once every queued copy finished."""
-        if nbytes > self.inline_bytes or self.emulates_link or method in self.__dict__ or \
-                getattr(type(self), method) is not getattr(ThreadCopyEngine, method):
+        if nbytes > self.inline_bytes or self.device.type != "cpu" or self.emulates_link or \
+                method in self.__dict__ or getattr(type(self), method) is not getattr(ThreadCopyEngine, method):
             return False
         last = self._last
         return last is None or last.done
@@ -392,7 +399,7 @@ class ThreadCopyEngine:
         after close], [Small copies run on the caller])."""
         copy = copy or ThreadCopy()
         with torch._C._DisableTorchDispatch():
-            self._execute(job, copy)
+            self._execute(job, copy, caller=True)
         return copy
 
     def _run_stranded(self) -> None:
@@ -415,11 +422,16 @@ class ThreadCopyEngine:
                 self._worker.start()
             return self._worker is not None
 
-    def _execute(self, job: Callable[[], None], copy: ThreadCopy) -> None:
+    def _execute(self, job: Callable[[], None], copy: ThreadCopy, caller: bool = False) -> None:
+        """Run ``job`` for ``copy``; ``caller``: on the thread that queued it, where a Ctrl-C (or ``SystemExit``)
+        propagates and cancels the copy (Note [Small copies run on the caller])."""
         self._latency_paid = False  # one emulated latency per job (Note [Grouped copies])
         try:
             job()
         except BaseException as err:  # noqa: BLE001 - handed to whoever asks about this copy
+            if caller and not isinstance(err, Exception):
+                copy.error, copy.done = CopyCancelled("copy interrupted on the thread that queued it"), True
+                raise
             copy.error = err
             if copy.synchronized and not isinstance(err, CopyCancelled):  # a cancelled copy is no failure to report
                 self._error = self._error or err

@@ -35,7 +35,9 @@ at::Tensor view_on(py::handle storage, int64_t at, py::tuple meta, py::handle /*
   const at::ScalarType dtype = reinterpret_cast<THPDtype*>(meta[0].ptr())->scalar_type;
   const auto size = meta[1].cast<std::vector<int64_t>>();
   const auto stride = meta[2].cast<std::vector<int64_t>>();
-  const int64_t offset = meta[3].cast<int64_t>() + at / static_cast<int64_t>(c10::elementSize(dtype));
+  const auto itemsize = static_cast<int64_t>(c10::elementSize(dtype));
+  TORCH_CHECK(at % itemsize == 0, "swapkit view_on: byte ", at, " is not a multiple of the element size ", itemsize);
+  const int64_t offset = meta[3].cast<int64_t>() + at / itemsize;
   at::Tensor out = at::empty({0}, at::TensorOptions().dtype(dtype).device(bytes.device()));
   out.set_(bytes, offset, size, stride);
   if (meta[5].cast<bool>()) out = at::_neg_view(out);
