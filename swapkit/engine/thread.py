@@ -67,11 +67,11 @@ from swapkit.engine.base import Source, Waited, check_source, check_storages, re
 # Handing a job to the worker wakes a sleeping thread, and on the 2-core VM of the benchmarks that wake, not
 # the job, is what the forward thread paid: with the copies in C++ and off the interpreter lock, way (n) of
 # ``benchmarks/microbench.py`` still cost about 8 us more per saved tensor of its forward and 7-8 us more of
-# its backward with a worker than with every copy run on the thread that queues it (``phases.py`` in round k
-# of ``benchmarks/results/overhead``, one job per batch of about 8 saves: some 60 us per job). A worker in C++
-# that never took the interpreter lock (tried in that round, not kept) measured the same as the Python one,
-# and ``perf`` put 13% of the forward thread's samples in the kernel's wake-up and task-switch paths: the
-# cost is the thread's hand-off, not the lock. So a batch's copy (``offload_storages``) or a prefetch of at
+# its backward with a worker than with every copy run on the thread that queues it (round k of
+# ``benchmarks/results/overhead``, round i's ``phases.py ROOT handoff``; one job per batch of about 8 saves:
+# some 60 us per job). A worker in C++ that never took the interpreter lock (tried in that round, not kept)
+# measured the same as the Python one, and ``perf`` put 13% of the forward thread's samples in the kernel's
+# wake-up and task-switch paths: the cost is the thread's hand-off, not the lock. So a batch's copy (``offload_storages``) or a prefetch of at
 # most ``inline_bytes`` (64 KiB by default, a few microseconds of ``memcpy``, less than a hand-off) runs on
 # the thread that queues it (the forward's, or the backward's for a prefetch) when:
 # - the engine is on the CPU (with ``runtime.engine: thread`` on a CUDA model a copy on the compute thread

@@ -95,7 +95,7 @@ from swapkit.runtime.overrides import scope_label
 from swapkit.runtime.reached import ScopesReached
 from swapkit.runtime.recipes import Recipe, RecomputableOutputs, RecomputedOutput
 from swapkit.runtime.records import (
-    KeptRecord, Saved, SwapRecord, empty_keeper, empty_keepers, is_parameter, make_saved, view_meta, view_on,
+    KeptRecord, Saved, SwapRecord, empty_keeper, is_parameter, make_saved, view_meta, view_on,
 )
 from swapkit.runtime.scope import Frame
 from swapkit.runtime.stats import SwapStats
@@ -254,7 +254,7 @@ class Step:
             recomputed.counted = True
             self.stats.recomputed_output_bytes += recomputed.nbytes
         keeper = tensor.detach()
-        empty_keepers((keeper,))  # tracks in-place writes, holds no memory (swapkit.runtime.records Note [Version keepers])
+        self.empty_keeper(keeper)  # tracks in-place writes, holds no memory (swapkit.runtime.records Note [Version keepers])
         return make_saved((keeper, version, self, tick, recomputed, view_meta(tensor), frame))
 
     def region_checkpointed(self, label: str) -> None:

@@ -70,7 +70,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from swapkit.runtime.batch import Batch
-from swapkit.runtime.records import StepState, SwapRecord, empty_keepers
+from swapkit.runtime.records import StepState, SwapRecord, empty_keeper
 from swapkit.runtime.schedule import TickQueue
 
 if TYPE_CHECKING:
@@ -146,7 +146,7 @@ class SwapSchedule:
         """A later save of ``record``'s storage at ``tick``, kept by ``keeper``, pushes its horizon out."""
         record.saved_again(tick)
         if record.released:  # the storage lives on elsewhere; its bytes are already on the host
-            empty_keepers((keeper,))
+            empty_keeper(keeper)
             self._prefetch.push(record)  # its horizon moved out: prefetch earlier
         else:
             record.more += (keeper,)
